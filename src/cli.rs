@@ -1,0 +1,138 @@
+//! Command-line types (clap derive). The doc comments are the `--help` text.
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use std::path::PathBuf;
+
+/// The default experiment (`experiments/shakespeare-char.json`), compiled in.
+pub const DEFAULT_EXPERIMENT: &str = include_str!("../experiments/shakespeare-char.json");
+
+/// Build, train, inspect and sample transformer models.
+#[derive(Parser, Debug)]
+#[command(name = "transformer-lab", version, about, long_about = None)]
+pub struct Cli {
+    /// Compute backend (the ones compiled in; default: wgpu when built with it, else ndarray).
+    #[arg(long, global = true, value_enum)]
+    pub backend: Option<BackendKind>,
+    /// What to do.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// The compute backends a binary can be built with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum BackendKind {
+    /// CPU, pure Rust (cargo feature `ndarray`, the default).
+    Ndarray,
+    /// GPU through wgpu: Vulkan, Metal or DX12 (cargo feature `wgpu`).
+    Wgpu,
+}
+
+/// The subcommands.
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Train a model from an experiment config (default: experiments/shakespeare-char.json).
+    ///
+    /// Shows burn's dashboard in a terminal (press q to stop) and plain log lines otherwise.
+    /// Checkpoints go to ARTIFACT_DIR/checkpoint after every epoch; `--resume` continues from
+    /// the latest complete one, optimizer and learning-rate schedule included.
+    Train(TrainArgs),
+    /// Generate text from a trained language model, streaming it to stdout.
+    Generate(GenerateArgs),
+    /// Validation loss and perplexity of a trained model over the whole validation split.
+    Eval(EvalArgs),
+    /// Walk through single-head scaled dot-product attention on small matrices, step by step.
+    ///
+    /// Matrices are written row by row: rows separated by ';', values by ','. Tokens are row
+    /// vectors, so Q = X·W_Q. The defaults are the textbook three-token example.
+    Explain(ExplainArgs),
+}
+
+/// Where data comes from.
+#[derive(Args, Debug, Clone)]
+pub struct DataArgs {
+    /// Directory holding the datasets (e.g. DIR/tinyshakespeare/input.txt); missing files are
+    /// downloaded there and verified. Default: $TRANSFORMER_LAB_DATA, else ./data.
+    #[arg(long, value_name = "DIR")]
+    pub data_dir: Option<PathBuf>,
+}
+
+/// `train` options.
+#[derive(Args, Debug)]
+pub struct TrainArgs {
+    /// Experiment config (JSON). Default: the built-in shakespeare-char experiment.
+    #[arg(long, short, value_name = "FILE")]
+    pub experiment: Option<PathBuf>,
+    /// Where checkpoints, config, tokenizer and the final model go. Default: artifacts/NAME.
+    #[arg(long, value_name = "DIR")]
+    pub artifact_dir: Option<PathBuf>,
+    /// Continue the run in the artifact dir from its latest complete checkpoint.
+    #[arg(long, conflicts_with = "force")]
+    pub resume: bool,
+    /// Replace a previous run in the artifact dir.
+    #[arg(long)]
+    pub force: bool,
+    /// Plain log lines even in a terminal (no dashboard).
+    #[arg(long)]
+    pub plain: bool,
+    #[command(flatten)]
+    pub data: DataArgs,
+}
+
+/// `generate` options.
+#[derive(Args, Debug)]
+pub struct GenerateArgs {
+    /// Directory written by `train`.
+    #[arg(long, value_name = "DIR")]
+    pub artifact_dir: PathBuf,
+    /// Text to continue.
+    #[arg(long, default_value = "\n")]
+    pub prompt: String,
+    /// Number of tokens to generate.
+    #[arg(long, default_value_t = 500)]
+    pub max_new_tokens: usize,
+    /// Softmax temperature: below 1 sharper, above 1 flatter; 0 = greedy.
+    #[arg(long, default_value_t = 0.8)]
+    pub temperature: f64,
+    /// Sample only among the K most likely tokens.
+    #[arg(long, value_name = "K")]
+    pub top_k: Option<usize>,
+    /// Nucleus sampling: only among the most likely tokens whose probabilities sum to P.
+    #[arg(long, value_name = "P")]
+    pub top_p: Option<f64>,
+    /// Always take the most likely token (deterministic).
+    #[arg(long)]
+    pub greedy: bool,
+    /// Random seed: the same seed gives the same text.
+    #[arg(long, default_value_t = 1337)]
+    pub seed: u64,
+}
+
+/// `eval` options.
+#[derive(Args, Debug)]
+pub struct EvalArgs {
+    /// Directory written by `train`.
+    #[arg(long, value_name = "DIR")]
+    pub artifact_dir: PathBuf,
+    /// Sequences per evaluation batch.
+    #[arg(long, default_value_t = 64)]
+    pub batch_size: usize,
+    #[command(flatten)]
+    pub data: DataArgs,
+}
+
+/// `explain` options.
+#[derive(Args, Debug)]
+pub struct ExplainArgs {
+    /// Input tokens X, one row per token.
+    #[arg(long, default_value = crate::explain::DEFAULT_X, allow_hyphen_values = true)]
+    pub x: String,
+    /// Query projection W_Q.
+    #[arg(long, default_value = crate::explain::DEFAULT_WQ, allow_hyphen_values = true)]
+    pub wq: String,
+    /// Key projection W_K.
+    #[arg(long, default_value = crate::explain::DEFAULT_WK, allow_hyphen_values = true)]
+    pub wk: String,
+    /// Value projection W_V.
+    #[arg(long, default_value = crate::explain::DEFAULT_WV, allow_hyphen_values = true)]
+    pub wv: String,
+}

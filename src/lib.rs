@@ -1,0 +1,34 @@
+//! transformer-lab: build, train, inspect and sample transformer models on any burn backend.
+//!
+//! The one transformer implementation lives in [`nn`]; [`models`] wraps it into complete models
+//! (embedding + stack + head); [`data`] turns real datasets into batches; [`train`] wires a model
+//! into burn-train's `Learner`; [`generate`] samples from a trained language model.
+//!
+//! # Shapes
+//!
+//! Every `forward` documents its tensor shapes with this legend:
+//!
+//! | letter | meaning |
+//! |---|---|
+//! | `b` | batch size |
+//! | `t` | target / query sequence length |
+//! | `s` | source / key sequence length (`s = t` in self-attention) |
+//! | `d` | model width, `d_model` |
+//! | `h` | number of attention heads, `n_heads` |
+//! | `k` | width of one head, `d_head = d_model / n_heads` |
+//! | `v` | vocabulary size |
+//!
+//! Masks are boolean tensors in which **`true` means masked out** (the position may not be
+//! attended to), the same polarity as burn's own attention.
+
+pub mod app;
+pub mod artifact;
+pub mod backend;
+pub mod cli;
+pub mod config;
+pub mod data;
+pub mod explain;
+pub mod generate;
+pub mod models;
+pub mod nn;
+pub mod train;

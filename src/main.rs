@@ -1,0 +1,17 @@
+//! transformer-lab: parse, pick the backend, dispatch.
+
+use clap::Parser;
+use std::process::ExitCode;
+use transformer_lab::backend::dispatch;
+use transformer_lab::cli::Cli;
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match dispatch(cli.backend, cli.command) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) => {
+            eprintln!("error: {err:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

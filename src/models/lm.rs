@@ -1,0 +1,126 @@
+//! Decoder-only language model (GPT): token embedding + positions → N causal decoder blocks →
+//! final norm → projection to the vocabulary, trained with next-token cross-entropy.
+
+use crate::config::LmConfig;
+use crate::nn::{AttentionMask, PositionEncoding, PositionEncodingConfig, TransformerStack};
+use burn::module::Module;
+use burn::nn::loss::CrossEntropyLossConfig;
+use burn::nn::{Dropout, DropoutConfig, Embedding, EmbeddingConfig, Initializer, Linear, LinearConfig};
+use burn::prelude::*;
+
+/// A decoder-only transformer language model.
+#[derive(Module, Debug)]
+pub struct LanguageModel<B: Backend> {
+    /// Token embedding `[v, d]`; also the output projection when weights are tied.
+    pub token_embedding: Embedding<B>,
+    /// Positional encoding.
+    pub position: PositionEncoding<B>,
+    /// The causal decoder stack (no cross-attention).
+    pub decoder: TransformerStack<B>,
+    /// Output projection `[d, v]`, absent when tied to the embedding.
+    pub head: Option<Linear<B>>,
+    dropout: Dropout,
+}
+
+/// A batch of next-token examples: `targets[i, j] = inputs[i, j + 1]` in the source text.
+#[derive(Clone, Debug)]
+pub struct LmBatch<B: Backend> {
+    /// `[b, t]` token ids.
+    pub inputs: Tensor<B, 2, Int>,
+    /// `[b, t]` the following token of each input position.
+    pub targets: Tensor<B, 2, Int>,
+}
+
+/// Logits and the attention weights of every layer.
+#[derive(Clone, Debug)]
+pub struct LmOutput<B: Backend> {
+    /// `[b, t, v]` unnormalised next-token scores.
+    pub logits: Tensor<B, 3>,
+    /// Per layer, `[b, h, t, t]` causal self-attention weights.
+    pub attention: Vec<Tensor<B, 4>>,
+}
+
+impl LmConfig {
+    /// Builds the model. `vocab_size` must be resolved (non-zero) and the config validated.
+    pub fn init<B: Backend>(&self, device: &B::Device) -> LanguageModel<B> {
+        assert!(self.vocab_size > 0, "vocab_size must be resolved before init");
+        let init = Initializer::Normal {
+            mean: 0.0,
+            std: 0.02,
+        };
+        LanguageModel {
+            token_embedding: EmbeddingConfig::new(self.vocab_size, self.d_model)
+                .with_initializer(init.clone())
+                .init(device),
+            position: PositionEncodingConfig::new(self.position, self.context, self.d_model)
+                .init(device),
+            decoder: self.stack().init(device),
+            head: (!self.tie_weights).then(|| {
+                LinearConfig::new(self.d_model, self.vocab_size)
+                    .with_bias(self.bias)
+                    .with_initializer(init)
+                    .init(device)
+            }),
+            dropout: DropoutConfig::new(self.dropout).init(),
+        }
+    }
+}
+
+impl<B: Backend> LanguageModel<B> {
+    /// Logits and attention weights.
+    ///
+    /// # Shapes
+    /// `tokens`: `[b, t]` with `t <= context` → logits `[b, t, v]`, weights `[b, h, t, t]`.
+    pub fn forward(&self, tokens: Tensor<B, 2, Int>) -> LmOutput<B> {
+        let [b, t] = tokens.dims();
+        let x = self.embed(tokens); // [b, t, d]
+        let mask = AttentionMask::causal(t, &x.device());
+        let out = self.decoder.forward(x, Some(&mask), None);
+        let logits = self.project(out.x.reshape([b * t, self.d_model()])); // [b*t, v]
+        LmOutput {
+            logits: logits.reshape([b, t, self.vocab_size()]),
+            attention: out.self_attention,
+        }
+    }
+
+    /// Token embedding + positions (+ dropout): the decoder's input, `[b, t]` → `[b, t, d]`.
+    pub fn embed(&self, tokens: Tensor<B, 2, Int>) -> Tensor<B, 3> {
+        let x = self.token_embedding.forward(tokens); // [b, t, d]
+        self.dropout.forward(self.position.forward(x))
+    }
+
+    /// Projection to the vocabulary, `[n, d]` → `[n, v]`.
+    fn project(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
+        match &self.head {
+            Some(head) => head.forward(x),
+            None => x.matmul(self.token_embedding.weight.val().transpose()), // [n, d]·[d, v]
+        }
+    }
+
+    /// Mean next-token cross-entropy of a batch, with the flattened logits `[b·t, v]` and
+    /// targets `[b·t]` it was computed from.
+    pub fn loss(&self, batch: LmBatch<B>) -> (Tensor<B, 1>, Tensor<B, 2>, Tensor<B, 1, Int>) {
+        let [b, t] = batch.inputs.dims();
+        let logits = self.forward(batch.inputs).logits.reshape([b * t, self.vocab_size()]);
+        let targets = batch.targets.reshape([b * t]);
+        let loss = CrossEntropyLossConfig::new()
+            .init(&logits.device())
+            .forward(logits.clone(), targets.clone());
+        (loss, logits, targets)
+    }
+
+    /// Vocabulary size `v`.
+    pub fn vocab_size(&self) -> usize {
+        self.token_embedding.weight.dims()[0]
+    }
+
+    /// Model width `d`.
+    pub fn d_model(&self) -> usize {
+        self.token_embedding.weight.dims()[1]
+    }
+
+    /// Longest input the positional encoding covers.
+    pub fn context(&self) -> usize {
+        self.position.max_len()
+    }
+}

@@ -1,0 +1,191 @@
+//! Scaled dot-product attention and multi-head attention ("Attention Is All You Need", §3.2).
+
+use super::mask::AttentionMask;
+use burn::module::Module;
+use burn::nn::{Dropout, DropoutConfig, Initializer, Linear, LinearConfig};
+use burn::prelude::*;
+use burn::tensor::activation::softmax;
+
+/// Score given to masked-out positions before the softmax. Finite, so a fully masked row gives
+/// uniform weights instead of NaN.
+const MASKED_SCORE: f32 = -1.0e9;
+
+/// `softmax(Q·Kᵀ/√d_k + mask)·V`, returning the context and the attention weights.
+///
+/// This and [`attention_weights`] are the one attention computation in the crate: every layer of
+/// every model goes through them, so they are the single place where masks are applied and where
+/// a fused or sub-quadratic kernel can later be swapped in.
+///
+/// # Shapes
+/// - `q`: `[b, h, t, k]`, `k`: `[b, h, s, k]`, `v`: `[b, h, s, k]`
+/// - `mask`: broadcastable to `[b, h, t, s]`, `true` = masked out
+/// - returns `(context [b, h, t, k], weights [b, h, t, s])`; each row of `weights` sums to 1.
+pub fn scaled_dot_product_attention<B: Backend>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+    mask: Option<&AttentionMask<B>>,
+) -> (Tensor<B, 4>, Tensor<B, 4>) {
+    let weights = attention_weights(q, k, mask); // [b, h, t, s]
+    (weights.clone().matmul(v), weights) // [b, h, t, k]
+}
+
+/// The attention weights `A = softmax(Q·Kᵀ/√d_k + mask)`, masked entries set to exactly 0.
+///
+/// # Shapes
+/// `q`: `[b, h, t, k]`, `k`: `[b, h, s, k]`, mask broadcastable to `[b, h, t, s]` → `[b, h, t, s]`.
+pub fn attention_weights<B: Backend>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    mask: Option<&AttentionMask<B>>,
+) -> Tensor<B, 4> {
+    let [b, h, t, d_head] = q.dims();
+    let s = k.dims()[2];
+    let scores = q.matmul(k.transpose()).div_scalar((d_head as f32).sqrt()); // [b, h, t, s]
+    let scores = match mask {
+        Some(mask) => scores.mask_fill(mask.tensor().expand([b, h, t, s]), MASKED_SCORE),
+        None => scores,
+    };
+    softmax(scores, 3)
+}
+
+/// Configuration of [`MultiHeadAttention`].
+#[derive(Config, Debug)]
+pub struct MultiHeadAttentionConfig {
+    /// Model width `d_model`; must be divisible by `n_heads`.
+    pub d_model: usize,
+    /// Number of heads `h`; each head has width `d_head = d_model / n_heads`.
+    pub n_heads: usize,
+    /// Dropout on the attention weights (as in the paper's "attention dropout").
+    #[config(default = 0.0)]
+    pub dropout: f64,
+    /// Whether the four projections carry a bias.
+    #[config(default = true)]
+    pub bias: bool,
+    /// Initializer of the projection weights.
+    #[config(default = "Initializer::Normal { mean: 0.0, std: 0.02 }")]
+    pub initializer: Initializer,
+}
+
+/// Multi-head attention: `MultiHead(Q,K,V) = Concat(head_1..head_h)·W^O`,
+/// `head_i = Attention(Q·W_i^Q, K·W_i^K, V·W_i^V)`.
+///
+/// The per-head projections are stored as one `d_model × d_model` matrix each (head `i` owns
+/// columns `i·k..(i+1)·k`). Self-attention passes the same sequence as `query` and `memory`;
+/// cross-attention passes the decoder state as `query` and the encoder output as `memory`.
+#[derive(Module, Debug)]
+pub struct MultiHeadAttention<B: Backend> {
+    /// W^Q, `[d, d]`.
+    pub query: Linear<B>,
+    /// W^K, `[d, d]`.
+    pub key: Linear<B>,
+    /// W^V, `[d, d]`.
+    pub value: Linear<B>,
+    /// W^O, `[d, d]`.
+    pub output: Linear<B>,
+    dropout: Dropout,
+    n_heads: usize,
+}
+
+/// What an attention layer returns: the projected context and the weights of every head.
+#[derive(Debug, Clone)]
+pub struct AttentionOutput<B: Backend> {
+    /// `[b, t, d]`, after the output projection W^O.
+    pub context: Tensor<B, 3>,
+    /// `[b, h, t, s]`, the softmax weights (before attention dropout); rows sum to 1.
+    pub weights: Tensor<B, 4>,
+}
+
+impl MultiHeadAttentionConfig {
+    /// Builds the module.
+    ///
+    /// # Panics
+    /// If `d_model` is not divisible by `n_heads` (configs are validated before this is called).
+    pub fn init<B: Backend>(&self, device: &B::Device) -> MultiHeadAttention<B> {
+        assert!(
+            self.n_heads > 0 && self.d_model % self.n_heads == 0,
+            "d_model ({}) must be divisible by n_heads ({})",
+            self.d_model,
+            self.n_heads
+        );
+        let linear = || {
+            LinearConfig::new(self.d_model, self.d_model)
+                .with_bias(self.bias)
+                .with_initializer(self.initializer.clone())
+                .init(device)
+        };
+        MultiHeadAttention {
+            query: linear(),
+            key: linear(),
+            value: linear(),
+            output: linear(),
+            dropout: DropoutConfig::new(self.dropout).init(),
+            n_heads: self.n_heads,
+        }
+    }
+}
+
+impl<B: Backend> MultiHeadAttention<B> {
+    /// Attends from `query` to `memory`.
+    ///
+    /// # Shapes
+    /// - `query`: `[b, t, d]`, `memory`: `[b, s, d]` (the same tensor for self-attention)
+    /// - `mask`: broadcastable to `[b, 1, t, s]`, `true` = masked out
+    /// - returns context `[b, t, d]` and weights `[b, h, t, s]`
+    pub fn forward(
+        &self,
+        query: Tensor<B, 3>,
+        memory: Tensor<B, 3>,
+        mask: Option<&AttentionMask<B>>,
+    ) -> AttentionOutput<B> {
+        let [b, t, d] = query.dims();
+        let q = self.split_heads(self.query.forward(query)); // [b, h, t, k]
+        let k = self.split_heads(self.key.forward(memory.clone())); // [b, h, s, k]
+        let v = self.split_heads(self.value.forward(memory)); // [b, h, s, k]
+        let (context, weights) = self.attend(q, k, v, mask);
+        let context = context.swap_dims(1, 2).reshape([b, t, d]); // [b, t, d]
+        AttentionOutput {
+            context: self.output.forward(context),
+            weights,
+        }
+    }
+
+    /// The heads' queries, keys and values for `query` attending to `memory`, before attention:
+    /// what `explain --artifact-dir` shows. Shapes `[b, h, t|s, k]`.
+    pub fn project(
+        &self,
+        query: Tensor<B, 3>,
+        memory: Tensor<B, 3>,
+    ) -> (Tensor<B, 4>, Tensor<B, 4>, Tensor<B, 4>) {
+        let q = self.split_heads(self.query.forward(query));
+        let k = self.split_heads(self.key.forward(memory.clone()));
+        let v = self.split_heads(self.value.forward(memory));
+        (q, k, v)
+    }
+
+    /// Attention with dropout on the weights (between the softmax and the product with V);
+    /// the weights returned for inspection are the undropped ones.
+    fn attend(
+        &self,
+        q: Tensor<B, 4>,
+        k: Tensor<B, 4>,
+        v: Tensor<B, 4>,
+        mask: Option<&AttentionMask<B>>,
+    ) -> (Tensor<B, 4>, Tensor<B, 4>) {
+        let weights = attention_weights(q, k, mask); // [b, h, t, s]
+        let context = self.dropout.forward(weights.clone()).matmul(v); // [b, h, t, k]
+        (context, weights)
+    }
+
+    /// `[b, n, d]` → `[b, h, n, k]`.
+    fn split_heads(&self, x: Tensor<B, 3>) -> Tensor<B, 4> {
+        let [b, n, d] = x.dims();
+        x.reshape([b, n, self.n_heads, d / self.n_heads]) // [b, n, h, k]
+            .swap_dims(1, 2) // [b, h, n, k]
+    }
+
+    /// Number of heads.
+    pub fn n_heads(&self) -> usize {
+        self.n_heads
+    }
+}

@@ -1,0 +1,164 @@
+//! One transformer layer: attention and feed-forward sublayers, each wrapped in a residual
+//! connection and LayerNorm.
+//!
+//! Post-norm (the original paper): `x = LN(x + Sublayer(x))`.
+//! Pre-norm (GPT-2 and most modern models): `x = x + Sublayer(LN(x))`.
+
+use super::attention::{MultiHeadAttention, MultiHeadAttentionConfig};
+use super::feedforward::{Activation, FeedForward, FeedForwardConfig};
+use super::mask::AttentionMask;
+use burn::module::Module;
+use burn::nn::{Dropout, DropoutConfig, LayerNorm, LayerNormConfig};
+use burn::prelude::*;
+
+/// Configuration of [`TransformerBlock`]: an encoder block, or a decoder block when
+/// `cross_attention` is set (masked self-attention → cross-attention → feed-forward).
+#[derive(Config, Debug)]
+pub struct TransformerBlockConfig {
+    /// Model width.
+    pub d_model: usize,
+    /// Number of attention heads.
+    pub n_heads: usize,
+    /// Inner width of the feed-forward network.
+    pub d_ff: usize,
+    /// Dropout on attention weights, after the FFN activation and on each sublayer's output.
+    #[config(default = 0.0)]
+    pub dropout: f64,
+    /// The feed-forward non-linearity.
+    #[config(default = "Activation::Gelu")]
+    pub activation: Activation,
+    /// Pre-norm (`x + f(LN(x))`) when true, post-norm (`LN(x + f(x))`) when false.
+    #[config(default = true)]
+    pub norm_first: bool,
+    /// Adds a cross-attention sublayer over an encoder's output (`memory`).
+    #[config(default = false)]
+    pub cross_attention: bool,
+    /// Whether linear layers and LayerNorms carry a bias.
+    #[config(default = true)]
+    pub bias: bool,
+}
+
+/// One transformer layer. See the module docs for the residual/LayerNorm arrangement.
+#[derive(Module, Debug)]
+pub struct TransformerBlock<B: Backend> {
+    /// (Masked) self-attention.
+    pub self_attention: MultiHeadAttention<B>,
+    norm_self: LayerNorm<B>,
+    /// Attention over the encoder output, in decoder blocks.
+    pub cross_attention: Option<MultiHeadAttention<B>>,
+    norm_cross: Option<LayerNorm<B>>,
+    /// The position-wise feed-forward network.
+    pub feedforward: FeedForward<B>,
+    norm_ff: LayerNorm<B>,
+    dropout: Dropout,
+    norm_first: bool,
+}
+
+/// What a block returns: its output and the attention weights it used.
+#[derive(Debug, Clone)]
+pub struct BlockOutput<B: Backend> {
+    /// `[b, t, d]`.
+    pub x: Tensor<B, 3>,
+    /// Self-attention weights `[b, h, t, t]`.
+    pub self_weights: Tensor<B, 4>,
+    /// Cross-attention weights `[b, h, t, s]`, in decoder blocks.
+    pub cross_weights: Option<Tensor<B, 4>>,
+}
+
+impl TransformerBlockConfig {
+    /// Builds the block.
+    pub fn init<B: Backend>(&self, device: &B::Device) -> TransformerBlock<B> {
+        let attention = || {
+            MultiHeadAttentionConfig::new(self.d_model, self.n_heads)
+                .with_dropout(self.dropout)
+                .with_bias(self.bias)
+                .init(device)
+        };
+        let norm = || LayerNormConfig::new(self.d_model).with_bias(self.bias).init(device);
+        TransformerBlock {
+            self_attention: attention(),
+            norm_self: norm(),
+            cross_attention: self.cross_attention.then(attention),
+            norm_cross: self.cross_attention.then(norm),
+            feedforward: FeedForwardConfig::new(self.d_model, self.d_ff)
+                .with_activation(self.activation)
+                .with_dropout(self.dropout)
+                .with_bias(self.bias)
+                .init(device),
+            norm_ff: norm(),
+            dropout: DropoutConfig::new(self.dropout).init(),
+            norm_first: self.norm_first,
+        }
+    }
+}
+
+impl<B: Backend> TransformerBlock<B> {
+    /// Runs the layer.
+    ///
+    /// # Shapes
+    /// - `x`: `[b, t, d]`; `mask`: self-attention mask broadcastable to `[b, 1, t, t]`
+    /// - `memory`: encoder output `[b, s, d]` with its key-padding mask, for decoder blocks
+    /// - returns `x` `[b, t, d]` and the weights `[b, h, t, t]` (and `[b, h, t, s]`)
+    ///
+    /// # Panics
+    /// If `memory` is given to a block built without cross-attention, or vice versa.
+    pub fn forward(
+        &self,
+        x: Tensor<B, 3>,
+        mask: Option<&AttentionMask<B>>,
+        memory: Option<(&Tensor<B, 3>, Option<&AttentionMask<B>>)>,
+    ) -> BlockOutput<B> {
+        let mut self_weights = None;
+        let x = self.residual(x, &self.norm_self, |h| {
+            let out = self.self_attention.forward(h.clone(), h, mask);
+            self_weights = Some(out.weights);
+            out.context
+        });
+
+        let mut cross_weights = None;
+        let x = match (&self.cross_attention, &self.norm_cross, memory) {
+            (Some(cross), Some(norm), Some((memory, memory_mask))) => {
+                self.residual(x, norm, |h| {
+                    let out = cross.forward(h, memory.clone(), memory_mask);
+                    cross_weights = Some(out.weights);
+                    out.context
+                })
+            }
+            (None, None, None) => x,
+            _ => panic!("memory must be given exactly to blocks built with cross_attention"),
+        };
+
+        let x = self.residual(x, &self.norm_ff, |h| self.feedforward.forward(h));
+        BlockOutput {
+            x,
+            self_weights: self_weights.expect("self-attention always runs"),
+            cross_weights,
+        }
+    }
+
+    /// Pre-norm: `x + Dropout(f(LN(x)))`; post-norm: `LN(x + Dropout(f(x)))`.
+    fn residual(
+        &self,
+        x: Tensor<B, 3>,
+        norm: &LayerNorm<B>,
+        sublayer: impl FnOnce(Tensor<B, 3>) -> Tensor<B, 3>,
+    ) -> Tensor<B, 3> {
+        if self.norm_first {
+            let h = sublayer(norm.forward(x.clone()));
+            x + self.dropout.forward(h)
+        } else {
+            let h = sublayer(x.clone());
+            norm.forward(x + self.dropout.forward(h))
+        }
+    }
+
+    /// The LayerNorm applied before self-attention in pre-norm blocks (identity's place in
+    /// post-norm blocks, where it follows the residual instead).
+    pub fn self_attention_input(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
+        if self.norm_first {
+            self.norm_self.forward(x)
+        } else {
+            x
+        }
+    }
+}

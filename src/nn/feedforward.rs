@@ -1,0 +1,80 @@
+//! The position-wise feed-forward network `FFN(x) = act(x·W₁ + b₁)·W₂ + b₂` (§3.3).
+
+use burn::module::Module;
+use burn::nn::{Dropout, DropoutConfig, Initializer, Linear, LinearConfig};
+use burn::prelude::*;
+use burn::tensor::activation::{gelu, relu};
+use serde::{Deserialize, Serialize};
+
+/// The non-linearity between the two projections.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Activation {
+    /// `max(0, x)`, as in the original paper.
+    Relu,
+    /// `x·Φ(x)` (exact, erf-based), as in GPT-2 and BERT.
+    Gelu,
+}
+
+/// Configuration of [`FeedForward`].
+#[derive(Config, Debug)]
+pub struct FeedForwardConfig {
+    /// Model width.
+    pub d_model: usize,
+    /// Inner width (the paper uses `4·d_model`).
+    pub d_ff: usize,
+    /// The non-linearity.
+    #[config(default = "Activation::Gelu")]
+    pub activation: Activation,
+    /// Dropout after the non-linearity.
+    #[config(default = 0.0)]
+    pub dropout: f64,
+    /// Whether the projections carry a bias.
+    #[config(default = true)]
+    pub bias: bool,
+    /// Initializer of the projection weights.
+    #[config(default = "Initializer::Normal { mean: 0.0, std: 0.02 }")]
+    pub initializer: Initializer,
+}
+
+/// Two linear maps with a non-linearity between, applied to each position independently.
+#[derive(Module, Debug)]
+pub struct FeedForward<B: Backend> {
+    /// W₁, `[d, d_ff]`.
+    pub linear_inner: Linear<B>,
+    /// W₂, `[d_ff, d]`.
+    pub linear_outer: Linear<B>,
+    dropout: Dropout,
+    activation: Activation,
+}
+
+impl FeedForwardConfig {
+    /// Builds the module.
+    pub fn init<B: Backend>(&self, device: &B::Device) -> FeedForward<B> {
+        let linear = |d_in, d_out| {
+            LinearConfig::new(d_in, d_out)
+                .with_bias(self.bias)
+                .with_initializer(self.initializer.clone())
+                .init(device)
+        };
+        FeedForward {
+            linear_inner: linear(self.d_model, self.d_ff),
+            linear_outer: linear(self.d_ff, self.d_model),
+            dropout: DropoutConfig::new(self.dropout).init(),
+            activation: self.activation,
+        }
+    }
+}
+
+impl<B: Backend> FeedForward<B> {
+    /// # Shapes
+    /// `x`: `[b, t, d]` → `[b, t, d]`.
+    pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
+        let h = self.linear_inner.forward(x); // [b, t, d_ff]
+        let h = match self.activation {
+            Activation::Relu => relu(h),
+            Activation::Gelu => gelu(h),
+        };
+        self.linear_outer.forward(self.dropout.forward(h))
+    }
+}

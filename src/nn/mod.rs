@@ -1,0 +1,21 @@
+//! The one transformer implementation, generic over `B: Backend`.
+//!
+//! Every model in [`crate::models`] is built from these pieces; none has attention or blocks of
+//! its own. Attention is a pure function ([`attention::scaled_dot_product_attention`]) that
+//! returns its weights, so every layer's and head's attention can be read from a forward pass.
+
+pub mod attention;
+pub mod block;
+pub mod feedforward;
+pub mod mask;
+pub mod position;
+pub mod stack;
+
+pub use attention::{
+    attention_weights, scaled_dot_product_attention, AttentionOutput, MultiHeadAttention, MultiHeadAttentionConfig,
+};
+pub use block::{BlockOutput, TransformerBlock, TransformerBlockConfig};
+pub use feedforward::{Activation, FeedForward, FeedForwardConfig};
+pub use mask::{causal_mask, padding_mask, AttentionMask};
+pub use position::{sinusoid_table, PositionEncoding, PositionEncodingConfig, PositionKind};
+pub use stack::{StackOutput, TransformerStack, TransformerStackConfig};

@@ -1,0 +1,100 @@
+//! A stack of [`TransformerBlock`]s: the encoder and the decoder are the same stack, specialised
+//! by their blocks (cross-attention or not) and by the mask the caller passes (causal or not).
+
+use super::block::{TransformerBlock, TransformerBlockConfig};
+use super::mask::AttentionMask;
+use burn::module::Module;
+use burn::nn::{LayerNorm, LayerNormConfig};
+use burn::prelude::*;
+
+/// Configuration of [`TransformerStack`].
+#[derive(Config, Debug)]
+pub struct TransformerStackConfig {
+    /// Number of layers `N`.
+    pub n_layers: usize,
+    /// The configuration shared by every layer.
+    pub block: TransformerBlockConfig,
+}
+
+impl TransformerStackConfig {
+    /// An encoder: `n_layers` blocks of self-attention (callers pass a padding mask).
+    pub fn encoder(n_layers: usize, block: TransformerBlockConfig) -> Self {
+        Self::new(n_layers, block.with_cross_attention(false))
+    }
+
+    /// A decoder: `n_layers` blocks of masked self-attention, with cross-attention over an
+    /// encoder's output when `cross_attention` (callers pass a causal mask).
+    pub fn decoder(n_layers: usize, block: TransformerBlockConfig, cross_attention: bool) -> Self {
+        Self::new(n_layers, block.with_cross_attention(cross_attention))
+    }
+
+    /// Builds the stack. Pre-norm stacks end with a LayerNorm (their blocks' outputs are
+    /// un-normalised residual sums); post-norm stacks already end normalised.
+    pub fn init<B: Backend>(&self, device: &B::Device) -> TransformerStack<B> {
+        TransformerStack {
+            blocks: (0..self.n_layers).map(|_| self.block.init(device)).collect(),
+            final_norm: self.block.norm_first.then(|| {
+                LayerNormConfig::new(self.block.d_model)
+                    .with_bias(self.block.bias)
+                    .init(device)
+            }),
+        }
+    }
+}
+
+/// `N` transformer layers and, for pre-norm, a final LayerNorm.
+#[derive(Module, Debug)]
+pub struct TransformerStack<B: Backend> {
+    /// The layers, first to last.
+    pub blocks: Vec<TransformerBlock<B>>,
+    final_norm: Option<LayerNorm<B>>,
+}
+
+/// The output of a stack and the attention weights of every layer.
+#[derive(Debug, Clone)]
+pub struct StackOutput<B: Backend> {
+    /// `[b, t, d]`.
+    pub x: Tensor<B, 3>,
+    /// Per layer, self-attention weights `[b, h, t, t]`.
+    pub self_attention: Vec<Tensor<B, 4>>,
+    /// Per layer, cross-attention weights `[b, h, t, s]` (empty for encoders and decoder-only).
+    pub cross_attention: Vec<Tensor<B, 4>>,
+}
+
+impl<B: Backend> TransformerStack<B> {
+    /// Runs every layer.
+    ///
+    /// # Shapes
+    /// - `x`: `[b, t, d]`; `mask`: broadcastable to `[b, 1, t, t]`, `true` = masked out
+    /// - `memory`: `[b, s, d]` encoder output and its key-padding mask (decoders with
+    ///   cross-attention only)
+    pub fn forward(
+        &self,
+        x: Tensor<B, 3>,
+        mask: Option<&AttentionMask<B>>,
+        memory: Option<(&Tensor<B, 3>, Option<&AttentionMask<B>>)>,
+    ) -> StackOutput<B> {
+        let mut x = x;
+        let mut self_attention = Vec::with_capacity(self.blocks.len());
+        let mut cross_attention = Vec::new();
+        for block in &self.blocks {
+            let out = block.forward(x, mask, memory);
+            x = out.x;
+            self_attention.push(out.self_weights);
+            cross_attention.extend(out.cross_weights);
+        }
+        if let Some(norm) = &self.final_norm {
+            x = norm.forward(x);
+        }
+        StackOutput {
+            x,
+            self_attention,
+            cross_attention,
+        }
+    }
+
+    /// Number of layers.
+    pub fn n_layers(&self) -> usize {
+        self.blocks.len()
+    }
+}
