@@ -63,10 +63,15 @@ fn run_generate<B: Backend>(args: GenerateArgs, device: B::Device) -> Result<()>
     };
     sampling.validate()?;
     let trained = Trained::<B>::load(&ArtifactDir::new(&args.artifact_dir), &device)?;
-    let prompt = trained.tokenizer.encode(&args.prompt)?;
+    let prompt_text = match args.prompt {
+        Some(text) => text,
+        None if trained.tokenizer.encode("\n").is_ok() => "\n".to_string(),
+        None => trained.tokenizer.decode(&[0]),
+    };
+    let prompt = trained.tokenizer.encode(&prompt_text)?;
     check_prompt(prompt.len(), trained.config.model.context, trained.config.model.position)?;
     let mut out = std::io::stdout().lock();
-    write!(out, "{}", args.prompt)?;
+    write!(out, "{prompt_text}")?;
     out.flush()?;
     generate(&trained.model, &prompt, args.max_new_tokens, &sampling, args.seed, &device, |token| {
         write!(out, "{}", trained.tokenizer.decode(&[token]))?;

@@ -84,9 +84,10 @@ pub struct GenerateArgs {
     /// Directory written by `train`.
     #[arg(long, value_name = "DIR")]
     pub artifact_dir: PathBuf,
-    /// Text to continue.
-    #[arg(long, default_value = "\n")]
-    pub prompt: String,
+    /// Text to continue. Default: a newline (or, for a vocabulary without one, its first
+    /// character), so the model starts a fresh passage.
+    #[arg(long)]
+    pub prompt: Option<String>,
     /// Number of tokens to generate.
     #[arg(long, default_value_t = 500)]
     pub max_new_tokens: usize,

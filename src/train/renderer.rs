@@ -114,7 +114,7 @@ impl MetricsRendererTraining for PlainRenderer {
             step,
             self.total_steps,
             self.train.last("Loss").unwrap_or(f64::NAN),
-            self.train.last("LearningRate").unwrap_or(f64::NAN),
+            self.train.last("Learning Rate").unwrap_or(f64::NAN),
         );
         self.last_line = Some((now, step));
         if epoch_end {

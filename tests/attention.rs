@@ -1,0 +1,114 @@
+//! Scaled dot-product attention: the textbook example against an independent f64 computation,
+//! rows summing to 1, masked weights exactly 0, and cross-attention over another sequence.
+
+use burn::backend::NdArray;
+use burn::prelude::*;
+use transformer_lab::explain::{self, walkthrough};
+use transformer_lab::nn::{scaled_dot_product_attention, AttentionMask, MultiHeadAttentionConfig};
+
+type B = NdArray<f32>;
+
+fn matmul(a: &[Vec<f64>], b: &[Vec<f64>]) -> Vec<Vec<f64>> {
+    a.iter()
+        .map(|row| (0..b[0].len()).map(|j| row.iter().zip(b).map(|(x, bj)| x * bj[j]).sum()).collect())
+        .collect()
+}
+
+/// The textbook example computed by hand-written f64 loops, independent of burn.
+fn reference() -> (Vec<Vec<f64>>, Vec<Vec<f64>>, Vec<Vec<f64>>) {
+    let x = vec![vec![1.0, 0.0], vec![0.0, 1.0], vec![1.0, 1.0]];
+    let q = matmul(&x, &[vec![1.0, 1.0], vec![0.0, 1.0]]);
+    let k = matmul(&x, &[vec![1.0, 0.0], vec![1.0, 1.0]]);
+    let v = matmul(&x, &[vec![0.5, 1.0], vec![1.0, 0.0]]);
+    let scores: Vec<Vec<f64>> = q
+        .iter()
+        .map(|qi| k.iter().map(|kj| (qi[0] * kj[0] + qi[1] * kj[1]) / 2f64.sqrt()).collect())
+        .collect();
+    let weights: Vec<Vec<f64>> = scores
+        .iter()
+        .map(|row| {
+            let z: f64 = row.iter().map(|s| s.exp()).sum();
+            row.iter().map(|s| s.exp() / z).collect()
+        })
+        .collect();
+    let output = matmul(&weights, &v);
+    (scores, weights, output)
+}
+
+fn assert_close(actual: &[Vec<f32>], expected: &[Vec<f64>], what: &str) {
+    for (i, (a, e)) in actual.iter().zip(expected).enumerate() {
+        for (j, (a, e)) in a.iter().zip(e).enumerate() {
+            assert!((*a as f64 - e).abs() < 1e-5, "{what}[{i}][{j}] = {a}, expected {e}");
+        }
+    }
+}
+
+#[test]
+fn textbook_example_matches_independent_computation() {
+    let parse = |name, text| explain::parse_matrix(name, text).unwrap();
+    let w = walkthrough::<B>(
+        &parse("X", explain::DEFAULT_X),
+        &parse("W_Q", explain::DEFAULT_WQ),
+        &parse("W_K", explain::DEFAULT_WK),
+        &parse("W_V", explain::DEFAULT_WV),
+        &Default::default(),
+    )
+    .unwrap();
+    let (scores, weights, output) = reference();
+    assert_eq!(w.q, vec![vec![1.0, 1.0], vec![0.0, 1.0], vec![1.0, 2.0]]);
+    assert_eq!(w.k, vec![vec![1.0, 0.0], vec![1.0, 1.0], vec![2.0, 1.0]]);
+    assert_eq!(w.v, vec![vec![0.5, 1.0], vec![1.0, 0.0], vec![1.5, 1.0]]);
+    assert_close(&w.scores, &scores, "S");
+    assert_close(&w.weights, &weights, "A");
+    assert_close(&w.output, &output, "O");
+    // Hand-rounded values of the first row, as printed by `explain`.
+    assert!((w.weights[0][2] - 0.5760).abs() < 1e-4);
+    assert!((w.output[0][0] - 1.2180).abs() < 1e-4);
+}
+
+#[test]
+fn explain_rejects_mismatched_matrices() {
+    let x = explain::parse_matrix("X", "1,0,0; 0,1,0").unwrap();
+    let w = explain::parse_matrix("W", "1,0; 0,1").unwrap();
+    assert!(walkthrough::<B>(&x, &w, &w, &w, &Default::default()).is_err());
+    assert!(explain::parse_matrix("X", "1,0; 1").is_err());
+    assert!(explain::parse_matrix("X", "1,a").is_err());
+}
+
+fn random(shape: [usize; 4]) -> Tensor<B, 4> {
+    Tensor::random(shape, burn::tensor::Distribution::Normal(0.0, 1.0), &Default::default())
+}
+
+#[test]
+fn weights_rows_sum_to_one_and_masked_entries_are_zero() {
+    let device = Default::default();
+    let (q, k, v) = (random([2, 3, 5, 4]), random([2, 3, 5, 4]), random([2, 3, 5, 4]));
+    let mask = AttentionMask::<B>::causal(5, &device);
+    let (context, weights) = scaled_dot_product_attention(q, k, v, Some(&mask));
+    assert_eq!(context.dims(), [2, 3, 5, 4]);
+    let sums: Vec<f32> = weights.clone().sum_dim(3).into_data().to_vec().unwrap();
+    assert!(sums.iter().all(|s| (s - 1.0).abs() < 1e-5), "row sums {sums:?}");
+    let w: Vec<f32> = weights.into_data().to_vec().unwrap();
+    for (n, value) in w.iter().enumerate() {
+        let (i, j) = ((n / 5) % 5, n % 5);
+        if j > i {
+            assert_eq!(*value, 0.0, "weight of future key {j} for query {i}");
+        }
+    }
+}
+
+#[test]
+fn cross_attention_attends_over_the_memory_sequence() {
+    let device = Default::default();
+    let mha = MultiHeadAttentionConfig::new(8, 2).init::<B>(&device);
+    let query = Tensor::<B, 3>::random([2, 3, 8], burn::tensor::Distribution::Default, &device);
+    let memory = Tensor::<B, 3>::random([2, 7, 8], burn::tensor::Distribution::Default, &device);
+    let out = mha.forward(query.clone(), memory.clone(), None);
+    assert_eq!(out.context.dims(), [2, 3, 8]);
+    assert_eq!(out.weights.dims(), [2, 2, 3, 7]);
+    // The queries' own values do not reach the output except through the attention weights:
+    // changing the memory changes the context.
+    let other = mha.forward(query, memory.mul_scalar(2.0), None);
+    let diff: f32 = (out.context - other.context).abs().max().into_scalar();
+    assert!(diff > 1e-4);
+}

@@ -1,0 +1,57 @@
+//! Configs: every shipped experiment loads and validates; mistakes are clear errors.
+
+use transformer_lab::config::ExperimentConfig;
+
+#[test]
+fn every_experiment_file_loads() {
+    let mut n = 0;
+    for entry in std::fs::read_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/experiments")).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_some_and(|e| e == "json") {
+            let config = ExperimentConfig::load(&path).unwrap_or_else(|e| panic!("{e:#}"));
+            assert_eq!(config.train.steps % config.train.steps_per_epoch, 0);
+            n += 1;
+        }
+    }
+    assert!(n >= 2);
+}
+
+#[test]
+fn the_default_experiment_is_nanogpts_small_cpu_config() {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/experiments/shakespeare-char.json");
+    let c = ExperimentConfig::load(path.as_ref()).unwrap();
+    assert_eq!((c.model.n_layers, c.model.n_heads, c.model.d_model, c.model.context), (4, 4, 128, 64));
+    assert_eq!((c.train.batch_size, c.train.steps, c.train.warmup_steps), (12, 2000, 100));
+    assert_eq!((c.train.lr, c.train.min_lr, c.train.beta2, c.train.weight_decay, c.train.grad_clip), (1e-3, 1e-4, 0.99, 0.1, 1.0));
+    assert_eq!(c.model.dropout, 0.0);
+    let built_in: ExperimentConfig = serde_json::from_str(transformer_lab::cli::DEFAULT_EXPERIMENT).unwrap();
+    assert_eq!(built_in, c);
+}
+
+fn load_str(text: &str) -> anyhow::Result<ExperimentConfig> {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("c.json");
+    std::fs::write(&path, text).unwrap();
+    ExperimentConfig::load(&path)
+}
+
+#[test]
+fn mistakes_are_clear_errors() {
+    let cases = [
+        (r#"{"model": {"d_model": 130, "n_heads": 4}}"#, "divisible by n_heads"),
+        (r#"{"model": {"d_modle": 128}}"#, "unknown field `d_modle`"),
+        (r#"{"model": {"position": "rotary"}}"#, "unknown variant"),
+        (r#"{"train": {"steps": 1000, "steps_per_epoch": 300}}"#, "multiple of steps_per_epoch"),
+        (r#"{"train": {"warmup_steps": 5000}}"#, "warmup_steps"),
+        (r#"{"model": {"dropout": 1.5}}"#, "dropout"),
+        (r#"{"model": "#, "malformed config"),
+    ];
+    for (text, expected) in cases {
+        let err = format!("{:#}", load_str(text).unwrap_err());
+        assert!(err.contains(expected), "{text}: {err}");
+    }
+    let missing = ExperimentConfig::load("no/such/file.json".as_ref()).unwrap_err();
+    assert!(format!("{missing:#}").contains("cannot read config"));
+    // Defaults fill what a config leaves out.
+    assert_eq!(load_str("{}").unwrap().model.d_model, 128);
+}

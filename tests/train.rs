@@ -1,0 +1,88 @@
+//! Optimisation pieces: the warmup + cosine schedule (nanoGPT's `get_lr`) and its resume, and
+//! clipping by the global gradient norm.
+
+use burn::backend::{Autodiff, NdArray};
+use burn::module::{Module, ModuleVisitor, Param};
+use burn::optim::lr_scheduler::LrScheduler;
+use burn::optim::GradientsParams;
+use burn::prelude::*;
+use transformer_lab::config::LmConfig;
+use transformer_lab::models::LanguageModel;
+use transformer_lab::train::{clip_global_norm, WarmupCosine};
+
+type B = NdArray<f32>;
+type AB = Autodiff<B>;
+
+#[test]
+fn schedule_warms_up_then_decays_like_nanogpt() {
+    let mut s = WarmupCosine::new(1e-3, 1e-4, 100, 2000);
+    let lrs: Vec<f64> = (0..2100).map(|_| s.step()).collect();
+    assert!((lrs[0] - 1e-3 / 101.0).abs() < 1e-12);
+    assert!((lrs[99] - 1e-3 * 100.0 / 101.0).abs() < 1e-12);
+    assert!((lrs[100] - 1e-3).abs() < 1e-12, "peak right after warmup");
+    // Halfway through the decay the cosine is at its midpoint.
+    assert!((lrs[1050] - 5.5e-4).abs() < 1e-9);
+    assert!((lrs[2000] - 1e-4).abs() < 1e-12);
+    assert!((lrs[2099] - 1e-4).abs() < 1e-12);
+    assert!(lrs[100..2000].windows(2).all(|w| w[1] <= w[0]));
+}
+
+#[test]
+fn schedule_resumes_from_its_record() {
+    let mut full = WarmupCosine::new(1e-3, 1e-4, 10, 100);
+    let mut first = full.clone();
+    (0..37).for_each(|_| {
+        full.step();
+        first.step();
+    });
+    let record = first.to_record::<B>();
+    let mut resumed = WarmupCosine::new(1e-3, 1e-4, 10, 100).load_record::<B>(record);
+    for _ in 0..70 {
+        assert_eq!(resumed.step(), full.step());
+    }
+}
+
+struct GradNorm<'a> {
+    grads: &'a GradientsParams,
+    sum: f64,
+}
+
+impl ModuleVisitor<AB> for GradNorm<'_> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<AB, D>>) {
+        if let Some(g) = self.grads.get::<B, D>(param.id) {
+            self.sum += g.square().sum().into_scalar() as f64;
+        }
+    }
+}
+
+fn norm(model: &LanguageModel<AB>, grads: &GradientsParams) -> f64 {
+    let mut v = GradNorm { grads, sum: 0.0 };
+    model.visit(&mut v);
+    v.sum.sqrt()
+}
+
+#[test]
+fn clipping_rescales_all_gradients_together() {
+    let device = Default::default();
+    let config = LmConfig { vocab_size: 7, d_model: 16, n_layers: 1, n_heads: 2, context: 8, ..LmConfig::default() };
+    let model: LanguageModel<AB> = config.init(&device);
+    let inputs = Tensor::<AB, 2, Int>::from_data([[1, 2, 3, 4, 5, 6, 0, 1]], &device);
+    let grads_of = || {
+        let logits = model.forward(inputs.clone()).logits;
+        GradientsParams::from_grads(logits.powi_scalar(2).sum().backward(), &model)
+    };
+    let before = norm(&model, &grads_of());
+    assert!(before > 0.5, "test needs a gradient norm above the clip, got {before}");
+    let clipped = clip_global_norm::<AB, _>(&model, grads_of(), 0.5);
+    assert!((norm(&model, &clipped) - 0.5).abs() < 1e-4);
+    // Directions are kept: every gradient is scaled by the same factor.
+    let (raw, clipped_again) = (grads_of(), clip_global_norm::<AB, _>(&model, grads_of(), 0.5));
+    let id = model.token_embedding.weight.id;
+    let ratio = clipped_again.get::<B, 2>(id).unwrap() / raw.get::<B, 2>(id).unwrap().add_scalar(1e-30);
+    let factor = 0.5 / before;
+    let worst: f32 = (ratio.sub_scalar(factor as f32)).abs().max().into_scalar();
+    assert!(worst < 1e-3, "embedding gradient scaled unevenly ({worst})");
+    // Below the threshold nothing changes.
+    let untouched = clip_global_norm::<AB, _>(&model, grads_of(), 1e9);
+    assert!((norm(&model, &untouched) - before).abs() < 1e-6 * before);
+}
