@@ -7,7 +7,7 @@ use crate::config::ExperimentConfig;
 use crate::data::data_dir;
 use crate::explain;
 use crate::generate::{check_prompt, generate, Sampling};
-use crate::train::{evaluate, train, Trained, TrainRequest};
+use crate::train::{evaluate, train, TrainRequest, Trained};
 use anyhow::{bail, Result};
 use burn::backend::Autodiff;
 use burn::prelude::Backend;
@@ -26,7 +26,11 @@ impl BackendTask for Command {
 }
 
 fn run_train<B: Backend>(args: TrainArgs, device: B::Device) -> Result<()> {
-    let config = args.experiment.as_deref().map(ExperimentConfig::load).transpose()?;
+    let config = args
+        .experiment
+        .as_deref()
+        .map(ExperimentConfig::load)
+        .transpose()?;
     let artifact_dir = match (&args.artifact_dir, &config) {
         (Some(dir), _) => dir.clone(),
         (None, Some(config)) => PathBuf::from("artifacts").join(&config.name),
@@ -69,15 +73,27 @@ fn run_generate<B: Backend>(args: GenerateArgs, device: B::Device) -> Result<()>
         None => trained.tokenizer.decode(&[0]),
     };
     let prompt = trained.tokenizer.encode(&prompt_text)?;
-    check_prompt(prompt.len(), trained.config.model.context, trained.config.model.position)?;
+    check_prompt(
+        prompt.len(),
+        trained.config.model.context,
+        trained.config.model.position,
+    )?;
     let mut out = std::io::stdout().lock();
     write!(out, "{prompt_text}")?;
     out.flush()?;
-    generate(&trained.model, &prompt, args.max_new_tokens, &sampling, args.seed, &device, |token| {
-        write!(out, "{}", trained.tokenizer.decode(&[token]))?;
-        out.flush()?;
-        Ok(())
-    })?;
+    generate(
+        &trained.model,
+        &prompt,
+        args.max_new_tokens,
+        &sampling,
+        args.seed,
+        &device,
+        |token| {
+            write!(out, "{}", trained.tokenizer.decode(&[token]))?;
+            out.flush()?;
+            Ok(())
+        },
+    )?;
     writeln!(out)?;
     Ok(())
 }

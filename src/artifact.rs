@@ -29,7 +29,10 @@ pub type ArtifactRecorder = AtomicRecorder<NamedMpkFileRecorder<FullPrecisionSet
 /// Writes `bytes` to `path` through a temporary file in the same directory, so `path` holds
 /// either its old content or the whole new content.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
-    let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let dir = path
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
     std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
     let mut tmp = tempfile::NamedTempFile::new_in(dir)
         .with_context(|| format!("cannot write in {}", dir.display()))?;
@@ -56,13 +59,19 @@ impl<B: Backend, R: FileRecorder<B>> Recorder<B> for AtomicRecorder<R> {
 
     fn save_item<I: Serialize>(&self, item: I, file: PathBuf) -> Result<(), RecorderError> {
         let target = file.with_extension(R::file_extension());
-        let name = file.file_name().and_then(|n| n.to_str()).unwrap_or("record");
+        let name = file
+            .file_name()
+            .and_then(|n| n.to_str())
+            .unwrap_or("record");
         // A leading dot and no other dot: the inner recorder appends its extension.
         let partial = file.with_file_name(format!(".{name}-partial-{}", std::process::id()));
         let written = partial.with_extension(R::file_extension());
         self.0.save_item(item, partial)?;
-        let io = |err: std::io::Error| RecorderError::Unknown(format!("{}: {err}", target.display()));
-        std::fs::File::open(&written).and_then(|f| f.sync_all()).map_err(io)?;
+        let io =
+            |err: std::io::Error| RecorderError::Unknown(format!("{}: {err}", target.display()));
+        std::fs::File::open(&written)
+            .and_then(|f| f.sync_all())
+            .map_err(io)?;
         std::fs::rename(&written, &target).map_err(io)
     }
 
@@ -125,16 +134,23 @@ impl ArtifactDir {
 
     /// Removes what a previous run wrote (and nothing else the directory may hold).
     pub fn clear(&self) -> Result<()> {
-        for file in ["config.json", "tokenizer.json", "model.mpk", "experiment.log"] {
+        for file in [
+            "config.json",
+            "tokenizer.json",
+            "model.mpk",
+            "experiment.log",
+        ] {
             let path = self.root.join(file);
             if path.exists() {
-                std::fs::remove_file(&path).with_context(|| format!("cannot remove {}", path.display()))?;
+                std::fs::remove_file(&path)
+                    .with_context(|| format!("cannot remove {}", path.display()))?;
             }
         }
         for dir in ["checkpoint", "train", "valid"] {
             let path = self.root.join(dir);
             if path.exists() {
-                std::fs::remove_dir_all(&path).with_context(|| format!("cannot remove {}", path.display()))?;
+                std::fs::remove_dir_all(&path)
+                    .with_context(|| format!("cannot remove {}", path.display()))?;
             }
         }
         Ok(())
@@ -175,7 +191,11 @@ impl ArtifactDir {
 }
 
 /// Loads weights into `model`, refusing a file written for a model of another shape.
-pub fn load_weights<B: Backend, M: Module<B>>(model: M, path: &Path, device: &B::Device) -> Result<M> {
+pub fn load_weights<B: Backend, M: Module<B>>(
+    model: M,
+    path: &Path,
+    device: &B::Device,
+) -> Result<M> {
     let expected = param_shapes(&model);
     let record = ArtifactRecorder::default()
         .load(path.to_path_buf(), device)
@@ -186,8 +206,14 @@ pub fn load_weights<B: Backend, M: Module<B>>(model: M, path: &Path, device: &B:
                 first_line(&format!("{err:?}"))
             )
         })?;
-    let loaded = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| model.load_record(record)))
-        .map_err(|_| anyhow!("{} was written by a model with another structure", path.display()))?;
+    let loaded =
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| model.load_record(record)))
+            .map_err(|_| {
+                anyhow!(
+                    "{} was written by a model with another structure",
+                    path.display()
+                )
+            })?;
     let found = param_shapes(&loaded);
     if found != expected {
         bail!(

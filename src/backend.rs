@@ -35,6 +35,9 @@ pub fn dispatch(kind: Option<BackendKind>, task: impl BackendTask) -> Result<()>
         #[cfg(feature = "wgpu")]
         BackendKind::Wgpu => task.run::<Gpu>(Default::default()),
         #[allow(unreachable_patterns)]
-        other => bail!("this binary was built without the {other:?} backend; rebuild with --features {}", format!("{other:?}").to_lowercase()),
+        other => bail!(
+            "this binary was built without the {other:?} backend; rebuild with --features {}",
+            format!("{other:?}").to_lowercase()
+        ),
     }
 }

@@ -102,7 +102,8 @@ impl LmConfig {
             .with_dropout(self.dropout)
             .with_activation(self.activation)
             .with_norm_first(self.norm_first)
-            .with_bias(self.bias);
+            .with_bias(self.bias)
+            .with_residual_init_std(0.02 / ((2 * self.n_layers) as f64).sqrt());
         TransformerStackConfig::decoder(self.n_layers, block, false)
     }
 
@@ -159,7 +160,8 @@ pub enum TokenizerKind {
     Char,
 }
 
-/// Optimisation: AdamW, linear warmup then cosine decay, global-norm gradient clipping.
+/// Optimisation: AdamW (weight decay on matrices only), linear warmup then cosine decay,
+/// global-norm gradient clipping — nanoGPT's recipe.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct TrainConfig {
@@ -185,7 +187,7 @@ pub struct TrainConfig {
     pub beta2: f32,
     /// AdamW ε.
     pub epsilon: f32,
-    /// AdamW decoupled weight decay.
+    /// AdamW decoupled weight decay, applied to matrices (not to LayerNorm gains or biases).
     pub weight_decay: f32,
     /// Clip the global gradient norm to this value (`0` = no clipping).
     pub grad_clip: f32,

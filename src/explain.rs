@@ -39,22 +39,37 @@ pub fn parse_matrix(name: &str, text: &str) -> Result<Matrix> {
         .split(';')
         .map(|row| {
             row.split(',')
-                .map(|v| v.trim().parse::<f32>().with_context(|| format!("{name}: {:?} is not a number", v.trim())))
+                .map(|v| {
+                    v.trim()
+                        .parse::<f32>()
+                        .with_context(|| format!("{name}: {:?} is not a number", v.trim()))
+                })
                 .collect::<Result<Vec<f32>>>()
         })
         .collect::<Result<_>>()?;
     if rows.is_empty() || rows[0].is_empty() || rows.iter().any(|r| r.len() != rows[0].len()) {
-        bail!("{name}: every row needs the same number of values (rows split by ';', values by ',')");
+        bail!(
+            "{name}: every row needs the same number of values (rows split by ';', values by ',')"
+        );
     }
     Ok(rows)
 }
 
 /// Runs X through W_Q, W_K, W_V and [`scaled_dot_product_attention`] on backend `B`.
-pub fn walkthrough<B: Backend>(x: &Matrix, wq: &Matrix, wk: &Matrix, wv: &Matrix, device: &B::Device) -> Result<Walkthrough> {
+pub fn walkthrough<B: Backend>(
+    x: &Matrix,
+    wq: &Matrix,
+    wk: &Matrix,
+    wv: &Matrix,
+    device: &B::Device,
+) -> Result<Walkthrough> {
     let d_in = x[0].len();
     for (name, w) in [("W_Q", wq), ("W_K", wk), ("W_V", wv)] {
         if w.len() != d_in {
-            bail!("{name} has {} rows but the tokens of X have {d_in} values", w.len());
+            bail!(
+                "{name} has {} rows but the tokens of X have {d_in} values",
+                w.len()
+            );
         }
     }
     if wq[0].len() != wk[0].len() {
@@ -69,9 +84,13 @@ pub fn walkthrough<B: Backend>(x: &Matrix, wq: &Matrix, wk: &Matrix, wv: &Matrix
     let k = x.clone().matmul(tensor(wk)); // [n, d_k]
     let v = x.matmul(tensor(wv)); // [n, d_v]
     let d_k = q.dims()[1] as f32;
-    let scores = q.clone().matmul(k.clone().transpose()).div_scalar(d_k.sqrt());
+    let scores = q
+        .clone()
+        .matmul(k.clone().transpose())
+        .div_scalar(d_k.sqrt());
     let as4 = |m: Tensor<B, 2>| m.unsqueeze::<4>(); // [1, 1, n, d]
-    let (output, weights) = scaled_dot_product_attention(as4(q.clone()), as4(k.clone()), as4(v.clone()), None);
+    let (output, weights) =
+        scaled_dot_product_attention(as4(q.clone()), as4(k.clone()), as4(v.clone()), None);
     Ok(Walkthrough {
         q: to_matrix(q),
         k: to_matrix(k),

@@ -37,7 +37,10 @@ impl Sampling {
     /// Checks the ranges of the settings.
     pub fn validate(&self) -> Result<()> {
         if !(self.temperature >= 0.0 && self.temperature.is_finite()) {
-            bail!("--temperature must be a finite number >= 0, got {}", self.temperature);
+            bail!(
+                "--temperature must be a finite number >= 0, got {}",
+                self.temperature
+            );
         }
         if self.top_k == Some(0) {
             bail!("--top-k must be at least 1");
@@ -140,8 +143,16 @@ pub fn generate<B: Backend>(
         let t = window.len();
         let ids: Vec<i64> = window.iter().map(|&id| id as i64).collect();
         let input = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [1, t]), device);
-        let logits = model.forward(input).logits.slice([0..1, t - 1..t]).reshape([vocab]); // [v]
-        let logits: Vec<f32> = logits.into_data().convert::<f32>().to_vec().expect("f32 logits");
+        let logits = model
+            .forward(input)
+            .logits
+            .slice([0..1, t - 1..t])
+            .reshape([vocab]); // [v]
+        let logits: Vec<f32> = logits
+            .into_data()
+            .convert::<f32>()
+            .to_vec()
+            .expect("f32 logits");
         let next = sampling.sample(&logits, &mut rng);
         tokens.push(next);
         emit(next)?;
@@ -151,10 +162,22 @@ pub fn generate<B: Backend>(
 
 /// The next-token distribution of the model after `tokens`, `[v]` probabilities (for tests
 /// and inspection).
-pub fn next_token_probs<B: Backend>(model: &LanguageModel<B>, tokens: &[usize], device: &B::Device) -> Vec<f32> {
+pub fn next_token_probs<B: Backend>(
+    model: &LanguageModel<B>,
+    tokens: &[usize],
+    device: &B::Device,
+) -> Vec<f32> {
     let t = tokens.len();
     let ids: Vec<i64> = tokens.iter().map(|&id| id as i64).collect();
     let input = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [1, t]), device);
-    let logits = model.forward(input).logits.slice([0..1, t - 1..t]).reshape([model.vocab_size()]);
-    softmax(logits, 0).into_data().convert::<f32>().to_vec().expect("f32 probabilities")
+    let logits = model
+        .forward(input)
+        .logits
+        .slice([0..1, t - 1..t])
+        .reshape([model.vocab_size()]);
+    softmax(logits, 0)
+        .into_data()
+        .convert::<f32>()
+        .to_vec()
+        .expect("f32 probabilities")
 }

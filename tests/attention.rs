@@ -10,7 +10,11 @@ type B = NdArray<f32>;
 
 fn matmul(a: &[Vec<f64>], b: &[Vec<f64>]) -> Vec<Vec<f64>> {
     a.iter()
-        .map(|row| (0..b[0].len()).map(|j| row.iter().zip(b).map(|(x, bj)| x * bj[j]).sum()).collect())
+        .map(|row| {
+            (0..b[0].len())
+                .map(|j| row.iter().zip(b).map(|(x, bj)| x * bj[j]).sum())
+                .collect()
+        })
         .collect()
 }
 
@@ -22,7 +26,11 @@ fn reference() -> (Vec<Vec<f64>>, Vec<Vec<f64>>, Vec<Vec<f64>>) {
     let v = matmul(&x, &[vec![0.5, 1.0], vec![1.0, 0.0]]);
     let scores: Vec<Vec<f64>> = q
         .iter()
-        .map(|qi| k.iter().map(|kj| (qi[0] * kj[0] + qi[1] * kj[1]) / 2f64.sqrt()).collect())
+        .map(|qi| {
+            k.iter()
+                .map(|kj| (qi[0] * kj[0] + qi[1] * kj[1]) / 2f64.sqrt())
+                .collect()
+        })
         .collect();
     let weights: Vec<Vec<f64>> = scores
         .iter()
@@ -38,7 +46,10 @@ fn reference() -> (Vec<Vec<f64>>, Vec<Vec<f64>>, Vec<Vec<f64>>) {
 fn assert_close(actual: &[Vec<f32>], expected: &[Vec<f64>], what: &str) {
     for (i, (a, e)) in actual.iter().zip(expected).enumerate() {
         for (j, (a, e)) in a.iter().zip(e).enumerate() {
-            assert!((*a as f64 - e).abs() < 1e-5, "{what}[{i}][{j}] = {a}, expected {e}");
+            assert!(
+                (*a as f64 - e).abs() < 1e-5,
+                "{what}[{i}][{j}] = {a}, expected {e}"
+            );
         }
     }
 }
@@ -76,18 +87,29 @@ fn explain_rejects_mismatched_matrices() {
 }
 
 fn random(shape: [usize; 4]) -> Tensor<B, 4> {
-    Tensor::random(shape, burn::tensor::Distribution::Normal(0.0, 1.0), &Default::default())
+    Tensor::random(
+        shape,
+        burn::tensor::Distribution::Normal(0.0, 1.0),
+        &Default::default(),
+    )
 }
 
 #[test]
 fn weights_rows_sum_to_one_and_masked_entries_are_zero() {
     let device = Default::default();
-    let (q, k, v) = (random([2, 3, 5, 4]), random([2, 3, 5, 4]), random([2, 3, 5, 4]));
+    let (q, k, v) = (
+        random([2, 3, 5, 4]),
+        random([2, 3, 5, 4]),
+        random([2, 3, 5, 4]),
+    );
     let mask = AttentionMask::<B>::causal(5, &device);
     let (context, weights) = scaled_dot_product_attention(q, k, v, Some(&mask));
     assert_eq!(context.dims(), [2, 3, 5, 4]);
     let sums: Vec<f32> = weights.clone().sum_dim(3).into_data().to_vec().unwrap();
-    assert!(sums.iter().all(|s| (s - 1.0).abs() < 1e-5), "row sums {sums:?}");
+    assert!(
+        sums.iter().all(|s| (s - 1.0).abs() < 1e-5),
+        "row sums {sums:?}"
+    );
     let w: Vec<f32> = weights.into_data().to_vec().unwrap();
     for (n, value) in w.iter().enumerate() {
         let (i, j) = ((n / 5) % 5, n % 5);

@@ -1,6 +1,8 @@
 //! The real binary end to end on a tiny config: train → generate → eval, resume after a kill,
 //! and one clear error line (never a panic) for each bad input.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
@@ -38,6 +40,18 @@ impl Sandbox {
         self.path(name)
     }
 
+    fn generate(&self, extra: &[&str]) -> Output {
+        let mut args = vec![
+            "generate",
+            "--artifact-dir",
+            "art",
+            "--max-new-tokens",
+            "30",
+        ];
+        args.extend_from_slice(extra);
+        self.run(&args)
+    }
+
     fn run(&self, args: &[&str]) -> Output {
         Command::new(BIN)
             .args(["--backend", "ndarray"])
@@ -56,93 +70,185 @@ fn stdout(o: &Output) -> String {
 /// Asserts a clean failure: non-zero exit, one `error:` line naming `expected`, no panic.
 fn assert_error(o: &Output, expected: &str) {
     let err = String::from_utf8_lossy(&o.stderr);
-    assert!(!o.status.success(), "expected failure, got success: {}", stdout(o));
+    assert!(
+        !o.status.success(),
+        "expected failure, got success: {}",
+        stdout(o)
+    );
     assert!(!err.contains("panicked"), "panic: {err}");
-    let line = err.lines().find(|l| l.starts_with("error: ")).unwrap_or_else(|| panic!("no error line in {err:?}"));
+    let line = err
+        .lines()
+        .find(|l| l.starts_with("error: "))
+        .unwrap_or_else(|| panic!("no error line in {err:?}"));
     assert!(line.contains(expected), "{line:?} lacks {expected:?}");
-}
-
-fn losses(log: &str) -> Vec<f64> {
-    log.lines()
-        .filter(|l| l.contains(" valid "))
-        .filter_map(|l| l.split("loss ").nth(1)?.split_whitespace().next()?.parse().ok())
-        .collect()
 }
 
 #[test]
 fn train_generate_eval_end_to_end() {
     let sb = Sandbox::new();
     let out = sb.run(&["train", "-e", "tiny.json", "--artifact-dir", "art"]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let log = stdout(&out);
-    assert!(log.contains("step     40/40"), "plain log lines expected:\n{log}");
-    let valid = losses(&log);
+    assert!(
+        log.contains("step     40/40"),
+        "plain log lines expected:\n{log}"
+    );
+    let valid = common::valid_losses(&log);
     assert_eq!(valid.len(), 2, "{log}");
-    assert!(valid[1] < 2.2, "a 40-step run on a repetitive corpus learns: {valid:?}");
-    for file in ["config.json", "tokenizer.json", "model.mpk", "checkpoint/model-2.mpk", "checkpoint/scheduler-2.mpk"] {
+    assert!(
+        valid[1] < 2.2,
+        "a 40-step run on a repetitive corpus learns: {valid:?}"
+    );
+    for file in [
+        "config.json",
+        "tokenizer.json",
+        "model.mpk",
+        "checkpoint/model-2.mpk",
+        "checkpoint/scheduler-2.mpk",
+    ] {
         assert!(sb.path("art").join(file).exists(), "{file} missing");
     }
 
-    let gen = sb.run(&["generate", "--artifact-dir", "art", "--prompt", "the ", "--max-new-tokens", "30", "--seed", "3"]);
-    assert!(gen.status.success(), "{}", String::from_utf8_lossy(&gen.stderr));
+    let gen = sb.generate(&["--prompt", "the ", "--seed", "3"]);
+    assert!(
+        gen.status.success(),
+        "{}",
+        String::from_utf8_lossy(&gen.stderr)
+    );
     let text = stdout(&gen);
-    assert!(text.starts_with("the ") && text.trim_end().chars().count() >= 30, "{text:?}");
-    let again = sb.run(&["generate", "--artifact-dir", "art", "--prompt", "the ", "--max-new-tokens", "30", "--seed", "3"]);
+    assert!(
+        text.starts_with("the ") && text.trim_end().chars().count() >= 30,
+        "{text:?}"
+    );
+    let again = sb.generate(&["--prompt", "the ", "--seed", "3"]);
     assert_eq!(text, stdout(&again), "same seed, same text");
-    let greedy = sb.run(&["generate", "--artifact-dir", "art", "--prompt", "the ", "--greedy", "--max-new-tokens", "30"]);
-    let top1 = sb.run(&["generate", "--artifact-dir", "art", "--prompt", "the ", "--top-k", "1", "--max-new-tokens", "30", "--seed", "9"]);
+    let greedy = sb.generate(&["--prompt", "the ", "--greedy"]);
+    let top1 = sb.generate(&["--prompt", "the ", "--top-k", "1", "--seed", "9"]);
     assert_eq!(stdout(&greedy), stdout(&top1));
 
     let eval = sb.run(&["eval", "--artifact-dir", "art"]);
-    assert!(eval.status.success(), "{}", String::from_utf8_lossy(&eval.stderr));
-    assert!(stdout(&eval).contains("validation loss"), "{}", stdout(&eval));
+    assert!(
+        eval.status.success(),
+        "{}",
+        String::from_utf8_lossy(&eval.stderr)
+    );
+    assert!(
+        stdout(&eval).contains("validation loss"),
+        "{}",
+        stdout(&eval)
+    );
 }
 
 #[test]
 fn bad_inputs_get_one_clear_error_line() {
     let sb = Sandbox::new();
-    assert!(sb.run(&["train", "-e", "tiny.json", "--artifact-dir", "art"]).status.success());
+    assert!(sb
+        .run(&["train", "-e", "tiny.json", "--artifact-dir", "art"])
+        .status
+        .success());
 
-    assert_error(&sb.run(&["generate", "--artifact-dir", "art", "--prompt", "Zebra!"]), "outside the model's vocabulary");
+    assert_error(
+        &sb.run(&["generate", "--artifact-dir", "art", "--prompt", "Zebra!"]),
+        "outside the model's vocabulary",
+    );
     let long = "the ".repeat(10);
-    assert_error(&sb.run(&["generate", "--artifact-dir", "art", "--prompt", &long]), "context is 16");
-    assert_error(&sb.run(&["generate", "--artifact-dir", "missing"]), "does not exist");
+    assert_error(
+        &sb.run(&["generate", "--artifact-dir", "art", "--prompt", &long]),
+        "context is 16",
+    );
+    assert_error(
+        &sb.run(&["generate", "--artifact-dir", "missing"]),
+        "does not exist",
+    );
     std::fs::create_dir(sb.path("empty")).unwrap();
-    assert_error(&sb.run(&["generate", "--artifact-dir", "empty"]), "holds no trained model");
-    assert_error(&sb.run(&["generate", "--artifact-dir", "art", "--top-p", "2"]), "--top-p");
+    assert_error(
+        &sb.run(&["generate", "--artifact-dir", "empty"]),
+        "holds no trained model",
+    );
+    assert_error(
+        &sb.run(&["generate", "--artifact-dir", "art", "--top-p", "2"]),
+        "--top-p",
+    );
 
     // The artifact is never overwritten without --force.
     let before = std::fs::read(sb.path("art/model.mpk")).unwrap();
-    assert_error(&sb.run(&["train", "-e", "tiny.json", "--artifact-dir", "art"]), "--resume");
+    assert_error(
+        &sb.run(&["train", "-e", "tiny.json", "--artifact-dir", "art"]),
+        "--resume",
+    );
     assert_eq!(before, std::fs::read(sb.path("art/model.mpk")).unwrap());
 
     // A checkpoint from a different config.
     sb.experiment("wide.json", 32, 20);
-    assert!(sb.run(&["train", "-e", "wide.json", "--artifact-dir", "wide"]).status.success());
+    assert!(sb
+        .run(&["train", "-e", "wide.json", "--artifact-dir", "wide"])
+        .status
+        .success());
     std::fs::copy(sb.path("wide/model.mpk"), sb.path("art/model.mpk")).unwrap();
-    assert_error(&sb.run(&["generate", "--artifact-dir", "art"]), "another shape");
+    assert_error(
+        &sb.run(&["generate", "--artifact-dir", "art"]),
+        "another shape",
+    );
 
     // Configs and data.
-    std::fs::write(sb.path("bad.json"), r#"{"model": {"d_model": 30, "n_heads": 4}}"#).unwrap();
-    assert_error(&sb.run(&["train", "-e", "bad.json", "--artifact-dir", "x"]), "divisible by n_heads");
+    std::fs::write(
+        sb.path("bad.json"),
+        r#"{"model": {"d_model": 30, "n_heads": 4}}"#,
+    )
+    .unwrap();
+    assert_error(
+        &sb.run(&["train", "-e", "bad.json", "--artifact-dir", "x"]),
+        "divisible by n_heads",
+    );
     std::fs::write(sb.path("typo.json"), r#"{"train": {"stepz": 3}}"#).unwrap();
-    assert_error(&sb.run(&["train", "-e", "typo.json", "--artifact-dir", "x"]), "unknown field");
+    assert_error(
+        &sb.run(&["train", "-e", "typo.json", "--artifact-dir", "x"]),
+        "unknown field",
+    );
     assert_error(&sb.run(&["train", "-e", "nope.json"]), "cannot read config");
-    std::fs::write(sb.path("nodata.json"), r#"{"data": {"text_file": "absent.txt"}}"#).unwrap();
-    assert_error(&sb.run(&["train", "-e", "nodata.json", "--artifact-dir", "y"]), "absent.txt");
+    std::fs::write(
+        sb.path("nodata.json"),
+        r#"{"data": {"text_file": "absent.txt"}}"#,
+    )
+    .unwrap();
+    assert_error(
+        &sb.run(&["train", "-e", "nodata.json", "--artifact-dir", "y"]),
+        "absent.txt",
+    );
     let corrupt = sb.path("data/tinyshakespeare/input.txt");
     std::fs::create_dir_all(corrupt.parent().unwrap()).unwrap();
     std::fs::write(&corrupt, "not the real file").unwrap();
-    assert_error(&sb.run(&["train", "--artifact-dir", "z", "--data-dir", "data"]), "sha256");
-    assert_error(&sb.run(&["eval", "--artifact-dir", "art", "--batch-size", "0"]), "batch-size");
-    assert_error(&sb.run(&["explain", "--x", "1,0;0"]), "same number of values");
+    assert_error(
+        &sb.run(&["train", "--artifact-dir", "z", "--data-dir", "data"]),
+        "sha256",
+    );
+    assert_error(
+        &sb.run(&["eval", "--artifact-dir", "art", "--batch-size", "0"]),
+        "batch-size",
+    );
+    assert_error(
+        &sb.run(&["explain", "--x", "1,0;0"]),
+        "same number of values",
+    );
 }
 
 fn wait_for(path: &Path, child: &mut std::process::Child) {
     let start = std::time::Instant::now();
     while !path.exists() {
-        assert!(child.try_wait().unwrap().is_none(), "training ended before {} appeared", path.display());
-        assert!(start.elapsed().as_secs() < 120, "timed out waiting for {}", path.display());
+        assert!(
+            child.try_wait().unwrap().is_none(),
+            "training ended before {} appeared",
+            path.display()
+        );
+        assert!(
+            start.elapsed().as_secs() < 120,
+            "timed out waiting for {}",
+            path.display()
+        );
         std::thread::sleep(std::time::Duration::from_millis(20));
     }
 }
@@ -152,7 +258,15 @@ fn a_killed_run_resumes_from_its_last_complete_checkpoint() {
     let sb = Sandbox::new();
     sb.experiment("long.json", 16, 200);
     let mut child = Command::new(BIN)
-        .args(["--backend", "ndarray", "train", "-e", "long.json", "--artifact-dir", "art"])
+        .args([
+            "--backend",
+            "ndarray",
+            "train",
+            "-e",
+            "long.json",
+            "--artifact-dir",
+            "art",
+        ])
         .current_dir(sb.dir.path())
         .stdout(std::process::Stdio::null())
         .spawn()
@@ -164,18 +278,37 @@ fn a_killed_run_resumes_from_its_last_complete_checkpoint() {
     std::fs::write(sb.path("art/checkpoint/.model-9-partial-1.mpk"), b"garbage").unwrap();
 
     let out = sb.run(&["train", "--artifact-dir", "art", "--resume"]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let log = stdout(&out);
     assert!(log.contains("resuming after step"), "{log}");
     assert!(log.contains("step    200/200"), "{log}");
     // The LR schedule continued: the last step's rate is the cosine's end, not a restart's.
-    let last_lr = log.lines().rfind(|l| l.contains("step    200/200")).unwrap();
+    let last_lr = log
+        .lines()
+        .rfind(|l| l.contains("step    200/200"))
+        .unwrap();
     let expected = transformer_lab::train::WarmupCosine::new(0.01, 1e-4, 5, 200).at(199);
     let restarted = transformer_lab::train::WarmupCosine::new(0.01, 1e-4, 5, 200).at(199 - 40);
-    assert!(last_lr.contains(&format!("lr {expected:.2e}")), "want lr {expected:.2e}: {last_lr}");
+    assert!(
+        last_lr.contains(&format!("lr {expected:.2e}")),
+        "want lr {expected:.2e}: {last_lr}"
+    );
     assert!(!last_lr.contains(&format!("lr {restarted:.2e}")));
     assert!(sb.path("art/checkpoint/model-10.mpk").exists());
-    assert!(sb.run(&["generate", "--artifact-dir", "art", "--max-new-tokens", "5"]).status.success());
-    assert_error(&sb.run(&["train", "--artifact-dir", "art", "--resume"]), "already finished");
-    assert_error(&sb.run(&["train", "--artifact-dir", "fresh", "--resume"]), "no run to resume");
+    assert!(sb
+        .run(&["generate", "--artifact-dir", "art", "--max-new-tokens", "5"])
+        .status
+        .success());
+    assert_error(
+        &sb.run(&["train", "--artifact-dir", "art", "--resume"]),
+        "already finished",
+    );
+    assert_error(
+        &sb.run(&["train", "--artifact-dir", "fresh", "--resume"]),
+        "no run to resume",
+    );
 }

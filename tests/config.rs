@@ -18,13 +18,37 @@ fn every_experiment_file_loads() {
 
 #[test]
 fn the_default_experiment_is_nanogpts_small_cpu_config() {
-    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/experiments/shakespeare-char.json");
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/experiments/shakespeare-char.json"
+    );
     let c = ExperimentConfig::load(path.as_ref()).unwrap();
-    assert_eq!((c.model.n_layers, c.model.n_heads, c.model.d_model, c.model.context), (4, 4, 128, 64));
-    assert_eq!((c.train.batch_size, c.train.steps, c.train.warmup_steps), (12, 2000, 100));
-    assert_eq!((c.train.lr, c.train.min_lr, c.train.beta2, c.train.weight_decay, c.train.grad_clip), (1e-3, 1e-4, 0.99, 0.1, 1.0));
+    assert_eq!(
+        (
+            c.model.n_layers,
+            c.model.n_heads,
+            c.model.d_model,
+            c.model.context
+        ),
+        (4, 4, 128, 64)
+    );
+    assert_eq!(
+        (c.train.batch_size, c.train.steps, c.train.warmup_steps),
+        (12, 2000, 100)
+    );
+    assert_eq!(
+        (
+            c.train.lr,
+            c.train.min_lr,
+            c.train.beta2,
+            c.train.weight_decay,
+            c.train.grad_clip
+        ),
+        (1e-3, 1e-4, 0.99, 0.1, 1.0)
+    );
     assert_eq!(c.model.dropout, 0.0);
-    let built_in: ExperimentConfig = serde_json::from_str(transformer_lab::cli::DEFAULT_EXPERIMENT).unwrap();
+    let built_in: ExperimentConfig =
+        serde_json::from_str(transformer_lab::cli::DEFAULT_EXPERIMENT).unwrap();
     assert_eq!(built_in, c);
 }
 
@@ -38,10 +62,16 @@ fn load_str(text: &str) -> anyhow::Result<ExperimentConfig> {
 #[test]
 fn mistakes_are_clear_errors() {
     let cases = [
-        (r#"{"model": {"d_model": 130, "n_heads": 4}}"#, "divisible by n_heads"),
+        (
+            r#"{"model": {"d_model": 130, "n_heads": 4}}"#,
+            "divisible by n_heads",
+        ),
         (r#"{"model": {"d_modle": 128}}"#, "unknown field `d_modle`"),
         (r#"{"model": {"position": "rotary"}}"#, "unknown variant"),
-        (r#"{"train": {"steps": 1000, "steps_per_epoch": 300}}"#, "multiple of steps_per_epoch"),
+        (
+            r#"{"train": {"steps": 1000, "steps_per_epoch": 300}}"#,
+            "multiple of steps_per_epoch",
+        ),
         (r#"{"train": {"warmup_steps": 5000}}"#, "warmup_steps"),
         (r#"{"model": {"dropout": 1.5}}"#, "dropout"),
         (r#"{"model": "#, "malformed config"),

@@ -16,7 +16,10 @@ fn char_tokenizer_round_trips_and_names_unknown_characters() {
     let ids = tok.encode("low hold\n").unwrap();
     assert_eq!(tok.decode(&ids), "low hold\n");
     let err = tok.encode("hello, Zoë").unwrap_err().to_string();
-    assert!(err.contains("','") && err.contains("'Z'") && err.contains("'ë'"), "{err}");
+    assert!(
+        err.contains("','") && err.contains("'Z'") && err.contains("'ë'"),
+        "{err}"
+    );
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("tokenizer.json");
     tok.save(&path).unwrap();
@@ -57,7 +60,10 @@ fn serve_once(body: &'static [u8]) -> String {
         if let Ok((mut stream, _)) = listener.accept() {
             let mut request = [0u8; 4096];
             let _ = stream.read(&mut request);
-            let head = format!("HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n", body.len());
+            let head = format!(
+                "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+                body.len()
+            );
             let _ = stream.write_all(head.as_bytes());
             let _ = stream.write_all(body);
         }
@@ -66,7 +72,10 @@ fn serve_once(body: &'static [u8]) -> String {
 }
 
 fn sha256(bytes: &[u8]) -> String {
-    Sha256::digest(bytes).iter().map(|b| format!("{b:02x}")).collect()
+    Sha256::digest(bytes)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
 }
 
 #[test]
@@ -81,7 +90,10 @@ fn download_verifies_the_checksum_before_the_file_appears() {
     let bad = dir.path().join("other/input.txt");
     let err = download_verified(&serve_once(BODY), &sha256(b"something else"), &bad).unwrap_err();
     assert!(format!("{err:#}").contains("expected"), "{err:#}");
-    assert!(!bad.exists(), "a mismatching download must not appear at its destination");
+    assert!(
+        !bad.exists(),
+        "a mismatching download must not appear at its destination"
+    );
     let leftovers = std::fs::read_dir(dir.path().join("other")).unwrap().count();
     assert_eq!(leftovers, 0, "no temporary file is left behind");
 }
@@ -95,4 +107,14 @@ fn a_corrupt_local_file_is_reported() {
     let spec = DatasetSpec::find("tinyshakespeare").unwrap();
     let err = spec.ensure(dir.path()).unwrap_err();
     assert!(format!("{err:#}").contains("sha256"), "{err:#}");
+}
+
+#[test]
+fn an_unreachable_url_fails_cleanly_and_leaves_nothing() {
+    // Port 9 on loopback: nothing listens there, so the connection is refused at once.
+    let dir = tempfile::tempdir().unwrap();
+    let dest = dir.path().join("set/file.txt");
+    let err = download_verified("http://127.0.0.1:9/file.txt", &sha256(b""), &dest).unwrap_err();
+    assert!(format!("{err:#}").contains("127.0.0.1:9"), "{err:#}");
+    assert!(!dest.exists());
 }

@@ -12,10 +12,14 @@ type B = NdArray<f32>;
 
 fn logits(seed: u64, n: usize) -> Vec<f32> {
     // A fixed pseudo-random logit vector (a tiny LCG, independent of the code under test).
-    let mut x = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    let mut x = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
     (0..n)
         .map(|_| {
-            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            x = x
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
             ((x >> 33) as f32 / (1u64 << 31) as f32) * 8.0 - 4.0
         })
         .collect()
@@ -29,9 +33,18 @@ fn argmax(v: &[f32]) -> usize {
 fn top_k_one_and_tiny_top_p_are_greedy() {
     for seed in 0..20 {
         let l = logits(seed, 50);
-        let greedy = Sampling { greedy: true, ..Sampling::default() };
-        let top1 = Sampling { top_k: Some(1), ..Sampling::default() };
-        let tiny_p = Sampling { top_p: Some(1e-9), ..Sampling::default() };
+        let greedy = Sampling {
+            greedy: true,
+            ..Sampling::default()
+        };
+        let top1 = Sampling {
+            top_k: Some(1),
+            ..Sampling::default()
+        };
+        let tiny_p = Sampling {
+            top_p: Some(1e-9),
+            ..Sampling::default()
+        };
         let mut rng = StdRng::seed_from_u64(seed);
         for _ in 0..20 {
             assert_eq!(greedy.sample(&l, &mut rng), argmax(&l));
@@ -47,7 +60,11 @@ fn samples_stay_inside_the_top_k_set() {
     let mut sorted = l.clone();
     sorted.sort_by(|a, b| b.total_cmp(a));
     let kth = sorted[4];
-    let s = Sampling { top_k: Some(5), temperature: 2.0, ..Sampling::default() };
+    let s = Sampling {
+        top_k: Some(5),
+        temperature: 2.0,
+        ..Sampling::default()
+    };
     let mut rng = StdRng::seed_from_u64(1);
     let mut seen = std::collections::HashSet::new();
     for _ in 0..2000 {
@@ -55,7 +72,11 @@ fn samples_stay_inside_the_top_k_set() {
         assert!(l[t] >= kth, "token {t} is outside the top 5");
         seen.insert(t);
     }
-    assert_eq!(seen.len(), 5, "a flat temperature should reach all 5 candidates");
+    assert_eq!(
+        seen.len(),
+        5,
+        "a flat temperature should reach all 5 candidates"
+    );
 }
 
 #[test]
@@ -63,7 +84,11 @@ fn samples_stay_inside_the_nucleus() {
     let l = logits(9, 30);
     // Independent nucleus: softmax, sort, smallest prefix reaching p.
     let z: f64 = l.iter().map(|&x| (x as f64).exp()).sum();
-    let mut probs: Vec<(usize, f64)> = l.iter().map(|&x| (x as f64).exp() / z).enumerate().collect();
+    let mut probs: Vec<(usize, f64)> = l
+        .iter()
+        .map(|&x| (x as f64).exp() / z)
+        .enumerate()
+        .collect();
     probs.sort_by(|a, b| b.1.total_cmp(&a.1));
     let p = 0.6;
     let mut mass = 0.0;
@@ -76,7 +101,10 @@ fn samples_stay_inside_the_nucleus() {
         })
         .map(|(i, _)| *i)
         .collect();
-    let s = Sampling { top_p: Some(p), ..Sampling::default() };
+    let s = Sampling {
+        top_p: Some(p),
+        ..Sampling::default()
+    };
     let candidates: Vec<usize> = s.candidates(&l).iter().map(|c| c.0).collect();
     assert_eq!(candidates, nucleus);
     let mut rng = StdRng::seed_from_u64(2);
@@ -90,8 +118,16 @@ fn candidate_probabilities_are_a_distribution() {
     let l = logits(5, 20);
     for s in [
         Sampling::default(),
-        Sampling { temperature: 0.5, top_k: Some(7), ..Sampling::default() },
-        Sampling { top_p: Some(0.9), top_k: Some(10), ..Sampling::default() },
+        Sampling {
+            temperature: 0.5,
+            top_k: Some(7),
+            ..Sampling::default()
+        },
+        Sampling {
+            top_p: Some(0.9),
+            top_k: Some(10),
+            ..Sampling::default()
+        },
     ] {
         let total: f64 = s.candidates(&l).iter().map(|c| c.1).sum();
         assert!((total - 1.0).abs() < 1e-9);
@@ -101,10 +137,18 @@ fn candidate_probabilities_are_a_distribution() {
 #[test]
 fn the_same_seed_gives_the_same_text() {
     let device = Default::default();
-    let config = LmConfig { vocab_size: 20, d_model: 16, n_layers: 1, n_heads: 2, context: 8, ..LmConfig::default() };
+    let config = LmConfig {
+        vocab_size: 20,
+        d_model: 16,
+        n_layers: 1,
+        n_heads: 2,
+        context: 8,
+        ..LmConfig::default()
+    };
     let model = config.init::<B>(&device);
     let sampling = Sampling::default();
-    let run = |seed| generate(&model, &[1, 2, 3], 30, &sampling, seed, &device, |_| Ok(())).unwrap();
+    let run =
+        |seed| generate(&model, &[1, 2, 3], 30, &sampling, seed, &device, |_| Ok(())).unwrap();
     let a = run(11);
     assert_eq!(a.len(), 33, "prompt + 30 new tokens, past the context of 8");
     assert_eq!(a, run(11));
@@ -124,7 +168,22 @@ fn prompts_are_checked_against_the_context() {
     assert!(check_prompt(9, 8, PositionKind::Learned).is_err());
     assert!(check_prompt(9, 8, PositionKind::Sinusoidal).is_ok());
     assert!(check_prompt(0, 8, PositionKind::Sinusoidal).is_err());
-    assert!(Sampling { top_p: Some(1.5), ..Sampling::default() }.validate().is_err());
-    assert!(Sampling { top_k: Some(0), ..Sampling::default() }.validate().is_err());
-    assert!(Sampling { temperature: -1.0, ..Sampling::default() }.validate().is_err());
+    assert!(Sampling {
+        top_p: Some(1.5),
+        ..Sampling::default()
+    }
+    .validate()
+    .is_err());
+    assert!(Sampling {
+        top_k: Some(0),
+        ..Sampling::default()
+    }
+    .validate()
+    .is_err());
+    assert!(Sampling {
+        temperature: -1.0,
+        ..Sampling::default()
+    }
+    .validate()
+    .is_err());
 }

@@ -33,8 +33,11 @@ fn sinusoidal_encoding_adds_the_table_and_has_no_parameters() {
     assert_eq!(pe.num_params(), 0);
     let x = Tensor::<B, 3>::zeros([2, 5, 6], &device);
     let out = pe.forward(x);
-    let expected = sinusoid_table::<B>(5, 6, &device).unsqueeze::<3>().repeat_dim(0, 2);
-    out.into_data().assert_approx_eq::<f32>(&expected.into_data(), Default::default());
+    let expected = sinusoid_table::<B>(5, 6, &device)
+        .unsqueeze::<3>()
+        .repeat_dim(0, 2);
+    out.into_data()
+        .assert_approx_eq::<f32>(&expected.into_data(), Default::default());
 }
 
 #[test]

@@ -64,7 +64,14 @@ fn norm(model: &LanguageModel<AB>, grads: &GradientsParams) -> f64 {
 #[test]
 fn clipping_rescales_all_gradients_together() {
     let device = Default::default();
-    let config = LmConfig { vocab_size: 7, d_model: 16, n_layers: 1, n_heads: 2, context: 8, ..LmConfig::default() };
+    let config = LmConfig {
+        vocab_size: 7,
+        d_model: 16,
+        n_layers: 1,
+        n_heads: 2,
+        context: 8,
+        ..LmConfig::default()
+    };
     let model: LanguageModel<AB> = config.init(&device);
     let inputs = Tensor::<AB, 2, Int>::from_data([[1, 2, 3, 4, 5, 6, 0, 1]], &device);
     let grads_of = || {
@@ -72,17 +79,69 @@ fn clipping_rescales_all_gradients_together() {
         GradientsParams::from_grads(logits.powi_scalar(2).sum().backward(), &model)
     };
     let before = norm(&model, &grads_of());
-    assert!(before > 0.5, "test needs a gradient norm above the clip, got {before}");
+    assert!(
+        before > 0.5,
+        "test needs a gradient norm above the clip, got {before}"
+    );
     let clipped = clip_global_norm::<AB, _>(&model, grads_of(), 0.5);
     assert!((norm(&model, &clipped) - 0.5).abs() < 1e-4);
     // Directions are kept: every gradient is scaled by the same factor.
-    let (raw, clipped_again) = (grads_of(), clip_global_norm::<AB, _>(&model, grads_of(), 0.5));
+    let (raw, clipped_again) = (
+        grads_of(),
+        clip_global_norm::<AB, _>(&model, grads_of(), 0.5),
+    );
     let id = model.token_embedding.weight.id;
-    let ratio = clipped_again.get::<B, 2>(id).unwrap() / raw.get::<B, 2>(id).unwrap().add_scalar(1e-30);
+    let ratio =
+        clipped_again.get::<B, 2>(id).unwrap() / raw.get::<B, 2>(id).unwrap().add_scalar(1e-30);
     let factor = 0.5 / before;
     let worst: f32 = (ratio.sub_scalar(factor as f32)).abs().max().into_scalar();
     assert!(worst < 1e-3, "embedding gradient scaled unevenly ({worst})");
     // Below the threshold nothing changes.
     let untouched = clip_global_norm::<AB, _>(&model, grads_of(), 1e9);
     assert!((norm(&model, &untouched) - before).abs() < 1e-6 * before);
+}
+
+#[test]
+fn weight_decay_shrinks_matrices_but_not_layer_norm_gains() {
+    use burn::optim::{Optimizer, SgdConfig};
+    use transformer_lab::train::ReferenceOptimizer;
+    let device = Default::default();
+    let config = LmConfig {
+        vocab_size: 7,
+        d_model: 8,
+        n_layers: 1,
+        n_heads: 2,
+        context: 4,
+        ..LmConfig::default()
+    };
+    let model: LanguageModel<AB> = config.init(&device);
+    let embedding_before = model.token_embedding.weight.val().inner();
+    // A step with no gradients: only the decay acts, and SGD itself changes nothing.
+    let mut optim =
+        ReferenceOptimizer::new(SgdConfig::new().init::<AB, LanguageModel<AB>>(), 0.5, 0.0);
+    let after = optim.step(0.1, model, GradientsParams::new());
+    let embedding_after = after.token_embedding.weight.val().inner();
+    let ratio: Vec<f32> = (embedding_after / embedding_before)
+        .into_data()
+        .to_vec()
+        .unwrap();
+    assert!(
+        ratio.iter().all(|r| (r - 0.95).abs() < 1e-5),
+        "θ·(1 − lr·λ) = θ·0.95"
+    );
+    let mut norms = Vec::new();
+    struct Gains<'a>(&'a mut Vec<f32>);
+    impl ModuleVisitor<AB> for Gains<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<AB, D>>) {
+            if D == 1 {
+                self.0
+                    .extend(param.val().inner().into_data().to_vec::<f32>().unwrap());
+            }
+        }
+    }
+    after.visit(&mut Gains(&mut norms));
+    assert!(
+        !norms.is_empty() && norms.iter().all(|g| *g == 1.0),
+        "LayerNorm gains stay 1"
+    );
 }

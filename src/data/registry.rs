@@ -50,7 +50,10 @@ impl DatasetSpec {
         let all = Self::all();
         all.iter().find(|s| s.name == name).cloned().ok_or_else(|| {
             let names: Vec<&str> = all.iter().map(|s| s.name.as_str()).collect();
-            anyhow!("unknown dataset {name:?}; declared datasets: {}", names.join(", "))
+            anyhow!(
+                "unknown dataset {name:?}; declared datasets: {}",
+                names.join(", ")
+            )
         })
     }
 
@@ -64,7 +67,10 @@ impl DatasetSpec {
 
     /// Paths of every file under `data_dir`, downloading and verifying whatever is missing.
     pub fn ensure(&self, data_dir: &Path) -> Result<Vec<PathBuf>> {
-        self.files.iter().map(|file| file.ensure(data_dir)).collect()
+        self.files
+            .iter()
+            .map(|file| file.ensure(data_dir))
+            .collect()
     }
 }
 
@@ -104,7 +110,9 @@ pub fn sha256_file(path: &Path) -> Result<String> {
     let mut hasher = Sha256::new();
     let mut buf = vec![0u8; 1 << 16];
     loop {
-        let n = file.read(&mut buf).with_context(|| format!("cannot read {}", path.display()))?;
+        let n = file
+            .read(&mut buf)
+            .with_context(|| format!("cannot read {}", path.display()))?;
         if n == 0 {
             break;
         }
@@ -137,14 +145,18 @@ pub fn verify_sha256(path: &Path, expected: &str) -> Result<()> {
 pub fn download_verified(url: &str, sha256: &str, dest: &Path) -> Result<()> {
     let dir = dest.parent().unwrap_or(Path::new("."));
     std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
-    let mut response = ureq::get(url).call().with_context(|| format!("GET {url}"))?;
+    let mut response = ureq::get(url)
+        .call()
+        .with_context(|| format!("GET {url}"))?;
     let mut reader = response.body_mut().with_config().limit(4 << 30).reader();
     let mut tmp = tempfile::NamedTempFile::new_in(dir)?;
     let mut hasher = Sha256::new();
     let mut buf = vec![0u8; 1 << 16];
     let mut total = 0u64;
     loop {
-        let n = reader.read(&mut buf).with_context(|| format!("reading {url}"))?;
+        let n = reader
+            .read(&mut buf)
+            .with_context(|| format!("reading {url}"))?;
         if n == 0 {
             break;
         }
@@ -159,6 +171,9 @@ pub fn download_verified(url: &str, sha256: &str, dest: &Path) -> Result<()> {
     tmp.as_file().sync_all()?;
     tmp.persist(dest)
         .with_context(|| format!("cannot move the download to {}", dest.display()))?;
-    eprintln!("downloaded {} ({total} bytes, sha256 verified)", dest.display());
+    eprintln!(
+        "downloaded {} ({total} bytes, sha256 verified)",
+        dest.display()
+    );
     Ok(())
 }

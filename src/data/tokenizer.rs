@@ -25,7 +25,10 @@ impl TryFrom<CharTokenizerFile> for CharTokenizer {
     type Error = String;
     fn try_from(file: CharTokenizerFile) -> Result<Self, String> {
         if file.kind != "char" {
-            return Err(format!("expected a char tokenizer, found kind {:?}", file.kind));
+            return Err(format!(
+                "expected a char tokenizer, found kind {:?}",
+                file.kind
+            ));
         }
         let chars: Vec<char> = file.chars.chars().collect();
         let ids: HashMap<char, usize> = chars.iter().enumerate().map(|(i, &c)| (c, i)).collect();
@@ -94,6 +97,7 @@ impl CharTokenizer {
     pub fn load(path: &Path) -> Result<Self> {
         let text = std::fs::read_to_string(path)
             .with_context(|| format!("cannot read tokenizer {}", path.display()))?;
-        serde_json::from_str(&text).with_context(|| format!("malformed tokenizer {}", path.display()))
+        serde_json::from_str(&text)
+            .with_context(|| format!("malformed tokenizer {}", path.display()))
     }
 }

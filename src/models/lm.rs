@@ -5,7 +5,9 @@ use crate::config::LmConfig;
 use crate::nn::{AttentionMask, PositionEncoding, PositionEncodingConfig, TransformerStack};
 use burn::module::Module;
 use burn::nn::loss::CrossEntropyLossConfig;
-use burn::nn::{Dropout, DropoutConfig, Embedding, EmbeddingConfig, Initializer, Linear, LinearConfig};
+use burn::nn::{
+    Dropout, DropoutConfig, Embedding, EmbeddingConfig, Initializer, Linear, LinearConfig,
+};
 use burn::prelude::*;
 
 /// A decoder-only transformer language model.
@@ -43,7 +45,10 @@ pub struct LmOutput<B: Backend> {
 impl LmConfig {
     /// Builds the model. `vocab_size` must be resolved (non-zero) and the config validated.
     pub fn init<B: Backend>(&self, device: &B::Device) -> LanguageModel<B> {
-        assert!(self.vocab_size > 0, "vocab_size must be resolved before init");
+        assert!(
+            self.vocab_size > 0,
+            "vocab_size must be resolved before init"
+        );
         let init = Initializer::Normal {
             mean: 0.0,
             std: 0.02,
@@ -101,7 +106,10 @@ impl<B: Backend> LanguageModel<B> {
     /// targets `[b·t]` it was computed from.
     pub fn loss(&self, batch: LmBatch<B>) -> (Tensor<B, 1>, Tensor<B, 2>, Tensor<B, 1, Int>) {
         let [b, t] = batch.inputs.dims();
-        let logits = self.forward(batch.inputs).logits.reshape([b * t, self.vocab_size()]);
+        let logits = self
+            .forward(batch.inputs)
+            .logits
+            .reshape([b * t, self.vocab_size()]);
         let targets = batch.targets.reshape([b * t]);
         let loss = CrossEntropyLossConfig::new()
             .init(&logits.device())

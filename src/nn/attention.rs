@@ -62,9 +62,13 @@ pub struct MultiHeadAttentionConfig {
     /// Whether the four projections carry a bias.
     #[config(default = true)]
     pub bias: bool,
-    /// Initializer of the projection weights.
+    /// Initializer of W^Q, W^K and W^V.
     #[config(default = "Initializer::Normal { mean: 0.0, std: 0.02 }")]
     pub initializer: Initializer,
+    /// Initializer of the output projection W^O, which feeds the residual stream (GPT-2 scales
+    /// it down by `1/√(2·n_layers)`).
+    #[config(default = "Initializer::Normal { mean: 0.0, std: 0.02 }")]
+    pub output_initializer: Initializer,
 }
 
 /// Multi-head attention: `MultiHead(Q,K,V) = Concat(head_1..head_h)·W^O`,
@@ -108,17 +112,17 @@ impl MultiHeadAttentionConfig {
             self.d_model,
             self.n_heads
         );
-        let linear = || {
+        let linear = |initializer: &Initializer| {
             LinearConfig::new(self.d_model, self.d_model)
                 .with_bias(self.bias)
-                .with_initializer(self.initializer.clone())
+                .with_initializer(initializer.clone())
                 .init(device)
         };
         MultiHeadAttention {
-            query: linear(),
-            key: linear(),
-            value: linear(),
-            output: linear(),
+            query: linear(&self.initializer),
+            key: linear(&self.initializer),
+            value: linear(&self.initializer),
+            output: linear(&self.output_initializer),
             dropout: DropoutConfig::new(self.dropout).init(),
             n_heads: self.n_heads,
         }

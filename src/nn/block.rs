@@ -8,7 +8,7 @@ use super::attention::{MultiHeadAttention, MultiHeadAttentionConfig};
 use super::feedforward::{Activation, FeedForward, FeedForwardConfig};
 use super::mask::AttentionMask;
 use burn::module::Module;
-use burn::nn::{Dropout, DropoutConfig, LayerNorm, LayerNormConfig};
+use burn::nn::{Dropout, DropoutConfig, Initializer, LayerNorm, LayerNormConfig};
 use burn::prelude::*;
 
 /// Configuration of [`TransformerBlock`]: an encoder block, or a decoder block when
@@ -36,6 +36,11 @@ pub struct TransformerBlockConfig {
     /// Whether linear layers and LayerNorms carry a bias.
     #[config(default = true)]
     pub bias: bool,
+    /// Standard deviation of the normal init of the projections that write into the residual
+    /// stream (W^O and W₂). GPT-2 uses `0.02/√(2·n_layers)` so the stream's variance does not
+    /// grow with depth; the other weights use 0.02.
+    #[config(default = 0.02)]
+    pub residual_init_std: f64,
 }
 
 /// One transformer layer. See the module docs for the residual/LayerNorm arrangement.
@@ -68,13 +73,22 @@ pub struct BlockOutput<B: Backend> {
 impl TransformerBlockConfig {
     /// Builds the block.
     pub fn init<B: Backend>(&self, device: &B::Device) -> TransformerBlock<B> {
+        let residual_init = Initializer::Normal {
+            mean: 0.0,
+            std: self.residual_init_std,
+        };
         let attention = || {
             MultiHeadAttentionConfig::new(self.d_model, self.n_heads)
                 .with_dropout(self.dropout)
                 .with_bias(self.bias)
+                .with_output_initializer(residual_init.clone())
                 .init(device)
         };
-        let norm = || LayerNormConfig::new(self.d_model).with_bias(self.bias).init(device);
+        let norm = || {
+            LayerNormConfig::new(self.d_model)
+                .with_bias(self.bias)
+                .init(device)
+        };
         TransformerBlock {
             self_attention: attention(),
             norm_self: norm(),
@@ -84,6 +98,7 @@ impl TransformerBlockConfig {
                 .with_activation(self.activation)
                 .with_dropout(self.dropout)
                 .with_bias(self.bias)
+                .with_output_initializer(residual_init.clone())
                 .init(device),
             norm_ff: norm(),
             dropout: DropoutConfig::new(self.dropout).init(),
@@ -117,13 +132,11 @@ impl<B: Backend> TransformerBlock<B> {
 
         let mut cross_weights = None;
         let x = match (&self.cross_attention, &self.norm_cross, memory) {
-            (Some(cross), Some(norm), Some((memory, memory_mask))) => {
-                self.residual(x, norm, |h| {
-                    let out = cross.forward(h, memory.clone(), memory_mask);
-                    cross_weights = Some(out.weights);
-                    out.context
-                })
-            }
+            (Some(cross), Some(norm), Some((memory, memory_mask))) => self.residual(x, norm, |h| {
+                let out = cross.forward(h, memory.clone(), memory_mask);
+                cross_weights = Some(out.weights);
+                out.context
+            }),
             (None, None, None) => x,
             _ => panic!("memory must be given exactly to blocks built with cross_attention"),
         };

@@ -32,9 +32,12 @@ pub struct FeedForwardConfig {
     /// Whether the projections carry a bias.
     #[config(default = true)]
     pub bias: bool,
-    /// Initializer of the projection weights.
+    /// Initializer of W₁.
     #[config(default = "Initializer::Normal { mean: 0.0, std: 0.02 }")]
     pub initializer: Initializer,
+    /// Initializer of W₂, which feeds the residual stream.
+    #[config(default = "Initializer::Normal { mean: 0.0, std: 0.02 }")]
+    pub output_initializer: Initializer,
 }
 
 /// Two linear maps with a non-linearity between, applied to each position independently.
@@ -51,15 +54,15 @@ pub struct FeedForward<B: Backend> {
 impl FeedForwardConfig {
     /// Builds the module.
     pub fn init<B: Backend>(&self, device: &B::Device) -> FeedForward<B> {
-        let linear = |d_in, d_out| {
+        let linear = |d_in, d_out, initializer: &Initializer| {
             LinearConfig::new(d_in, d_out)
                 .with_bias(self.bias)
-                .with_initializer(self.initializer.clone())
+                .with_initializer(initializer.clone())
                 .init(device)
         };
         FeedForward {
-            linear_inner: linear(self.d_model, self.d_ff),
-            linear_outer: linear(self.d_ff, self.d_model),
+            linear_inner: linear(self.d_model, self.d_ff, &self.initializer),
+            linear_outer: linear(self.d_ff, self.d_model, &self.output_initializer),
             dropout: DropoutConfig::new(self.dropout).init(),
             activation: self.activation,
         }

@@ -34,7 +34,10 @@ pub struct AttentionMask<B: Backend> {
 impl<B: Backend> AttentionMask<B> {
     /// Combines a `[t, s]` pattern (causal, local, …) with a `[b, s]` key-padding mask.
     /// Returns `None` when both are absent.
-    pub fn new(pattern: Option<Tensor<B, 2, Bool>>, pad: Option<Tensor<B, 2, Bool>>) -> Option<Self> {
+    pub fn new(
+        pattern: Option<Tensor<B, 2, Bool>>,
+        pad: Option<Tensor<B, 2, Bool>>,
+    ) -> Option<Self> {
         let mask = match (pattern, pad) {
             (None, None) => return None,
             (Some(pattern), None) => pattern.unsqueeze::<4>(), // [1, 1, t, s]

@@ -12,7 +12,8 @@ pub mod position;
 pub mod stack;
 
 pub use attention::{
-    attention_weights, scaled_dot_product_attention, AttentionOutput, MultiHeadAttention, MultiHeadAttentionConfig,
+    attention_weights, scaled_dot_product_attention, AttentionOutput, MultiHeadAttention,
+    MultiHeadAttentionConfig,
 };
 pub use block::{BlockOutput, TransformerBlock, TransformerBlockConfig};
 pub use feedforward::{Activation, FeedForward, FeedForwardConfig};

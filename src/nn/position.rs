@@ -100,7 +100,11 @@ impl<B: Backend> PositionEncoding<B> {
 
 /// The sinusoid table of "Attention Is All You Need" §3.5, `[max_len, d_model]`:
 /// `PE(pos, 2i) = sin(pos / 10000^(2i/d))`, `PE(pos, 2i+1) = cos(pos / 10000^(2i/d))`.
-pub fn sinusoid_table<B: Backend>(max_len: usize, d_model: usize, device: &B::Device) -> Tensor<B, 2> {
+pub fn sinusoid_table<B: Backend>(
+    max_len: usize,
+    d_model: usize,
+    device: &B::Device,
+) -> Tensor<B, 2> {
     let mut values = Vec::with_capacity(max_len * d_model);
     for pos in 0..max_len {
         for j in 0..d_model {

@@ -32,7 +32,9 @@ impl TransformerStackConfig {
     /// un-normalised residual sums); post-norm stacks already end normalised.
     pub fn init<B: Backend>(&self, device: &B::Device) -> TransformerStack<B> {
         TransformerStack {
-            blocks: (0..self.n_layers).map(|_| self.block.init(device)).collect(),
+            blocks: (0..self.n_layers)
+                .map(|_| self.block.init(device))
+                .collect(),
             final_norm: self.block.norm_first.then(|| {
                 LayerNormConfig::new(self.block.d_model)
                     .with_bias(self.block.bias)

@@ -1,11 +1,11 @@
 //! Training through burn-train's `Learner`: the model's train/validation steps and one wiring
 //! function that builds data, model, optimizer and schedule from an [`ExperimentConfig`].
 
-mod clip;
+mod optim;
 mod renderer;
 mod schedule;
 
-pub use clip::{clip_global_norm, GlobalNormClip};
+pub use optim::{clip_global_norm, ReferenceOptimizer};
 pub use renderer::PlainRenderer;
 pub use schedule::WarmupCosine;
 
@@ -36,7 +36,15 @@ impl<B: AutodiffBackend> TrainStep for LanguageModel<B> {
     fn step(&self, batch: LmBatch<B>) -> TrainOutput<ClassificationOutput<B>> {
         let (loss, output, targets) = self.loss(batch);
         let grads = loss.backward();
-        TrainOutput::new(self, grads, ClassificationOutput { loss, output, targets })
+        TrainOutput::new(
+            self,
+            grads,
+            ClassificationOutput {
+                loss,
+                output,
+                targets,
+            },
+        )
     }
 }
 
@@ -46,7 +54,11 @@ impl<B: Backend> InferenceStep for LanguageModel<B> {
 
     fn step(&self, batch: LmBatch<B>) -> ClassificationOutput<B> {
         let (loss, output, targets) = self.loss(batch);
-        ClassificationOutput { loss, output, targets }
+        ClassificationOutput {
+            loss,
+            output,
+            targets,
+        }
     }
 }
 
@@ -92,10 +104,16 @@ pub struct Corpus {
 impl Corpus {
     /// Reads the dataset, splits it (the first `1 − valid_fraction` of characters for training)
     /// and tokenizes both parts, fitting a tokenizer on the training part unless one is given.
-    pub fn load(config: &ExperimentConfig, data_dir: &std::path::Path, tokenizer: Option<CharTokenizer>) -> Result<Self> {
+    pub fn load(
+        config: &ExperimentConfig,
+        data_dir: &std::path::Path,
+        tokenizer: Option<CharTokenizer>,
+    ) -> Result<Self> {
         let path = match &config.data.text_file {
             Some(path) => path.clone(),
-            None => DatasetSpec::find(&config.data.dataset)?.ensure(data_dir)?.remove(0),
+            None => DatasetSpec::find(&config.data.dataset)?
+                .ensure(data_dir)?
+                .remove(0),
         };
         let text = std::fs::read_to_string(&path)
             .with_context(|| format!("cannot read {} as UTF-8 text", path.display()))?;
@@ -105,9 +123,9 @@ impl Corpus {
         let valid_text: String = chars[split..].iter().collect();
         let tokenizer = tokenizer.unwrap_or_else(|| CharTokenizer::fit(&train_text));
         let encode = |text: &str, part: &str| -> Result<Arc<Vec<u32>>> {
-            let ids = tokenizer
-                .encode(text)
-                .with_context(|| format!("cannot tokenize the {part} split of {}", path.display()))?;
+            let ids = tokenizer.encode(text).with_context(|| {
+                format!("cannot tokenize the {part} split of {}", path.display())
+            })?;
             Ok(Arc::new(ids.into_iter().map(|id| id as u32).collect()))
         };
         let train = encode(&train_text, "training")?;
@@ -116,7 +134,11 @@ impl Corpus {
         if train.len() <= context || valid.len() <= context {
             bail!("the text is too short for context {context}: each split needs more tokens");
         }
-        Ok(Self { tokenizer, train, valid })
+        Ok(Self {
+            tokenizer,
+            train,
+            valid,
+        })
     }
 }
 
@@ -155,24 +177,36 @@ pub fn train<B: AutodiffBackend>(request: TrainRequest, device: B::Device) -> Re
         .batch_size(train.batch_size)
         .num_workers(train.num_workers)
         .set_device(device.clone())
-        .build(sampler(&corpus.train, train.steps_per_epoch, config.seed + start as u64));
+        .build(sampler(
+            &corpus.train,
+            train.steps_per_epoch,
+            config.seed + start as u64,
+        ));
     let loader_valid = DataLoaderBuilder::new(LmBatcher)
         .batch_size(train.batch_size)
         .num_workers(train.num_workers)
         .set_device(device.clone())
-        .build(sampler(&corpus.valid, train.eval_batches, config.seed ^ 0x5eed));
+        .build(sampler(
+            &corpus.valid,
+            train.eval_batches,
+            config.seed ^ 0x5eed,
+        ));
 
     let model: LanguageModel<B> = config.model.init(&device);
-    let optimizer = GlobalNormClip::new(
-        AdamWConfig::new()
-            .with_beta_1(train.beta1)
-            .with_beta_2(train.beta2)
-            .with_epsilon(train.epsilon)
-            .with_weight_decay(train.weight_decay)
-            .init(),
-        train.grad_clip,
+    // AdamW as in PyTorch/nanoGPT: decay on matrices only, clipping by the global norm.
+    let adamw = AdamWConfig::new()
+        .with_beta_1(train.beta1)
+        .with_beta_2(train.beta2)
+        .with_epsilon(train.epsilon)
+        .with_weight_decay(0.0)
+        .init();
+    let optimizer = ReferenceOptimizer::new(adamw, train.weight_decay as f64, train.grad_clip);
+    let schedule = WarmupCosine::new(
+        train.lr,
+        train.min_lr,
+        train.warmup_steps,
+        train.decay_steps(),
     );
-    let schedule = WarmupCosine::new(train.lr, train.min_lr, train.warmup_steps, train.decay_steps());
 
     let mut training = SupervisedTraining::new(artifact.root(), loader_train, loader_valid)
         .metric_train_numeric(LossMetric::new())
@@ -190,7 +224,11 @@ pub fn train<B: AutodiffBackend>(request: TrainRequest, device: B::Device) -> Re
     }
     let tokens_per_step = train.batch_size * config.model.context;
     if request.plain || !std::io::stdout().is_terminal() {
-        training = training.renderer(PlainRenderer::new(train.steps_per_epoch, train.steps, tokens_per_step));
+        training = training.renderer(PlainRenderer::new(
+            train.steps_per_epoch,
+            train.steps,
+            tokens_per_step,
+        ));
     }
     println!(
         "training {} ({} parameters) for {} steps on {:?}{}; artifacts in {}",
@@ -198,7 +236,11 @@ pub fn train<B: AutodiffBackend>(request: TrainRequest, device: B::Device) -> Re
         model.num_params(),
         train.steps,
         device,
-        if start > 0 { format!(", resuming after step {}", start * train.steps_per_epoch) } else { String::new() },
+        if start > 0 {
+            format!(", resuming after step {}", start * train.steps_per_epoch)
+        } else {
+            String::new()
+        },
         artifact.root().display()
     );
 
@@ -258,7 +300,8 @@ fn prepare_artifact(
         artifact.clear()?;
     }
     let config = request.config.clone().unwrap_or_else(|| {
-        serde_json::from_str(crate::cli::DEFAULT_EXPERIMENT).expect("the default experiment parses (tested)")
+        serde_json::from_str(crate::cli::DEFAULT_EXPERIMENT)
+            .expect("the default experiment parses (tested)")
     });
     config.validate()?;
     Ok((config, None, None))
@@ -288,13 +331,23 @@ impl<B: Backend> Trained<B> {
                 tokenizer.vocab_size()
             );
         }
-        let model = crate::artifact::load_weights(config.model.init::<B>(device), &weights, device)?;
-        Ok(Self { model, tokenizer, config })
+        let model =
+            crate::artifact::load_weights(config.model.init::<B>(device), &weights, device)?;
+        Ok(Self {
+            model,
+            tokenizer,
+            config,
+        })
     }
 }
 
 /// Validation loss and perplexity over every non-overlapping window of the validation split.
-pub fn evaluate<B: Backend>(trained: &Trained<B>, data_dir: &std::path::Path, batch_size: usize, device: &B::Device) -> Result<(f64, f64, usize)> {
+pub fn evaluate<B: Backend>(
+    trained: &Trained<B>,
+    data_dir: &std::path::Path,
+    batch_size: usize,
+    device: &B::Device,
+) -> Result<(f64, f64, usize)> {
     let corpus = Corpus::load(&trained.config, data_dir, Some(trained.tokenizer.clone()))?;
     let windows = TokenWindows::non_overlapping(corpus.valid, trained.config.model.context);
     let loader = DataLoaderBuilder::<B, _, _>::new(LmBatcher)

@@ -72,8 +72,16 @@ impl PlainRenderer {
 
     fn record(&mut self, state: MetricState, valid: bool) {
         if let MetricState::Numeric(entry, numeric) = state {
-            let name = self.names.get(&entry.metric_id).cloned().unwrap_or_default();
-            let averages = if valid { &mut self.valid } else { &mut self.train };
+            let name = self
+                .names
+                .get(&entry.metric_id)
+                .cloned()
+                .unwrap_or_default();
+            let averages = if valid {
+                &mut self.valid
+            } else {
+                &mut self.train
+            };
             averages.add(&name, &numeric);
         }
     }
@@ -103,7 +111,10 @@ impl MetricsRendererTraining for PlainRenderer {
         }
         let elapsed = (now - since).as_secs_f64();
         let throughput = if step > first_step && elapsed > 0.0 {
-            format!("{:>8.0} tok/s", (step - first_step) as f64 * self.tokens_per_step as f64 / elapsed)
+            format!(
+                "{:>8.0} tok/s",
+                (step - first_step) as f64 * self.tokens_per_step as f64 / elapsed
+            )
         } else {
             String::new()
         };
