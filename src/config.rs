@@ -112,7 +112,7 @@ impl LmConfig {
         if self.d_model == 0 || self.n_layers == 0 || self.n_heads == 0 || self.context == 0 {
             bail!("model: d_model, n_layers, n_heads and context must all be at least 1");
         }
-        if self.d_model % self.n_heads != 0 {
+        if !self.d_model.is_multiple_of(self.n_heads) {
             bail!(
                 "model: d_model ({}) must be divisible by n_heads ({})",
                 self.d_model,
@@ -236,7 +236,7 @@ impl TrainConfig {
         if self.batch_size == 0 || self.steps == 0 || self.steps_per_epoch == 0 {
             bail!("train: batch_size, steps and steps_per_epoch must all be at least 1");
         }
-        if self.steps % self.steps_per_epoch != 0 {
+        if !self.steps.is_multiple_of(self.steps_per_epoch) {
             bail!(
                 "train: steps ({}) must be a multiple of steps_per_epoch ({})",
                 self.steps,
@@ -246,7 +246,7 @@ impl TrainConfig {
         if self.eval_batches == 0 {
             bail!("train: eval_batches must be at least 1");
         }
-        if !(self.lr > 0.0 && self.lr <= 1.0) || !(0.0..=self.lr).contains(&self.min_lr) {
+        if !(self.lr > 0.0 && self.lr <= 1.0 && (0.0..=self.lr).contains(&self.min_lr)) {
             bail!(
                 "train: need 0 < lr <= 1 and 0 <= min_lr <= lr (lr {}, min_lr {})",
                 self.lr,

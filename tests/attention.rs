@@ -18,8 +18,11 @@ fn matmul(a: &[Vec<f64>], b: &[Vec<f64>]) -> Vec<Vec<f64>> {
         .collect()
 }
 
-/// The textbook example computed by hand-written f64 loops, independent of burn.
-fn reference() -> (Vec<Vec<f64>>, Vec<Vec<f64>>, Vec<Vec<f64>>) {
+type Matrix = Vec<Vec<f64>>;
+
+/// The textbook example computed by hand-written f64 loops, independent of burn:
+/// (scaled scores, attention weights, output).
+fn reference() -> (Matrix, Matrix, Matrix) {
     let x = vec![vec![1.0, 0.0], vec![0.0, 1.0], vec![1.0, 1.0]];
     let q = matmul(&x, &[vec![1.0, 1.0], vec![0.0, 1.0]]);
     let k = matmul(&x, &[vec![1.0, 0.0], vec![1.0, 1.0]]);

@@ -107,7 +107,7 @@ impl MultiHeadAttentionConfig {
     /// If `d_model` is not divisible by `n_heads` (configs are validated before this is called).
     pub fn init<B: Backend>(&self, device: &B::Device) -> MultiHeadAttention<B> {
         assert!(
-            self.n_heads > 0 && self.d_model % self.n_heads == 0,
+            self.n_heads > 0 && self.d_model.is_multiple_of(self.n_heads),
             "d_model ({}) must be divisible by n_heads ({})",
             self.d_model,
             self.n_heads
