@@ -3,7 +3,9 @@
 //! ```text
 //! ARTIFACT_DIR/
 //!   config.json       the resolved ExperimentConfig (vocab_size filled in)
-//!   tokenizer.json    the tokenizer built from the training split
+//!   tokenizer.json    the tokenizer built from the training split (a translator's target
+//!                     side, or both sides when the vocabulary is shared)
+//!   tokenizer-source.json  a translator's source tokenizer, when vocabularies are separate
 //!   model.mpk         the final weights (written when training ends)
 //!   checkpoint/       {model,optim,scheduler}-EPOCH.mpk, written during training
 //!   train/ valid/     per-epoch metric logs (burn-train)
@@ -108,9 +110,15 @@ impl ArtifactDir {
         self.root.join("config.json")
     }
 
-    /// `tokenizer.json`.
+    /// `tokenizer.json`: the tokenizer of a language model, or of a translator's target side
+    /// (of both sides when the vocabulary is shared).
     pub fn tokenizer(&self) -> PathBuf {
         self.root.join("tokenizer.json")
+    }
+
+    /// `tokenizer-source.json`: a translator's source tokenizer, when vocabularies are separate.
+    pub fn source_tokenizer(&self) -> PathBuf {
+        self.root.join("tokenizer-source.json")
     }
 
     /// `model.mpk` (without extension, as recorders take it).
@@ -137,6 +145,7 @@ impl ArtifactDir {
         for file in [
             "config.json",
             "tokenizer.json",
+            "tokenizer-source.json",
             "model.mpk",
             "experiment.log",
         ] {

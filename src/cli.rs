@@ -38,8 +38,14 @@ pub enum Command {
     Train(TrainArgs),
     /// Generate text from a trained language model, streaming it to stdout.
     Generate(GenerateArgs),
-    /// Validation loss and perplexity of a trained model over the whole validation split.
+    /// Evaluate a trained model: a language model's loss and perplexity over the whole
+    /// validation split; a translator's corpus BLEU on its test split (sacreBLEU-compatible).
     Eval(EvalArgs),
+    /// Translate with a trained translator: each TEXT argument, or else each line of stdin.
+    ///
+    /// Output is one line per input line (an empty line gives an empty line). An input longer
+    /// than the model's maximum is cut to it, with a warning on stderr.
+    Translate(TranslateArgs),
     /// Walk through single-head scaled dot-product attention on small matrices, step by step.
     ///
     /// Matrices are written row by row: rows separated by ';', values by ','. Tokens are row
@@ -117,8 +123,46 @@ pub struct EvalArgs {
     /// Sequences per evaluation batch.
     #[arg(long, default_value_t = 64)]
     pub batch_size: usize,
+    /// Translators: evaluate only the first N test sentences.
+    #[arg(long, value_name = "N")]
+    pub limit: Option<usize>,
+    /// Translators: also write source, reference and translation of every test sentence here
+    /// (tab-separated).
+    #[arg(long, value_name = "FILE")]
+    pub output: Option<PathBuf>,
+    #[command(flatten)]
+    pub search: SearchArgs,
     #[command(flatten)]
     pub data: DataArgs,
+}
+
+/// How a translator searches.
+#[derive(Args, Debug, Clone)]
+pub struct SearchArgs {
+    /// Beam size; 1 = greedy decoding.
+    #[arg(long, default_value_t = 4)]
+    pub beam: usize,
+    /// GNMT length penalty α (scores are log p / ((5+len)/6)^α); 0 = none.
+    #[arg(long, default_value_t = 0.6)]
+    pub length_penalty: f64,
+    /// Most tokens to generate per sentence. Default: the model's maximum length.
+    #[arg(long, value_name = "N")]
+    pub max_len: Option<usize>,
+}
+
+/// `translate` options.
+#[derive(Args, Debug)]
+pub struct TranslateArgs {
+    /// Directory written by `train` for a seq2seq experiment.
+    #[arg(long, value_name = "DIR")]
+    pub artifact_dir: PathBuf,
+    /// Texts to translate; none = read stdin line by line.
+    pub texts: Vec<String>,
+    /// Sentences decoded together.
+    #[arg(long, default_value_t = 32)]
+    pub batch_size: usize,
+    #[command(flatten)]
+    pub search: SearchArgs,
 }
 
 /// `explain` options.

@@ -4,6 +4,7 @@
 //! ignored setting), and [`ExperimentConfig::validate`] checks the relations between fields
 //! before anything is built.
 
+pub use crate::models::seq2seq::Seq2SeqConfig;
 use crate::nn::{Activation, PositionKind, TransformerBlockConfig, TransformerStackConfig};
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
@@ -19,9 +20,9 @@ pub struct ExperimentConfig {
     /// Seed for parameter initialisation, batch sampling and dropout.
     #[serde(default = "default_seed")]
     pub seed: u64,
-    /// The model.
+    /// The model: `{"kind": "lm", …}` or `{"kind": "seq2seq", …}`.
     #[serde(default)]
-    pub model: LmConfig,
+    pub model: ModelConfig,
     /// The data.
     #[serde(default)]
     pub data: DataConfig,
@@ -35,6 +36,58 @@ fn default_name() -> String {
 }
 fn default_seed() -> u64 {
     1337
+}
+
+/// Which model an experiment builds.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum ModelConfig {
+    /// Decoder-only language model.
+    Lm(LmConfig),
+    /// Encoder–decoder translator.
+    Seq2seq(Seq2SeqConfig),
+}
+
+impl Default for ModelConfig {
+    fn default() -> Self {
+        ModelConfig::Lm(LmConfig::default())
+    }
+}
+
+impl ModelConfig {
+    /// `lm` or `seq2seq`, as written in configs.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            ModelConfig::Lm(_) => "lm",
+            ModelConfig::Seq2seq(_) => "seq2seq",
+        }
+    }
+
+    /// Fills in the vocabulary sizes the tokenizers resolved.
+    pub fn set_vocab_sizes(&mut self, source: usize, target: usize) {
+        match self {
+            ModelConfig::Lm(lm) => lm.vocab_size = target,
+            ModelConfig::Seq2seq(s2s) => {
+                s2s.src_vocab_size = source;
+                s2s.tgt_vocab_size = target;
+            }
+        }
+    }
+
+    /// The vocabulary sizes `(source, target)` (both the same for a language model).
+    pub fn vocab_sizes(&self) -> (usize, usize) {
+        match self {
+            ModelConfig::Lm(lm) => (lm.vocab_size, lm.vocab_size),
+            ModelConfig::Seq2seq(s2s) => (s2s.src_vocab_size, s2s.tgt_vocab_size),
+        }
+    }
+
+    fn validate(&self) -> Result<()> {
+        match self {
+            ModelConfig::Lm(lm) => lm.validate(),
+            ModelConfig::Seq2seq(s2s) => s2s.validate(),
+        }
+    }
 }
 
 /// A decoder-only (GPT-style) language model.
@@ -109,36 +162,59 @@ impl LmConfig {
 
     /// Checks the relations between fields.
     pub fn validate(&self) -> Result<()> {
-        if self.d_model == 0 || self.n_layers == 0 || self.n_heads == 0 || self.context == 0 {
-            bail!("model: d_model, n_layers, n_heads and context must all be at least 1");
+        if self.n_layers == 0 || self.context == 0 {
+            bail!("model: n_layers and context must be at least 1");
         }
-        if !self.d_model.is_multiple_of(self.n_heads) {
-            bail!(
-                "model: d_model ({}) must be divisible by n_heads ({})",
-                self.d_model,
-                self.n_heads
-            );
-        }
-        if !(0.0..1.0).contains(&self.dropout) {
-            bail!("model: dropout must be in [0, 1), got {}", self.dropout);
-        }
-        Ok(())
+        validate_width(self.d_model, self.n_heads, self.dropout)
     }
 }
 
-/// Which text to train on and how to split it.
+/// Checks `d_model`, `n_heads` and `dropout`, which every model shares.
+pub(crate) fn validate_width(d_model: usize, n_heads: usize, dropout: f64) -> Result<()> {
+    if d_model == 0 || n_heads == 0 {
+        bail!("model: d_model and n_heads must be at least 1");
+    }
+    if !d_model.is_multiple_of(n_heads) {
+        bail!("model: d_model ({d_model}) must be divisible by n_heads ({n_heads})");
+    }
+    if !(0.0..1.0).contains(&dropout) {
+        bail!("model: dropout must be in [0, 1), got {dropout}");
+    }
+    Ok(())
+}
+
+/// Which data to train on, how to split it and how to tokenize it.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct DataConfig {
-    /// Dataset name, as declared in `datasets/` (e.g. `tinyshakespeare`).
+    /// Dataset name: one declared in `datasets/` (`tinyshakespeare`, `tatoeba-fra-eng`,
+    /// `multi30k`) or the synthetic `copy` task.
     pub dataset: String,
-    /// A UTF-8 text file to train on instead of a declared dataset (your own corpus).
+    /// A UTF-8 text file to train a language model on instead of a declared dataset.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub text_file: Option<std::path::PathBuf>,
-    /// Tokenizer: `char` (one token per character of the training text).
+    /// Tokenizer: `char` (one token per character of the training text) or `bpe` (byte-level
+    /// BPE trained on the training split; translation needs it).
     pub tokenizer: TokenizerKind,
-    /// Fraction of the text, taken from its end, held out for validation.
+    /// BPE vocabulary size, special tokens and the 256 byte symbols included.
+    pub bpe_vocab_size: usize,
+    /// Translation: one tokenizer (and vocabulary) for both languages, trained on both sides.
+    pub shared_vocab: bool,
+    /// Fraction held out for validation: the end of the text for a language model, a seeded
+    /// share of source sentences for a translation set without an official split.
     pub valid_fraction: f64,
+    /// Translation sets without an official split: the share of source sentences held out
+    /// for the test split.
+    pub test_fraction: f64,
+    /// Translation: source language code (`en`/`fr` for Tatoeba, `de`/`en` for Multi30k).
+    pub source: String,
+    /// Translation: target language code.
+    pub target: String,
+    /// Translation: training pairs with more tokens than this on either side (start/end
+    /// tokens included) are skipped; longer inputs to `translate` are cut to it.
+    pub max_tokens: usize,
+    /// The synthetic copy task.
+    pub copy: CopyTaskConfig,
 }
 
 impl Default for DataConfig {
@@ -147,7 +223,40 @@ impl Default for DataConfig {
             dataset: "tinyshakespeare".into(),
             text_file: None,
             tokenizer: TokenizerKind::Char,
+            bpe_vocab_size: 8000,
+            shared_vocab: true,
             valid_fraction: 0.1,
+            test_fraction: 0.05,
+            source: "en".into(),
+            target: "fr".into(),
+            max_tokens: 64,
+            copy: CopyTaskConfig::default(),
+        }
+    }
+}
+
+/// The copy task: random sequences of `symbols` distinct words; the target is the source.
+/// A sanity check for an encoder–decoder: it is solvable exactly, through cross-attention only.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct CopyTaskConfig {
+    /// Distinct symbols (words `a`, `b`, … or `s0`, `s1`, … beyond 26).
+    pub symbols: usize,
+    /// Shortest sequence.
+    pub min_len: usize,
+    /// Longest sequence.
+    pub max_len: usize,
+    /// Training pairs generated (validation and test get a tenth each).
+    pub train_pairs: usize,
+}
+
+impl Default for CopyTaskConfig {
+    fn default() -> Self {
+        Self {
+            symbols: 10,
+            min_len: 3,
+            max_len: 10,
+            train_pairs: 20_000,
         }
     }
 }
@@ -158,6 +267,18 @@ impl Default for DataConfig {
 pub enum TokenizerKind {
     /// One token per distinct character of the training text.
     Char,
+    /// Byte-level BPE (`tokenizers` crate) with `<pad> <s> </s> <unk>` at ids 0–3.
+    Bpe,
+}
+
+/// The learning rate after warmup.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ScheduleKind {
+    /// Cosine decay from `lr` to `min_lr` (nanoGPT, GPT-3).
+    Cosine,
+    /// Inverse square root ("Noam", Vaswani et al. 2017): `lr · min(step/warmup, √(warmup/step))`.
+    Noam,
 }
 
 /// Optimisation: AdamW (weight decay on matrices only), linear warmup then cosine decay,
@@ -191,6 +312,11 @@ pub struct TrainConfig {
     pub weight_decay: f32,
     /// Clip the global gradient norm to this value (`0` = no clipping).
     pub grad_clip: f32,
+    /// Learning-rate schedule after warmup: `cosine` (to `min_lr` at `decay_steps`) or `noam`
+    /// (`lr · √(warmup/step)`, the paper's inverse square root, peaking at `lr`).
+    pub schedule: ScheduleKind,
+    /// Label smoothing ε of the cross-entropy (the paper uses 0.1).
+    pub label_smoothing: f32,
     /// Data-loading threads (batches are prepared ahead of the training step).
     pub num_workers: usize,
 }
@@ -211,6 +337,8 @@ impl Default for TrainConfig {
             epsilon: 1e-8,
             weight_decay: 0.1,
             grad_clip: 1.0,
+            schedule: ScheduleKind::Cosine,
+            label_smoothing: 0.0,
             num_workers: 1,
         }
     }
@@ -268,6 +396,9 @@ impl TrainConfig {
         if self.grad_clip < 0.0 || self.weight_decay < 0.0 {
             bail!("train: grad_clip and weight_decay must not be negative");
         }
+        if !(0.0..1.0).contains(&self.label_smoothing) {
+            bail!("train: label_smoothing must be in [0, 1)");
+        }
         Ok(())
     }
 }
@@ -277,22 +408,93 @@ impl ExperimentConfig {
     pub fn load(path: &Path) -> Result<Self> {
         let text = std::fs::read_to_string(path)
             .with_context(|| format!("cannot read config {}", path.display()))?;
-        let config: Self = serde_json::from_str(&text)
-            .with_context(|| format!("malformed config {}", path.display()))?;
+        let config =
+            Self::parse(&text).with_context(|| format!("malformed config {}", path.display()))?;
         config
             .validate()
             .with_context(|| format!("invalid config {}", path.display()))?;
         Ok(config)
     }
 
-    /// Checks every part.
+    /// Parses JSON (not yet validated). A `model` without `kind` is a language model.
+    pub fn parse(text: &str) -> Result<Self> {
+        let mut value: serde_json::Value = serde_json::from_str(text)?;
+        if let Some(model) = value.get_mut("model").and_then(|m| m.as_object_mut()) {
+            model.entry("kind").or_insert_with(|| "lm".into());
+        }
+        Ok(serde_json::from_value(value)?)
+    }
+
+    /// Checks every part, and that the data suits the model.
     pub fn validate(&self) -> Result<()> {
         self.model.validate()?;
         self.train.validate()?;
-        if !(0.0..1.0).contains(&self.data.valid_fraction) || self.data.valid_fraction == 0.0 {
-            bail!("data: valid_fraction must be in (0, 1)");
+        let data = &self.data;
+        for (name, fraction) in [("valid", data.valid_fraction), ("test", data.test_fraction)] {
+            if !(0.0..0.5).contains(&fraction) || fraction == 0.0 {
+                bail!("data: {name}_fraction must be in (0, 0.5)");
+            }
+        }
+        let translation = crate::data::translation::is_translation(&data.dataset);
+        match &self.model {
+            ModelConfig::Lm(_) if translation && data.text_file.is_none() => bail!(
+                "data: {} is a translation dataset; it needs a seq2seq model",
+                data.dataset
+            ),
+            ModelConfig::Seq2seq(s2s) => {
+                if !translation {
+                    bail!(
+                        "data: a seq2seq model needs a translation dataset (tatoeba-fra-eng, multi30k or copy), not {}",
+                        data.dataset
+                    );
+                }
+                if data.tokenizer != TokenizerKind::Bpe {
+                    bail!("data: a seq2seq model needs the bpe tokenizer (it uses <pad> <s> </s>)");
+                }
+                if s2s.share_embeddings && !data.shared_vocab {
+                    bail!("model: share_embeddings needs data.shared_vocab");
+                }
+                if data.max_tokens < 3 || data.max_tokens > s2s.max_len {
+                    bail!(
+                        "data: max_tokens ({}) must be in 3..={} (the model's max_len)",
+                        data.max_tokens,
+                        s2s.max_len
+                    );
+                }
+                crate::data::translation::check_languages(data)?;
+            }
+            _ => {}
+        }
+        if data.tokenizer == TokenizerKind::Bpe && data.bpe_vocab_size < 300 {
+            bail!(
+                "data: bpe_vocab_size must be at least 300 (4 special + 256 byte tokens + merges)"
+            );
         }
         Ok(())
+    }
+
+    /// The language model config, or an error naming what this experiment is instead.
+    pub fn lm(&self) -> Result<&LmConfig> {
+        match &self.model {
+            ModelConfig::Lm(lm) => Ok(lm),
+            other => bail!(
+                "experiment {} is a {} model, not a language model",
+                self.name,
+                other.kind()
+            ),
+        }
+    }
+
+    /// The translation model config, or an error naming what this experiment is instead.
+    pub fn seq2seq(&self) -> Result<&Seq2SeqConfig> {
+        match &self.model {
+            ModelConfig::Seq2seq(s2s) => Ok(s2s),
+            other => bail!(
+                "experiment {} is a {} model, not a translation (seq2seq) model",
+                self.name,
+                other.kind()
+            ),
+        }
     }
 
     /// Writes the config as pretty JSON, atomically.

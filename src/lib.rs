@@ -2,7 +2,8 @@
 //!
 //! The one transformer implementation lives in [`nn`]; [`models`] wraps it into complete models
 //! (embedding + stack + head); [`data`] turns real datasets into batches; [`train`] wires a model
-//! into burn-train's `Learner`; [`generate`] samples from a trained language model.
+//! into burn-train's `Learner`; [`generate`] samples from a trained language model and
+//! [`translate`] decodes a trained translator (greedy or beam search), scored by [`bleu`].
 //!
 //! # Shapes
 //!
@@ -24,6 +25,7 @@
 pub mod app;
 pub mod artifact;
 pub mod backend;
+pub mod bleu;
 pub mod cli;
 pub mod config;
 pub mod data;
@@ -32,3 +34,4 @@ pub mod generate;
 pub mod models;
 pub mod nn;
 pub mod train;
+pub mod translate;

@@ -291,8 +291,8 @@ fn a_killed_run_resumes_from_its_last_complete_checkpoint() {
         .lines()
         .rfind(|l| l.contains("step    200/200"))
         .unwrap();
-    let expected = transformer_lab::train::WarmupCosine::new(0.01, 1e-4, 5, 200).at(199);
-    let restarted = transformer_lab::train::WarmupCosine::new(0.01, 1e-4, 5, 200).at(199 - 40);
+    let expected = transformer_lab::train::WarmupSchedule::new(0.01, 1e-4, 5, 200).at(199);
+    let restarted = transformer_lab::train::WarmupSchedule::new(0.01, 1e-4, 5, 200).at(199 - 40);
     assert!(
         last_lr.contains(&format!("lr {expected:.2e}")),
         "want lr {expected:.2e}: {last_lr}"
@@ -310,5 +310,102 @@ fn a_killed_run_resumes_from_its_last_complete_checkpoint() {
     assert_error(
         &sb.run(&["train", "--artifact-dir", "fresh", "--resume"]),
         "no run to resume",
+    );
+}
+
+#[test]
+fn translate_and_eval_a_seq2seq_artifact() {
+    let sb = Sandbox::new();
+    let experiment = r#"{"name": "copy", "seed": 3,
+        "model": {"kind": "seq2seq", "d_model": 16, "n_heads": 2, "encoder_layers": 1,
+                  "decoder_layers": 1, "d_ff": 32, "max_len": 12, "dropout": 0.0},
+        "data": {"dataset": "copy", "tokenizer": "bpe", "bpe_vocab_size": 300, "max_tokens": 12,
+                 "copy": {"symbols": 5, "min_len": 2, "max_len": 4, "train_pairs": 200}},
+        "train": {"batch_size": 8, "steps": 20, "steps_per_epoch": 10, "eval_batches": 2,
+                  "warmup_steps": 5}}"#;
+    std::fs::write(sb.path("copy.json"), experiment).unwrap();
+    let out = sb.run(&["train", "-e", "copy.json", "--artifact-dir", "s2s"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(sb.path("s2s/tokenizer.json").exists() && sb.path("s2s/model.mpk").exists());
+
+    // Arguments: one output line each.
+    let out = sb.run(&["translate", "--artifact-dir", "s2s", "a b", "c d e"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(stdout(&out).lines().count(), 2);
+
+    // Stdin: an empty line stays an empty line; an over-long line is cut with a warning;
+    // characters never seen in training are encoded byte by byte, not refused.
+    let long = vec!["a"; 40].join(" ");
+    let mut child = Command::new(BIN)
+        .args([
+            "--backend",
+            "ndarray",
+            "translate",
+            "--artifact-dir",
+            "s2s",
+            "--beam",
+            "3",
+        ])
+        .current_dir(sb.dir.path())
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    use std::io::Write;
+    let input = format!("a b c\n\n{long}\nüñï ©\n");
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(input.as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success() && !err.contains("panicked"), "{err}");
+    let lines: Vec<String> = stdout(&out).lines().map(str::to_owned).collect();
+    assert_eq!(lines.len(), 4, "{lines:?}");
+    assert_eq!(lines[1], "");
+    assert!(err.contains("warning: input 3 has 41 tokens"), "{err}");
+
+    // eval reports BLEU on the test split.
+    let out = sb.run(&[
+        "eval",
+        "--artifact-dir",
+        "s2s",
+        "--beam",
+        "2",
+        "--limit",
+        "10",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout(&out).contains("BLEU = "), "{}", stdout(&out));
+
+    // The wrong kind of artifact for a command is one clear error.
+    assert_error(
+        &sb.run(&["generate", "--artifact-dir", "s2s", "--prompt", "a"]),
+        "not a language model",
+    );
+    let out = sb.run(&["train", "-e", "tiny.json", "--artifact-dir", "lm"]);
+    assert!(out.status.success());
+    assert_error(
+        &sb.run(&["translate", "--artifact-dir", "lm", "hello"]),
+        "not a translation",
+    );
+    assert_error(
+        &sb.run(&["translate", "--artifact-dir", "s2s", "--beam", "0", "x"]),
+        "--beam",
     );
 }

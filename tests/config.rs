@@ -23,13 +23,9 @@ fn the_default_experiment_is_nanogpts_small_cpu_config() {
         "/experiments/shakespeare-char.json"
     );
     let c = ExperimentConfig::load(path.as_ref()).unwrap();
+    let lm = c.lm().unwrap();
     assert_eq!(
-        (
-            c.model.n_layers,
-            c.model.n_heads,
-            c.model.d_model,
-            c.model.context
-        ),
+        (lm.n_layers, lm.n_heads, lm.d_model, lm.context),
         (4, 4, 128, 64)
     );
     assert_eq!(
@@ -46,9 +42,8 @@ fn the_default_experiment_is_nanogpts_small_cpu_config() {
         ),
         (1e-3, 1e-4, 0.99, 0.1, 1.0)
     );
-    assert_eq!(c.model.dropout, 0.0);
-    let built_in: ExperimentConfig =
-        serde_json::from_str(transformer_lab::cli::DEFAULT_EXPERIMENT).unwrap();
+    assert_eq!(lm.dropout, 0.0);
+    let built_in = ExperimentConfig::parse(transformer_lab::cli::DEFAULT_EXPERIMENT).unwrap();
     assert_eq!(built_in, c);
 }
 
@@ -75,6 +70,36 @@ fn mistakes_are_clear_errors() {
         (r#"{"train": {"warmup_steps": 5000}}"#, "warmup_steps"),
         (r#"{"model": {"dropout": 1.5}}"#, "dropout"),
         (r#"{"model": "#, "malformed config"),
+        // The data must suit the model.
+        (
+            r#"{"model": {"kind": "seq2seq"}, "data": {"tokenizer": "bpe"}}"#,
+            "needs a translation dataset",
+        ),
+        (
+            r#"{"model": {"kind": "seq2seq"}, "data": {"dataset": "multi30k", "source": "de", "target": "en"}}"#,
+            "needs the bpe tokenizer",
+        ),
+        (
+            r#"{"data": {"dataset": "multi30k"}}"#,
+            "needs a seq2seq model",
+        ),
+        (
+            r#"{"model": {"kind": "seq2seq"}, "data": {"dataset": "multi30k", "tokenizer": "bpe", "source": "en", "target": "fr"}}"#,
+            "not one of its directions",
+        ),
+        (
+            r#"{"model": {"kind": "seq2seq", "share_embeddings": true}, "data": {"dataset": "copy", "tokenizer": "bpe", "shared_vocab": false}}"#,
+            "share_embeddings needs data.shared_vocab",
+        ),
+        (
+            r#"{"model": {"kind": "seq2seq", "max_len": 16}, "data": {"dataset": "copy", "tokenizer": "bpe", "max_tokens": 64}}"#,
+            "max_tokens",
+        ),
+        (r#"{"model": {"kind": "vit"}}"#, "unknown variant `vit`"),
+        (
+            r#"{"train": {"schedule": "linear"}}"#,
+            "unknown variant `linear`",
+        ),
     ];
     for (text, expected) in cases {
         let err = format!("{:#}", load_str(text).unwrap_err());
@@ -83,5 +108,5 @@ fn mistakes_are_clear_errors() {
     let missing = ExperimentConfig::load("no/such/file.json".as_ref()).unwrap_err();
     assert!(format!("{missing:#}").contains("cannot read config"));
     // Defaults fill what a config leaves out.
-    assert_eq!(load_str("{}").unwrap().model.d_model, 128);
+    assert_eq!(load_str("{}").unwrap().lm().unwrap().d_model, 128);
 }

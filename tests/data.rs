@@ -118,3 +118,58 @@ fn an_unreachable_url_fails_cleanly_and_leaves_nothing() {
     assert!(format!("{err:#}").contains("127.0.0.1:9"), "{err:#}");
     assert!(!dest.exists());
 }
+
+#[test]
+fn the_translation_split_never_puts_one_source_in_two_splits() {
+    use transformer_lab::data::translation::split_by_source;
+    use transformer_lab::data::Pair;
+    // 200 sources, each with 1–3 translations.
+    let pairs: Vec<Pair> = (0..200)
+        .flat_map(|i| {
+            (0..1 + i % 3).map(move |j| Pair {
+                source: format!("sentence {i}"),
+                target: format!("phrase {i} v{j}"),
+            })
+        })
+        .collect();
+    let corpus = split_by_source(pairs.clone(), 0.1, 0.1, 42);
+    let sources = |ps: &[Pair]| -> std::collections::HashSet<String> {
+        ps.iter().map(|p| p.source.clone()).collect()
+    };
+    let train = sources(&corpus.train);
+    let valid = sources(&corpus.valid);
+    let test: std::collections::HashSet<String> =
+        corpus.test.iter().map(|t| t.source.clone()).collect();
+    assert_eq!((valid.len(), test.len()), (20, 20));
+    assert_eq!(train.len() + valid.len() + test.len(), 200);
+    assert!(train.is_disjoint(&valid) && train.is_disjoint(&test) && valid.is_disjoint(&test));
+    // Every pair lands somewhere, and test items keep all their references.
+    let refs: usize = corpus.test.iter().map(|t| t.references.len()).sum();
+    assert_eq!(corpus.train.len() + corpus.valid.len() + refs, pairs.len());
+    // The split is a function of the seed.
+    assert_eq!(
+        split_by_source(pairs.clone(), 0.1, 0.1, 42).train,
+        corpus.train
+    );
+    assert_ne!(split_by_source(pairs, 0.1, 0.1, 43).train, corpus.train);
+}
+
+#[test]
+fn translation_datasets_are_declared_with_their_licences() {
+    for name in ["tatoeba-fra-eng", "multi30k"] {
+        let spec = DatasetSpec::find(name).unwrap();
+        assert!(spec
+            .files
+            .iter()
+            .all(|f| f.sha256.len() == 64 && f.url.starts_with("https://")));
+        assert!(!spec.licence.is_empty());
+    }
+    assert!(DatasetSpec::find("tatoeba-fra-eng")
+        .unwrap()
+        .licence
+        .contains("tatoeba.org"));
+    assert!(DatasetSpec::find("multi30k")
+        .unwrap()
+        .licence
+        .contains("non-commercial"));
+}

@@ -1,4 +1,5 @@
-//! Optimisation pieces: the warmup + cosine schedule (nanoGPT's `get_lr`) and its resume, and
+//! Optimisation pieces: the warmup + cosine schedule (nanoGPT's `get_lr`), the Noam schedule,
+//! resuming a schedule, and
 //! clipping by the global gradient norm.
 
 use burn::backend::{Autodiff, NdArray};
@@ -8,14 +9,14 @@ use burn::optim::GradientsParams;
 use burn::prelude::*;
 use transformer_lab::config::LmConfig;
 use transformer_lab::models::LanguageModel;
-use transformer_lab::train::{clip_global_norm, WarmupCosine};
+use transformer_lab::train::{clip_global_norm, WarmupSchedule};
 
 type B = NdArray<f32>;
 type AB = Autodiff<B>;
 
 #[test]
 fn schedule_warms_up_then_decays_like_nanogpt() {
-    let mut s = WarmupCosine::new(1e-3, 1e-4, 100, 2000);
+    let mut s = WarmupSchedule::new(1e-3, 1e-4, 100, 2000);
     let lrs: Vec<f64> = (0..2100).map(|_| s.step()).collect();
     assert!((lrs[0] - 1e-3 / 101.0).abs() < 1e-12);
     assert!((lrs[99] - 1e-3 * 100.0 / 101.0).abs() < 1e-12);
@@ -28,15 +29,34 @@ fn schedule_warms_up_then_decays_like_nanogpt() {
 }
 
 #[test]
+fn noam_schedule_peaks_after_warmup_then_decays_as_inverse_square_root() {
+    let s = WarmupSchedule::noam(1e-3, 400);
+    assert!((s.at(399) - 1e-3 * 400.0 / 401.0).abs() < 1e-12);
+    assert!(
+        (s.at(399) - s.at(400)).abs() < 1e-5,
+        "continuous at the peak"
+    );
+    // Four times the steps, half the rate: lr ∝ 1/√step.
+    assert!((s.at(1599) / s.at(399) - 0.5).abs() < 1e-3);
+    // With lr = (d·warmup)^-½ it is the paper's d^-½·min(step^-½, step·warmup^-1.5).
+    let (d, warmup) = (512.0f64, 4000usize);
+    let paper = |step: f64| d.powf(-0.5) * step.powf(-0.5).min(step * (warmup as f64).powf(-1.5));
+    let s = WarmupSchedule::noam((d * warmup as f64).powf(-0.5), warmup);
+    for step in [4000usize, 10_000, 100_000] {
+        assert!((s.at(step - 1) - paper(step as f64)).abs() < 1e-9);
+    }
+}
+
+#[test]
 fn schedule_resumes_from_its_record() {
-    let mut full = WarmupCosine::new(1e-3, 1e-4, 10, 100);
+    let mut full = WarmupSchedule::new(1e-3, 1e-4, 10, 100);
     let mut first = full.clone();
     (0..37).for_each(|_| {
         full.step();
         first.step();
     });
     let record = first.to_record::<B>();
-    let mut resumed = WarmupCosine::new(1e-3, 1e-4, 10, 100).load_record::<B>(record);
+    let mut resumed = WarmupSchedule::new(1e-3, 1e-4, 10, 100).load_record::<B>(record);
     for _ in 0..70 {
         assert_eq!(resumed.step(), full.step());
     }

@@ -14,7 +14,11 @@ use std::path::{Path, PathBuf};
 pub const DATA_DIR_ENV: &str = "TRANSFORMER_LAB_DATA";
 
 /// The declarations in `datasets/`, one JSON file each.
-const DECLARATIONS: &[&str] = &[include_str!("../../datasets/tinyshakespeare.json")];
+const DECLARATIONS: &[&str] = &[
+    include_str!("../../datasets/tinyshakespeare.json"),
+    include_str!("../../datasets/tatoeba-fra-eng.json"),
+    include_str!("../../datasets/multi30k.json"),
+];
 
 /// A declared dataset: where its files come from and how to check them.
 #[derive(Clone, Debug, Deserialize)]

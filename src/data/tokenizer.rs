@@ -1,5 +1,8 @@
-//! The character tokenizer: one token per distinct character of the training text.
+//! Tokenizers: characters (one token per distinct character of the training text) or
+//! byte-level BPE, behind one [`Tokenizer`] type.
 
+use super::bpe::{BpeTokenizer, Special};
+use crate::config::TokenizerKind;
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
@@ -99,5 +102,96 @@ impl CharTokenizer {
             .with_context(|| format!("cannot read tokenizer {}", path.display()))?;
         serde_json::from_str(&text)
             .with_context(|| format!("malformed tokenizer {}", path.display()))
+    }
+}
+
+/// A model's tokenizer: characters, or byte-level BPE ([`BpeTokenizer`]). Saved as
+/// `tokenizer.json` in the artifact directory and reloaded by every command that needs it.
+#[derive(Clone, Debug)]
+pub enum Tokenizer {
+    /// One token per character of the training text; no special tokens.
+    Char(CharTokenizer),
+    /// Byte-level BPE with `<pad> <s> </s> <unk>` at ids 0–3.
+    Bpe(Box<BpeTokenizer>),
+}
+
+impl Tokenizer {
+    /// Fits a tokenizer of `kind` on `texts`; `vocab_size` is the BPE target (characters take
+    /// as many tokens as the texts have distinct characters).
+    pub fn fit<S: AsRef<str> + Send>(
+        kind: TokenizerKind,
+        texts: impl Iterator<Item = S> + Send,
+        vocab_size: usize,
+    ) -> Result<Self> {
+        Ok(match kind {
+            TokenizerKind::Char => {
+                let text: String = texts.map(|s| s.as_ref().to_owned()).collect();
+                Tokenizer::Char(CharTokenizer::fit(&text))
+            }
+            TokenizerKind::Bpe => Tokenizer::Bpe(Box::new(BpeTokenizer::train(texts, vocab_size)?)),
+        })
+    }
+
+    /// Which kind it is.
+    pub fn kind(&self) -> TokenizerKind {
+        match self {
+            Tokenizer::Char(_) => TokenizerKind::Char,
+            Tokenizer::Bpe(_) => TokenizerKind::Bpe,
+        }
+    }
+
+    /// Number of tokens.
+    pub fn vocab_size(&self) -> usize {
+        match self {
+            Tokenizer::Char(t) => t.vocab_size(),
+            Tokenizer::Bpe(t) => t.vocab_size(),
+        }
+    }
+
+    /// Token ids of `text`. The char tokenizer rejects characters outside its vocabulary;
+    /// byte-level BPE encodes anything.
+    pub fn encode(&self, text: &str) -> Result<Vec<usize>> {
+        match self {
+            Tokenizer::Char(t) => t.encode(text),
+            Tokenizer::Bpe(t) => t.encode(text),
+        }
+    }
+
+    /// The text of token ids (special tokens dropped).
+    pub fn decode(&self, ids: &[usize]) -> String {
+        match self {
+            Tokenizer::Char(t) => t.decode(ids),
+            Tokenizer::Bpe(t) => t.decode(ids),
+        }
+    }
+
+    /// The id of a special token, for tokenizers that have them.
+    pub fn special(&self, special: Special) -> Option<usize> {
+        matches!(self, Tokenizer::Bpe(_)).then(|| special.id())
+    }
+
+    /// Writes `tokenizer.json` atomically.
+    pub fn save(&self, path: &Path) -> Result<()> {
+        let text = match self {
+            Tokenizer::Char(t) => serde_json::to_string_pretty(t)?,
+            Tokenizer::Bpe(t) => t.to_json()?,
+        };
+        crate::artifact::write_atomic(path, text.as_bytes())
+    }
+
+    /// Reads `tokenizer.json`, whichever kind it holds.
+    pub fn load(path: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("cannot read tokenizer {}", path.display()))?;
+        let value: serde_json::Value = serde_json::from_str(&text)
+            .with_context(|| format!("malformed tokenizer {}", path.display()))?;
+        if value.get("kind").and_then(|k| k.as_str()) == Some("char") {
+            let char_tokenizer = serde_json::from_value(value)
+                .with_context(|| format!("malformed tokenizer {}", path.display()))?;
+            return Ok(Tokenizer::Char(char_tokenizer));
+        }
+        Ok(Tokenizer::Bpe(Box::new(BpeTokenizer::from_json(
+            &text, path,
+        )?)))
     }
 }

@@ -1,0 +1,150 @@
+//! Byte-level BPE (GPT-2 style) trained with the `tokenizers` crate, saved in its standard
+//! `tokenizer.json` format so other tools read it too.
+//!
+//! Byte-level means every UTF-8 string is encodable: a character never seen in training falls
+//! back to its bytes, so `decode(encode(text)) == text` for any text (after NFC normalisation).
+
+use anyhow::{anyhow, Context, Result};
+use std::collections::HashSet;
+use std::path::Path;
+use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
+use tokenizers::models::bpe::{BpeTrainerBuilder, BPE};
+use tokenizers::models::TrainerWrapper;
+use tokenizers::normalizers::unicode::NFC;
+use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+use tokenizers::{AddedToken, Tokenizer as HfTokenizer};
+
+/// The special tokens, always the first four ids.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Special {
+    /// Padding, id 0: ignored by the loss, masked out of attention.
+    Pad,
+    /// Start of sequence, id 1: the decoder's first input.
+    Bos,
+    /// End of sequence, id 2: ends every target.
+    Eos,
+    /// Unknown, id 3: reserved (byte-level BPE never needs it).
+    Unk,
+}
+
+impl Special {
+    /// Every special token, in id order.
+    pub const ALL: [Special; 4] = [Special::Pad, Special::Bos, Special::Eos, Special::Unk];
+
+    /// Its text form in the vocabulary.
+    pub fn text(self) -> &'static str {
+        match self {
+            Special::Pad => "<pad>",
+            Special::Bos => "<s>",
+            Special::Eos => "</s>",
+            Special::Unk => "<unk>",
+        }
+    }
+
+    /// Its id.
+    pub fn id(self) -> usize {
+        self as usize
+    }
+}
+
+/// A trained byte-level BPE tokenizer.
+#[derive(Clone)]
+pub struct BpeTokenizer {
+    inner: HfTokenizer,
+}
+
+impl std::fmt::Debug for BpeTokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "BpeTokenizer({} tokens)", self.vocab_size())
+    }
+}
+
+impl BpeTokenizer {
+    /// Learns merges from `texts` until the vocabulary (special tokens and the 256 byte
+    /// symbols included) reaches `vocab_size`, or no pair occurs twice.
+    pub fn train<S: AsRef<str> + Send>(
+        texts: impl Iterator<Item = S> + Send,
+        vocab_size: usize,
+    ) -> Result<Self> {
+        let model = BPE::builder()
+            .unk_token(Special::Unk.text().into())
+            .build()
+            .map_err(|e| anyhow!("cannot build a BPE model: {e}"))?;
+        let mut inner = HfTokenizer::new(model);
+        inner
+            .with_normalizer(Some(NFC))
+            .with_pre_tokenizer(Some(ByteLevel::new(false, true, true)))
+            .with_decoder(Some(ByteLevelDecoder::default()));
+        let alphabet: HashSet<char> = ByteLevel::alphabet().into_iter().collect();
+        let trainer = BpeTrainerBuilder::new()
+            .vocab_size(vocab_size)
+            .min_frequency(2)
+            .show_progress(false)
+            .initial_alphabet(alphabet)
+            .special_tokens(
+                Special::ALL
+                    .iter()
+                    .map(|s| AddedToken::from(s.text(), true))
+                    .collect(),
+            )
+            .build();
+        inner
+            .train(&mut TrainerWrapper::BpeTrainer(trainer), texts)
+            .map_err(|e| anyhow!("BPE training failed: {e}"))?;
+        Ok(Self { inner })
+    }
+
+    /// Number of tokens, special tokens included.
+    pub fn vocab_size(&self) -> usize {
+        self.inner.get_vocab_size(true)
+    }
+
+    /// Token ids of `text` (no special tokens added).
+    pub fn encode(&self, text: &str) -> Result<Vec<usize>> {
+        let encoding = self
+            .inner
+            .encode(text, false)
+            .map_err(|e| anyhow!("cannot tokenize {text:?}: {e}"))?;
+        Ok(encoding.get_ids().iter().map(|&id| id as usize).collect())
+    }
+
+    /// The text of token ids; special tokens are dropped.
+    pub fn decode(&self, ids: &[usize]) -> String {
+        let ids: Vec<u32> = ids.iter().map(|&id| id as u32).collect();
+        // Byte-level decoding cannot fail on ids of this vocabulary; an id from elsewhere
+        // decodes to nothing rather than aborting a whole generation.
+        self.inner.decode(&ids, true).unwrap_or_default()
+    }
+
+    /// The vocabulary entry of one id (byte-level symbols, e.g. `Ġthe` for " the").
+    pub fn token(&self, id: usize) -> Option<String> {
+        self.inner.id_to_token(id as u32)
+    }
+
+    /// The tokenizer in `tokenizers`' JSON format.
+    pub fn to_json(&self) -> Result<String> {
+        self.inner
+            .to_string(true)
+            .map_err(|e| anyhow!("cannot serialise the tokenizer: {e}"))
+    }
+
+    /// Reads `tokenizers`' JSON format, checking the special tokens sit at their ids.
+    pub fn from_json(text: &str, path: &Path) -> Result<Self> {
+        let inner: HfTokenizer = text
+            .parse()
+            .map_err(|e| anyhow!("malformed tokenizer {}: {e}", path.display()))?;
+        for special in Special::ALL {
+            let id = inner.token_to_id(special.text()).map(|id| id as usize);
+            if id != Some(special.id()) {
+                return Err(anyhow!(
+                    "tokenizer {} does not have {} at id {}",
+                    path.display(),
+                    special.text(),
+                    special.id()
+                ))
+                .context("it was not written by transformer-lab");
+            }
+        }
+        Ok(Self { inner })
+    }
+}

@@ -1,0 +1,317 @@
+//! Encoder–decoder translator ("Attention Is All You Need"): source embedding + positions →
+//! encoder stack (padding mask); target embedding (shifted right, `<s>` first) + positions →
+//! decoder stack (causal mask + cross-attention over the encoder output, with the source
+//! padding mask) → projection to the target vocabulary.
+
+use crate::config::validate_width;
+use crate::nn::{
+    padding_mask, Activation, AttentionMask, PositionEncoding, PositionEncodingConfig,
+    PositionKind, TransformerBlockConfig, TransformerStack, TransformerStackConfig,
+};
+use anyhow::{bail, Result};
+use burn::module::Module;
+use burn::nn::{
+    Dropout, DropoutConfig, Embedding, EmbeddingConfig, Initializer, Linear, LinearConfig,
+};
+use burn::prelude::*;
+use burn::tensor::activation::log_softmax;
+use serde::{Deserialize, Serialize};
+
+/// Configuration of [`Seq2Seq`] (the `model` of a `"kind": "seq2seq"` experiment).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Seq2SeqConfig {
+    /// Source vocabulary size; `0` = from the tokenizer (the saved config has it filled).
+    pub src_vocab_size: usize,
+    /// Target vocabulary size; `0` = from the tokenizer.
+    pub tgt_vocab_size: usize,
+    /// Model width `d_model`.
+    pub d_model: usize,
+    /// Attention heads per block; must divide `d_model`.
+    pub n_heads: usize,
+    /// Encoder blocks.
+    pub encoder_layers: usize,
+    /// Decoder blocks.
+    pub decoder_layers: usize,
+    /// Feed-forward inner width.
+    pub d_ff: usize,
+    /// Longest sequence (in tokens, `<s>`/`</s>` included) the positions cover.
+    pub max_len: usize,
+    /// Dropout (embeddings, attention weights, FFN, residual branches).
+    pub dropout: f64,
+    /// Positional encoding: `sinusoidal` (the paper) or `learned`.
+    pub position: PositionKind,
+    /// Feed-forward non-linearity: `relu` (the paper) or `gelu`.
+    pub activation: Activation,
+    /// Pre-norm (`true`) or post-norm (`false`, the paper).
+    pub norm_first: bool,
+    /// Whether linear layers and LayerNorms carry a bias.
+    pub bias: bool,
+    /// One embedding table for source and target (needs a shared vocabulary).
+    pub share_embeddings: bool,
+    /// The target embedding is also the output projection (Press & Wolf 2017).
+    pub tie_weights: bool,
+}
+
+impl Default for Seq2SeqConfig {
+    fn default() -> Self {
+        Self {
+            src_vocab_size: 0,
+            tgt_vocab_size: 0,
+            d_model: 256,
+            n_heads: 8,
+            encoder_layers: 3,
+            decoder_layers: 3,
+            d_ff: 512,
+            max_len: 128,
+            dropout: 0.1,
+            position: PositionKind::Sinusoidal,
+            activation: Activation::Relu,
+            norm_first: true,
+            bias: true,
+            share_embeddings: true,
+            tie_weights: true,
+        }
+    }
+}
+
+impl Seq2SeqConfig {
+    /// Checks the relations between fields.
+    pub fn validate(&self) -> Result<()> {
+        if self.encoder_layers == 0 || self.decoder_layers == 0 || self.d_ff == 0 {
+            bail!("model: encoder_layers, decoder_layers and d_ff must be at least 1");
+        }
+        if self.max_len < 3 {
+            bail!("model: max_len must be at least 3 (<s>, a token, </s>)");
+        }
+        validate_width(self.d_model, self.n_heads, self.dropout)
+    }
+
+    fn block(&self, n_layers: usize) -> TransformerBlockConfig {
+        TransformerBlockConfig::new(self.d_model, self.n_heads, self.d_ff)
+            .with_dropout(self.dropout)
+            .with_activation(self.activation)
+            .with_norm_first(self.norm_first)
+            .with_bias(self.bias)
+            .with_residual_init_std(0.02 / ((2 * n_layers) as f64).sqrt())
+    }
+
+    /// Builds the model. Vocabulary sizes must be resolved and the config validated.
+    ///
+    /// # Panics
+    /// If a vocabulary size is 0, or embeddings are shared between vocabularies of different
+    /// sizes.
+    pub fn init<B: Backend>(&self, device: &B::Device) -> Seq2Seq<B> {
+        assert!(
+            self.src_vocab_size > 0 && self.tgt_vocab_size > 0,
+            "vocabulary sizes must be resolved before init"
+        );
+        assert!(
+            !self.share_embeddings || self.src_vocab_size == self.tgt_vocab_size,
+            "shared embeddings need one vocabulary"
+        );
+        // N(0, d^-1/2) then ×√d in `embed`: unit-variance inputs, as in the paper's setup.
+        let std = (self.d_model as f64).powf(-0.5);
+        let embedding = |vocab| {
+            EmbeddingConfig::new(vocab, self.d_model)
+                .with_initializer(Initializer::Normal { mean: 0.0, std })
+                .init(device)
+        };
+        let max_layers = self.encoder_layers.max(self.decoder_layers);
+        Seq2Seq {
+            src_embedding: embedding(self.src_vocab_size),
+            tgt_embedding: (!self.share_embeddings).then(|| embedding(self.tgt_vocab_size)),
+            position: PositionEncodingConfig::new(self.position, self.max_len, self.d_model)
+                .init(device),
+            encoder: TransformerStackConfig::encoder(self.encoder_layers, self.block(max_layers))
+                .init(device),
+            decoder: TransformerStackConfig::decoder(
+                self.decoder_layers,
+                self.block(max_layers),
+                true,
+            )
+            .init(device),
+            head: (!self.tie_weights).then(|| {
+                LinearConfig::new(self.d_model, self.tgt_vocab_size)
+                    .with_bias(false)
+                    .with_initializer(Initializer::Normal { mean: 0.0, std })
+                    .init(device)
+            }),
+            dropout: DropoutConfig::new(self.dropout).init(),
+            pad_id: crate::data::Special::Pad.id(),
+            label_smoothing: 0.0,
+        }
+    }
+}
+
+/// The encoder–decoder transformer.
+#[derive(Module, Debug)]
+pub struct Seq2Seq<B: Backend> {
+    /// Source embedding `[v_src, d]` (also the target's when shared).
+    pub src_embedding: Embedding<B>,
+    /// Target embedding `[v_tgt, d]`, absent when shared with the source.
+    pub tgt_embedding: Option<Embedding<B>>,
+    /// Positional encoding, used by both sides.
+    pub position: PositionEncoding<B>,
+    /// Encoder stack (self-attention with the source padding mask).
+    pub encoder: TransformerStack<B>,
+    /// Decoder stack (causal self-attention + cross-attention).
+    pub decoder: TransformerStack<B>,
+    /// Output projection `[d, v_tgt]`, absent when tied to the target embedding.
+    pub head: Option<Linear<B>>,
+    dropout: Dropout,
+    pad_id: usize,
+    label_smoothing: f32,
+}
+
+/// A batch of translation pairs, padded with `<pad>` (id 0) on the right.
+#[derive(Clone, Debug)]
+pub struct Seq2SeqBatch<B: Backend> {
+    /// `[b, s]` source ids.
+    pub source: Tensor<B, 2, Int>,
+    /// `[b, t]` decoder inputs: `<s> y₁ … y_{n}`.
+    pub target_in: Tensor<B, 2, Int>,
+    /// `[b, t]` what each decoder position must predict: `y₁ … y_n </s>`.
+    pub target_out: Tensor<B, 2, Int>,
+}
+
+/// The encoder's output and the mask that hides its padding from cross-attention.
+#[derive(Clone, Debug)]
+pub struct Memory<B: Backend> {
+    /// `[b, s, d]`.
+    pub states: Tensor<B, 3>,
+    /// Key-padding mask of the source, `true` = padding.
+    pub mask: AttentionMask<B>,
+    /// Per encoder layer, self-attention weights `[b, h, s, s]`.
+    pub attention: Vec<Tensor<B, 4>>,
+}
+
+/// Decoder logits and its attention weights.
+#[derive(Clone, Debug)]
+pub struct DecoderOutput<B: Backend> {
+    /// `[b, t, v_tgt]`.
+    pub logits: Tensor<B, 3>,
+    /// Per decoder layer, causal self-attention weights `[b, h, t, t]`.
+    pub self_attention: Vec<Tensor<B, 4>>,
+    /// Per decoder layer, cross-attention weights `[b, h, t, s]`.
+    pub cross_attention: Vec<Tensor<B, 4>>,
+}
+
+impl<B: Backend> Seq2Seq<B> {
+    /// Runs the encoder.
+    ///
+    /// # Shapes
+    /// `source`: `[b, s]` ids, `<pad>` on the right → states `[b, s, d]`.
+    pub fn encode(&self, source: Tensor<B, 2, Int>) -> Memory<B> {
+        let mask = AttentionMask::padding(padding_mask(&source, self.pad_id));
+        let x = self.embed(&self.src_embedding, source); // [b, s, d]
+        let out = self.encoder.forward(x, Some(&mask), None);
+        Memory {
+            states: out.x,
+            mask,
+            attention: out.self_attention,
+        }
+    }
+
+    /// Runs the decoder over `target_in` with cross-attention to `memory`.
+    ///
+    /// # Shapes
+    /// `target_in`: `[b, t]` → logits `[b, t, v_tgt]`.
+    pub fn decode(&self, memory: &Memory<B>, target_in: Tensor<B, 2, Int>) -> DecoderOutput<B> {
+        let [b, t] = target_in.dims();
+        let d = self.d_model();
+        let x = self.embed(self.target_embedding(), target_in); // [b, t, d]
+        let causal = AttentionMask::causal(t, &x.device());
+        let out =
+            self.decoder
+                .forward(x, Some(&causal), Some((&memory.states, Some(&memory.mask))));
+        let logits = match &self.head {
+            Some(head) => head.forward(out.x.reshape([b * t, d])),
+            None => out
+                .x
+                .reshape([b * t, d])
+                .matmul(self.target_embedding().weight.val().transpose()), // [b*t, v]
+        };
+        DecoderOutput {
+            logits: logits.reshape([b, t, self.tgt_vocab_size()]),
+            self_attention: out.self_attention,
+            cross_attention: out.cross_attention,
+        }
+    }
+
+    /// Teacher-forced logits of a batch, `[b, t, v_tgt]`.
+    pub fn forward(&self, batch: &Seq2SeqBatch<B>) -> DecoderOutput<B> {
+        let memory = self.encode(batch.source.clone());
+        self.decode(&memory, batch.target_in.clone())
+    }
+
+    /// Mean label-smoothed cross-entropy over the non-padding target positions, with the
+    /// flattened logits `[b·t, v]` and targets `[b·t]` it was computed from.
+    ///
+    /// Per position: `−(1−ε)·log p(y) − ε·mean_v log p(v)`; padding positions count for nothing
+    /// (burn's `CrossEntropyLoss` would average them in as zeros).
+    pub fn loss(
+        &self,
+        batch: &Seq2SeqBatch<B>,
+        smoothing: f32,
+    ) -> (Tensor<B, 1>, Tensor<B, 2>, Tensor<B, 1, Int>) {
+        let [b, t] = batch.target_out.dims();
+        let v = self.tgt_vocab_size();
+        let logits = self.forward(batch).logits.reshape([b * t, v]);
+        let targets = batch.target_out.clone().reshape([b * t]);
+        let log_probs = log_softmax(logits.clone(), 1); // [b*t, v]
+        let nll = log_probs
+            .clone()
+            .gather(1, targets.clone().reshape([b * t, 1]))
+            .reshape([b * t])
+            .neg();
+        let per_token = if smoothing > 0.0 {
+            let uniform = log_probs.mean_dim(1).reshape([b * t]).neg();
+            nll.mul_scalar(1.0 - smoothing) + uniform.mul_scalar(smoothing)
+        } else {
+            nll
+        };
+        let keep = targets.clone().not_equal_elem(self.pad_id as i64).float(); // [b*t]
+        let count = keep.clone().sum().clamp_min(1.0);
+        let loss = (per_token * keep).sum() / count;
+        (loss, logits, targets)
+    }
+
+    /// The label smoothing ε its train and validation steps use (a training setting, not
+    /// saved with the weights).
+    pub fn with_label_smoothing(mut self, epsilon: f32) -> Self {
+        self.label_smoothing = epsilon;
+        self
+    }
+
+    /// See [`Seq2Seq::with_label_smoothing`].
+    pub fn label_smoothing(&self) -> f32 {
+        self.label_smoothing
+    }
+
+    /// `√d · E[token] + PE`, then dropout: `[b, n]` → `[b, n, d]`.
+    fn embed(&self, table: &Embedding<B>, tokens: Tensor<B, 2, Int>) -> Tensor<B, 3> {
+        let scale = (self.d_model() as f64).sqrt();
+        let x = table.forward(tokens).mul_scalar(scale);
+        self.dropout.forward(self.position.forward(x))
+    }
+
+    fn target_embedding(&self) -> &Embedding<B> {
+        self.tgt_embedding.as_ref().unwrap_or(&self.src_embedding)
+    }
+
+    /// Model width `d`.
+    pub fn d_model(&self) -> usize {
+        self.src_embedding.weight.dims()[1]
+    }
+
+    /// Target vocabulary size.
+    pub fn tgt_vocab_size(&self) -> usize {
+        self.target_embedding().weight.dims()[0]
+    }
+
+    /// Longest sequence the positions cover.
+    pub fn max_len(&self) -> usize {
+        self.position.max_len()
+    }
+}

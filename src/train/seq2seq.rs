@@ -1,0 +1,209 @@
+//! The translator's training: teacher-forced steps with label smoothing over padded pairs.
+
+use super::{launch, Session, Tokenizers, TrainReport};
+use crate::artifact::ArtifactDir;
+use crate::config::ExperimentConfig;
+use crate::data::{EncodedPairs, Seq2SeqBatcher, Special, Tokenizer, TranslationCorpus};
+use crate::models::{Seq2Seq, Seq2SeqBatch};
+use anyhow::{bail, Result};
+use burn::data::dataloader::DataLoaderBuilder;
+use burn::data::dataset::transform::{SamplerDataset, SamplerDatasetOptions};
+use burn::data::dataset::Dataset;
+use burn::prelude::*;
+use burn::tensor::backend::AutodiffBackend;
+use burn::train::{ClassificationOutput, InferenceStep, TrainOutput, TrainStep};
+use std::path::Path;
+
+impl<B: AutodiffBackend> TrainStep for Seq2Seq<B> {
+    type Input = Seq2SeqBatch<B>;
+    type Output = ClassificationOutput<B>;
+
+    fn step(&self, batch: Seq2SeqBatch<B>) -> TrainOutput<ClassificationOutput<B>> {
+        let (loss, output, targets) = self.loss(&batch, self.label_smoothing());
+        let grads = loss.backward();
+        TrainOutput::new(
+            self,
+            grads,
+            ClassificationOutput {
+                loss,
+                output,
+                targets,
+            },
+        )
+    }
+}
+
+impl<B: Backend> InferenceStep for Seq2Seq<B> {
+    type Input = Seq2SeqBatch<B>;
+    type Output = ClassificationOutput<B>;
+
+    fn step(&self, batch: Seq2SeqBatch<B>) -> ClassificationOutput<B> {
+        let (loss, output, targets) = self.loss(&batch, self.label_smoothing());
+        ClassificationOutput {
+            loss,
+            output,
+            targets,
+        }
+    }
+}
+
+/// A translation dataset read, split and tokenized.
+pub struct TranslationData {
+    /// The raw splits (the test split is for BLEU).
+    pub corpus: TranslationCorpus,
+    /// The tokenizers (trained on the training split, or the artifact's).
+    pub tokenizers: Tokenizers,
+    /// Tokenized training pairs within `max_tokens`.
+    pub train: EncodedPairs,
+    /// Tokenized validation pairs within `max_tokens`.
+    pub valid: EncodedPairs,
+    /// Training pairs skipped for length.
+    pub skipped: usize,
+}
+
+impl TranslationData {
+    /// Loads the experiment's dataset, fitting tokenizers on its training split unless given.
+    pub fn load(
+        config: &ExperimentConfig,
+        data_dir: &Path,
+        tokenizers: Option<Tokenizers>,
+    ) -> Result<Self> {
+        let data = &config.data;
+        let corpus = TranslationCorpus::load(data, data_dir, config.seed)?;
+        let tokenizers = match tokenizers {
+            Some(tokenizers) => tokenizers,
+            None => {
+                let sources = corpus.train.iter().map(|p| p.source.as_str());
+                let targets = corpus.train.iter().map(|p| p.target.as_str());
+                let fit = |texts: Vec<&str>| {
+                    Tokenizer::fit(data.tokenizer, texts.into_iter(), data.bpe_vocab_size)
+                };
+                if data.shared_vocab {
+                    Tokenizers::shared(fit(sources.chain(targets).collect())?)
+                } else {
+                    Tokenizers {
+                        source: fit(sources.collect())?,
+                        target: fit(targets.collect())?,
+                        shared: false,
+                    }
+                }
+            }
+        };
+        let encode = |pairs: &[crate::data::Pair]| {
+            EncodedPairs::encode(
+                pairs,
+                &tokenizers.source,
+                &tokenizers.target,
+                data.max_tokens,
+            )
+        };
+        let (train, skipped) = encode(&corpus.train)?;
+        let (valid, _) = encode(&corpus.valid)?;
+        if train.is_empty() || valid.is_empty() {
+            bail!(
+                "{}: no training or validation pair fits in max_tokens {}",
+                data.dataset,
+                data.max_tokens
+            );
+        }
+        Ok(Self {
+            corpus,
+            tokenizers,
+            train,
+            valid,
+            skipped,
+        })
+    }
+}
+
+/// Trains the translator of `config`.
+pub(super) fn train<B: AutodiffBackend>(
+    mut config: ExperimentConfig,
+    tokenizers: Option<Tokenizers>,
+    session: &Session,
+    data_dir: &Path,
+    device: B::Device,
+) -> Result<TrainReport> {
+    let data = TranslationData::load(&config, data_dir, tokenizers)?;
+    config.model.set_vocab_sizes(
+        data.tokenizers.source.vocab_size(),
+        data.tokenizers.target.vocab_size(),
+    );
+    session.begin(&config, &data.tokenizers)?;
+    let train = &config.train;
+    println!(
+        "{}: {} training pairs ({} longer than {} tokens skipped), {} validation pairs, {} test sentences; vocabulary {} → {}",
+        config.data.dataset,
+        data.train.len(),
+        data.skipped,
+        config.data.max_tokens,
+        data.valid.len(),
+        data.corpus.test.len(),
+        data.tokenizers.source.vocab_size(),
+        data.tokenizers.target.vocab_size(),
+    );
+
+    B::seed(&device, config.seed);
+    let mean_target = data.train.target_tokens() as f64 / data.train.len() as f64;
+    let valid_size = (train.eval_batches * train.batch_size).min(data.valid.len());
+    let loader_train = DataLoaderBuilder::new(Seq2SeqBatcher)
+        .batch_size(train.batch_size)
+        .num_workers(train.num_workers)
+        .set_device(device.clone())
+        .build(SamplerDataset::new(
+            data.train,
+            SamplerDatasetOptions::default()
+                .with_replacement()
+                .with_fixed_size(train.steps_per_epoch * train.batch_size)
+                .with_seed(config.seed + session.start as u64),
+        ));
+    let loader_valid = DataLoaderBuilder::new(Seq2SeqBatcher)
+        .batch_size(train.batch_size)
+        .num_workers(train.num_workers)
+        .set_device(device.clone())
+        .build(SamplerDataset::new(
+            data.valid,
+            SamplerDatasetOptions::default()
+                .with_fixed_size(valid_size)
+                .with_seed(config.seed ^ 0x5eed),
+        ));
+    let model: Seq2Seq<B> = config
+        .seq2seq()?
+        .init(&device)
+        .with_label_smoothing(train.label_smoothing);
+    launch(
+        &config,
+        session,
+        model,
+        (loader_train, loader_valid),
+        Some(Special::Pad.id()),
+        (train.batch_size as f64 * mean_target).round() as usize,
+    )
+}
+
+/// A translator in inference mode with its tokenizers and config.
+pub struct TrainedTranslator<B: Backend> {
+    /// The model.
+    pub model: Seq2Seq<B>,
+    /// Its tokenizers.
+    pub tokenizers: Tokenizers,
+    /// Its resolved config.
+    pub config: ExperimentConfig,
+}
+
+impl<B: Backend> TrainedTranslator<B> {
+    /// Loads what `train` wrote in `artifact`.
+    pub fn load(artifact: &ArtifactDir, device: &B::Device) -> Result<Self> {
+        let weights = artifact.weights()?;
+        let config = ExperimentConfig::load(&artifact.config())?;
+        let s2s = config.seq2seq()?;
+        let tokenizers = Tokenizers::load(artifact)?;
+        tokenizers.check(&config, artifact)?;
+        let model = crate::artifact::load_weights(s2s.init::<B>(device), &weights, device)?;
+        Ok(Self {
+            model,
+            tokenizers,
+            config,
+        })
+    }
+}

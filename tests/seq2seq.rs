@@ -1,0 +1,206 @@
+//! The encoder–decoder: causality of the decoder, no leak from source padding, the loss's
+//! treatment of padding, greedy vs beam search, and the copy task solved end to end.
+
+use burn::backend::{Autodiff, NdArray};
+use burn::nn::loss::CrossEntropyLossConfig;
+use burn::prelude::*;
+use transformer_lab::artifact::ArtifactDir;
+use transformer_lab::config::{ExperimentConfig, Seq2SeqConfig};
+use transformer_lab::data::Special;
+use transformer_lab::models::{Seq2Seq, Seq2SeqBatch};
+use transformer_lab::train::{train, TrainRequest, TrainedTranslator};
+use transformer_lab::translate::{beam_search, greedy, translate_texts, SearchConfig};
+
+type B = NdArray<f32>;
+
+fn tiny(vocab: usize) -> Seq2SeqConfig {
+    Seq2SeqConfig {
+        src_vocab_size: vocab,
+        tgt_vocab_size: vocab,
+        d_model: 32,
+        n_heads: 4,
+        encoder_layers: 2,
+        decoder_layers: 2,
+        d_ff: 64,
+        max_len: 24,
+        dropout: 0.0,
+        ..Seq2SeqConfig::default()
+    }
+}
+
+fn model(seed: u64) -> Seq2Seq<B> {
+    let device = Default::default();
+    B::seed(&device, seed);
+    tiny(20).init(&device)
+}
+
+fn ids(rows: &[&[i64]]) -> Tensor<B, 2, Int> {
+    let n = rows[0].len();
+    let flat: Vec<i64> = rows.iter().flat_map(|r| r.iter().copied()).collect();
+    Tensor::from_data(TensorData::new(flat, [rows.len(), n]), &Default::default())
+}
+
+fn max_abs_diff<const D: usize>(a: Tensor<B, D>, b: Tensor<B, D>) -> f32 {
+    (a - b).abs().max().into_scalar()
+}
+
+#[test]
+fn decoder_positions_cannot_see_future_target_tokens() {
+    let m = model(1);
+    let memory = m.encode(ids(&[&[5, 6, 7, 8, 2], &[9, 10, 11, 2, 0]]));
+    let a = m.decode(&memory, ids(&[&[1, 4, 5, 6, 7, 8], &[1, 9, 9, 9, 9, 9]]));
+    let b = m.decode(&memory, ids(&[&[1, 4, 5, 16, 17, 18], &[1, 9, 9, 3, 4, 5]]));
+    let prefix = |t: Tensor<B, 3>| t.slice([0..2, 0..3, 0..20]);
+    assert!(max_abs_diff(prefix(a.logits.clone()), prefix(b.logits.clone())) < 1e-6);
+    // …while a changed future does change the later positions (the test can fail).
+    assert!(max_abs_diff(a.logits, b.logits) > 1e-3);
+}
+
+#[test]
+fn source_padding_cannot_change_the_output() {
+    let m = model(2);
+    let target = ids(&[&[1, 4, 5, 6]]);
+    let short = m.decode(&m.encode(ids(&[&[5, 6, 7, 2]])), target.clone());
+    let padded = m.decode(&m.encode(ids(&[&[5, 6, 7, 2, 0, 0, 0]])), target.clone());
+    assert!(max_abs_diff(short.logits.clone(), padded.logits) < 1e-5);
+    // A real token in place of the padding does change it.
+    let longer = m.decode(&m.encode(ids(&[&[5, 6, 7, 2, 9, 9, 9]])), target);
+    assert!(max_abs_diff(short.logits, longer.logits) > 1e-4);
+}
+
+fn batch(source: &[&[i64]], target_in: &[&[i64]], target_out: &[&[i64]]) -> Seq2SeqBatch<B> {
+    Seq2SeqBatch {
+        source: ids(source),
+        target_in: ids(target_in),
+        target_out: ids(target_out),
+    }
+}
+
+#[test]
+fn the_loss_is_cross_entropy_over_real_tokens_only() {
+    let m = model(3);
+    let plain = batch(&[&[5, 6, 2]], &[&[1, 7, 8]], &[&[7, 8, 2]]);
+    let padded = batch(&[&[5, 6, 2]], &[&[1, 7, 8, 0, 0]], &[&[7, 8, 2, 0, 0]]);
+    let (loss, logits, targets) = m.loss(&plain, 0.0);
+    let (loss_padded, _, _) = m.loss(&padded, 0.0);
+    let loss = loss.into_scalar();
+    assert!((loss - loss_padded.into_scalar()).abs() < 1e-6);
+    // Without padding and smoothing it is burn's cross-entropy.
+    let reference = CrossEntropyLossConfig::new()
+        .init(&Default::default())
+        .forward(logits, targets)
+        .into_scalar();
+    assert!((loss - reference).abs() < 1e-6);
+    // Smoothing ε mixes in the mean negative log-probability over the vocabulary.
+    let (smoothed, logits, _) = m.loss(&plain, 0.1);
+    let uniform = -burn::tensor::activation::log_softmax(logits, 1)
+        .mean()
+        .into_scalar();
+    assert!((smoothed.into_scalar() - (0.9 * loss + 0.1 * uniform)).abs() < 1e-5);
+}
+
+fn search(beam_size: usize) -> SearchConfig {
+    SearchConfig {
+        beam_size,
+        length_penalty: 0.6,
+        max_len: 12,
+    }
+}
+
+#[test]
+fn beam_size_one_is_greedy_and_wider_beams_never_score_lower() {
+    let sources = ids(&[
+        &[5, 6, 7, 8, 2],
+        &[9, 10, 2, 0, 0],
+        &[11, 12, 13, 2, 0],
+        &[4, 4, 4, 4, 2],
+    ]);
+    for seed in [4, 5, 6] {
+        let m = model(seed);
+        let greedy = greedy(&m, sources.clone(), &search(1));
+        let beam1 = beam_search(&m, sources.clone(), &search(1));
+        for (g, b) in greedy.iter().zip(&beam1) {
+            assert_eq!(g.tokens, b.tokens, "seed {seed}");
+            assert!(
+                (g.score - b.score).abs() < 1e-4,
+                "seed {seed}: {g:?} vs {b:?}"
+            );
+            assert!(g.tokens.iter().all(|&t| t > Special::Unk.id()), "{g:?}");
+        }
+        let mut previous = beam1;
+        for k in [2, 4, 8] {
+            let wider = beam_search(&m, sources.clone(), &search(k));
+            for (narrow, wide) in previous.iter().zip(&wider) {
+                assert!(
+                    wide.score >= narrow.score - 1e-9,
+                    "seed {seed}, beam {k}: {} < {}",
+                    wide.score,
+                    narrow.score
+                );
+            }
+            previous = wider;
+        }
+    }
+}
+
+#[test]
+fn the_copy_task_is_solved_exactly_by_greedy_decoding() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = ExperimentConfig::parse(
+        r#"{
+          "name": "copy-test", "seed": 7,
+          "model": {"kind": "seq2seq", "d_model": 32, "n_heads": 4, "encoder_layers": 2,
+                    "decoder_layers": 2, "d_ff": 64, "max_len": 16, "dropout": 0.0},
+          "data": {"dataset": "copy", "tokenizer": "bpe", "bpe_vocab_size": 300, "max_tokens": 16,
+                   "copy": {"symbols": 6, "min_len": 2, "max_len": 5, "train_pairs": 4000}},
+          "train": {"batch_size": 32, "steps": 600, "steps_per_epoch": 300, "eval_batches": 2,
+                    "lr": 0.003, "min_lr": 0.0003, "warmup_steps": 40, "beta2": 0.98,
+                    "weight_decay": 0.0}
+        }"#,
+    )
+    .unwrap();
+    config.validate().unwrap();
+    let artifact = ArtifactDir::new(dir.path().join("copy"));
+    train::<Autodiff<B>>(
+        TrainRequest {
+            config: Some(config.clone()),
+            artifact: artifact.clone(),
+            data_dir: dir.path().to_path_buf(),
+            resume: false,
+            force: false,
+            plain: true,
+        },
+        Default::default(),
+    )
+    .unwrap();
+    let device = Default::default();
+    let trained = TrainedTranslator::<B>::load(&artifact, &device).unwrap();
+    let test = transformer_lab::data::translation::copy_task(&config.data.copy, config.seed).test;
+    let sources: Vec<String> = test.iter().take(100).map(|t| t.source.clone()).collect();
+    let (out, truncated) = translate_texts(
+        &trained.model,
+        &trained.tokenizers,
+        &sources,
+        &search(1),
+        50,
+        config.data.max_tokens,
+        &device,
+    )
+    .unwrap();
+    assert!(truncated.is_empty());
+    let wrong: Vec<_> = sources.iter().zip(&out).filter(|(s, o)| s != o).collect();
+    assert!(
+        wrong.is_empty(),
+        "{} of 100 copied wrongly: {wrong:?}",
+        wrong.len()
+    );
+}
+
+#[test]
+fn special_ids_are_the_first_four() {
+    assert_eq!(
+        Special::ALL.map(Special::id),
+        [0, 1, 2, 3],
+        "pad, bos, eos, unk"
+    );
+}
