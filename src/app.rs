@@ -200,13 +200,18 @@ fn run_eval_translation<B: Backend>(args: EvalArgs, device: B::Device) -> Result
     let references: Vec<Vec<String>> = test.iter().map(|item| item.references.clone()).collect();
     let bleu = corpus_bleu(&translations, &references);
     println!(
-        "{}: {} on {} test sentences of {} ({} → {}), beam {}, length penalty {}; decoded in {seconds:.1} s",
+        "{}: {} on {} test sentences of {}, beam {}, length penalty {}; decoded in {seconds:.1} s",
         config.name,
         bleu,
         test.len(),
-        config.data.dataset,
-        config.data.source,
-        config.data.target,
+        if config.data.dataset == crate::data::translation::COPY_TASK {
+            "the copy task".to_string()
+        } else {
+            format!(
+                "{} ({} → {})",
+                config.data.dataset, config.data.source, config.data.target
+            )
+        },
         search.beam_size,
         search.length_penalty
     );
