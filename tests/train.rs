@@ -31,13 +31,14 @@ fn schedule_warms_up_then_decays_like_nanogpt() {
 #[test]
 fn noam_schedule_peaks_after_warmup_then_decays_as_inverse_square_root() {
     let s = WarmupSchedule::noam(1e-3, 400);
-    assert!((s.at(399) - 1e-3 * 400.0 / 401.0).abs() < 1e-12);
     assert!(
-        (s.at(399) - s.at(400)).abs() < 1e-5,
-        "continuous at the peak"
+        (s.at(399) - 1e-3).abs() < 1e-15,
+        "the peak is lr, at step n = warmup"
     );
+    assert!((s.at(199) - 0.5e-3).abs() < 1e-15, "linear warmup");
+    assert!(s.at(398) < s.at(399) && s.at(400) < s.at(399));
     // Four times the steps, half the rate: lr ∝ 1/√step.
-    assert!((s.at(1599) / s.at(399) - 0.5).abs() < 1e-3);
+    assert!((s.at(1599) / s.at(399) - 0.5).abs() < 1e-12);
     // With lr = (d·warmup)^-½ it is the paper's d^-½·min(step^-½, step·warmup^-1.5).
     let (d, warmup) = (512.0f64, 4000usize);
     let paper = |step: f64| d.powf(-0.5) * step.powf(-0.5).min(step * (warmup as f64).powf(-1.5));

@@ -63,11 +63,16 @@ impl WarmupSchedule {
 
     /// The learning rate at step `s` (0-based), without advancing.
     pub fn at(&self, s: usize) -> f64 {
-        if s < self.warmup {
-            return self.lr * (s + 1) as f64 / (self.warmup + 1) as f64;
-        }
         match self.kind {
-            ScheduleKind::Noam => self.lr * (self.warmup.max(1) as f64 / (s + 1) as f64).sqrt(),
+            // The paper's d^-½·min(n^-½, n·w^-1.5) with n = s + 1, scaled so the peak (n = w) is lr.
+            ScheduleKind::Noam => {
+                let (n, w) = ((s + 1) as f64, self.warmup.max(1) as f64);
+                self.lr * (n / w).min((w / n).sqrt())
+            }
+            // nanoGPT's get_lr: linear warmup, cosine decay to min_lr, then flat.
+            ScheduleKind::Cosine if s < self.warmup => {
+                self.lr * (s + 1) as f64 / (self.warmup + 1) as f64
+            }
             ScheduleKind::Cosine if s > self.decay => self.min_lr,
             ScheduleKind::Cosine => {
                 let ratio = (s - self.warmup) as f64 / (self.decay - self.warmup).max(1) as f64;
