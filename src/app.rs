@@ -57,8 +57,9 @@ fn run_train<B: Backend>(args: TrainArgs, device: B::Device) -> Result<()> {
         report.steps, report.seconds, report.tokens_per_second
     );
     println!(
-        "model written to {}; sample it with: transformer-lab generate --artifact-dir {}",
+        "model written to {}; use it with: transformer-lab {} --artifact-dir {}",
         artifact.model().with_extension("mpk").display(),
+        report.use_with,
         artifact.root().display()
     );
     Ok(())

@@ -18,13 +18,43 @@ pub trait BackendTask {
     fn run<B: burn::tensor::backend::Backend>(self, device: B::Device) -> Result<()>;
 }
 
-/// The backend used when `--backend` is absent: the GPU one when compiled in.
+/// The backend used when `--backend` is absent: wgpu when it is compiled in and a hardware GPU
+/// is present; otherwise the CPU backend, which is several times faster on a CPU than wgpu
+/// running through a software Vulkan driver such as lavapipe.
 pub fn default_backend() -> BackendKind {
-    if cfg!(feature = "wgpu") {
-        BackendKind::Wgpu
-    } else {
-        BackendKind::Ndarray
+    #[cfg(feature = "wgpu")]
+    if !cfg!(feature = "ndarray") || hardware_gpu_present() {
+        return BackendKind::Wgpu;
     }
+    BackendKind::Ndarray
+}
+
+/// Whether wgpu sees a real (discrete, integrated or virtual) GPU, not just a CPU adapter.
+#[cfg(feature = "wgpu")]
+pub fn hardware_gpu_present() -> bool {
+    use std::future::Future;
+    use std::task::{Context, Poll, Waker};
+    let instance = wgpu::Instance::new(wgpu::InstanceDescriptor {
+        backends: wgpu::Backends::all(),
+        ..wgpu::InstanceDescriptor::new_without_display_handle()
+    });
+    // Enumeration is async in wgpu's API but completes at once on native platforms.
+    let mut adapters = std::pin::pin!(instance.enumerate_adapters(wgpu::Backends::all()));
+    let mut cx = Context::from_waker(Waker::noop());
+    let adapters = loop {
+        match adapters.as_mut().poll(&mut cx) {
+            Poll::Ready(adapters) => break adapters,
+            Poll::Pending => std::thread::yield_now(),
+        }
+    };
+    adapters.iter().any(|adapter| {
+        matches!(
+            adapter.get_info().device_type,
+            wgpu::DeviceType::DiscreteGpu
+                | wgpu::DeviceType::IntegratedGpu
+                | wgpu::DeviceType::VirtualGpu
+        )
+    })
 }
 
 /// Runs `task` on the chosen backend.

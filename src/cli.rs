@@ -10,7 +10,7 @@ pub const DEFAULT_EXPERIMENT: &str = include_str!("../experiments/shakespeare-ch
 #[derive(Parser, Debug)]
 #[command(name = "transformer-lab", version, about, long_about = None)]
 pub struct Cli {
-    /// Compute backend (the ones compiled in; default: wgpu when built with it, else ndarray).
+    /// Compute backend (the ones compiled in; default: wgpu when built with it and a GPU is present, else ndarray).
     #[arg(long, global = true, value_enum)]
     pub backend: Option<BackendKind>,
     /// What to do.

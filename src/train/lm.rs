@@ -1,6 +1,6 @@
 //! The language model's training: next-token steps, the corpus, and whole-split evaluation.
 
-use super::{launch, Session, Tokenizers, TrainReport};
+use super::{launch, open_artifact, Session, Tokenizers, TrainReport};
 use crate::artifact::ArtifactDir;
 use crate::config::ExperimentConfig;
 use crate::data::{DatasetSpec, LmBatcher, TokenWindows, Tokenizer};
@@ -10,42 +10,18 @@ use burn::data::dataloader::DataLoaderBuilder;
 use burn::data::dataset::transform::{SamplerDataset, SamplerDatasetOptions};
 use burn::prelude::*;
 use burn::tensor::backend::AutodiffBackend;
-use burn::train::{ClassificationOutput, InferenceStep, TrainOutput, TrainStep};
+use burn::train::ClassificationOutput;
 use std::path::Path;
 use std::sync::Arc;
 
-impl<B: AutodiffBackend> TrainStep for LanguageModel<B> {
-    type Input = LmBatch<B>;
-    type Output = ClassificationOutput<B>;
-
-    fn step(&self, batch: LmBatch<B>) -> TrainOutput<ClassificationOutput<B>> {
-        let (loss, output, targets) = self.loss(batch);
-        let grads = loss.backward();
-        TrainOutput::new(
-            self,
-            grads,
-            ClassificationOutput {
-                loss,
-                output,
-                targets,
-            },
-        )
+supervised_steps!(LanguageModel, LmBatch, |model, batch| {
+    let (loss, output, targets) = model.loss(batch);
+    ClassificationOutput {
+        loss,
+        output,
+        targets,
     }
-}
-
-impl<B: Backend> InferenceStep for LanguageModel<B> {
-    type Input = LmBatch<B>;
-    type Output = ClassificationOutput<B>;
-
-    fn step(&self, batch: LmBatch<B>) -> ClassificationOutput<B> {
-        let (loss, output, targets) = self.loss(batch);
-        ClassificationOutput {
-            loss,
-            output,
-            targets,
-        }
-    }
-}
+});
 
 /// Tokenized train and validation splits of the experiment's text.
 pub struct Corpus {
@@ -173,12 +149,9 @@ pub struct Trained<B: Backend> {
 impl<B: Backend> Trained<B> {
     /// Loads what `train` wrote in `artifact`.
     pub fn load(artifact: &ArtifactDir, device: &B::Device) -> Result<Self> {
-        let weights = artifact.weights()?;
-        let config = ExperimentConfig::load(&artifact.config())?;
-        let lm = config.lm()?;
-        let tokenizers = Tokenizers::load(artifact)?;
-        tokenizers.check(&config, artifact)?;
-        let model = crate::artifact::load_weights(lm.init::<B>(device), &weights, device)?;
+        let (model, tokenizers, config) = open_artifact(artifact, device, |config| {
+            Ok(config.lm()?.init::<B>(device))
+        })?;
         Ok(Self {
             model,
             tokenizer: tokenizers.target,

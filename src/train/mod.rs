@@ -1,6 +1,35 @@
 //! Training through burn-train's `Learner`: each model's train/validation steps (in `lm` and
 //! `seq2seq`) and one wiring function, [`launch`], that every model trains through.
 
+/// Implements burn-train's `TrainStep` and `InferenceStep` for a model from one function that
+/// maps a batch to a `ClassificationOutput` (loss, logits, targets): training backpropagates
+/// its loss, validation only reports it.
+macro_rules! supervised_steps {
+    ($model:ident, $batch:ident, |$m:ident, $b:ident| $output:expr) => {
+        impl<B: burn::tensor::backend::AutodiffBackend> burn::train::TrainStep for $model<B> {
+            type Input = $batch<B>;
+            type Output = burn::train::ClassificationOutput<B>;
+
+            fn step(&self, $b: $batch<B>) -> burn::train::TrainOutput<Self::Output> {
+                let $m = self;
+                let output: Self::Output = $output;
+                let grads = output.loss.backward();
+                burn::train::TrainOutput::new(self, grads, output)
+            }
+        }
+
+        impl<B: burn::tensor::backend::Backend> burn::train::InferenceStep for $model<B> {
+            type Input = $batch<B>;
+            type Output = burn::train::ClassificationOutput<B>;
+
+            fn step(&self, $b: $batch<B>) -> Self::Output {
+                let $m = self;
+                $output
+            }
+        }
+    };
+}
+
 mod lm;
 mod optim;
 mod renderer;
@@ -20,13 +49,29 @@ use anyhow::{bail, Context, Result};
 use burn::data::dataloader::DataLoader;
 use burn::module::{AutodiffModule, Module};
 use burn::optim::AdamWConfig;
-use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::train::metric::{AccuracyMetric, LearningRateMetric, LossMetric, PerplexityMetric};
 use burn::train::{ClassificationOutput, InferenceStep, Learner, SupervisedTraining, TrainStep};
 use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
+
+/// Opens what `train` wrote in `artifact`: its config, its tokenizers (checked against the
+/// config) and the model `init` builds from the config, with the trained weights loaded.
+pub(crate) fn open_artifact<B: Backend, M: Module<B>>(
+    artifact: &ArtifactDir,
+    device: &B::Device,
+    init: impl FnOnce(&ExperimentConfig) -> Result<M>,
+) -> Result<(M, Tokenizers, ExperimentConfig)> {
+    let weights = artifact.weights()?;
+    let config = ExperimentConfig::load(&artifact.config())?;
+    let model = init(&config)?;
+    let tokenizers = Tokenizers::load(artifact)?;
+    tokenizers.check(&config, artifact)?;
+    let model = crate::artifact::load_weights(model, &weights, device)?;
+    Ok((model, tokenizers, config))
+}
 
 /// What `train` was asked to do.
 #[derive(Clone, Debug)]
@@ -55,6 +100,8 @@ pub struct TrainReport {
     pub seconds: f64,
     /// Training (target) tokens per second over that wall time.
     pub tokens_per_second: f64,
+    /// The command that uses the trained model ("generate", "translate", …).
+    pub use_with: &'static str,
 }
 
 /// The tokenizers of a run: a language model has one (`source` and `target` are the same);
@@ -125,14 +172,20 @@ pub fn train<B: AutodiffBackend>(request: TrainRequest, device: B::Device) -> Re
         start: start.unwrap_or(0),
         plain: request.plain,
     };
-    match &config.model {
-        ModelConfig::Lm(_) => {
-            lm::train::<B>(config, tokenizers, &session, &request.data_dir, device)
-        }
-        ModelConfig::Seq2seq(_) => {
-            seq2seq::train::<B>(config, tokenizers, &session, &request.data_dir, device)
-        }
-    }
+    let (report, use_with) = match &config.model {
+        ModelConfig::Lm(_) => (
+            lm::train::<B>(config, tokenizers, &session, &request.data_dir, device),
+            "generate",
+        ),
+        ModelConfig::Seq2seq(_) => (
+            seq2seq::train::<B>(config, tokenizers, &session, &request.data_dir, device),
+            "translate",
+        ),
+    };
+    Ok(TrainReport {
+        use_with,
+        ..report?
+    })
 }
 
 /// Where a training writes and where it starts.
@@ -265,6 +318,7 @@ where
         steps,
         seconds,
         tokens_per_second: (steps * tokens_per_step) as f64 / seconds,
+        use_with: "",
     })
 }
 

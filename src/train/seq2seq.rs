@@ -1,6 +1,6 @@
 //! The translator's training: teacher-forced steps with label smoothing over padded pairs.
 
-use super::{launch, Session, Tokenizers, TrainReport};
+use super::{launch, open_artifact, Session, Tokenizers, TrainReport};
 use crate::artifact::ArtifactDir;
 use crate::config::ExperimentConfig;
 use crate::data::{EncodedPairs, Seq2SeqBatcher, Special, Tokenizer, TranslationCorpus};
@@ -11,41 +11,17 @@ use burn::data::dataset::transform::{SamplerDataset, SamplerDatasetOptions};
 use burn::data::dataset::Dataset;
 use burn::prelude::*;
 use burn::tensor::backend::AutodiffBackend;
-use burn::train::{ClassificationOutput, InferenceStep, TrainOutput, TrainStep};
+use burn::train::ClassificationOutput;
 use std::path::Path;
 
-impl<B: AutodiffBackend> TrainStep for Seq2Seq<B> {
-    type Input = Seq2SeqBatch<B>;
-    type Output = ClassificationOutput<B>;
-
-    fn step(&self, batch: Seq2SeqBatch<B>) -> TrainOutput<ClassificationOutput<B>> {
-        let (loss, output, targets) = self.loss(&batch, self.label_smoothing());
-        let grads = loss.backward();
-        TrainOutput::new(
-            self,
-            grads,
-            ClassificationOutput {
-                loss,
-                output,
-                targets,
-            },
-        )
+supervised_steps!(Seq2Seq, Seq2SeqBatch, |model, batch| {
+    let (loss, output, targets) = model.loss(&batch, model.label_smoothing());
+    ClassificationOutput {
+        loss,
+        output,
+        targets,
     }
-}
-
-impl<B: Backend> InferenceStep for Seq2Seq<B> {
-    type Input = Seq2SeqBatch<B>;
-    type Output = ClassificationOutput<B>;
-
-    fn step(&self, batch: Seq2SeqBatch<B>) -> ClassificationOutput<B> {
-        let (loss, output, targets) = self.loss(&batch, self.label_smoothing());
-        ClassificationOutput {
-            loss,
-            output,
-            targets,
-        }
-    }
-}
+});
 
 /// A translation dataset read, split and tokenized.
 pub struct TranslationData {
@@ -194,12 +170,9 @@ pub struct TrainedTranslator<B: Backend> {
 impl<B: Backend> TrainedTranslator<B> {
     /// Loads what `train` wrote in `artifact`.
     pub fn load(artifact: &ArtifactDir, device: &B::Device) -> Result<Self> {
-        let weights = artifact.weights()?;
-        let config = ExperimentConfig::load(&artifact.config())?;
-        let s2s = config.seq2seq()?;
-        let tokenizers = Tokenizers::load(artifact)?;
-        tokenizers.check(&config, artifact)?;
-        let model = crate::artifact::load_weights(s2s.init::<B>(device), &weights, device)?;
+        let (model, tokenizers, config) = open_artifact(artifact, device, |config| {
+            Ok(config.seq2seq()?.init::<B>(device))
+        })?;
         Ok(Self {
             model,
             tokenizers,
