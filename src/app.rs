@@ -53,8 +53,8 @@ fn run_train<B: Backend>(args: TrainArgs, device: B::Device) -> Result<()> {
     let artifact = request.artifact.clone();
     let report = train::<Autodiff<B>>(request, device)?;
     println!(
-        "trained {} steps in {:.1} s: {:.0} tokens/s (validation and checkpoints included)",
-        report.steps, report.seconds, report.tokens_per_second
+        "trained {} steps in {:.1} s: {:.0} {}/s (validation and checkpoints included)",
+        report.steps, report.seconds, report.per_second, report.unit
     );
     println!(
         "model written to {}; use it with: transformer-lab {} --artifact-dir {}",

@@ -4,7 +4,9 @@
 //! ignored setting), and [`ExperimentConfig::validate`] checks the relations between fields
 //! before anything is built.
 
+pub use crate::models::classifier::ClassifierConfig;
 pub use crate::models::seq2seq::Seq2SeqConfig;
+pub use crate::models::vit::VitConfig;
 use crate::nn::{Activation, PositionKind, TransformerBlockConfig, TransformerStackConfig};
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
@@ -20,7 +22,7 @@ pub struct ExperimentConfig {
     /// Seed for parameter initialisation, batch sampling and dropout.
     #[serde(default = "default_seed")]
     pub seed: u64,
-    /// The model: `{"kind": "lm", …}` or `{"kind": "seq2seq", …}`.
+    /// The model: `{"kind": "lm" | "seq2seq" | "classifier" | "vit", …}`.
     #[serde(default)]
     pub model: ModelConfig,
     /// The data.
@@ -46,6 +48,10 @@ pub enum ModelConfig {
     Lm(LmConfig),
     /// Encoder–decoder translator.
     Seq2seq(Seq2SeqConfig),
+    /// Encoder text classifier.
+    Classifier(ClassifierConfig),
+    /// Vision Transformer image classifier.
+    Vit(VitConfig),
 }
 
 impl Default for ModelConfig {
@@ -55,12 +61,19 @@ impl Default for ModelConfig {
 }
 
 impl ModelConfig {
-    /// `lm` or `seq2seq`, as written in configs.
+    /// `lm`, `seq2seq`, `classifier` or `vit`, as written in configs.
     pub fn kind(&self) -> &'static str {
         match self {
             ModelConfig::Lm(_) => "lm",
             ModelConfig::Seq2seq(_) => "seq2seq",
+            ModelConfig::Classifier(_) => "classifier",
+            ModelConfig::Vit(_) => "vit",
         }
+    }
+
+    /// Whether the model reads text (and so has tokenizers in its artifact).
+    pub fn reads_text(&self) -> bool {
+        !matches!(self, ModelConfig::Vit(_))
     }
 
     /// Fills in the vocabulary sizes the tokenizers resolved.
@@ -71,14 +84,19 @@ impl ModelConfig {
                 s2s.src_vocab_size = source;
                 s2s.tgt_vocab_size = target;
             }
+            ModelConfig::Classifier(c) => c.vocab_size = target,
+            ModelConfig::Vit(_) => {}
         }
     }
 
-    /// The vocabulary sizes `(source, target)` (both the same for a language model).
+    /// The vocabulary sizes `(source, target)` (both the same for single-tokenizer models;
+    /// zeros for a ViT).
     pub fn vocab_sizes(&self) -> (usize, usize) {
         match self {
             ModelConfig::Lm(lm) => (lm.vocab_size, lm.vocab_size),
             ModelConfig::Seq2seq(s2s) => (s2s.src_vocab_size, s2s.tgt_vocab_size),
+            ModelConfig::Classifier(c) => (c.vocab_size, c.vocab_size),
+            ModelConfig::Vit(_) => (0, 0),
         }
     }
 
@@ -86,6 +104,8 @@ impl ModelConfig {
         match self {
             ModelConfig::Lm(lm) => lm.validate(),
             ModelConfig::Seq2seq(s2s) => s2s.validate(),
+            ModelConfig::Classifier(c) => c.validate(),
+            ModelConfig::Vit(vit) => vit.validate(),
         }
     }
 }
@@ -165,6 +185,9 @@ impl LmConfig {
         if self.n_layers == 0 || self.context == 0 {
             bail!("model: n_layers and context must be at least 1");
         }
+        if self.position == PositionKind::Sincos2d {
+            bail!("model: sincos2d positions are for image patches (vit), not text");
+        }
         validate_width(self.d_model, self.n_heads, self.dropout)
     }
 }
@@ -188,7 +211,8 @@ pub(crate) fn validate_width(d_model: usize, n_heads: usize, dropout: f64) -> Re
 #[serde(deny_unknown_fields, default)]
 pub struct DataConfig {
     /// Dataset name: one declared in `datasets/` (`tinyshakespeare`, `tatoeba-fra-eng`,
-    /// `multi30k`) or the synthetic `copy` task.
+    /// `multi30k`, `mnist`, `fashion-mnist`, `sst2`, `uci-sentiment`) or the synthetic `copy`
+    /// task.
     pub dataset: String,
     /// A UTF-8 text file to train a language model on instead of a declared dataset.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -212,9 +236,12 @@ pub struct DataConfig {
     pub target: String,
     /// Translation: training pairs with more tokens than this on either side (start/end
     /// tokens included) are skipped; longer inputs to `translate` are cut to it.
+    /// Classification: texts are cut to this many tokens (`<s>` included).
     pub max_tokens: usize,
     /// The synthetic copy task.
     pub copy: CopyTaskConfig,
+    /// Images: shift each training image by up to this many pixels each way (0 = off).
+    pub augment_shift: usize,
 }
 
 impl Default for DataConfig {
@@ -231,6 +258,7 @@ impl Default for DataConfig {
             target: "fr".into(),
             max_tokens: 64,
             copy: CopyTaskConfig::default(),
+            augment_shift: 0,
         }
     }
 }
@@ -463,7 +491,46 @@ impl ExperimentConfig {
                 }
                 crate::data::translation::check_languages(data)?;
             }
-            _ => {}
+            ModelConfig::Classifier(c) => {
+                if !crate::data::sentiment::is_sentiment(&data.dataset) {
+                    bail!(
+                        "data: a classifier needs a sentence-classification dataset (sst2 or uci-sentiment), not {}",
+                        data.dataset
+                    );
+                }
+                if data.tokenizer != TokenizerKind::Bpe {
+                    bail!("data: a classifier needs the bpe tokenizer (it uses <pad> and <s>)");
+                }
+                if data.max_tokens < 2 || data.max_tokens > c.max_len {
+                    bail!(
+                        "data: max_tokens ({}) must be in 2..={} (the model's max_len)",
+                        data.max_tokens,
+                        c.max_len
+                    );
+                }
+            }
+            ModelConfig::Vit(vit) => {
+                if !matches!(data.dataset.as_str(), "mnist" | "fashion-mnist") {
+                    bail!(
+                        "data: a vit needs an image dataset (mnist or fashion-mnist), not {}",
+                        data.dataset
+                    );
+                }
+                if vit.image_size != 28 || vit.channels != 1 || vit.n_classes != 10 {
+                    bail!("model: {} images are 28×28 grey with 10 classes: set image_size 28, channels 1, n_classes 10", data.dataset);
+                }
+            }
+            ModelConfig::Lm(_)
+                if data.text_file.is_none()
+                    && (crate::data::sentiment::is_sentiment(&data.dataset)
+                        || matches!(data.dataset.as_str(), "mnist" | "fashion-mnist")) =>
+            {
+                bail!(
+                    "data: {} is a classification dataset; a language model needs text",
+                    data.dataset
+                )
+            }
+            ModelConfig::Lm(_) => {}
         }
         if data.tokenizer == TokenizerKind::Bpe && data.bpe_vocab_size < 300 {
             bail!(
@@ -491,6 +558,30 @@ impl ExperimentConfig {
             ModelConfig::Seq2seq(s2s) => Ok(s2s),
             other => bail!(
                 "experiment {} is a {} model, not a translation (seq2seq) model",
+                self.name,
+                other.kind()
+            ),
+        }
+    }
+
+    /// The text classifier config, or an error naming what this experiment is instead.
+    pub fn classifier(&self) -> Result<&ClassifierConfig> {
+        match &self.model {
+            ModelConfig::Classifier(c) => Ok(c),
+            other => bail!(
+                "experiment {} is a {} model, not a text classifier",
+                self.name,
+                other.kind()
+            ),
+        }
+    }
+
+    /// The ViT config, or an error naming what this experiment is instead.
+    pub fn vit(&self) -> Result<&VitConfig> {
+        match &self.model {
+            ModelConfig::Vit(vit) => Ok(vit),
+            other => bail!(
+                "experiment {} is a {} model, not a vision transformer",
                 self.name,
                 other.kind()
             ),

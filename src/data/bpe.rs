@@ -108,6 +108,20 @@ impl BpeTokenizer {
         Ok(encoding.get_ids().iter().map(|&id| id as usize).collect())
     }
 
+    /// Token ids of `text` with the byte span `[start, end)` of `text` each one covers.
+    pub fn encode_with_offsets(&self, text: &str) -> Result<Vec<(usize, (usize, usize))>> {
+        let encoding = self
+            .inner
+            .encode(text, false)
+            .map_err(|e| anyhow!("cannot tokenize {text:?}: {e}"))?;
+        Ok(encoding
+            .get_ids()
+            .iter()
+            .zip(encoding.get_offsets())
+            .map(|(&id, &span)| (id as usize, span))
+            .collect())
+    }
+
     /// The text of token ids; special tokens are dropped.
     pub fn decode(&self, ids: &[usize]) -> String {
         let ids: Vec<u32> = ids.iter().map(|&id| id as u32).collect();

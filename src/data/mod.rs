@@ -1,13 +1,19 @@
 //! Datasets, tokenizers and batchers.
 
 pub mod bpe;
+pub mod images;
 pub mod registry;
+pub mod sentiment;
 pub mod text;
 pub mod tokenizer;
 pub mod translation;
 
 pub use bpe::{BpeTokenizer, Special};
+pub use images::{ImageBatch, ImageBatcher, ImageItem, ImageSet};
 pub use registry::{data_dir, DatasetSpec, DATA_DIR_ENV};
+pub use sentiment::{
+    EncodedSentences, Labelled, SentenceBatch, SentenceBatcher, SentenceItem, SentimentCorpus,
+};
 pub use text::{LmBatcher, LmItem, TokenWindows};
 pub use tokenizer::{CharTokenizer, Tokenizer};
 pub use translation::{EncodedPairs, Pair, PairItem, Seq2SeqBatcher, TestItem, TranslationCorpus};

@@ -18,6 +18,10 @@ const DECLARATIONS: &[&str] = &[
     include_str!("../../datasets/tinyshakespeare.json"),
     include_str!("../../datasets/tatoeba-fra-eng.json"),
     include_str!("../../datasets/multi30k.json"),
+    include_str!("../../datasets/mnist.json"),
+    include_str!("../../datasets/fashion-mnist.json"),
+    include_str!("../../datasets/sst2.json"),
+    include_str!("../../datasets/uci-sentiment.json"),
 ];
 
 /// A declared dataset: where its files come from and how to check them.

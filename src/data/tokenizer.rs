@@ -157,6 +157,21 @@ impl Tokenizer {
         }
     }
 
+    /// Token ids of `text` with the byte span `[start, end)` of `text` each one covers.
+    pub fn encode_with_offsets(&self, text: &str) -> Result<Vec<(usize, (usize, usize))>> {
+        match self {
+            Tokenizer::Char(t) => {
+                let ids = t.encode(text)?;
+                Ok(ids
+                    .into_iter()
+                    .zip(text.char_indices())
+                    .map(|(id, (start, c))| (id, (start, start + c.len_utf8())))
+                    .collect())
+            }
+            Tokenizer::Bpe(t) => t.encode_with_offsets(text),
+        }
+    }
+
     /// The text of token ids (special tokens dropped).
     pub fn decode(&self, ids: &[usize]) -> String {
         match self {

@@ -84,6 +84,9 @@ impl Seq2SeqConfig {
         if self.max_len < 3 {
             bail!("model: max_len must be at least 3 (<s>, a token, </s>)");
         }
+        if self.position == PositionKind::Sincos2d {
+            bail!("model: sincos2d positions are for image patches (vit), not text");
+        }
         validate_width(self.d_model, self.n_heads, self.dropout)
     }
 

@@ -8,6 +8,7 @@ pub mod attention;
 pub mod block;
 pub mod feedforward;
 pub mod mask;
+pub mod pool;
 pub mod position;
 pub mod stack;
 
@@ -18,5 +19,6 @@ pub use attention::{
 pub use block::{BlockOutput, TransformerBlock, TransformerBlockConfig};
 pub use feedforward::{Activation, FeedForward, FeedForwardConfig};
 pub use mask::{causal_mask, padding_mask, AttentionMask};
-pub use position::{sinusoid_table, PositionEncoding, PositionEncodingConfig, PositionKind};
+pub use pool::{pool, Pooling};
+pub use position::{sincos_2d_table, sinusoid_table, PositionEncoding, PositionEncodingConfig, PositionKind};
 pub use stack::{StackOutput, TransformerStack, TransformerStackConfig};

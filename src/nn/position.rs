@@ -1,4 +1,5 @@
-//! Positional encodings, chosen by config: fixed sinusoids or a learned table.
+//! Positional encodings, chosen by config: fixed sinusoids (1-D, or 2-D for image patches), a
+//! learned table, or none.
 
 use burn::module::{Module, Param};
 use burn::nn::{Embedding, EmbeddingConfig, Initializer};
@@ -13,6 +14,12 @@ pub enum PositionKind {
     Sinusoidal,
     /// A trained `[max_len, d_model]` table (GPT-2 style).
     Learned,
+    /// 2-D sin-cos for a grid of image patches (MAE, Simple ViT): half the channels encode the
+    /// row with 1-D sinusoids, half the column. Needs `grid`; leading non-patch tokens (the
+    /// classification token) get zeros.
+    Sincos2d,
+    /// No position information: the model sees a set, not a sequence (for ablations).
+    None,
 }
 
 /// Configuration of [`PositionEncoding`].
@@ -24,30 +31,44 @@ pub struct PositionEncodingConfig {
     pub max_len: usize,
     /// Model width.
     pub d_model: usize,
+    /// `[rows, cols]` of the patch grid, for `sincos2d`: the last `rows · cols` of the
+    /// `max_len` positions.
+    #[config(default = "None")]
+    pub grid: Option<[usize; 2]>,
 }
 
 /// Adds position information to token embeddings.
 #[derive(Module, Debug)]
 pub enum PositionEncoding<B: Backend> {
-    /// Fixed sinusoids, `[max_len, d]`, not trained.
-    Sinusoidal(Sinusoidal<B>),
+    /// A fixed table, `[max_len, d]`, not trained (sinusoids, 2-D sinusoids, or zeros).
+    Fixed(FixedTable<B>),
     /// A learned table.
     Learned(Embedding<B>),
 }
 
-/// The fixed sinusoid table, held as a constant (no gradient).
+/// A fixed table, held as a constant (no gradient).
 #[derive(Module, Debug)]
-pub struct Sinusoidal<B: Backend> {
+pub struct FixedTable<B: Backend> {
     table: Tensor<B, 2>,
 }
 
 impl PositionEncodingConfig {
     /// Builds the module.
+    ///
+    /// # Panics
+    /// For `sincos2d` without a `grid` that fits in `max_len`, or a `d_model` not divisible by 4.
     pub fn init<B: Backend>(&self, device: &B::Device) -> PositionEncoding<B> {
+        let fixed = |table| PositionEncoding::Fixed(FixedTable { table });
         match self.kind {
-            PositionKind::Sinusoidal => PositionEncoding::Sinusoidal(Sinusoidal {
-                table: sinusoid_table(self.max_len, self.d_model, device),
-            }),
+            PositionKind::Sinusoidal => fixed(sinusoid_table(self.max_len, self.d_model, device)),
+            PositionKind::Sincos2d => {
+                let [rows, cols] = self.grid.expect("sincos2d needs the patch grid");
+                assert!(rows * cols <= self.max_len, "the grid must fit in max_len");
+                let grid = sincos_2d_table(rows, cols, self.d_model, device);
+                let leading = Tensor::zeros([self.max_len - rows * cols, self.d_model], device);
+                fixed(Tensor::cat(vec![leading, grid], 0))
+            }
+            PositionKind::None => fixed(Tensor::zeros([self.max_len, self.d_model], device)),
             PositionKind::Learned => PositionEncoding::Learned(
                 EmbeddingConfig::new(self.max_len, self.d_model)
                     .with_initializer(Initializer::Normal {
@@ -67,7 +88,7 @@ impl<B: Backend> PositionEncoding<B> {
     /// If `t` exceeds `max_len` (callers check prompt lengths first).
     pub fn encodings(&self, t: usize) -> Tensor<B, 2> {
         match self {
-            PositionEncoding::Sinusoidal(s) => s.table.clone().narrow(0, 0, t),
+            PositionEncoding::Fixed(s) => s.table.clone().narrow(0, 0, t),
             PositionEncoding::Learned(e) => e.weight.val().narrow(0, 0, t),
         }
     }
@@ -84,7 +105,7 @@ impl<B: Backend> PositionEncoding<B> {
     /// Longest sequence this encoding covers.
     pub fn max_len(&self) -> usize {
         match self {
-            PositionEncoding::Sinusoidal(s) => s.table.dims()[0],
+            PositionEncoding::Fixed(s) => s.table.dims()[0],
             PositionEncoding::Learned(e) => e.weight.dims()[0],
         }
     }
@@ -93,7 +114,7 @@ impl<B: Backend> PositionEncoding<B> {
     pub fn learned_table(&self) -> Option<&Param<Tensor<B, 2>>> {
         match self {
             PositionEncoding::Learned(e) => Some(&e.weight),
-            PositionEncoding::Sinusoidal(_) => None,
+            PositionEncoding::Fixed(_) => None,
         }
     }
 }
@@ -114,4 +135,24 @@ pub fn sinusoid_table<B: Backend>(
         }
     }
     Tensor::from_data(TensorData::new(values, [max_len, d_model]), device)
+}
+
+/// 2-D sin-cos encodings of a `rows × cols` patch grid, `[rows · cols, d_model]` in row-major
+/// patch order: channels `0..d/2` are the 1-D sinusoids of the row, `d/2..d` of the column.
+///
+/// # Panics
+/// If `d_model` is not divisible by 4.
+pub fn sincos_2d_table<B: Backend>(
+    rows: usize,
+    cols: usize,
+    d_model: usize,
+    device: &B::Device,
+) -> Tensor<B, 2> {
+    assert!(d_model.is_multiple_of(4), "2-D sin-cos needs d_model divisible by 4");
+    let half = d_model / 2;
+    let by_row = sinusoid_table::<B>(rows, half, device); // [rows, d/2]
+    let by_col = sinusoid_table::<B>(cols, half, device); // [cols, d/2]
+    let by_row = by_row.unsqueeze_dim::<3>(1).expand([rows, cols, half]); // [rows, cols, d/2]
+    let by_col = by_col.unsqueeze_dim::<3>(0).expand([rows, cols, half]); // [rows, cols, d/2]
+    Tensor::cat(vec![by_row, by_col], 2).reshape([rows * cols, d_model])
 }

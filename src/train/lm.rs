@@ -1,6 +1,6 @@
 //! The language model's training: next-token steps, the corpus, and whole-split evaluation.
 
-use super::{launch, open_artifact, Session, Tokenizers, TrainReport};
+use super::{launch, open_artifact, Session, Throughput, Tokenizers, TrainReport};
 use crate::artifact::ArtifactDir;
 use crate::config::ExperimentConfig;
 use crate::data::{DatasetSpec, LmBatcher, TokenWindows, Tokenizer};
@@ -92,7 +92,7 @@ pub(super) fn train<B: AutodiffBackend>(
     let corpus = Corpus::load(&config, data_dir, tokenizers.map(|t| t.target))?;
     let vocab = corpus.tokenizer.vocab_size();
     config.model.set_vocab_sizes(vocab, vocab);
-    session.begin(&config, &Tokenizers::shared(corpus.tokenizer.clone()))?;
+    session.begin(&config, Some(&Tokenizers::shared(corpus.tokenizer.clone())))?;
     let lm = config.lm()?.clone();
     let train = &config.train;
 
@@ -132,7 +132,11 @@ pub(super) fn train<B: AutodiffBackend>(
         model,
         (loader_train, loader_valid),
         None,
-        train.batch_size * lm.context,
+        true,
+        Throughput {
+            per_step: train.batch_size * lm.context,
+            unit: "tok",
+        },
     )
 }
 
@@ -154,7 +158,7 @@ impl<B: Backend> Trained<B> {
         })?;
         Ok(Self {
             model,
-            tokenizer: tokenizers.target,
+            tokenizer: tokenizers.context("a language model artifact has a tokenizer")?.target,
             config,
         })
     }

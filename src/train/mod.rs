@@ -30,15 +30,17 @@ macro_rules! supervised_steps {
     };
 }
 
+mod classify;
 mod lm;
 mod optim;
 mod renderer;
 mod schedule;
 mod seq2seq;
 
+pub use classify::{TrainedClassifier, TrainedVit};
 pub use lm::{evaluate, Corpus, Trained};
 pub use optim::{clip_global_norm, ReferenceOptimizer};
-pub use renderer::PlainRenderer;
+pub use renderer::{PlainRenderer, Throughput};
 pub use schedule::WarmupSchedule;
 pub use seq2seq::{TrainedTranslator, TranslationData};
 
@@ -58,17 +60,21 @@ use std::sync::Arc;
 use std::time::Instant;
 
 /// Opens what `train` wrote in `artifact`: its config, its tokenizers (checked against the
-/// config) and the model `init` builds from the config, with the trained weights loaded.
+/// config; none for an image model) and the model `init` builds from the config, with the
+/// trained weights loaded.
 pub(crate) fn open_artifact<B: Backend, M: Module<B>>(
     artifact: &ArtifactDir,
     device: &B::Device,
     init: impl FnOnce(&ExperimentConfig) -> Result<M>,
-) -> Result<(M, Tokenizers, ExperimentConfig)> {
+) -> Result<(M, Option<Tokenizers>, ExperimentConfig)> {
     let weights = artifact.weights()?;
     let config = ExperimentConfig::load(&artifact.config())?;
     let model = init(&config)?;
-    let tokenizers = Tokenizers::load(artifact)?;
-    tokenizers.check(&config, artifact)?;
+    let tokenizers = if config.model.reads_text() {
+        Some(Tokenizers::open(artifact, &config)?)
+    } else {
+        None
+    };
     let model = crate::artifact::load_weights(model, &weights, device)?;
     Ok((model, tokenizers, config))
 }
@@ -98,8 +104,10 @@ pub struct TrainReport {
     pub steps: usize,
     /// Wall time of the Learner, validation and checkpoints included.
     pub seconds: f64,
-    /// Training (target) tokens per second over that wall time.
-    pub tokens_per_second: f64,
+    /// Training items (target tokens, images, sentences) per second over that wall time.
+    pub per_second: f64,
+    /// What an item is ("tok", "img", "sent").
+    pub unit: &'static str,
     /// The command that uses the trained model ("generate", "translate", …).
     pub use_with: &'static str,
 }
@@ -149,6 +157,13 @@ impl Tokenizers {
         Ok(Self::shared(target))
     }
 
+    /// Reads the tokenizers of `artifact` and checks them against its config.
+    pub fn open(artifact: &ArtifactDir, config: &ExperimentConfig) -> Result<Self> {
+        let tokenizers = Self::load(artifact)?;
+        tokenizers.check(config, artifact)?;
+        Ok(tokenizers)
+    }
+
     /// Checks the config's vocabulary sizes against the tokenizers'.
     pub fn check(&self, config: &ExperimentConfig, artifact: &ArtifactDir) -> Result<()> {
         let expected = (self.source.vocab_size(), self.target.vocab_size());
@@ -181,6 +196,14 @@ pub fn train<B: AutodiffBackend>(request: TrainRequest, device: B::Device) -> Re
             seq2seq::train::<B>(config, tokenizers, &session, &request.data_dir, device),
             "translate",
         ),
+        ModelConfig::Classifier(_) => (
+            classify::train_text::<B>(config, tokenizers, &session, &request.data_dir, device),
+            "classify",
+        ),
+        ModelConfig::Vit(_) => (
+            classify::train_vit::<B>(config, &session, &request.data_dir, device),
+            "predict",
+        ),
     };
     Ok(TrainReport {
         use_with,
@@ -199,10 +222,12 @@ pub(crate) struct Session {
 impl Session {
     /// Saves the resolved config and the tokenizers of a fresh run, and refuses to resume a
     /// run that already finished.
-    fn begin(&self, config: &ExperimentConfig, tokenizers: &Tokenizers) -> Result<()> {
+    fn begin(&self, config: &ExperimentConfig, tokenizers: Option<&Tokenizers>) -> Result<()> {
         if self.start == 0 {
             config.save(&self.artifact.config())?;
-            tokenizers.save(&self.artifact)?;
+            if let Some(tokenizers) = tokenizers {
+                tokenizers.save(&self.artifact)?;
+            }
         }
         if self.start >= config.train.epochs() {
             bail!(
@@ -230,15 +255,16 @@ pub(crate) type Loaders<B, M> = (
 /// clipping, the configured warmup schedule, loss/accuracy/perplexity/LR metrics, a checkpoint
 /// per epoch (restored on resume) — and writes the final weights to `model.mpk`.
 ///
-/// `pad` is the padding id that accuracy and perplexity skip; `tokens_per_step` feeds the
-/// plain log's tokens/s.
+/// `pad` is the padding id that accuracy (and perplexity) skip; `perplexity` is for token
+/// predictors, not sentence or image classifiers; `throughput` feeds the speed reports.
 pub(crate) fn launch<B, M>(
     config: &ExperimentConfig,
     session: &Session,
     model: M,
     loaders: Loaders<B, M>,
     pad: Option<usize>,
-    tokens_per_step: usize,
+    perplexity: bool,
+    throughput: Throughput,
 ) -> Result<TrainReport>
 where
     B: AutodiffBackend,
@@ -263,7 +289,7 @@ where
         Some(pad) => AccuracyMetric::new().with_pad_token(pad),
         None => AccuracyMetric::new(),
     };
-    let perplexity = || match pad {
+    let perplexity_metric = || match pad {
         Some(pad) => PerplexityMetric::new().with_pad_token(pad),
         None => PerplexityMetric::new(),
     };
@@ -271,9 +297,13 @@ where
         .metric_train_numeric(LossMetric::new())
         .metric_valid_numeric(LossMetric::new())
         .metric_train_numeric(accuracy())
-        .metric_valid_numeric(accuracy())
-        .metric_train_numeric(perplexity())
-        .metric_valid_numeric(perplexity())
+        .metric_valid_numeric(accuracy());
+    if perplexity {
+        training = training
+            .metric_train_numeric(perplexity_metric())
+            .metric_valid_numeric(perplexity_metric());
+    }
+    let mut training = training
         .metric_train_numeric(LearningRateMetric::new())
         .with_file_checkpointer(ArtifactRecorder::default())
         .num_epochs(train.epochs())
@@ -285,7 +315,7 @@ where
         training = training.renderer(PlainRenderer::new(
             train.steps_per_epoch,
             train.steps,
-            tokens_per_step,
+            throughput,
         ));
     }
     println!(
@@ -317,7 +347,8 @@ where
     Ok(TrainReport {
         steps,
         seconds,
-        tokens_per_second: (steps * tokens_per_step) as f64 / seconds,
+        per_second: (steps * throughput.per_step) as f64 / seconds,
+        unit: throughput.unit,
         use_with: "",
     })
 }
@@ -348,10 +379,13 @@ fn prepare_artifact(
                 );
             }
         }
-        let tokenizers = Tokenizers::load(artifact)?;
-        tokenizers.check(&saved, artifact)?;
+        let tokenizers = if saved.model.reads_text() {
+            Some(Tokenizers::open(artifact, &saved)?)
+        } else {
+            None
+        };
         let epoch = artifact.latest_checkpoint().unwrap_or(0);
-        return Ok((saved, Some(tokenizers), Some(epoch)));
+        return Ok((saved, tokenizers, Some(epoch)));
     }
     if artifact.holds_run() {
         if !request.force {

@@ -13,6 +13,16 @@ use std::time::{Duration, Instant};
 /// Seconds between two training lines.
 const LINE_EVERY: Duration = Duration::from_secs(5);
 
+/// What a training step consumes, for speed reports: `per_step` items of `unit` ("tok",
+/// "img", "sent").
+#[derive(Clone, Copy, Debug)]
+pub struct Throughput {
+    /// Items per optimizer step.
+    pub per_step: usize,
+    /// Short name of an item.
+    pub unit: &'static str,
+}
+
 /// Writes readable progress lines to stdout.
 pub struct PlainRenderer {
     names: HashMap<MetricId, String>,
@@ -20,7 +30,7 @@ pub struct PlainRenderer {
     valid: Averages,
     steps_per_epoch: usize,
     total_steps: usize,
-    tokens_per_step: usize,
+    throughput: Throughput,
     last_line: Option<(Instant, usize)>,
 }
 
@@ -57,15 +67,15 @@ impl Averages {
 
 impl PlainRenderer {
     /// A renderer for a run of `total_steps` steps in epochs of `steps_per_epoch`, each step
-    /// consuming `tokens_per_step` tokens.
-    pub fn new(steps_per_epoch: usize, total_steps: usize, tokens_per_step: usize) -> Self {
+    /// consuming `throughput.per_step` items (tokens, images, sentences).
+    pub fn new(steps_per_epoch: usize, total_steps: usize, throughput: Throughput) -> Self {
         Self {
             names: HashMap::new(),
             train: Averages::default(),
             valid: Averages::default(),
             steps_per_epoch,
             total_steps,
-            tokens_per_step,
+            throughput,
             last_line: None,
         }
     }
@@ -112,8 +122,9 @@ impl MetricsRendererTraining for PlainRenderer {
         let elapsed = (now - since).as_secs_f64();
         let throughput = if step > first_step && elapsed > 0.0 {
             format!(
-                "{:>8.0} tok/s",
-                (step - first_step) as f64 * self.tokens_per_step as f64 / elapsed
+                "{:>8.0} {}/s",
+                (step - first_step) as f64 * self.throughput.per_step as f64 / elapsed,
+                self.throughput.unit
             )
         } else {
             String::new()

@@ -1,11 +1,11 @@
 //! The translator's training: teacher-forced steps with label smoothing over padded pairs.
 
-use super::{launch, open_artifact, Session, Tokenizers, TrainReport};
+use super::{launch, open_artifact, Session, Throughput, Tokenizers, TrainReport};
 use crate::artifact::ArtifactDir;
 use crate::config::ExperimentConfig;
 use crate::data::{EncodedPairs, Seq2SeqBatcher, Special, Tokenizer, TranslationCorpus};
 use crate::models::{Seq2Seq, Seq2SeqBatch};
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use burn::data::dataloader::DataLoaderBuilder;
 use burn::data::dataset::transform::{SamplerDataset, SamplerDatasetOptions};
 use burn::data::dataset::Dataset;
@@ -105,7 +105,7 @@ pub(super) fn train<B: AutodiffBackend>(
         data.tokenizers.source.vocab_size(),
         data.tokenizers.target.vocab_size(),
     );
-    session.begin(&config, &data.tokenizers)?;
+    session.begin(&config, Some(&data.tokenizers))?;
     let train = &config.train;
     println!(
         "{}: {} training pairs ({} longer than {} tokens skipped), {} validation pairs, {} test sentences; vocabulary {} → {}",
@@ -153,7 +153,11 @@ pub(super) fn train<B: AutodiffBackend>(
         model,
         (loader_train, loader_valid),
         Some(Special::Pad.id()),
-        (train.batch_size as f64 * mean_target).round() as usize,
+        true,
+        Throughput {
+            per_step: (train.batch_size as f64 * mean_target).round() as usize,
+            unit: "tok",
+        },
     )
 }
 
@@ -175,7 +179,7 @@ impl<B: Backend> TrainedTranslator<B> {
         })?;
         Ok(Self {
             model,
-            tokenizers,
+            tokenizers: tokenizers.context("a translator artifact has tokenizers")?,
             config,
         })
     }

@@ -1,0 +1,170 @@
+//! Encoder classifier (BERT-style, trained from scratch): token embedding + positions → encoder
+//! stack with the padding mask → pooling (the `<s>` classification token, or the mean of the
+//! non-padding tokens) → class scores.
+
+use crate::config::validate_width;
+use crate::nn::{
+    padding_mask, pool, Activation, AttentionMask, PositionEncoding, PositionEncodingConfig,
+    PositionKind, Pooling, TransformerBlockConfig, TransformerStack, TransformerStackConfig,
+};
+use anyhow::{bail, Result};
+use burn::module::Module;
+use burn::nn::loss::CrossEntropyLossConfig;
+use burn::nn::{
+    Dropout, DropoutConfig, Embedding, EmbeddingConfig, Initializer, Linear, LinearConfig,
+};
+use burn::prelude::*;
+use serde::{Deserialize, Serialize};
+
+/// Configuration of [`TextClassifier`] (the `model` of a `"kind": "classifier"` experiment).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ClassifierConfig {
+    /// Vocabulary size; `0` = from the tokenizer (the saved config has it filled).
+    pub vocab_size: usize,
+    /// Classes.
+    pub n_classes: usize,
+    /// Model width `d_model`.
+    pub d_model: usize,
+    /// Encoder blocks.
+    pub n_layers: usize,
+    /// Attention heads per block; must divide `d_model`.
+    pub n_heads: usize,
+    /// Feed-forward inner width.
+    pub d_ff: usize,
+    /// Longest input in tokens (`<s>` included); longer texts are cut.
+    pub max_len: usize,
+    /// Dropout (embeddings, attention weights, FFN, residual branches).
+    pub dropout: f64,
+    /// Positions: `learned`, `sinusoidal` or `none`.
+    pub position: PositionKind,
+    /// What the head reads: `cls` (the `<s>` token) or `mean` (of the non-padding tokens).
+    pub pool: Pooling,
+    /// Feed-forward non-linearity.
+    pub activation: Activation,
+    /// Pre-norm (`true`) or post-norm (`false`, the original paper and BERT).
+    pub norm_first: bool,
+}
+
+impl Default for ClassifierConfig {
+    fn default() -> Self {
+        Self {
+            vocab_size: 0,
+            n_classes: 2,
+            d_model: 128,
+            n_layers: 2,
+            n_heads: 4,
+            d_ff: 256,
+            max_len: 64,
+            dropout: 0.1,
+            position: PositionKind::Learned,
+            pool: Pooling::Cls,
+            activation: Activation::Gelu,
+            norm_first: true,
+        }
+    }
+}
+
+impl ClassifierConfig {
+    /// Checks the relations between fields.
+    pub fn validate(&self) -> Result<()> {
+        if self.n_layers == 0 || self.d_ff == 0 || self.max_len < 2 || self.n_classes < 2 {
+            bail!("model: n_layers and d_ff must be at least 1, max_len and n_classes at least 2");
+        }
+        if self.position == PositionKind::Sincos2d {
+            bail!("model: sincos2d positions are for image patches (vit), not text");
+        }
+        validate_width(self.d_model, self.n_heads, self.dropout)
+    }
+
+    /// Builds the model. `vocab_size` must be resolved and the config validated.
+    pub fn init<B: Backend>(&self, device: &B::Device) -> TextClassifier<B> {
+        assert!(self.vocab_size > 0, "vocab_size must be resolved before init");
+        let block = TransformerBlockConfig::new(self.d_model, self.n_heads, self.d_ff)
+            .with_dropout(self.dropout)
+            .with_activation(self.activation)
+            .with_norm_first(self.norm_first)
+            .with_residual_init_std(0.02 / ((2 * self.n_layers) as f64).sqrt());
+        TextClassifier {
+            token_embedding: EmbeddingConfig::new(self.vocab_size, self.d_model)
+                .with_initializer(Initializer::Normal {
+                    mean: 0.0,
+                    std: 0.02,
+                })
+                .init(device),
+            position: PositionEncodingConfig::new(self.position, self.max_len, self.d_model)
+                .init(device),
+            encoder: TransformerStackConfig::encoder(self.n_layers, block).init(device),
+            head: LinearConfig::new(self.d_model, self.n_classes).init(device),
+            dropout: DropoutConfig::new(self.dropout).init(),
+            pad_id: crate::data::Special::Pad.id(),
+            pooling: self.pool,
+        }
+    }
+}
+
+/// The encoder classifier.
+#[derive(Module, Debug)]
+pub struct TextClassifier<B: Backend> {
+    /// Token embedding `[v, d]`.
+    pub token_embedding: Embedding<B>,
+    /// Positional encoding.
+    pub position: PositionEncoding<B>,
+    /// Encoder stack (self-attention with the padding mask).
+    pub encoder: TransformerStack<B>,
+    /// Pooled state → class scores.
+    pub head: Linear<B>,
+    dropout: Dropout,
+    pad_id: usize,
+    #[module(skip)]
+    pooling: Pooling,
+}
+
+/// Class scores, the encoder's states and every layer's attention.
+#[derive(Clone, Debug)]
+pub struct ClassifierOutput<B: Backend> {
+    /// `[b, classes]`.
+    pub logits: Tensor<B, 2>,
+    /// `[b, n, d]`, the last layer's states (after the final norm of a pre-norm stack).
+    pub states: Tensor<B, 3>,
+    /// Per layer, `[b, h, n, n]`.
+    pub attention: Vec<Tensor<B, 4>>,
+}
+
+impl<B: Backend> TextClassifier<B> {
+    /// Class scores of padded token rows (`<s>` first, `<pad>` on the right).
+    ///
+    /// # Shapes
+    /// `tokens`: `[b, n]` with `n <= max_len` → logits `[b, classes]`.
+    pub fn forward(&self, tokens: Tensor<B, 2, Int>) -> ClassifierOutput<B> {
+        let padding = padding_mask(&tokens, self.pad_id); // [b, n], true = padding
+        let mask = AttentionMask::padding(padding.clone());
+        let x = self.token_embedding.forward(tokens); // [b, n, d]
+        let x = self.dropout.forward(self.position.forward(x));
+        let out = self.encoder.forward(x, Some(&mask), None);
+        let pooled = pool(out.x.clone(), self.pooling, Some(padding)); // [b, d]
+        ClassifierOutput {
+            logits: self.head.forward(pooled),
+            states: out.x,
+            attention: out.self_attention,
+        }
+    }
+
+    /// Mean cross-entropy of a batch, with the logits and labels it was computed from.
+    pub fn loss(
+        &self,
+        tokens: Tensor<B, 2, Int>,
+        labels: Tensor<B, 1, Int>,
+    ) -> (Tensor<B, 1>, Tensor<B, 2>, Tensor<B, 1, Int>) {
+        let logits = self.forward(tokens).logits;
+        let loss = CrossEntropyLossConfig::new()
+            .init(&logits.device())
+            .forward(logits.clone(), labels.clone());
+        (loss, logits, labels)
+    }
+
+    /// Longest input the positions cover.
+    pub fn max_len(&self) -> usize {
+        self.position.max_len()
+    }
+}

@@ -1,0 +1,226 @@
+//! Vision Transformer (Dosovitskiy et al. 2021): cut the image into `p × p` patches, project
+//! each flattened patch with one learned linear map, prepend a learned classification token,
+//! add positions, run the encoder stack (no mask: every token sees every token), pool (the
+//! classification token, or the mean) and classify.
+
+use crate::config::validate_width;
+use crate::nn::{
+    pool, Activation, PositionEncoding, PositionEncodingConfig, PositionKind, Pooling,
+    TransformerBlockConfig, TransformerStack, TransformerStackConfig,
+};
+use anyhow::{bail, Result};
+use burn::module::{Module, Param};
+use burn::nn::loss::CrossEntropyLossConfig;
+use burn::nn::{Dropout, DropoutConfig, Initializer, Linear, LinearConfig};
+use burn::prelude::*;
+use serde::{Deserialize, Serialize};
+
+/// Configuration of [`VisionTransformer`] (the `model` of a `"kind": "vit"` experiment).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct VitConfig {
+    /// Input image height and width in pixels (square images).
+    pub image_size: usize,
+    /// Input channels (1 for grey images).
+    pub channels: usize,
+    /// Patch side `p`; must divide `image_size`.
+    pub patch_size: usize,
+    /// Classes.
+    pub n_classes: usize,
+    /// Model width `d_model`.
+    pub d_model: usize,
+    /// Encoder blocks.
+    pub n_layers: usize,
+    /// Attention heads per block; must divide `d_model`.
+    pub n_heads: usize,
+    /// Feed-forward inner width.
+    pub d_ff: usize,
+    /// Dropout (embeddings, attention weights, FFN, residual branches).
+    pub dropout: f64,
+    /// Positions: `learned` (1-D, the paper's default), `sinusoidal` (1-D), `sincos2d`
+    /// (row and column), or `none`.
+    pub position: PositionKind,
+    /// What the head reads: `cls` (the classification token) or `mean` (of all tokens).
+    pub pool: Pooling,
+    /// Feed-forward non-linearity.
+    pub activation: Activation,
+    /// Pre-norm (`true`, as ViT) or post-norm.
+    pub norm_first: bool,
+}
+
+impl Default for VitConfig {
+    fn default() -> Self {
+        Self {
+            image_size: 28,
+            channels: 1,
+            patch_size: 4,
+            n_classes: 10,
+            d_model: 64,
+            n_layers: 4,
+            n_heads: 4,
+            d_ff: 128,
+            dropout: 0.1,
+            position: PositionKind::Learned,
+            pool: Pooling::Cls,
+            activation: Activation::Gelu,
+            norm_first: true,
+        }
+    }
+}
+
+impl VitConfig {
+    /// Checks the relations between fields.
+    pub fn validate(&self) -> Result<()> {
+        if self.patch_size == 0 || !self.image_size.is_multiple_of(self.patch_size) {
+            bail!(
+                "model: image_size ({}) must be a multiple of patch_size ({})",
+                self.image_size,
+                self.patch_size
+            );
+        }
+        if self.n_layers == 0 || self.d_ff == 0 || self.channels == 0 || self.n_classes < 2 {
+            bail!("model: n_layers, d_ff and channels must be at least 1, n_classes at least 2");
+        }
+        if self.position == PositionKind::Sincos2d && !self.d_model.is_multiple_of(4) {
+            bail!("model: sincos2d positions need d_model divisible by 4");
+        }
+        validate_width(self.d_model, self.n_heads, self.dropout)
+    }
+
+    /// Patches per side.
+    pub fn grid(&self) -> usize {
+        self.image_size / self.patch_size
+    }
+
+    /// Tokens the encoder sees: the patches and the classification token.
+    pub fn n_tokens(&self) -> usize {
+        self.grid() * self.grid() + 1
+    }
+
+    /// Builds the model (the config must be valid).
+    pub fn init<B: Backend>(&self, device: &B::Device) -> VisionTransformer<B> {
+        let d = self.d_model;
+        let block = TransformerBlockConfig::new(d, self.n_heads, self.d_ff)
+            .with_dropout(self.dropout)
+            .with_activation(self.activation)
+            .with_norm_first(self.norm_first)
+            .with_residual_init_std(0.02 / ((2 * self.n_layers) as f64).sqrt());
+        let patch_dim = self.channels * self.patch_size * self.patch_size;
+        let position = PositionEncodingConfig::new(self.position, self.n_tokens(), d)
+            .with_grid(Some([self.grid(), self.grid()]));
+        VisionTransformer {
+            patch_embedding: LinearConfig::new(patch_dim, d).init(device),
+            cls_token: Initializer::Normal {
+                mean: 0.0,
+                std: 0.02,
+            }
+            .init([1, 1, d], device),
+            position: position.init(device),
+            encoder: TransformerStackConfig::encoder(self.n_layers, block).init(device),
+            head: LinearConfig::new(d, self.n_classes)
+                .with_initializer(Initializer::Zeros)
+                .init(device),
+            dropout: DropoutConfig::new(self.dropout).init(),
+            patch_size: self.patch_size,
+            pooling: self.pool,
+        }
+    }
+}
+
+/// The Vision Transformer.
+#[derive(Module, Debug)]
+pub struct VisionTransformer<B: Backend> {
+    /// Flattened patch `[c·p·p]` → `[d]`.
+    pub patch_embedding: Linear<B>,
+    /// The learned classification token, `[1, 1, d]`.
+    pub cls_token: Param<Tensor<B, 3>>,
+    /// Positions of the classification token (index 0) and the patches (row-major).
+    pub position: PositionEncoding<B>,
+    /// The encoder stack.
+    pub encoder: TransformerStack<B>,
+    /// Pooled state → class scores.
+    pub head: Linear<B>,
+    dropout: Dropout,
+    patch_size: usize,
+    #[module(skip)]
+    pooling: Pooling,
+}
+
+/// Class scores, the pooled vector they came from, and every layer's attention.
+#[derive(Clone, Debug)]
+pub struct VitOutput<B: Backend> {
+    /// `[b, classes]`.
+    pub logits: Tensor<B, 2>,
+    /// `[b, d]`.
+    pub pooled: Tensor<B, 2>,
+    /// Per layer, `[b, h, n + 1, n + 1]`; token 0 is the classification token.
+    pub attention: Vec<Tensor<B, 4>>,
+}
+
+/// Cuts images into non-overlapping `p × p` patches, each flattened channel-major.
+///
+/// # Shapes
+/// `images`: `[b, c, H, W]` with `p` dividing `H` and `W` → `[b, (H/p)·(W/p), c·p·p]`, patches
+/// in row-major order.
+pub fn patchify<B: Backend>(images: Tensor<B, 4>, p: usize) -> Tensor<B, 3> {
+    let [b, c, h, w] = images.dims();
+    let (gh, gw) = (h / p, w / p);
+    images
+        .reshape([b, c, gh, p, gw, p]) // [b, c, gh, p, gw, p]
+        .permute([0, 2, 4, 1, 3, 5]) // [b, gh, gw, c, p, p]
+        .reshape([b, gh * gw, c * p * p])
+}
+
+/// The inverse of [`patchify`].
+///
+/// # Shapes
+/// `patches`: `[b, (H/p)·(W/p), c·p·p]` → `[b, c, H, W]`.
+pub fn unpatchify<B: Backend>(patches: Tensor<B, 3>, c: usize, h: usize, w: usize) -> Tensor<B, 4> {
+    let [b, _, _] = patches.dims();
+    let p = ((patches.dims()[2] / c) as f64).sqrt().round() as usize;
+    patches
+        .reshape([b, h / p, w / p, c, p, p]) // [b, gh, gw, c, p, p]
+        .permute([0, 3, 1, 4, 2, 5]) // [b, c, gh, p, gw, p]
+        .reshape([b, c, h, w])
+}
+
+impl<B: Backend> VisionTransformer<B> {
+    /// Class scores of a batch of images.
+    ///
+    /// # Shapes
+    /// `images`: `[b, c, H, W]` → logits `[b, classes]`.
+    pub fn forward(&self, images: Tensor<B, 4>) -> VitOutput<B> {
+        let [b, _, _, _] = images.dims();
+        let patches = patchify(images, self.patch_size); // [b, n, c·p·p]
+        let x = self.patch_embedding.forward(patches); // [b, n, d]
+        let d = x.dims()[2];
+        let cls = self.cls_token.val().expand([b, 1, d]); // [b, 1, d]
+        let x = Tensor::cat(vec![cls, x], 1); // [b, n + 1, d]
+        let x = self.dropout.forward(self.position.forward(x));
+        let out = self.encoder.forward(x, None, None);
+        let pooled = pool(out.x, self.pooling, None); // [b, d]
+        VitOutput {
+            logits: self.head.forward(pooled.clone()),
+            pooled,
+            attention: out.self_attention,
+        }
+    }
+
+    /// Mean cross-entropy of a batch, with the logits and labels it was computed from.
+    pub fn loss(
+        &self,
+        images: Tensor<B, 4>,
+        labels: Tensor<B, 1, Int>,
+    ) -> (Tensor<B, 1>, Tensor<B, 2>, Tensor<B, 1, Int>) {
+        let logits = self.forward(images).logits;
+        let loss = CrossEntropyLossConfig::new()
+            .init(&logits.device())
+            .forward(logits.clone(), labels.clone());
+        (loss, logits, labels)
+    }
+
+    /// Patch side `p`.
+    pub fn patch_size(&self) -> usize {
+        self.patch_size
+    }
+}
