@@ -3,14 +3,22 @@
 use crate::artifact::ArtifactDir;
 use crate::backend::BackendTask;
 use crate::bleu::corpus_bleu;
-use crate::cli::{
-    Command, EvalArgs, ExplainArgs, GenerateArgs, SearchArgs, TrainArgs, TranslateArgs,
+use crate::classify::{
+    evaluate_classifier, evaluate_vit, load_image, text_probabilities, top_classes, class_names,
+    image_probabilities, Confusion,
 };
+use crate::cli::{
+    ClassifyArgs, Command, EmbedArgs, EvalArgs, ExplainArgs, GenerateArgs, PredictArgs,
+    SearchArgs, TrainArgs, TranslateArgs,
+};
+use crate::embed::{cosine, TextEncoder};
 use crate::config::{ExperimentConfig, ModelConfig};
 use crate::data::{data_dir, TranslationCorpus};
 use crate::explain;
 use crate::generate::{check_prompt, generate, Sampling};
-use crate::train::{evaluate, train, TrainRequest, Trained, TrainedTranslator};
+use crate::train::{
+    evaluate, train, TrainRequest, Trained, TrainedClassifier, TrainedTranslator, TrainedVit,
+};
 use crate::translate::{translate_texts, SearchConfig, Truncated};
 use anyhow::{bail, Context, Result};
 use burn::backend::Autodiff;
@@ -26,6 +34,9 @@ impl BackendTask for Command {
             Command::Generate(args) => run_generate::<B>(args, device),
             Command::Eval(args) => run_eval::<B>(args, device),
             Command::Translate(args) => run_translate::<B>(args, device),
+            Command::Predict(args) => run_predict::<B>(args, device),
+            Command::Classify(args) => run_classify::<B>(args, device),
+            Command::Embed(args) => run_embed::<B>(args, device),
             Command::Explain(args) => run_explain::<B>(args, device),
         }
     }
@@ -109,8 +120,12 @@ fn run_eval<B: Backend>(args: EvalArgs, device: B::Device) -> Result<()> {
     let artifact = ArtifactDir::new(&args.artifact_dir);
     if artifact.config().exists() {
         let config = ExperimentConfig::load(&artifact.config())?;
-        if let ModelConfig::Seq2seq(_) = config.model {
-            return run_eval_translation::<B>(args, device);
+        match config.model {
+            ModelConfig::Seq2seq(_) => return run_eval_translation::<B>(args, device),
+            ModelConfig::Vit(_) | ModelConfig::Classifier(_) => {
+                return run_eval_classifier::<B>(args, &config, device)
+            }
+            ModelConfig::Lm(_) => {}
         }
     }
     let trained = Trained::<B>::load(&ArtifactDir::new(&args.artifact_dir), &device)?;
@@ -151,15 +166,7 @@ fn warn_truncated(truncated: &[Truncated], max_tokens: usize) {
 fn run_translate<B: Backend>(args: TranslateArgs, device: B::Device) -> Result<()> {
     let translator = TrainedTranslator::<B>::load(&ArtifactDir::new(&args.artifact_dir), &device)?;
     let search = search_config(&args.search, &translator)?;
-    let texts = if args.texts.is_empty() {
-        std::io::stdin()
-            .lock()
-            .lines()
-            .collect::<std::io::Result<Vec<String>>>()
-            .context("cannot read stdin as UTF-8 text")?
-    } else {
-        args.texts
-    };
+    let texts = texts_or_stdin(args.texts)?;
     let max_tokens = translator.config.data.max_tokens;
     let (translations, truncated) = translate_texts(
         &translator.model,
@@ -235,6 +242,151 @@ fn run_eval_translation<B: Backend>(args: EvalArgs, device: B::Device) -> Result
             ));
         }
         crate::artifact::write_atomic(path, text.as_bytes())?;
+    }
+    Ok(())
+}
+
+fn run_eval_classifier<B: Backend>(
+    args: EvalArgs,
+    config: &ExperimentConfig,
+    device: B::Device,
+) -> Result<()> {
+    let artifact = ArtifactDir::new(&args.artifact_dir);
+    let data_dir = data_dir(args.data.data_dir.as_deref());
+    let began = Instant::now();
+    let (confusion, what): (Confusion, &str) = match config.model {
+        ModelConfig::Vit(_) => {
+            let trained = TrainedVit::<B>::load(&artifact, &device)?;
+            let c = evaluate_vit(&trained, &data_dir, args.batch_size, args.limit, &device)?;
+            (c, "test images")
+        }
+        _ => {
+            let trained = TrainedClassifier::<B>::load(&artifact, &device)?;
+            let c =
+                evaluate_classifier(&trained, &data_dir, args.batch_size, args.limit, &device)?;
+            (c, "test sentences")
+        }
+    };
+    let seconds = began.elapsed().as_secs_f64();
+    let accuracy = 100.0 * confusion.accuracy();
+    println!(
+        "{}: test accuracy {accuracy:.2}% on {} {what} of {} ({seconds:.1} s)",
+        config.name,
+        confusion.total(),
+        config.data.dataset
+    );
+    let path = args
+        .output
+        .unwrap_or_else(|| artifact.root().join("confusion.png"));
+    let title = format!(
+        "{} on {}: {accuracy:.2}% of {}",
+        config.name,
+        config.data.dataset,
+        confusion.total()
+    );
+    crate::plot::confusion_png(&path, &title, &confusion.classes, &confusion.counts)?;
+    println!("confusion matrix written to {}", path.display());
+    Ok(())
+}
+
+fn run_predict<B: Backend>(args: PredictArgs, device: B::Device) -> Result<()> {
+    let trained = TrainedVit::<B>::load(&ArtifactDir::new(&args.artifact_dir), &device)?;
+    let size = trained.config.vit()?.image_size;
+    let classes = class_names(&trained.config.data.dataset);
+    let prepared = args
+        .images
+        .iter()
+        .map(|path| load_image(path, size))
+        .collect::<Result<Vec<_>>>()?;
+    let pixels: Vec<Vec<u8>> = prepared.iter().map(|p| p.pixels.clone()).collect();
+    let probabilities = image_probabilities(&trained, &pixels, size, &device)
+        .into_data()
+        .into_vec::<f32>()
+        .map_err(|e| anyhow::anyhow!("cannot read probabilities: {e:?}"))?;
+    for ((path, image), row) in args
+        .images
+        .iter()
+        .zip(&prepared)
+        .zip(probabilities.chunks(classes.len()))
+    {
+        let top: Vec<String> = top_classes(row, args.top.max(1))
+            .into_iter()
+            .map(|(class, p)| format!("{} {:.1}%", classes[class], 100.0 * p))
+            .collect();
+        let note = if image.inverted { " (inverted: light background)" } else { "" };
+        println!("{}: {}{note}", path.display(), top.join(", "));
+    }
+    Ok(())
+}
+
+/// The texts given as arguments, or else stdin's lines.
+fn texts_or_stdin(texts: Vec<String>) -> Result<Vec<String>> {
+    if !texts.is_empty() {
+        return Ok(texts);
+    }
+    std::io::stdin()
+        .lock()
+        .lines()
+        .collect::<std::io::Result<Vec<String>>>()
+        .context("cannot read stdin as UTF-8 text")
+}
+
+fn run_classify<B: Backend>(args: ClassifyArgs, device: B::Device) -> Result<()> {
+    let trained = TrainedClassifier::<B>::load(&ArtifactDir::new(&args.artifact_dir), &device)?;
+    let classes = class_names(&trained.config.data.dataset);
+    let texts = texts_or_stdin(args.texts)?;
+    if texts.is_empty() {
+        bail!("no text to classify: give TEXT arguments or lines on stdin");
+    }
+    let probabilities = text_probabilities(&trained, &texts, &device)?
+        .into_data()
+        .into_vec::<f32>()
+        .map_err(|e| anyhow::anyhow!("cannot read probabilities: {e:?}"))?;
+    let mut out = std::io::stdout().lock();
+    for (text, row) in texts.iter().zip(probabilities.chunks(classes.len())) {
+        let (class, p) = top_classes(row, 1)[0];
+        writeln!(out, "{}	{:.3}	{text}", classes[class], p)?;
+    }
+    Ok(())
+}
+
+fn run_embed<B: Backend>(args: EmbedArgs, device: B::Device) -> Result<()> {
+    let encoder = TextEncoder::<B>::load(&ArtifactDir::new(&args.artifact_dir), &device)?;
+    let mut vectors = Vec::new();
+    let mut lacking = Vec::new();
+    for (i, sentence) in args.sentences.iter().enumerate() {
+        match encoder.word_vectors(sentence, &args.word, &device)? {
+            Some(v) => vectors.push(v),
+            None => lacking.push(format!("{} {sentence:?}", i + 1)),
+        }
+    }
+    if !lacking.is_empty() {
+        bail!(
+            "the word {:?} is not in sentence {}",
+            args.word,
+            lacking.join(", sentence ")
+        );
+    }
+    let d = vectors[0].contextual.len();
+    let shown = if args.dims == 0 { d } else { args.dims.min(d) };
+    println!("contextual vector of {:?} (first {shown} of {d} dimensions; mean over its tokens):", args.word);
+    for (i, (sentence, v)) in args.sentences.iter().zip(&vectors).enumerate() {
+        let values: Vec<String> = v.contextual[..shown].iter().map(|x| format!("{x:+.3}")).collect();
+        let more = if shown < d { " …" } else { "" };
+        println!("  [{}] {sentence}
+      ({} token{}) [{}{more}]", i + 1, v.tokens, if v.tokens == 1 { "" } else { "s" }, values.join(", "));
+    }
+    println!("cosine similarity, contextual (static input embedding in brackets):");
+    for i in 0..vectors.len() {
+        for j in i + 1..vectors.len() {
+            println!(
+                "  [{}] vs [{}]: {:.3}  ({:.3})",
+                i + 1,
+                j + 1,
+                cosine(&vectors[i].contextual, &vectors[j].contextual),
+                cosine(&vectors[i].static_, &vectors[j].static_)
+            );
+        }
     }
     Ok(())
 }

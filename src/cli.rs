@@ -39,13 +39,25 @@ pub enum Command {
     /// Generate text from a trained language model, streaming it to stdout.
     Generate(GenerateArgs),
     /// Evaluate a trained model: a language model's loss and perplexity over the whole
-    /// validation split; a translator's corpus BLEU on its test split (sacreBLEU-compatible).
+    /// validation split; a translator's corpus BLEU on its test split (sacreBLEU-compatible);
+    /// a classifier's test accuracy, with a confusion-matrix PNG.
     Eval(EvalArgs),
     /// Translate with a trained translator: each TEXT argument, or else each line of stdin.
     ///
     /// Output is one line per input line (an empty line gives an empty line). An input longer
     /// than the model's maximum is cut to it, with a warning on stderr.
     Translate(TranslateArgs),
+    /// Classify image files (PNG/JPEG, any size) with a trained Vision Transformer: each is
+    /// made the model's grey 28×28 input (inverted when its background is light) and the top
+    /// classes are printed with their probabilities.
+    Predict(PredictArgs),
+    /// Classify texts with a trained text classifier: each TEXT argument, or else each line of
+    /// stdin; prints the label and its probability.
+    Classify(ClassifyArgs),
+    /// The contextual vector of one word in several sentences, from a trained language model
+    /// or classifier, and the cosine similarity of every pair beside that of the static input
+    /// embeddings (always 1: the input embedding ignores context).
+    Embed(EmbedArgs),
     /// Walk through single-head scaled dot-product attention on small matrices, step by step.
     ///
     /// Matrices are written row by row: rows separated by ';', values by ','. Tokens are row
@@ -123,11 +135,12 @@ pub struct EvalArgs {
     /// Sequences per evaluation batch.
     #[arg(long, default_value_t = 64)]
     pub batch_size: usize,
-    /// Translators: evaluate only the first N test sentences.
+    /// Translators and classifiers: evaluate only the first N test examples.
     #[arg(long, value_name = "N")]
     pub limit: Option<usize>,
     /// Translators: also write source, reference and translation of every test sentence here
-    /// (tab-separated).
+    /// (tab-separated). Classifiers: where the confusion-matrix PNG goes (default:
+    /// ARTIFACT_DIR/confusion.png).
     #[arg(long, value_name = "FILE")]
     pub output: Option<PathBuf>,
     #[command(flatten)]
@@ -163,6 +176,47 @@ pub struct TranslateArgs {
     pub batch_size: usize,
     #[command(flatten)]
     pub search: SearchArgs,
+}
+
+/// `predict` options.
+#[derive(Args, Debug)]
+pub struct PredictArgs {
+    /// Directory written by `train` for a vit experiment.
+    #[arg(long, value_name = "DIR")]
+    pub artifact_dir: PathBuf,
+    /// Image files (PNG or JPEG).
+    #[arg(required = true)]
+    pub images: Vec<PathBuf>,
+    /// How many classes to show per image.
+    #[arg(long, default_value_t = 3)]
+    pub top: usize,
+}
+
+/// `classify` options.
+#[derive(Args, Debug)]
+pub struct ClassifyArgs {
+    /// Directory written by `train` for a classifier experiment.
+    #[arg(long, value_name = "DIR")]
+    pub artifact_dir: PathBuf,
+    /// Texts to classify; none = read stdin line by line.
+    pub texts: Vec<String>,
+}
+
+/// `embed` options.
+#[derive(Args, Debug)]
+pub struct EmbedArgs {
+    /// Directory written by `train` for a language model or classifier.
+    #[arg(long, value_name = "DIR")]
+    pub artifact_dir: PathBuf,
+    /// The word to follow (matched as a whole word, ignoring case).
+    #[arg(long)]
+    pub word: String,
+    /// Sentences that contain the word (at least two).
+    #[arg(required = true, num_args = 2..)]
+    pub sentences: Vec<String>,
+    /// How many leading dimensions of each vector to print (0 = all).
+    #[arg(long, default_value_t = 8)]
+    pub dims: usize,
 }
 
 /// `explain` options.

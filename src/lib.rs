@@ -3,7 +3,9 @@
 //! The one transformer implementation lives in [`nn`]; [`models`] wraps it into complete models
 //! (embedding + stack + head); [`data`] turns real datasets into batches; [`train`] wires a model
 //! into burn-train's `Learner`; [`generate`] samples from a trained language model and
-//! [`translate`] decodes a trained translator (greedy or beam search), scored by [`bleu`].
+//! [`translate`] decodes a trained translator (greedy or beam search), scored by [`bleu`];
+//! [`classify`] runs the image and text classifiers, [`embed`] reads contextual word vectors,
+//! and [`plot`] draws result pictures.
 //!
 //! # Shapes
 //!
@@ -18,6 +20,8 @@
 //! | `h` | number of attention heads, `n_heads` |
 //! | `k` | width of one head, `d_head = d_model / n_heads` |
 //! | `v` | vocabulary size |
+//! | `n` | tokens of an encoder input (patches + classification token, or a padded sentence) |
+//! | `c`, `p` | image channels, patch side |
 //!
 //! Masks are boolean tensors in which **`true` means masked out** (the position may not be
 //! attended to), the same polarity as burn's own attention.
@@ -26,12 +30,15 @@ pub mod app;
 pub mod artifact;
 pub mod backend;
 pub mod bleu;
+pub mod classify;
 pub mod cli;
 pub mod config;
 pub mod data;
+pub mod embed;
 pub mod explain;
 pub mod generate;
 pub mod models;
 pub mod nn;
+pub mod plot;
 pub mod train;
 pub mod translate;

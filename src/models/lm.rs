@@ -2,7 +2,9 @@
 //! final norm → projection to the vocabulary, trained with next-token cross-entropy.
 
 use crate::config::LmConfig;
-use crate::nn::{AttentionMask, PositionEncoding, PositionEncodingConfig, TransformerStack};
+use crate::nn::{
+    AttentionMask, PositionEncoding, PositionEncodingConfig, StackOutput, TransformerStack,
+};
 use burn::module::Module;
 use burn::nn::loss::CrossEntropyLossConfig;
 use burn::nn::{
@@ -78,14 +80,23 @@ impl<B: Backend> LanguageModel<B> {
     /// `tokens`: `[b, t]` with `t <= context` → logits `[b, t, v]`, weights `[b, h, t, t]`.
     pub fn forward(&self, tokens: Tensor<B, 2, Int>) -> LmOutput<B> {
         let [b, t] = tokens.dims();
-        let x = self.embed(tokens); // [b, t, d]
-        let mask = AttentionMask::causal(t, &x.device());
-        let out = self.decoder.forward(x, Some(&mask), None);
+        let out = self.states(tokens);
         let logits = self.project(out.x.reshape([b * t, self.d_model()])); // [b*t, v]
         LmOutput {
             logits: logits.reshape([b, t, self.vocab_size()]),
             attention: out.self_attention,
         }
+    }
+
+    /// The decoder's output states (after the final norm) and attention weights.
+    ///
+    /// # Shapes
+    /// `tokens`: `[b, t]` → states `[b, t, d]`.
+    pub fn states(&self, tokens: Tensor<B, 2, Int>) -> StackOutput<B> {
+        let [_, t] = tokens.dims();
+        let x = self.embed(tokens); // [b, t, d]
+        let mask = AttentionMask::causal(t, &x.device());
+        self.decoder.forward(x, Some(&mask), None)
     }
 
     /// Token embedding + positions (+ dropout): the decoder's input, `[b, t]` → `[b, t, d]`.

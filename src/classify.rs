@@ -1,0 +1,210 @@
+//! Using trained classifiers: class probabilities for image files and texts, and test-set
+//! accuracy with a confusion matrix.
+
+use crate::data::images::normalise_pixel;
+use crate::data::sentiment::{encode_sentence, SENTIMENT_LABELS};
+use crate::data::translation::pad_rows;
+use crate::data::{ImageSet, SentimentCorpus};
+use crate::train::{TrainedClassifier, TrainedVit};
+use anyhow::{bail, Context, Result};
+use burn::prelude::*;
+use burn::tensor::activation::softmax;
+use std::path::Path;
+
+/// The class names of a classification dataset, by index.
+pub fn class_names(dataset: &str) -> Vec<String> {
+    let names: &[&str] = match dataset {
+        "fashion-mnist" => &[
+            "T-shirt/top",
+            "Trouser",
+            "Pullover",
+            "Dress",
+            "Coat",
+            "Sandal",
+            "Shirt",
+            "Sneaker",
+            "Bag",
+            "Ankle boot",
+        ],
+        "mnist" => &["0", "1", "2", "3", "4", "5", "6", "7", "8", "9"],
+        _ => &SENTIMENT_LABELS,
+    };
+    names.iter().map(|s| s.to_string()).collect()
+}
+
+/// A grey image prepared for the model.
+#[derive(Clone, Debug)]
+pub struct PreparedImage {
+    /// `size · size` pixels, 0 = background.
+    pub pixels: Vec<u8>,
+    /// Whether the image was inverted (it had a light background; the datasets' is dark).
+    pub inverted: bool,
+}
+
+/// Reads a PNG or JPEG file of any size as the model's `size × size` grey input: converted to
+/// grey, resized, and inverted when its border is mostly light (MNIST-style images are light
+/// strokes on a dark background).
+pub fn load_image(path: &Path, size: usize) -> Result<PreparedImage> {
+    let image = image::ImageReader::open(path)
+        .with_context(|| format!("cannot open {}", path.display()))?
+        .with_guessed_format()
+        .with_context(|| format!("cannot read {}", path.display()))?
+        .decode()
+        .with_context(|| format!("{} is not a readable PNG or JPEG image", path.display()))?;
+    let (side, filter) = (size as u32, image::imageops::FilterType::Triangle);
+    let grey = image::imageops::resize(&image.to_luma8(), side, side, filter);
+    let mut pixels = grey.into_raw();
+    let border: Vec<u8> = (0..size)
+        .flat_map(|i| [i, (size - 1) * size + i, i * size, i * size + size - 1])
+        .map(|k| pixels[k])
+        .collect();
+    let light = border.iter().map(|&p| p as f64).sum::<f64>() / border.len() as f64 > 127.5;
+    if light {
+        pixels.iter_mut().for_each(|p| *p = 255 - *p);
+    }
+    Ok(PreparedImage {
+        pixels,
+        inverted: light,
+    })
+}
+
+/// Class probabilities of images, `[b, classes]`.
+pub fn image_probabilities<B: Backend>(
+    trained: &TrainedVit<B>,
+    images: &[Vec<u8>],
+    size: usize,
+    device: &B::Device,
+) -> Tensor<B, 2> {
+    let values: Vec<f32> = images.iter().flatten().map(|&p| normalise_pixel(p)).collect();
+    let batch = Tensor::from_data(TensorData::new(values, [images.len(), 1, size, size]), device);
+    softmax(trained.model.forward(batch).logits, 1)
+}
+
+/// Class probabilities of texts, `[b, classes]`. Empty texts are an error.
+pub fn text_probabilities<B: Backend>(
+    trained: &TrainedClassifier<B>,
+    texts: &[String],
+    device: &B::Device,
+) -> Result<Tensor<B, 2>> {
+    let max_tokens = trained.config.data.max_tokens;
+    let rows = texts
+        .iter()
+        .enumerate()
+        .map(|(i, text)| {
+            if text.trim().is_empty() {
+                bail!("text {} is empty: there is nothing to classify", i + 1);
+            }
+            encode_sentence(&trained.tokenizer, text, max_tokens)
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok(softmax(trained.model.forward(pad_rows(&rows, device)).logits, 1))
+}
+
+/// Counts of (true class, predicted class) over a test set.
+#[derive(Clone, Debug)]
+pub struct Confusion {
+    /// Class names.
+    pub classes: Vec<String>,
+    /// `counts[true][predicted]`.
+    pub counts: Vec<Vec<usize>>,
+}
+
+impl Confusion {
+    fn new(classes: Vec<String>) -> Self {
+        let n = classes.len();
+        Self {
+            classes,
+            counts: vec![vec![0; n]; n],
+        }
+    }
+
+    fn add(&mut self, truth: &[usize], predicted: &[usize]) {
+        for (&t, &p) in truth.iter().zip(predicted) {
+            self.counts[t][p] += 1;
+        }
+    }
+
+    /// Examples counted.
+    pub fn total(&self) -> usize {
+        self.counts.iter().flatten().sum()
+    }
+
+    /// Share of examples on the diagonal.
+    pub fn accuracy(&self) -> f64 {
+        let right: usize = (0..self.classes.len()).map(|i| self.counts[i][i]).sum();
+        right as f64 / self.total().max(1) as f64
+    }
+}
+
+/// Arg-max class of each row of `scores`, `[b, classes]` → `b` indices.
+fn predictions<B: Backend>(scores: Tensor<B, 2>) -> Result<Vec<usize>> {
+    let [b, _] = scores.dims();
+    let ids = scores.argmax(1).reshape([b]).into_data();
+    Ok(ids
+        .convert::<i64>()
+        .into_vec::<i64>()
+        .map_err(|e| anyhow::anyhow!("cannot read predictions: {e:?}"))?
+        .into_iter()
+        .map(|i| i as usize)
+        .collect())
+}
+
+/// Test-set confusion of a ViT (the official 10,000 test images).
+pub fn evaluate_vit<B: Backend>(
+    trained: &TrainedVit<B>,
+    data_dir: &Path,
+    batch_size: usize,
+    limit: Option<usize>,
+    device: &B::Device,
+) -> Result<Confusion> {
+    let (_, test) = ImageSet::load(&trained.config.data.dataset, data_dir)?;
+    let n = test.len().min(limit.unwrap_or(usize::MAX));
+    let size = test.rows;
+    let mut confusion = Confusion::new(class_names(&trained.config.data.dataset));
+    for start in (0..n).step_by(batch_size) {
+        let end = (start + batch_size).min(n);
+        let images: Vec<Vec<u8>> = (start..end)
+            .map(|i| test.pixels[i * size * size..(i + 1) * size * size].to_vec())
+            .collect();
+        let truth: Vec<usize> = test.labels[start..end].iter().map(|&l| l as usize).collect();
+        let predicted = predictions(image_probabilities(trained, &images, size, device))?;
+        confusion.add(&truth, &predicted);
+    }
+    Ok(confusion)
+}
+
+/// Test-split confusion of a text classifier (GLUE dev for SST-2).
+pub fn evaluate_classifier<B: Backend>(
+    trained: &TrainedClassifier<B>,
+    data_dir: &Path,
+    batch_size: usize,
+    limit: Option<usize>,
+    device: &B::Device,
+) -> Result<Confusion> {
+    let data = &trained.config.data;
+    let corpus = SentimentCorpus::load(
+        &data.dataset,
+        data_dir,
+        data.valid_fraction,
+        data.test_fraction,
+        trained.config.seed,
+    )?;
+    let mut test = corpus.test;
+    test.truncate(limit.unwrap_or(usize::MAX));
+    let mut confusion = Confusion::new(class_names(&data.dataset));
+    for chunk in test.chunks(batch_size) {
+        let texts: Vec<String> = chunk.iter().map(|row| row.text.clone()).collect();
+        let truth: Vec<usize> = chunk.iter().map(|row| row.label).collect();
+        let predicted = predictions(text_probabilities(trained, &texts, device)?)?;
+        confusion.add(&truth, &predicted);
+    }
+    Ok(confusion)
+}
+
+/// The `k` most probable classes of one row of probabilities, best first.
+pub fn top_classes(probabilities: &[f32], k: usize) -> Vec<(usize, f32)> {
+    let mut ranked: Vec<(usize, f32)> = probabilities.iter().copied().enumerate().collect();
+    ranked.sort_by(|a, b| b.1.total_cmp(&a.1));
+    ranked.truncate(k);
+    ranked
+}
