@@ -4,16 +4,16 @@ use crate::artifact::ArtifactDir;
 use crate::backend::BackendTask;
 use crate::bleu::corpus_bleu;
 use crate::classify::{
-    evaluate_classifier, evaluate_vit, load_image, text_probabilities, top_classes, class_names,
-    image_probabilities, Confusion,
+    class_names, evaluate_classifier, evaluate_vit, image_probabilities, load_image,
+    text_probabilities, top_classes, Confusion,
 };
 use crate::cli::{
-    ClassifyArgs, Command, EmbedArgs, EvalArgs, ExplainArgs, GenerateArgs, PredictArgs,
-    SearchArgs, TrainArgs, TranslateArgs,
+    ClassifyArgs, Command, EmbedArgs, EvalArgs, ExplainArgs, GenerateArgs, PredictArgs, SearchArgs,
+    TrainArgs, TranslateArgs,
 };
-use crate::embed::{cosine, TextEncoder};
 use crate::config::{ExperimentConfig, ModelConfig};
 use crate::data::{data_dir, TranslationCorpus};
+use crate::embed::{cosine, TextEncoder};
 use crate::explain;
 use crate::generate::{check_prompt, generate, Sampling};
 use crate::train::{
@@ -262,8 +262,7 @@ fn run_eval_classifier<B: Backend>(
         }
         _ => {
             let trained = TrainedClassifier::<B>::load(&artifact, &device)?;
-            let c =
-                evaluate_classifier(&trained, &data_dir, args.batch_size, args.limit, &device)?;
+            let c = evaluate_classifier(&trained, &data_dir, args.batch_size, args.limit, &device)?;
             (c, "test sentences")
         }
     };
@@ -313,7 +312,11 @@ fn run_predict<B: Backend>(args: PredictArgs, device: B::Device) -> Result<()> {
             .into_iter()
             .map(|(class, p)| format!("{} {:.1}%", classes[class], 100.0 * p))
             .collect();
-        let note = if image.inverted { " (inverted: light background)" } else { "" };
+        let note = if image.inverted {
+            " (inverted: light background)"
+        } else {
+            ""
+        };
         println!("{}: {}{note}", path.display(), top.join(", "));
     }
     Ok(())
@@ -369,12 +372,24 @@ fn run_embed<B: Backend>(args: EmbedArgs, device: B::Device) -> Result<()> {
     }
     let d = vectors[0].contextual.len();
     let shown = if args.dims == 0 { d } else { args.dims.min(d) };
-    println!("contextual vector of {:?} (first {shown} of {d} dimensions; mean over its tokens):", args.word);
+    println!(
+        "contextual vector of {:?} (first {shown} of {d} dimensions; mean over its tokens):",
+        args.word
+    );
     for (i, (sentence, v)) in args.sentences.iter().zip(&vectors).enumerate() {
-        let values: Vec<String> = v.contextual[..shown].iter().map(|x| format!("{x:+.3}")).collect();
+        let values: Vec<String> = v.contextual[..shown]
+            .iter()
+            .map(|x| format!("{x:+.3}"))
+            .collect();
         let more = if shown < d { " …" } else { "" };
-        println!("  [{}] {sentence}
-      ({} token{}) [{}{more}]", i + 1, v.tokens, if v.tokens == 1 { "" } else { "s" }, values.join(", "));
+        println!(
+            "  [{}] {sentence}
+      ({} token{}) [{}{more}]",
+            i + 1,
+            v.tokens,
+            if v.tokens == 1 { "" } else { "s" },
+            values.join(", ")
+        );
     }
     println!("cosine similarity, contextual (static input embedding in brackets):");
     for i in 0..vectors.len() {

@@ -75,8 +75,15 @@ pub fn image_probabilities<B: Backend>(
     size: usize,
     device: &B::Device,
 ) -> Tensor<B, 2> {
-    let values: Vec<f32> = images.iter().flatten().map(|&p| normalise_pixel(p)).collect();
-    let batch = Tensor::from_data(TensorData::new(values, [images.len(), 1, size, size]), device);
+    let values: Vec<f32> = images
+        .iter()
+        .flatten()
+        .map(|&p| normalise_pixel(p))
+        .collect();
+    let batch = Tensor::from_data(
+        TensorData::new(values, [images.len(), 1, size, size]),
+        device,
+    );
     softmax(trained.model.forward(batch).logits, 1)
 }
 
@@ -97,7 +104,10 @@ pub fn text_probabilities<B: Backend>(
             encode_sentence(&trained.tokenizer, text, max_tokens)
         })
         .collect::<Result<Vec<_>>>()?;
-    Ok(softmax(trained.model.forward(pad_rows(&rows, device)).logits, 1))
+    Ok(softmax(
+        trained.model.forward(pad_rows(&rows, device)).logits,
+        1,
+    ))
 }
 
 /// Counts of (true class, predicted class) over a test set.
@@ -166,7 +176,10 @@ pub fn evaluate_vit<B: Backend>(
         let images: Vec<Vec<u8>> = (start..end)
             .map(|i| test.pixels[i * size * size..(i + 1) * size * size].to_vec())
             .collect();
-        let truth: Vec<usize> = test.labels[start..end].iter().map(|&l| l as usize).collect();
+        let truth: Vec<usize> = test.labels[start..end]
+            .iter()
+            .map(|&l| l as usize)
+            .collect();
         let predicted = predictions(image_probabilities(trained, &images, size, device))?;
         confusion.add(&truth, &predicted);
     }

@@ -91,7 +91,10 @@ impl<B: Backend> TextEncoder<B> {
         let n = ids.len();
         let input = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [1, n]), device);
         let (states, table) = match self {
-            Self::Lm(t) => (t.model.states(input.clone()).x, t.model.token_embedding.weight.val()),
+            Self::Lm(t) => (
+                t.model.states(input.clone()).x,
+                t.model.token_embedding.weight.val(),
+            ),
             Self::Classifier(t) => (
                 t.model.forward(input.clone()).states,
                 t.model.token_embedding.weight.val(),
@@ -99,7 +102,10 @@ impl<B: Backend> TextEncoder<B> {
         };
         let d = states.dims()[2];
         let index = Tensor::<B, 1, Int>::from_data(
-            TensorData::new(positions.iter().map(|&p| p as i64).collect(), [positions.len()]),
+            TensorData::new(
+                positions.iter().map(|&p| p as i64).collect(),
+                [positions.len()],
+            ),
             device,
         );
         let contextual = states.reshape([n, d]).select(0, index.clone()).mean_dim(0);

@@ -36,7 +36,8 @@ pub fn render_png(
     {
         let root = BitMapBackend::with_buffer(&mut buffer, (width, height)).into_drawing_area();
         draw(&root)?;
-        root.present().map_err(|e| anyhow!("cannot draw {}: {e}", path.display()))?;
+        root.present()
+            .map_err(|e| anyhow!("cannot draw {}: {e}", path.display()))?;
     }
     let image = image::RgbImage::from_raw(width, height, buffer)
         .context("the canvas has the size it was made with")?;
@@ -56,20 +57,32 @@ pub fn blues(v: f64) -> RGBColor {
 
 /// Writes a confusion matrix (rows = true class, columns = predicted class) as a PNG heatmap
 /// with the count in each cell, shaded by the share of its row.
-pub fn confusion_png(path: &Path, title: &str, classes: &[String], counts: &[Vec<usize>]) -> Result<()> {
+pub fn confusion_png(
+    path: &Path,
+    title: &str,
+    classes: &[String],
+    counts: &[Vec<usize>],
+) -> Result<()> {
     let n = classes.len();
     let cell = 56u32;
     let (left, top) = (150u32, 70u32);
     let size = (left + cell * n as u32 + 30, top + cell * n as u32 + 130);
     render_png(path, size, |root| {
         let err = |e: DrawingAreaErrorKind<_>| anyhow!("cannot draw the confusion matrix: {e:?}");
-        root.draw(&Text::new(title, (20, 20), (FONT, 22).into_font().style(FontStyle::Bold)))
-            .map_err(err)?;
+        root.draw(&Text::new(
+            title,
+            (20, 20),
+            (FONT, 22).into_font().style(FontStyle::Bold),
+        ))
+        .map_err(err)?;
         for (i, row) in counts.iter().enumerate() {
             let total = row.iter().sum::<usize>().max(1) as f64;
             for (j, &count) in row.iter().enumerate() {
                 let share = count as f64 / total;
-                let (x, y) = ((left + cell * j as u32) as i32, (top + cell * i as u32) as i32);
+                let (x, y) = (
+                    (left + cell * j as u32) as i32,
+                    (top + cell * i as u32) as i32,
+                );
                 let rect = [(x, y), (x + cell as i32, y + cell as i32)];
                 root.draw(&Rectangle::new(rect, blues(share).filled()))
                     .map_err(err)?;
@@ -87,8 +100,12 @@ pub fn confusion_png(path: &Path, title: &str, classes: &[String], counts: &[Vec
         for (i, name) in classes.iter().enumerate() {
             let y = (top + cell * i as u32 + cell / 2 - 8) as i32;
             let (w, _) = root.estimate_text_size(name, &label).map_err(err)?;
-            root.draw(&Text::new(name.as_str(), (left as i32 - 8 - w as i32, y), label.clone()))
-                .map_err(err)?;
+            root.draw(&Text::new(
+                name.as_str(),
+                (left as i32 - 8 - w as i32, y),
+                label.clone(),
+            ))
+            .map_err(err)?;
             let x = (left + cell * i as u32 + cell / 2) as i32;
             let below = (top + cell * n as u32 + 8) as i32;
             let rotated = label.transform(FontTransform::Rotate90);
@@ -96,8 +113,12 @@ pub fn confusion_png(path: &Path, title: &str, classes: &[String], counts: &[Vec
                 .map_err(err)?;
         }
         let axis = (FONT, 16).into_font().style(FontStyle::Bold);
-        root.draw(&Text::new("true class ↓   predicted class →", (20, 48), axis))
-            .map_err(err)?;
+        root.draw(&Text::new(
+            "true class ↓   predicted class →",
+            (20, 48),
+            axis,
+        ))
+        .map_err(err)?;
         Ok(())
     })
 }

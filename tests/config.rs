@@ -95,7 +95,35 @@ fn mistakes_are_clear_errors() {
             r#"{"model": {"kind": "seq2seq", "max_len": 16}, "data": {"dataset": "copy", "tokenizer": "bpe", "max_tokens": 64}}"#,
             "max_tokens",
         ),
-        (r#"{"model": {"kind": "vit"}}"#, "unknown variant `vit`"),
+        (r#"{"model": {"kind": "gan"}}"#, "unknown variant `gan`"),
+        (
+            r#"{"model": {"kind": "vit"}}"#,
+            "a vit needs an image dataset",
+        ),
+        (
+            r#"{"model": {"kind": "vit", "patch_size": 5}, "data": {"dataset": "mnist"}}"#,
+            "multiple of patch_size",
+        ),
+        (
+            r#"{"model": {"kind": "vit", "image_size": 32}, "data": {"dataset": "mnist"}}"#,
+            "28×28",
+        ),
+        (
+            r#"{"model": {"kind": "classifier"}, "data": {"dataset": "sst2"}}"#,
+            "needs the bpe tokenizer",
+        ),
+        (
+            r#"{"model": {"kind": "classifier"}, "data": {"dataset": "mnist", "tokenizer": "bpe"}}"#,
+            "sentence-classification dataset",
+        ),
+        (
+            r#"{"model": {"kind": "classifier", "position": "sincos2d"}, "data": {"dataset": "sst2", "tokenizer": "bpe"}}"#,
+            "sincos2d",
+        ),
+        (
+            r#"{"data": {"dataset": "mnist"}}"#,
+            "a language model needs text",
+        ),
         (
             r#"{"train": {"schedule": "linear"}}"#,
             "unknown variant `linear`",

@@ -143,7 +143,7 @@ fn read_idx_file(path: &Path, magic: u32, rank: usize) -> Result<(Vec<usize>, Ve
     };
     read.with_context(|| format!("cannot read {} (corrupt or truncated?)", path.display()))?;
     let header = 4 * (1 + rank);
-    if bytes.len() < header {
+    if bytes.len() < 4 {
         bail!("{}: too short for an IDX header", path.display());
     }
     let word = |i: usize| u32::from_be_bytes([bytes[i], bytes[i + 1], bytes[i + 2], bytes[i + 3]]);
@@ -154,6 +154,12 @@ fn read_idx_file(path: &Path, magic: u32, rank: usize) -> Result<(Vec<usize>, Ve
             if rank == 1 { "labels" } else { "images" },
             word(0),
             magic
+        );
+    }
+    if bytes.len() < header {
+        bail!(
+            "{}: too short for an IDX header (truncated?)",
+            path.display()
         );
     }
     let dims: Vec<usize> = (0..rank).map(|d| word(4 + 4 * d) as usize).collect();
@@ -248,7 +254,10 @@ impl<B: Backend> Batcher<B, ImageItem, ImageBatch<B>> for ImageBatcher {
         }
         let labels: Vec<i64> = items.iter().map(|item| item.label as i64).collect();
         ImageBatch {
-            images: Tensor::from_data(TensorData::new(values, [items.len(), 1, rows, cols]), device),
+            images: Tensor::from_data(
+                TensorData::new(values, [items.len(), 1, rows, cols]),
+                device,
+            ),
             labels: Tensor::from_data(TensorData::new(labels, [items.len()]), device),
         }
     }

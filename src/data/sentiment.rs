@@ -74,7 +74,9 @@ impl SentimentCorpus {
                     test,
                 })
             }
-            other => bail!("{other} is not a sentence-classification dataset (sst2, uci-sentiment)"),
+            other => {
+                bail!("{other} is not a sentence-classification dataset (sst2, uci-sentiment)")
+            }
         }
     }
 }
@@ -94,7 +96,11 @@ fn read_tsv(path: &Path, header: bool) -> Result<Vec<Labelled>> {
         let label = match label.trim() {
             "0" => 0,
             "1" => 1,
-            other => bail!("{}:{}: label {other:?} is not 0 or 1", path.display(), i + 1),
+            other => bail!(
+                "{}:{}: label {other:?} is not 0 or 1",
+                path.display(),
+                i + 1
+            ),
         };
         rows.push(Labelled {
             text: sentence.trim().to_string(),

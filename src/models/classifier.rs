@@ -4,8 +4,9 @@
 
 use crate::config::validate_width;
 use crate::nn::{
-    padding_mask, pool, Activation, AttentionMask, PositionEncoding, PositionEncodingConfig,
-    PositionKind, Pooling, TransformerBlockConfig, TransformerStack, TransformerStackConfig,
+    padding_mask, pool, Activation, AttentionMask, Pooling, PositionEncoding,
+    PositionEncodingConfig, PositionKind, TransformerBlockConfig, TransformerStack,
+    TransformerStackConfig,
 };
 use anyhow::{bail, Result};
 use burn::module::Module;
@@ -79,7 +80,10 @@ impl ClassifierConfig {
 
     /// Builds the model. `vocab_size` must be resolved and the config validated.
     pub fn init<B: Backend>(&self, device: &B::Device) -> TextClassifier<B> {
-        assert!(self.vocab_size > 0, "vocab_size must be resolved before init");
+        assert!(
+            self.vocab_size > 0,
+            "vocab_size must be resolved before init"
+        );
         let block = TransformerBlockConfig::new(self.d_model, self.n_heads, self.d_ff)
             .with_dropout(self.dropout)
             .with_activation(self.activation)

@@ -5,7 +5,7 @@
 
 use crate::config::validate_width;
 use crate::nn::{
-    pool, Activation, PositionEncoding, PositionEncodingConfig, PositionKind, Pooling,
+    pool, Activation, Pooling, PositionEncoding, PositionEncodingConfig, PositionKind,
     TransformerBlockConfig, TransformerStack, TransformerStackConfig,
 };
 use anyhow::{bail, Result};

@@ -20,5 +20,7 @@ pub use block::{BlockOutput, TransformerBlock, TransformerBlockConfig};
 pub use feedforward::{Activation, FeedForward, FeedForwardConfig};
 pub use mask::{causal_mask, padding_mask, AttentionMask};
 pub use pool::{pool, Pooling};
-pub use position::{sincos_2d_table, sinusoid_table, PositionEncoding, PositionEncodingConfig, PositionKind};
+pub use position::{
+    sincos_2d_table, sinusoid_table, PositionEncoding, PositionEncodingConfig, PositionKind,
+};
 pub use stack::{StackOutput, TransformerStack, TransformerStackConfig};

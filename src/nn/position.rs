@@ -148,7 +148,10 @@ pub fn sincos_2d_table<B: Backend>(
     d_model: usize,
     device: &B::Device,
 ) -> Tensor<B, 2> {
-    assert!(d_model.is_multiple_of(4), "2-D sin-cos needs d_model divisible by 4");
+    assert!(
+        d_model.is_multiple_of(4),
+        "2-D sin-cos needs d_model divisible by 4"
+    );
     let half = d_model / 2;
     let by_row = sinusoid_table::<B>(rows, half, device); // [rows, d/2]
     let by_col = sinusoid_table::<B>(cols, half, device); // [cols, d/2]

@@ -41,7 +41,15 @@ supervised_steps!(TextClassifier, SentenceBatch, |model, batch| {
 /// seeded sample of `eval_batches` batches).
 macro_rules! loaders {
     ($config:expr, $session:expr, $device:expr, $batcher:expr, $train:expr, $valid:expr) => {
-        loaders!($config, $session, $device, $batcher.clone(), $train, $batcher, $valid)
+        loaders!(
+            $config,
+            $session,
+            $device,
+            $batcher.clone(),
+            $train,
+            $batcher,
+            $valid
+        )
     };
     ($config:expr, $session:expr, $device:expr,
      $train_batcher:expr, $train:expr, $valid_batcher:expr, $valid:expr) => {{
@@ -182,8 +190,9 @@ pub struct TrainedVit<B: Backend> {
 impl<B: Backend> TrainedVit<B> {
     /// Loads what `train` wrote in `artifact`.
     pub fn load(artifact: &ArtifactDir, device: &B::Device) -> Result<Self> {
-        let (model, _, config) =
-            open_artifact(artifact, device, |config| Ok(config.vit()?.init::<B>(device)))?;
+        let (model, _, config) = open_artifact(artifact, device, |config| {
+            Ok(config.vit()?.init::<B>(device))
+        })?;
         Ok(Self { model, config })
     }
 }
@@ -206,7 +215,9 @@ impl<B: Backend> TrainedClassifier<B> {
         })?;
         Ok(Self {
             model,
-            tokenizer: tokenizers.context("a classifier artifact has a tokenizer")?.target,
+            tokenizer: tokenizers
+                .context("a classifier artifact has a tokenizer")?
+                .target,
             config,
         })
     }

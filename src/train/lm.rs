@@ -158,7 +158,9 @@ impl<B: Backend> Trained<B> {
         })?;
         Ok(Self {
             model,
-            tokenizer: tokenizers.context("a language model artifact has a tokenizer")?.target,
+            tokenizer: tokenizers
+                .context("a language model artifact has a tokenizer")?
+                .target,
             config,
         })
     }

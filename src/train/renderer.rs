@@ -152,13 +152,17 @@ impl MetricsRendererTraining for PlainRenderer {
         if !done {
             return;
         }
+        let perplexity = self
+            .valid
+            .last("Perplexity")
+            .map(|p| format!("  perplexity {p:.3}"))
+            .unwrap_or_default();
         println!(
-            "epoch {:>2}/{}  valid  loss {:.4}  accuracy {:.2}%  perplexity {:.3}",
+            "epoch {:>2}/{}  valid  loss {:.4}  accuracy {:.2}%{perplexity}",
             item.global_progress.items_processed,
             item.global_progress.items_total,
             self.valid.mean("Loss").unwrap_or(f64::NAN),
             self.valid.mean("Accuracy").unwrap_or(f64::NAN),
-            self.valid.last("Perplexity").unwrap_or(f64::NAN),
         );
         self.valid = Averages::default();
         // Validation time is not training throughput.
