@@ -46,7 +46,7 @@ fn reads_gzipped_idx_images_and_labels() {
 fn a_truncated_file_is_a_clear_error() {
     let dir = tempfile::tempdir().unwrap();
     let (images, labels) = (dir.path().join("i"), dir.path().join("l"));
-    std::fs::write(&images, &idx(0x803, &[3, 4, 5], &three_images()[..50])).unwrap();
+    std::fs::write(&images, idx(0x803, &[3, 4, 5], &three_images()[..50])).unwrap();
     std::fs::write(&labels, idx(0x801, &[3], &[7, 0, 9])).unwrap();
     let message = format!("{:#}", ImageSet::read_idx(&images, &labels).unwrap_err());
     assert!(message.contains("truncated"), "{message}");
@@ -95,7 +95,7 @@ fn augmentation_shifts_pixels_and_keeps_labels() {
     let moved = |image: &[f32], dy: i32, dx: i32| -> Vec<f32> {
         (0..20)
             .map(|k| {
-                let (r, c) = (k as i32 / 5 - dy, k as i32 % 5 - dx);
+                let (r, c) = (k / 5 - dy, k % 5 - dx);
                 if (0..4).contains(&r) && (0..5).contains(&c) {
                     image[(r * 5 + c) as usize]
                 } else {
