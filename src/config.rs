@@ -71,6 +71,16 @@ impl ModelConfig {
         }
     }
 
+    /// The command that uses a trained model of this kind.
+    pub fn command(&self) -> &'static str {
+        match self {
+            ModelConfig::Lm(_) => "generate",
+            ModelConfig::Seq2seq(_) => "translate",
+            ModelConfig::Classifier(_) => "classify",
+            ModelConfig::Vit(_) => "predict",
+        }
+    }
+
     /// Whether the model reads text (and so has tokenizers in its artifact).
     pub fn reads_text(&self) -> bool {
         !matches!(self, ModelConfig::Vit(_))

@@ -10,8 +10,6 @@ use crate::data::{
 };
 use crate::models::{TextClassifier, VisionTransformer};
 use anyhow::{Context, Result};
-use burn::data::dataloader::DataLoaderBuilder;
-use burn::data::dataset::transform::{SamplerDataset, SamplerDatasetOptions};
 use burn::data::dataset::Dataset;
 use burn::prelude::*;
 use burn::tensor::backend::AutodiffBackend;
@@ -35,50 +33,6 @@ supervised_steps!(TextClassifier, SentenceBatch, |model, batch| {
         targets,
     }
 });
-
-/// Builds the training loader (a seeded, with-replacement draw of `steps_per_epoch` batches
-/// per epoch, reseeded past the epochs a resumed run skips) and the validation loader (a fixed
-/// seeded sample of `eval_batches` batches).
-macro_rules! loaders {
-    ($config:expr, $session:expr, $device:expr, $batcher:expr, $train:expr, $valid:expr) => {
-        loaders!(
-            $config,
-            $session,
-            $device,
-            $batcher.clone(),
-            $train,
-            $batcher,
-            $valid
-        )
-    };
-    ($config:expr, $session:expr, $device:expr,
-     $train_batcher:expr, $train:expr, $valid_batcher:expr, $valid:expr) => {{
-        let train = &$config.train;
-        let valid_size = (train.eval_batches * train.batch_size).min($valid.len());
-        let loader_train = DataLoaderBuilder::new($train_batcher)
-            .batch_size(train.batch_size)
-            .num_workers(train.num_workers)
-            .set_device($device.clone())
-            .build(SamplerDataset::new(
-                $train,
-                SamplerDatasetOptions::default()
-                    .with_replacement()
-                    .with_fixed_size(train.steps_per_epoch * train.batch_size)
-                    .with_seed($config.seed + $session.start as u64),
-            ));
-        let loader_valid = DataLoaderBuilder::new($valid_batcher)
-            .batch_size(train.batch_size)
-            .num_workers(train.num_workers)
-            .set_device($device.clone())
-            .build(SamplerDataset::new(
-                $valid,
-                SamplerDatasetOptions::default()
-                    .with_fixed_size(valid_size)
-                    .with_seed($config.seed ^ 0x5eed),
-            ));
-        (loader_train, loader_valid)
-    }};
-}
 
 /// Trains the Vision Transformer of `config`.
 pub(super) fn train_vit<B: AutodiffBackend>(

@@ -30,6 +30,51 @@ macro_rules! supervised_steps {
     };
 }
 
+/// Builds the training loader (a seeded, with-replacement draw of `steps_per_epoch` batches
+/// per epoch, reseeded past the epochs a resumed run skips) and the validation loader (a fixed
+/// seeded sample of `eval_batches` batches).
+macro_rules! loaders {
+    ($config:expr, $session:expr, $device:expr, $batcher:expr, $train:expr, $valid:expr) => {
+        loaders!(
+            $config,
+            $session,
+            $device,
+            $batcher.clone(),
+            $train,
+            $batcher,
+            $valid
+        )
+    };
+    ($config:expr, $session:expr, $device:expr,
+     $train_batcher:expr, $train:expr, $valid_batcher:expr, $valid:expr) => {{
+        let train = &$config.train;
+        let valid_size =
+            (train.eval_batches * train.batch_size).min(burn::data::dataset::Dataset::len(&$valid));
+        let loader_train = burn::data::dataloader::DataLoaderBuilder::new($train_batcher)
+            .batch_size(train.batch_size)
+            .num_workers(train.num_workers)
+            .set_device($device.clone())
+            .build(burn::data::dataset::transform::SamplerDataset::new(
+                $train,
+                burn::data::dataset::transform::SamplerDatasetOptions::default()
+                    .with_replacement()
+                    .with_fixed_size(train.steps_per_epoch * train.batch_size)
+                    .with_seed($config.seed + $session.start as u64),
+            ));
+        let loader_valid = burn::data::dataloader::DataLoaderBuilder::new($valid_batcher)
+            .batch_size(train.batch_size)
+            .num_workers(train.num_workers)
+            .set_device($device.clone())
+            .build(burn::data::dataset::transform::SamplerDataset::new(
+                $valid,
+                burn::data::dataset::transform::SamplerDatasetOptions::default()
+                    .with_fixed_size(valid_size)
+                    .with_seed($config.seed ^ 0x5eed),
+            ));
+        (loader_train, loader_valid)
+    }};
+}
+
 mod classify;
 mod lm;
 mod optim;
@@ -187,28 +232,17 @@ pub fn train<B: AutodiffBackend>(request: TrainRequest, device: B::Device) -> Re
         start: start.unwrap_or(0),
         plain: request.plain,
     };
-    let (report, use_with) = match &config.model {
-        ModelConfig::Lm(_) => (
-            lm::train::<B>(config, tokenizers, &session, &request.data_dir, device),
-            "generate",
-        ),
-        ModelConfig::Seq2seq(_) => (
-            seq2seq::train::<B>(config, tokenizers, &session, &request.data_dir, device),
-            "translate",
-        ),
-        ModelConfig::Classifier(_) => (
-            classify::train_text::<B>(config, tokenizers, &session, &request.data_dir, device),
-            "classify",
-        ),
-        ModelConfig::Vit(_) => (
-            classify::train_vit::<B>(config, &session, &request.data_dir, device),
-            "predict",
-        ),
-    };
-    Ok(TrainReport {
-        use_with,
-        ..report?
-    })
+    let data_dir = &request.data_dir;
+    match &config.model {
+        ModelConfig::Lm(_) => lm::train::<B>(config, tokenizers, &session, data_dir, device),
+        ModelConfig::Seq2seq(_) => {
+            seq2seq::train::<B>(config, tokenizers, &session, data_dir, device)
+        }
+        ModelConfig::Classifier(_) => {
+            classify::train_text::<B>(config, tokenizers, &session, data_dir, device)
+        }
+        ModelConfig::Vit(_) => classify::train_vit::<B>(config, &session, data_dir, device),
+    }
 }
 
 /// Where a training writes and where it starts.
@@ -349,7 +383,7 @@ where
         seconds,
         per_second: (steps * throughput.per_step) as f64 / seconds,
         unit: throughput.unit,
-        use_with: "",
+        use_with: config.model.command(),
     })
 }
 

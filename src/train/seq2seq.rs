@@ -6,8 +6,6 @@ use crate::config::ExperimentConfig;
 use crate::data::{EncodedPairs, Seq2SeqBatcher, Special, Tokenizer, TranslationCorpus};
 use crate::models::{Seq2Seq, Seq2SeqBatch};
 use anyhow::{bail, Context, Result};
-use burn::data::dataloader::DataLoaderBuilder;
-use burn::data::dataset::transform::{SamplerDataset, SamplerDatasetOptions};
 use burn::data::dataset::Dataset;
 use burn::prelude::*;
 use burn::tensor::backend::AutodiffBackend;
@@ -121,28 +119,14 @@ pub(super) fn train<B: AutodiffBackend>(
 
     B::seed(&device, config.seed);
     let mean_target = data.train.target_tokens() as f64 / data.train.len() as f64;
-    let valid_size = (train.eval_batches * train.batch_size).min(data.valid.len());
-    let loader_train = DataLoaderBuilder::new(Seq2SeqBatcher)
-        .batch_size(train.batch_size)
-        .num_workers(train.num_workers)
-        .set_device(device.clone())
-        .build(SamplerDataset::new(
-            data.train,
-            SamplerDatasetOptions::default()
-                .with_replacement()
-                .with_fixed_size(train.steps_per_epoch * train.batch_size)
-                .with_seed(config.seed + session.start as u64),
-        ));
-    let loader_valid = DataLoaderBuilder::new(Seq2SeqBatcher)
-        .batch_size(train.batch_size)
-        .num_workers(train.num_workers)
-        .set_device(device.clone())
-        .build(SamplerDataset::new(
-            data.valid,
-            SamplerDatasetOptions::default()
-                .with_fixed_size(valid_size)
-                .with_seed(config.seed ^ 0x5eed),
-        ));
+    let (loader_train, loader_valid) = loaders!(
+        config,
+        session,
+        device,
+        Seq2SeqBatcher,
+        data.train,
+        data.valid
+    );
     let model: Seq2Seq<B> = config
         .seq2seq()?
         .init(&device)
