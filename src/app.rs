@@ -8,7 +8,7 @@ use crate::classify::{
     text_probabilities, top_classes, Confusion,
 };
 use crate::cli::{
-    ClassifyArgs, Command, EmbedArgs, EvalArgs, ExplainArgs, GenerateArgs, PredictArgs, SearchArgs,
+    AttentionArgs, ClassifyArgs, Command, EmbedArgs, EvalArgs, ExplainArgs, GenerateArgs, PredictArgs, SearchArgs,
     TrainArgs, TranslateArgs,
 };
 use crate::config::{ExperimentConfig, ModelConfig};
@@ -37,6 +37,7 @@ impl BackendTask for Command {
             Command::Predict(args) => run_predict::<B>(args, device),
             Command::Classify(args) => run_classify::<B>(args, device),
             Command::Embed(args) => run_embed::<B>(args, device),
+            Command::Attention(args) => run_attention::<B>(args, device),
             Command::Explain(args) => run_explain::<B>(args, device),
         }
     }
@@ -406,7 +407,55 @@ fn run_embed<B: Backend>(args: EmbedArgs, device: B::Device) -> Result<()> {
     Ok(())
 }
 
+fn run_attention<B: Backend>(args: AttentionArgs, device: B::Device) -> Result<()> {
+    use crate::inspect::{html, picture, terminal, Inspectable};
+    let model = Inspectable::<B>::load(&ArtifactDir::new(&args.artifact_dir), &device)?;
+    if args.target.is_some() && !matches!(model, Inspectable::Translator(_)) {
+        bail!("--target is for translators; this is a {} model", model.config().model.kind());
+    }
+    let maps = model.capture(&args.input, args.target.as_deref(), &device)?;
+    let group = maps.group(args.group.as_deref())?;
+    group.head(args.layer, args.head)?;
+    if let Some(output) = &maps.output {
+        println!("model output: {output}");
+    }
+    print!(
+        "{}",
+        terminal::heatmap(group, args.layer, args.head, terminal::colour_wanted())?
+    );
+    let in_out = |name: &str| args.out.as_ref().map(|dir| dir.join(name));
+    if let Some(dir) = &args.out {
+        std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    }
+    if let Some(path) = args.png.clone().or_else(|| in_out("attention.png")) {
+        for written in picture::write_pngs(&maps, &path)? {
+            println!("picture written to {}", written.display());
+        }
+    }
+    if let Some(path) = args.html.clone().or_else(|| in_out("attention.html")) {
+        crate::artifact::write_atomic(&path, html::page(&maps)?.as_bytes())?;
+        println!("interactive page written to {}", path.display());
+    }
+    if let Some(path) = args.json.clone().or_else(|| in_out("attention.json")) {
+        crate::artifact::write_atomic(&path, maps.to_json()?.as_bytes())?;
+        println!("weights written to {}", path.display());
+    }
+    if args.stats {
+        println!();
+        for stats in model.statistics(&maps, args.seed, &device)? {
+            println!("{}", stats.text);
+        }
+    }
+    Ok(())
+}
+
 fn run_explain<B: Backend>(args: ExplainArgs, device: B::Device) -> Result<()> {
+    if let (Some(dir), Some(text)) = (&args.artifact_dir, &args.text) {
+        let model = crate::inspect::Inspectable::<B>::load(&ArtifactDir::new(dir), &device)?;
+        let walkthrough = explain::model_walkthrough(&model, text, args.layer, args.head, &device)?;
+        print!("{}", explain::render_model(&walkthrough));
+        return Ok(());
+    }
     let x = explain::parse_matrix("X", &args.x)?;
     let wq = explain::parse_matrix("W_Q", &args.wq)?;
     let wk = explain::parse_matrix("W_K", &args.wk)?;

@@ -58,7 +58,15 @@ pub enum Command {
     /// or classifier, and the cosine similarity of every pair beside that of the static input
     /// embeddings (always 1: the input embedding ignores context).
     Embed(EmbedArgs),
-    /// Walk through single-head scaled dot-product attention on small matrices, step by step.
+    /// Show the attention weights of every layer and head of a trained model on one input.
+    ///
+    /// Prints one head as a heatmap (--layer, --head; --group picks a translator's encoder,
+    /// decoder or cross-attention) and writes, when asked, a PNG grid of every layer × head (for
+    /// a ViT: the classification token's attention laid over the image), a self-contained
+    /// interactive HTML page and a JSON export ([layer][head][query][key] with the tokens).
+    Attention(AttentionArgs),
+    /// Walk through single-head scaled dot-product attention step by step: on small matrices,
+    /// or (with --artifact-dir and a TEXT) on a real head of a trained model.
     ///
     /// Matrices are written row by row: rows separated by ';', values by ','. Tokens are row
     /// vectors, so Q = X·W_Q. The defaults are the textbook three-token example.
@@ -219,9 +227,66 @@ pub struct EmbedArgs {
     pub dims: usize,
 }
 
+/// `attention` options.
+#[derive(Args, Debug)]
+pub struct AttentionArgs {
+    /// Directory written by `train` (any model kind).
+    #[arg(long, value_name = "DIR")]
+    pub artifact_dir: PathBuf,
+    /// The text to run the model on; for a ViT, an image file (PNG or JPEG).
+    pub input: String,
+    /// Translators: the target sentence to attend over (default: the model's own greedy
+    /// translation).
+    #[arg(long)]
+    pub target: Option<String>,
+    /// Which attention to show: self (LM, classifier, ViT) or encoder, decoder, cross
+    /// (translator). Default: the first.
+    #[arg(long)]
+    pub group: Option<String>,
+    /// Layer of the terminal heatmap (from 0).
+    #[arg(long, default_value_t = 0)]
+    pub layer: usize,
+    /// Head of the terminal heatmap (from 0).
+    #[arg(long, default_value_t = 0)]
+    pub head: usize,
+    /// Write every layer × head as a PNG grid (a translator gets one file per attention,
+    /// FILE's stem + -encoder/-decoder/-cross).
+    #[arg(long, value_name = "FILE")]
+    pub png: Option<PathBuf>,
+    /// Write the interactive page (one self-contained HTML file).
+    #[arg(long, value_name = "FILE")]
+    pub html: Option<PathBuf>,
+    /// Write the weights and tokens as JSON.
+    #[arg(long, value_name = "FILE")]
+    pub json: Option<PathBuf>,
+    /// Write attention.png, attention.html and attention.json into DIR.
+    #[arg(long, value_name = "DIR")]
+    pub out: Option<PathBuf>,
+    /// Print per-head statistics: row entropy, mean attention distance, weight on the
+    /// previous, same and first token, and position-or-content (against a shuffled input).
+    #[arg(long)]
+    pub stats: bool,
+    /// Seed of the shuffle behind --stats.
+    #[arg(long, default_value_t = 1337)]
+    pub seed: u64,
+}
+
 /// `explain` options.
 #[derive(Args, Debug)]
 pub struct ExplainArgs {
+    /// A trained text model (language model, classifier, or a translator's encoder): walk
+    /// through one of its real heads on TEXT instead of the small matrices.
+    #[arg(long, value_name = "DIR", requires = "text")]
+    pub artifact_dir: Option<PathBuf>,
+    /// The text for --artifact-dir.
+    #[arg(requires = "artifact_dir")]
+    pub text: Option<String>,
+    /// Layer of the head (from 0), with --artifact-dir.
+    #[arg(long, default_value_t = 0)]
+    pub layer: usize,
+    /// Head within the layer (from 0), with --artifact-dir.
+    #[arg(long, default_value_t = 0)]
+    pub head: usize,
     /// Input tokens X, one row per token.
     #[arg(long, default_value = crate::explain::DEFAULT_X, allow_hyphen_values = true)]
     pub x: String,

@@ -137,3 +137,191 @@ pub fn render(w: &Walkthrough, x: &Matrix) -> String {
     out += &format_matrix("O", &w.output, "o");
     out
 }
+
+/// One real head of a trained model, on real tokens: every intermediate of its attention.
+#[derive(Clone, Debug)]
+pub struct HeadWalkthrough {
+    /// The labels of the tokens.
+    pub tokens: Vec<String>,
+    /// Layer and head shown.
+    pub layer: usize,
+    /// Head index within the layer.
+    pub head: usize,
+    /// Whether the model's mask is causal (a language model).
+    pub causal: bool,
+    /// What the layer's attention reads: the residual stream after the layers below, through
+    /// the layer's LayerNorm in a pre-norm model, `[n, d]`.
+    pub x: Matrix,
+    /// This head's `Q = X·W_Q + b`, `[n, k]`.
+    pub q: Matrix,
+    /// This head's `K`, `[n, k]`.
+    pub k: Matrix,
+    /// This head's `V`, `[n, k]`.
+    pub v: Matrix,
+    /// `Q·Kᵀ/√k`, masked entries `-inf`, `[n, n]`.
+    pub scores: Matrix,
+    /// `softmax` of the scores, `[n, n]`.
+    pub weights: Matrix,
+    /// `A·V`, this head's part of the output before `W_O`, `[n, k]`.
+    pub output: Matrix,
+    /// The weights of this head in the model's own forward pass, for comparison.
+    pub forward_weights: Matrix,
+}
+
+/// Walks through head `head` of layer `layer` of a trained text model (language model,
+/// classifier, or a translator's encoder) on `text`.
+pub fn model_walkthrough<B: Backend>(
+    model: &crate::inspect::Inspectable<B>,
+    text: &str,
+    layer: usize,
+    head: usize,
+    device: &B::Device,
+) -> Result<HeadWalkthrough> {
+    use crate::inspect::Inspectable;
+    use crate::nn::AttentionMask;
+    if let Inspectable::Vit(_) = model {
+        bail!("explain walks through a text model's attention; for a ViT use `attention` with an image");
+    }
+    let ids = model.encode(text)?;
+    let n = ids.len();
+    let rows = [ids.iter().map(|&i| i as u32).collect::<Vec<u32>>()];
+    let tokens = crate::data::translation::pad_rows::<B>(&rows, device);
+    // One unpadded sentence needs no padding mask; a language model needs the causal one.
+    let (stack, x0, mask) = match model {
+        Inspectable::Lm(t) => (
+            &t.model.decoder,
+            t.model.embed(tokens),
+            Some(AttentionMask::causal(n, device)),
+        ),
+        Inspectable::Classifier(t) => (&t.model.encoder, t.model.embed(tokens), None),
+        Inspectable::Translator(t) => (&t.model.encoder, t.model.embed_source(tokens), None),
+        Inspectable::Vit(_) => unreachable!("rejected above"),
+    };
+    let heads = stack.blocks[0].self_attention.n_heads();
+    if layer >= stack.n_layers() {
+        bail!(
+            "layer {layer} does not exist: this model has layers 0–{} (--layer)",
+            stack.n_layers() - 1
+        );
+    }
+    if head >= heads {
+        bail!("head {head} does not exist: each layer has heads 0–{} (--head)", heads - 1);
+    }
+    let x = stack.self_attention_input(x0.clone(), mask.as_ref(), None, layer); // [1, n, d]
+    let attention = &stack.blocks[layer].self_attention;
+    let (q, k, v) = attention.project(x.clone(), x.clone()); // [1, h, n, k]
+    let one = |t: Tensor<B, 4>| t.narrow(1, head, 1); // [1, 1, n, k]
+    let (q, k, v) = (one(q), one(k), one(v));
+    let d_k = q.dims()[3] as f32;
+    let scores = q.clone().matmul(k.clone().transpose()).div_scalar(d_k.sqrt()); // [1, 1, n, n]
+    let scores = match &mask {
+        Some(mask) => scores.mask_fill(mask.tensor().expand([1, 1, n, n]), f32::NEG_INFINITY),
+        None => scores,
+    };
+    let (output, weights) = scaled_dot_product_attention(q.clone(), k.clone(), v.clone(), mask.as_ref());
+    let forward = stack.forward(x0, mask.as_ref(), None).self_attention[layer].clone();
+    let flat = |t: Tensor<B, 4>| to_matrix(t.squeeze_dims::<2>(&[0, 1]));
+    Ok(HeadWalkthrough {
+        tokens: model.labels(&ids),
+        layer,
+        head,
+        causal: mask.is_some(),
+        x: to_matrix(x.squeeze_dims::<2>(&[0])),
+        q: flat(q),
+        k: flat(k),
+        v: flat(v),
+        scores: flat(scores),
+        weights: flat(weights),
+        output: flat(output),
+        forward_weights: flat(one(forward)),
+    })
+}
+
+/// Columns and rows shown of a model's matrices (the rest are counted, not printed).
+const SHOWN_COLUMNS: usize = 8;
+const SHOWN_TOKENS: usize = 16;
+
+fn format_labelled(title: &str, m: &Matrix, labels: &[String], columns: usize) -> String {
+    let width = labels.iter().map(|l| l.chars().count()).max().unwrap_or(1).min(12);
+    let mut out = format!("{title}\n");
+    for (row, label) in m.iter().zip(labels).take(SHOWN_TOKENS) {
+        let label: String = label.chars().take(12).collect();
+        let cells: Vec<String> = row
+            .iter()
+            .take(columns)
+            .map(|v| {
+                if v.is_infinite() {
+                    format!("{:>8}", "-inf")
+                } else {
+                    format!("{v:>8.3}")
+                }
+            })
+            .collect();
+        let more = if row.len() > columns {
+            format!("  … {} more", row.len() - columns)
+        } else {
+            String::new()
+        };
+        out += &format!("  {label:>width$} [{} ]{more}\n", cells.join(""));
+    }
+    if m.len() > SHOWN_TOKENS {
+        out += &format!("  … {} more rows\n", m.len() - SHOWN_TOKENS);
+    }
+    out
+}
+
+/// The walkthrough of a real head as text.
+pub fn render_model(w: &HeadWalkthrough) -> String {
+    let (n, d, d_k) = (w.tokens.len(), w.x[0].len(), w.q[0].len());
+    let mut out = format!(
+        "Layer {}, head {} on {n} tokens: {}\n",
+        w.layer,
+        w.head,
+        w.tokens.join(" ")
+    );
+    out += &format!("\nStep 1. X: what the layer's attention reads, one row of d_model = {d} per token (the embeddings plus what the layers below added, through this layer's LayerNorm in a pre-norm model)\n");
+    out += &format_labelled("X", &w.x, &w.tokens, SHOWN_COLUMNS);
+    out += &format!("\nStep 2. This head's projections: Q = X·W_Q, K = X·W_K, V = X·W_V, each d_head = {d_k} wide (its {d_k} columns of the layer's d_model-wide W)\n");
+    out += &format_labelled("Q (what each token looks for)", &w.q, &w.tokens, SHOWN_COLUMNS);
+    out += &format_labelled("K (what each token offers to be found by)", &w.k, &w.tokens, SHOWN_COLUMNS);
+    out += &format_labelled("V (what each token passes on)", &w.v, &w.tokens, SHOWN_COLUMNS);
+    out += &format!(
+        "\nStep 3. Scores S = Q·Kᵀ / √d_head (√{d_k} = {:.3}); row = query, column = key{}\n",
+        (d_k as f32).sqrt(),
+        if w.causal {
+            "; the causal mask sets every key after the query to -inf"
+        } else {
+            ""
+        }
+    );
+    out += &format_labelled("S", &w.scores, &w.tokens, SHOWN_TOKENS);
+    out += "\nStep 4. Weights A = softmax(S) row by row: each row sums to 1\n";
+    out += &format_labelled("A", &w.weights, &w.tokens, SHOWN_TOKENS);
+    let worst_sum = w
+        .weights
+        .iter()
+        .map(|r| (r.iter().sum::<f32>() - 1.0).abs())
+        .fold(0.0f32, f32::max);
+    let worst_diff = w
+        .weights
+        .iter()
+        .flatten()
+        .zip(w.forward_weights.iter().flatten())
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0f32, f32::max);
+    out += &format!("  every row sums to 1 within {worst_sum:.1e}; the model's own forward pass used these weights (largest difference {worst_diff:.1e})\n");
+    out += "\nStep 5. Output O = A·V: each token's new vector is the weighted average of the values it attends to\n";
+    out += &format_labelled("O", &w.output, &w.tokens, SHOWN_COLUMNS);
+    out += "\nWhere each token looks (its three largest weights):\n";
+    for (label, row) in w.tokens.iter().zip(&w.weights) {
+        let mut order: Vec<usize> = (0..row.len()).collect();
+        order.sort_by(|&a, &b| row[b].total_cmp(&row[a]));
+        let top: Vec<String> = order
+            .iter()
+            .take(3)
+            .map(|&k| format!("{} {:.2}", w.tokens[k], row[k]))
+            .collect();
+        out += &format!("  {label} → {}\n", top.join(", "));
+    }
+    out
+}

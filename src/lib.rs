@@ -37,6 +37,7 @@ pub mod data;
 pub mod embed;
 pub mod explain;
 pub mod generate;
+pub mod inspect;
 pub mod models;
 pub mod nn;
 pub mod plot;

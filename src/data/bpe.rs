@@ -135,6 +135,15 @@ impl BpeTokenizer {
         self.inner.id_to_token(id as u32)
     }
 
+    /// The text of one token, special tokens included; a piece of a multi-byte character
+    /// (which decodes to U+FFFD alone) shows as its vocabulary entry instead.
+    pub fn token_text(&self, id: usize) -> String {
+        match self.inner.decode(&[id as u32], false) {
+            Ok(text) if !text.contains('\u{FFFD}') && !text.is_empty() => text,
+            _ => self.token(id).unwrap_or_else(|| format!("#{id}")),
+        }
+    }
+
     /// The tokenizer in `tokenizers`' JSON format.
     pub fn to_json(&self) -> Result<String> {
         self.inner

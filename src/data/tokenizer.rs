@@ -180,6 +180,15 @@ impl Tokenizer {
         }
     }
 
+    /// The text one token stands for (a special token's own name, e.g. `<s>`). A byte-level
+    /// piece that is not valid UTF-8 on its own shows as its vocabulary entry.
+    pub fn token_text(&self, id: usize) -> String {
+        match self {
+            Tokenizer::Char(t) => t.decode(&[id]),
+            Tokenizer::Bpe(t) => t.token_text(id),
+        }
+    }
+
     /// The id of a special token, for tokenizers that have them.
     pub fn special(&self, special: Special) -> Option<usize> {
         matches!(self, Tokenizer::Bpe(_)).then(|| special.id())

@@ -143,8 +143,7 @@ impl<B: Backend> TextClassifier<B> {
     pub fn forward(&self, tokens: Tensor<B, 2, Int>) -> ClassifierOutput<B> {
         let padding = padding_mask(&tokens, self.pad_id); // [b, n], true = padding
         let mask = AttentionMask::padding(padding.clone());
-        let x = self.token_embedding.forward(tokens); // [b, n, d]
-        let x = self.dropout.forward(self.position.forward(x));
+        let x = self.embed(tokens); // [b, n, d]
         let out = self.encoder.forward(x, Some(&mask), None);
         let pooled = pool(out.x.clone(), self.pooling, Some(padding)); // [b, d]
         ClassifierOutput {
@@ -152,6 +151,12 @@ impl<B: Backend> TextClassifier<B> {
             states: out.x,
             attention: out.self_attention,
         }
+    }
+
+    /// Token embedding + positions (+ dropout): the encoder's input, `[b, n]` → `[b, n, d]`.
+    pub fn embed(&self, tokens: Tensor<B, 2, Int>) -> Tensor<B, 3> {
+        let x = self.token_embedding.forward(tokens); // [b, n, d]
+        self.dropout.forward(self.position.forward(x))
     }
 
     /// Mean cross-entropy of a batch, with the logits and labels it was computed from.

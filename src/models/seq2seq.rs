@@ -293,6 +293,11 @@ impl<B: Backend> Seq2Seq<B> {
     }
 
     /// `√d · E[token] + PE`, then dropout: `[b, n]` → `[b, n, d]`.
+    /// Source embedding (scaled by `√d`) + positions: the encoder's input, `[b, s]` → `[b, s, d]`.
+    pub fn embed_source(&self, source: Tensor<B, 2, Int>) -> Tensor<B, 3> {
+        self.embed(&self.src_embedding, source)
+    }
+
     fn embed(&self, table: &Embedding<B>, tokens: Tensor<B, 2, Int>) -> Tensor<B, 3> {
         let scale = (self.d_model() as f64).sqrt();
         let x = table.forward(tokens).mul_scalar(scale);

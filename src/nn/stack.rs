@@ -95,6 +95,22 @@ impl<B: Backend> TransformerStack<B> {
         }
     }
 
+    /// What layer `layer`'s self-attention reads (after the layers before it, and its own
+    /// LayerNorm in a pre-norm stack): the `X` that `explain` projects into queries, keys and
+    /// values. Arguments as in [`Self::forward`]; `layer` must be below [`Self::n_layers`].
+    pub fn self_attention_input(
+        &self,
+        x: Tensor<B, 3>,
+        mask: Option<&AttentionMask<B>>,
+        memory: Option<(&Tensor<B, 3>, Option<&AttentionMask<B>>)>,
+        layer: usize,
+    ) -> Tensor<B, 3> {
+        let x = self.blocks[..layer]
+            .iter()
+            .fold(x, |x, block| block.forward(x, mask, memory).x);
+        self.blocks[layer].self_attention_input(x)
+    }
+
     /// Number of layers.
     pub fn n_layers(&self) -> usize {
         self.blocks.len()

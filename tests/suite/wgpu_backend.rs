@@ -1,8 +1,7 @@
 //! The wgpu backend (on a CPU through Mesa's lavapipe in CI) computes what ndarray computes,
 //! trains, and runs the real `train` command.
-#![cfg(feature = "wgpu")]
 
-mod common;
+use crate::common;
 
 use burn::backend::{Autodiff, NdArray, Wgpu};
 use burn::module::Module;

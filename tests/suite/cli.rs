@@ -1,7 +1,7 @@
 //! The real binary end to end on a tiny config: train → generate → eval, resume after a kill,
 //! and one clear error line (never a panic) for each bad input.
 
-mod common;
+use crate::common;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};

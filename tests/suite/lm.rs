@@ -1,7 +1,7 @@
 //! The language model learns: a fixed batch overfits; weights survive a save → load round-trip
 //! bit for bit; a file from another config is refused.
 
-mod common;
+use crate::common;
 
 use burn::backend::{Autodiff, NdArray};
 use burn::module::Module;

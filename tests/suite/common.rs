@@ -1,0 +1,211 @@
+//! Helpers shared by the test files: a fixed batch and a short training loop on it.
+
+use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
+use burn::prelude::*;
+use burn::tensor::backend::AutodiffBackend;
+use transformer_lab::config::LmConfig;
+use transformer_lab::models::{LanguageModel, LmBatch};
+use transformer_lab::train::ReferenceOptimizer;
+use burn::backend::NdArray;
+use burn::module::Module;
+use std::path::Path;
+use std::process::{Command, Output};
+use transformer_lab::artifact::{ArtifactDir, ArtifactRecorder};
+use transformer_lab::config::{ExperimentConfig, TokenizerKind};
+use transformer_lab::data::Tokenizer;
+use transformer_lab::train::Tokenizers;
+
+/// The small language model the tests train: vocabulary 13, 2 layers, 4 heads, width 32.
+#[allow(dead_code)]
+pub fn small_lm() -> LmConfig {
+    LmConfig {
+        vocab_size: 13,
+        d_model: 32,
+        n_layers: 2,
+        n_heads: 4,
+        context: 16,
+        ..LmConfig::default()
+    }
+}
+
+/// The validation losses in a plain training log.
+#[allow(dead_code)]
+pub fn valid_losses(log: &str) -> Vec<f64> {
+    log.lines()
+        .filter(|l| l.contains(" valid "))
+        .filter_map(|l| {
+            l.split("loss ")
+                .nth(1)?
+                .split_whitespace()
+                .next()?
+                .parse()
+                .ok()
+        })
+        .collect()
+}
+
+/// Four sequences of 16 tokens over a vocabulary of 13, targets shifted by one.
+pub fn batch<B: Backend>(device: &B::Device) -> LmBatch<B> {
+    let ids: Vec<i64> = (0..4 * 17).map(|i| (i * 7 + i / 5) % 13).collect();
+    let rows = |offset: usize| -> Vec<i64> {
+        (0..4)
+            .flat_map(|r| ids[r * 17 + offset..r * 17 + offset + 16].to_vec())
+            .collect()
+    };
+    LmBatch {
+        inputs: Tensor::from_data(TensorData::new(rows(0), [4, 16]), device),
+        targets: Tensor::from_data(TensorData::new(rows(1), [4, 16]), device),
+    }
+}
+
+/// Trains on [`batch`] for `steps` AdamW steps (lr 3e-3, global clip 1) and returns the first
+/// and the last loss.
+#[allow(dead_code)]
+pub fn overfit<B: AutodiffBackend>(
+    config: &LmConfig,
+    steps: usize,
+    device: &B::Device,
+) -> (f32, f32) {
+    B::seed(device, 7);
+    let mut model: LanguageModel<B> = config.init(device);
+    let mut optim =
+        ReferenceOptimizer::new(AdamWConfig::new().with_weight_decay(0.0).init(), 0.0, 1.0);
+    let mut losses = Vec::new();
+    for _ in 0..steps {
+        let (loss, _, _) = model.loss(batch(device));
+        losses.push(loss.clone().into_scalar().elem::<f32>());
+        let grads = GradientsParams::from_grads(loss.backward(), &model);
+        model = optim.step(3e-3, model, grads);
+    }
+    (losses[0], *losses.last().unwrap())
+}
+
+// ---- Running the binary on artifacts written here ----
+
+/// The binary under test.
+pub const BIN: &str = env!("CARGO_BIN_EXE_transformer-lab");
+
+#[allow(dead_code)]
+pub fn run(dir: &Path, args: &[&str]) -> Output {
+    Command::new(BIN)
+        .args(["--backend", "ndarray"])
+        .args(args)
+        .current_dir(dir)
+        .output()
+        .unwrap()
+}
+
+#[allow(dead_code)]
+pub fn stderr(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stderr).to_string()
+}
+
+/// Fails unless the command failed with one `error:` line and no panic.
+#[allow(dead_code)]
+pub fn assert_clean_error(out: &Output, needle: &str) {
+    let err = stderr(out);
+    assert!(!out.status.success(), "expected failure; stderr: {err}");
+    assert!(!err.contains("panicked"), "panic: {err}");
+    let lines: Vec<&str> = err.lines().filter(|l| l.starts_with("error:")).collect();
+    assert_eq!(lines.len(), 1, "one error line expected: {err}");
+    assert!(lines[0].contains(needle), "{needle:?} not in {err}");
+}
+
+/// An untrained (but complete) artifact of `model` with `config` in `dir/art`.
+#[allow(dead_code)]
+pub fn write_artifact<M: Module<NdArray<f32>>>(
+    dir: &Path,
+    config: &str,
+    model: impl FnOnce(&ExperimentConfig) -> M,
+    tokenizer: Option<Tokenizer>,
+) {
+    write_artifact_at(dir, "art", config, model, tokenizer)
+}
+
+/// An untrained (but complete) artifact of `model` with `config` in `dir/name`.
+#[allow(dead_code)]
+pub fn write_artifact_at<M: Module<NdArray<f32>>>(
+    dir: &Path,
+    name: &str,
+    config: &str,
+    model: impl FnOnce(&ExperimentConfig) -> M,
+    tokenizer: Option<Tokenizer>,
+) {
+    let artifact = ArtifactDir::new(dir.join(name));
+    std::fs::create_dir_all(artifact.root()).unwrap();
+    let mut config = ExperimentConfig::parse(config).unwrap();
+    if let Some(tokenizer) = &tokenizer {
+        let v = tokenizer.vocab_size();
+        config.model.set_vocab_sizes(v, v);
+        Tokenizers::shared(tokenizer.clone())
+            .save(&artifact)
+            .unwrap();
+    }
+    config.validate().unwrap();
+    config.save(&artifact.config()).unwrap();
+    model(&config)
+        .save_file(artifact.model(), &ArtifactRecorder::default())
+        .unwrap();
+}
+
+#[allow(dead_code)]
+pub fn classifier_artifact(dir: &Path) {
+    let texts = [
+        "a good movie",
+        "a bad movie",
+        "the bank of the river",
+        "money at the bank",
+    ];
+    let tokenizer = Tokenizer::fit(TokenizerKind::Bpe, texts.iter().cycle().take(40), 300).unwrap();
+    write_artifact(
+        dir,
+        r#"{"name": "clf", "model": {"kind": "classifier", "d_model": 16, "n_layers": 1,
+            "n_heads": 2, "d_ff": 32, "max_len": 16},
+            "data": {"dataset": "uci-sentiment", "tokenizer": "bpe", "bpe_vocab_size": 300,
+                     "max_tokens": 16}}"#,
+        |c| c.classifier().unwrap().init::<NdArray<f32>>(&Default::default()),
+        Some(tokenizer),
+    );
+}
+
+#[allow(dead_code)]
+pub fn vit_artifact(dir: &Path) {
+    write_artifact(
+        dir,
+        r#"{"name": "vit", "model": {"kind": "vit", "patch_size": 7, "d_model": 16,
+            "n_layers": 1, "n_heads": 2, "d_ff": 32}, "data": {"dataset": "mnist"}}"#,
+        |c| c.vit().unwrap().init::<NdArray<f32>>(&Default::default()),
+        None,
+    );
+}
+
+/// An untrained char-level language model artifact (2 layers, 4 heads, context 64) in
+/// `dir/lm`, its vocabulary fitted on `text`.
+#[allow(dead_code)]
+pub fn lm_artifact(dir: &Path, text: &str) {
+    let tokenizer = Tokenizer::fit(TokenizerKind::Char, std::iter::once(text), 0).unwrap();
+    write_artifact_at(
+        dir,
+        "lm",
+        r#"{"name": "lm", "model": {"kind": "lm", "d_model": 32, "n_layers": 2, "n_heads": 4,
+            "context": 64}, "data": {"dataset": "tinyshakespeare", "tokenizer": "char"}}"#,
+        |c| c.lm().unwrap().init::<NdArray<f32>>(&Default::default()),
+        Some(tokenizer),
+    );
+}
+
+/// An untrained translator artifact (1+1 layers, 2 heads, shared BPE) in `dir/s2s`.
+#[allow(dead_code)]
+pub fn translator_artifact(dir: &Path) {
+    let texts = ["the cat sat on the mat", "le chat est sur le tapis", "a dog", "un chien"];
+    let tokenizer = Tokenizer::fit(TokenizerKind::Bpe, texts.iter().cycle().take(40), 300).unwrap();
+    write_artifact_at(
+        dir,
+        "s2s",
+        r#"{"name": "s2s", "model": {"kind": "seq2seq", "d_model": 16, "n_heads": 2,
+            "encoder_layers": 1, "decoder_layers": 1, "d_ff": 32, "max_len": 24},
+            "data": {"dataset": "copy", "tokenizer": "bpe", "bpe_vocab_size": 300, "max_tokens": 24}}"#,
+        |c| c.seq2seq().unwrap().init::<NdArray<f32>>(&Default::default()),
+        Some(tokenizer),
+    );
+}

@@ -1,0 +1,22 @@
+//! The integration tests, linked into one binary (one link of burn instead of one per file).
+
+mod common;
+mod attention;
+mod bleu;
+mod classifier;
+mod cli;
+mod cli_classify;
+mod config;
+mod data;
+mod generate;
+mod images;
+mod inspect;
+mod lm;
+mod mask;
+mod position;
+mod seq2seq;
+mod tokenizer;
+mod train;
+mod vit;
+#[cfg(feature = "wgpu")]
+mod wgpu_backend;
