@@ -6,7 +6,9 @@
 //! `π`: shuffled position `i` holds original token `π[i]`). A positional head keeps its pattern
 //! *by position* (row `i` of the shuffled map looks like row `i` of the original); a content
 //! head's pattern follows the tokens (shuffled `a'[i][k]` looks like original `a[π[i]][π[k]]`).
-//! Similarity is `1 − total variation`, averaged over rows.
+//! Similarity is `1 − total variation`, averaged over rows. In a causal model a row is judged
+//! only on the keys its query sees in both runs, the same keys for both comparisons, each row
+//! renormalised over them.
 
 use super::AttentionGroup;
 use std::fmt::Write;
@@ -70,8 +72,14 @@ pub enum Geometry {
     },
 }
 
-fn total_variation(a: &[f32], b: impl Iterator<Item = f32>) -> f64 {
-    0.5 * a.iter().zip(b).map(|(&x, y)| (x - y).abs() as f64).sum::<f64>()
+/// Total variation between two rows over the keys `visible`, each renormalised over them.
+fn restricted_tv(visible: &[usize], a: impl Fn(usize) -> f32, b: impl Fn(usize) -> f32) -> f64 {
+    let mass = |f: &dyn Fn(usize) -> f32| visible.iter().map(|&k| f(k) as f64).sum::<f64>().max(1e-12);
+    let (ma, mb) = (mass(&a), mass(&b));
+    0.5 * visible
+        .iter()
+        .map(|&k| (a(k) as f64 / ma - b(k) as f64 / mb).abs())
+        .sum::<f64>()
 }
 
 fn mean(values: impl Iterator<Item = f64>) -> f64 {
@@ -125,13 +133,29 @@ pub fn head_stats(group: &AttentionGroup, geometry: Geometry, shuffled: Option<&
             let (by_position, by_content) = match shuffled {
                 Some(s) if !is_identity(s.query_order) || !is_identity(s.key_order) => {
                     let other = &s.group.weights[layer][head];
-                    let position = 1.0 - mean(rows.iter().zip(other).map(|(a, b)| total_variation(a, b.iter().copied())));
-                    let content = 1.0
-                        - mean(other.iter().enumerate().map(|(i, shuffled_row)| {
-                            let original = &rows[s.query_order[i]];
-                            let moved = s.key_order.iter().map(|&k| original[k]);
-                            total_variation(shuffled_row, moved)
+                    let keys = rows[0].len();
+                    // Both comparisons of shuffled row i use the same keys: in a causal model
+                    // those visible to the query in both runs (k <= i and the token's original
+                    // position <= the query's), each row renormalised over them. Rows with a
+                    // single such key agree whatever the head does and are skipped.
+                    let mut by_position = Vec::new();
+                    let mut by_content = Vec::new();
+                    for (i, shuffled_row) in other.iter().enumerate() {
+                        let qi = s.query_order[i];
+                        let visible: Vec<usize> = (0..keys)
+                            .filter(|&k| !group.causal || (k <= i && s.key_order[k] <= qi))
+                            .collect();
+                        if visible.len() < 2 {
+                            continue;
+                        }
+                        let (same_place, same_token) = (&rows[i], &rows[qi]);
+                        by_position.push(restricted_tv(&visible, |k| shuffled_row[k], |k| same_place[k]));
+                        by_content.push(restricted_tv(&visible, |k| shuffled_row[k], |k| {
+                            same_token[s.key_order[k]]
                         }));
+                    }
+                    let position = 1.0 - mean(by_position.into_iter());
+                    let content = 1.0 - mean(by_content.into_iter());
                     (Some(position), Some(content))
                 }
                 _ => (None, None),

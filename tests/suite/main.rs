@@ -3,6 +3,7 @@
 mod common;
 mod attention;
 mod bleu;
+mod browser;
 mod classifier;
 mod cli;
 mod cli_classify;
