@@ -8,8 +8,8 @@ use crate::classify::{
     text_probabilities, top_classes, Confusion,
 };
 use crate::cli::{
-    AttentionArgs, ClassifyArgs, Command, EmbedArgs, EvalArgs, ExplainArgs, GenerateArgs, PredictArgs, SearchArgs,
-    TrainArgs, TranslateArgs,
+    AttentionArgs, ClassifyArgs, Command, EmbedArgs, EvalArgs, ExplainArgs, GenerateArgs,
+    PredictArgs, SearchArgs, TrainArgs, TranslateArgs,
 };
 use crate::config::{ExperimentConfig, ModelConfig};
 use crate::data::{data_dir, TranslationCorpus};
@@ -411,7 +411,10 @@ fn run_attention<B: Backend>(args: AttentionArgs, device: B::Device) -> Result<(
     use crate::inspect::{html, picture, terminal, Inspectable};
     let model = Inspectable::<B>::load(&ArtifactDir::new(&args.artifact_dir), &device)?;
     if args.target.is_some() && !matches!(model, Inspectable::Translator(_)) {
-        bail!("--target is for translators; this is a {} model", model.config().model.kind());
+        bail!(
+            "--target is for translators; this is a {} model",
+            model.config().model.kind()
+        );
     }
     let maps = model.capture(&args.input, args.target.as_deref(), &device)?;
     let group = maps.group(args.group.as_deref())?;

@@ -205,7 +205,10 @@ pub fn model_walkthrough<B: Backend>(
         );
     }
     if head >= heads {
-        bail!("head {head} does not exist: each layer has heads 0–{} (--head)", heads - 1);
+        bail!(
+            "head {head} does not exist: each layer has heads 0–{} (--head)",
+            heads - 1
+        );
     }
     let x = stack.self_attention_input(x0.clone(), mask.as_ref(), None, layer); // [1, n, d]
     let attention = &stack.blocks[layer].self_attention;
@@ -213,12 +216,16 @@ pub fn model_walkthrough<B: Backend>(
     let one = |t: Tensor<B, 4>| t.narrow(1, head, 1); // [1, 1, n, k]
     let (q, k, v) = (one(q), one(k), one(v));
     let d_k = q.dims()[3] as f32;
-    let scores = q.clone().matmul(k.clone().transpose()).div_scalar(d_k.sqrt()); // [1, 1, n, n]
+    let scores = q
+        .clone()
+        .matmul(k.clone().transpose())
+        .div_scalar(d_k.sqrt()); // [1, 1, n, n]
     let scores = match &mask {
         Some(mask) => scores.mask_fill(mask.tensor().expand([1, 1, n, n]), f32::NEG_INFINITY),
         None => scores,
     };
-    let (output, weights) = scaled_dot_product_attention(q.clone(), k.clone(), v.clone(), mask.as_ref());
+    let (output, weights) =
+        scaled_dot_product_attention(q.clone(), k.clone(), v.clone(), mask.as_ref());
     let forward = stack.forward(x0, mask.as_ref(), None).self_attention[layer].clone();
     let flat = |t: Tensor<B, 4>| to_matrix(t.squeeze_dims::<2>(&[0, 1]));
     Ok(HeadWalkthrough {
@@ -242,7 +249,12 @@ const SHOWN_COLUMNS: usize = 8;
 const SHOWN_TOKENS: usize = 16;
 
 fn format_labelled(title: &str, m: &Matrix, labels: &[String], columns: usize) -> String {
-    let width = labels.iter().map(|l| l.chars().count()).max().unwrap_or(1).min(12);
+    let width = labels
+        .iter()
+        .map(|l| l.chars().count())
+        .max()
+        .unwrap_or(1)
+        .min(12);
     let mut out = format!("{title}\n");
     for (row, label) in m.iter().zip(labels).take(SHOWN_TOKENS) {
         let label: String = label.chars().take(12).collect();
@@ -282,9 +294,24 @@ pub fn render_model(w: &HeadWalkthrough) -> String {
     out += &format!("\nStep 1. X: what the layer's attention reads, one row of d_model = {d} per token (the embeddings plus what the layers below added, through this layer's LayerNorm in a pre-norm model)\n");
     out += &format_labelled("X", &w.x, &w.tokens, SHOWN_COLUMNS);
     out += &format!("\nStep 2. This head's projections: Q = X·W_Q, K = X·W_K, V = X·W_V, each d_head = {d_k} wide (its {d_k} columns of the layer's d_model-wide W)\n");
-    out += &format_labelled("Q (what each token looks for)", &w.q, &w.tokens, SHOWN_COLUMNS);
-    out += &format_labelled("K (what each token offers to be found by)", &w.k, &w.tokens, SHOWN_COLUMNS);
-    out += &format_labelled("V (what each token passes on)", &w.v, &w.tokens, SHOWN_COLUMNS);
+    out += &format_labelled(
+        "Q (what each token looks for)",
+        &w.q,
+        &w.tokens,
+        SHOWN_COLUMNS,
+    );
+    out += &format_labelled(
+        "K (what each token offers to be found by)",
+        &w.k,
+        &w.tokens,
+        SHOWN_COLUMNS,
+    );
+    out += &format_labelled(
+        "V (what each token passes on)",
+        &w.v,
+        &w.tokens,
+        SHOWN_COLUMNS,
+    );
     out += &format!(
         "\nStep 3. Scores S = Q·Kᵀ / √d_head (√{d_k} = {:.3}); row = query, column = key{}\n",
         (d_k as f32).sqrt(),

@@ -24,8 +24,8 @@ use burn::prelude::*;
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
-use stats::{Geometry, Shuffled};
 use serde::Serialize;
+use stats::{Geometry, Shuffled};
 use std::path::Path;
 
 /// The attention weights of one kind of attention (e.g. a decoder's cross-attention) in every
@@ -117,14 +117,18 @@ impl AttentionMaps {
     pub fn group(&self, name: Option<&str>) -> Result<&AttentionGroup> {
         match name {
             None => Ok(&self.groups[0]),
-            Some(name) => self.groups.iter().find(|g| g.name == name).with_context(|| {
-                let names: Vec<&str> = self.groups.iter().map(|g| g.name.as_str()).collect();
-                format!(
-                    "this {} model has no {name:?} attention; it has: {} (--group)",
-                    self.kind,
-                    names.join(", ")
-                )
-            }),
+            Some(name) => self
+                .groups
+                .iter()
+                .find(|g| g.name == name)
+                .with_context(|| {
+                    let names: Vec<&str> = self.groups.iter().map(|g| g.name.as_str()).collect();
+                    format!(
+                        "this {} model has no {name:?} attention; it has: {} (--group)",
+                        self.kind,
+                        names.join(", ")
+                    )
+                }),
         }
     }
 
@@ -176,7 +180,9 @@ pub fn to_nested<B: Backend>(layers: Vec<Tensor<B, 4>>) -> Vec<Vec<Vec<Vec<f32>>
         .collect()
 }
 
-/// A trained model of any kind, as `attention` and `explain` need it.
+/// A trained model of any kind, as `attention` and `explain` need it (one is loaded per
+/// command, so the variants' different sizes cost nothing).
+#[allow(clippy::large_enum_variant)]
 pub enum Inspectable<B: Backend> {
     /// Decoder-only language model.
     Lm(Trained<B>),
@@ -194,7 +200,9 @@ impl<B: Backend> Inspectable<B> {
         let config = ExperimentConfig::load(&artifact.config())?;
         Ok(match config.model {
             ModelConfig::Lm(_) => Self::Lm(Trained::load(artifact, device)?),
-            ModelConfig::Classifier(_) => Self::Classifier(TrainedClassifier::load(artifact, device)?),
+            ModelConfig::Classifier(_) => {
+                Self::Classifier(TrainedClassifier::load(artifact, device)?)
+            }
             ModelConfig::Seq2seq(_) => Self::Translator(TrainedTranslator::load(artifact, device)?),
             ModelConfig::Vit(_) => Self::Vit(TrainedVit::load(artifact, device)?),
         })
@@ -256,7 +264,12 @@ impl<B: Backend> Inspectable<B> {
     /// Runs the model on `input` (a text, or an image path for a ViT) and collects the
     /// attention weights of every layer and head. A translator attends over `target` when it is
     /// given, else over its own greedy translation.
-    pub fn capture(&self, input: &str, target: Option<&str>, device: &B::Device) -> Result<AttentionMaps> {
+    pub fn capture(
+        &self,
+        input: &str,
+        target: Option<&str>,
+        device: &B::Device,
+    ) -> Result<AttentionMaps> {
         let config = self.config();
         let mut maps = AttentionMaps {
             model: config.name.clone(),
@@ -308,7 +321,13 @@ impl<B: Backend> Inspectable<B> {
         Ok(match self {
             Self::Lm(t) => {
                 let out = t.model.forward(tokens);
-                vec![group("self", true, &source_labels, &source_labels, out.attention)]
+                vec![group(
+                    "self",
+                    true,
+                    &source_labels,
+                    &source_labels,
+                    out.attention,
+                )]
             }
             Self::Classifier(t) => {
                 let out = t.model.forward(tokens);
@@ -320,7 +339,13 @@ impl<B: Backend> Inspectable<B> {
                 let names = crate::classify::class_names(&t.config.data.dataset);
                 let (class, p) = crate::classify::top_classes(&probabilities, 1)[0];
                 *output = Some(format!("{} ({:.1}%)", names[class], 100.0 * p));
-                vec![group("self", false, &source_labels, &source_labels, out.attention)]
+                vec![group(
+                    "self",
+                    false,
+                    &source_labels,
+                    &source_labels,
+                    out.attention,
+                )]
             }
             Self::Translator(t) => {
                 // The model's own translation is decoded to text and read back, so that a
@@ -349,8 +374,20 @@ impl<B: Backend> Inspectable<B> {
                 let out = t.model.decode(&memory, target_tensor);
                 vec![
                     group("encoder", false, &source_labels, &source_labels, encoder),
-                    group("decoder", true, &target_labels, &target_labels, out.self_attention),
-                    group("cross", false, &target_labels, &source_labels, out.cross_attention),
+                    group(
+                        "decoder",
+                        true,
+                        &target_labels,
+                        &target_labels,
+                        out.self_attention,
+                    ),
+                    group(
+                        "cross",
+                        false,
+                        &target_labels,
+                        &source_labels,
+                        out.cross_attention,
+                    ),
                 ]
             }
             Self::Vit(_) => bail!("a ViT reads an image file, not text"),
@@ -362,7 +399,12 @@ impl<B: Backend> Inspectable<B> {
     /// Head statistics of every group of `maps`, with the position-or-content comparison made
     /// on the same input shuffled by a permutation drawn from `seed` (a classifier keeps its
     /// `<s>` first, a translator its `</s>` last, a ViT its classification token).
-    pub fn statistics(&self, maps: &AttentionMaps, seed: u64, device: &B::Device) -> Result<Vec<GroupStats>> {
+    pub fn statistics(
+        &self,
+        maps: &AttentionMaps,
+        seed: u64,
+        device: &B::Device,
+    ) -> Result<Vec<GroupStats>> {
         let mut rng = StdRng::seed_from_u64(seed);
         let mut shuffle = |positions: std::ops::Range<usize>, n: usize| {
             let mut moved: Vec<usize> = positions.clone().collect();
@@ -373,12 +415,20 @@ impl<B: Backend> Inspectable<B> {
         };
         let (groups, orders, geometry) = match self {
             Self::Vit(t) => {
-                let image = maps.image.as_ref().context("a ViT's maps carry the image")?;
+                let image = maps
+                    .image
+                    .as_ref()
+                    .context("a ViT's maps carry the image")?;
                 let grid = image.size / image.patch_size;
                 let patches = shuffle(0..grid * grid, grid * grid);
                 let (group, _) = vit_attention(t, image, Some(&patches), device);
-                let tokens: Vec<usize> = std::iter::once(0).chain(patches.iter().map(|p| p + 1)).collect();
-                let geometry = Geometry::Patches { grid, patch: image.patch_size };
+                let tokens: Vec<usize> = std::iter::once(0)
+                    .chain(patches.iter().map(|p| p + 1))
+                    .collect();
+                let geometry = Geometry::Patches {
+                    grid,
+                    patch: image.patch_size,
+                };
                 (vec![group], vec![(tokens.clone(), tokens)], geometry)
             }
             _ => {
@@ -391,7 +441,8 @@ impl<B: Backend> Inspectable<B> {
                 };
                 let shuffled: Vec<usize> = order.iter().map(|&i| ids[i]).collect();
                 let mut output = None;
-                let groups = self.text_attention(&shuffled, maps.output.as_deref(), &mut output, device)?;
+                let groups =
+                    self.text_attention(&shuffled, maps.output.as_deref(), &mut output, device)?;
                 let orders = groups
                     .iter()
                     .map(|g| {
@@ -412,7 +463,11 @@ impl<B: Backend> Inspectable<B> {
             .zip(&groups)
             .zip(&orders)
             .map(|((original, shuffled), (query_order, key_order))| {
-                let comparison = Shuffled { group: shuffled, query_order, key_order };
+                let comparison = Shuffled {
+                    group: shuffled,
+                    query_order,
+                    key_order,
+                };
                 let heads = stats::head_stats(original, geometry, Some(&comparison));
                 GroupStats {
                     name: original.name.clone(),
@@ -456,7 +511,10 @@ pub fn vit_attention<B: Backend>(
     if let Some(order) = permutation {
         let patches = patchify(batch, image.patch_size); // [1, n, p·p]
         let index = Tensor::<B, 1, Int>::from_data(
-            TensorData::new(order.iter().map(|&i| i as i64).collect::<Vec<_>>(), [order.len()]),
+            TensorData::new(
+                order.iter().map(|&i| i as i64).collect::<Vec<_>>(),
+                [order.len()],
+            ),
             device,
         );
         batch = unpatchify(patches.select(1, index), 1, size, size);

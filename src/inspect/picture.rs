@@ -10,10 +10,7 @@ use std::path::{Path, PathBuf};
 
 type Area<'a> = DrawingArea<BitMapBackend<'a>, plotters::coord::Shift>;
 
-fn draw_err<E: std::fmt::Debug>(e: DrawingAreaErrorKind<E>) -> anyhow::Error
-where
-    E: std::error::Error + Send + Sync,
-{
+fn draw_err<E: std::error::Error + Send + Sync>(e: DrawingAreaErrorKind<E>) -> anyhow::Error {
     anyhow!("cannot draw the attention picture: {e:?}")
 }
 
@@ -30,7 +27,10 @@ pub fn write_pngs(maps: &AttentionMaps, path: &Path) -> Result<Vec<PathBuf>> {
         let target = if maps.groups.len() == 1 {
             path.to_path_buf()
         } else {
-            let stem = path.file_stem().and_then(|s| s.to_str()).unwrap_or("attention");
+            let stem = path
+                .file_stem()
+                .and_then(|s| s.to_str())
+                .unwrap_or("attention");
             path.with_file_name(format!("{stem}-{}.png", group.name))
         };
         heatmap_grid_png(maps, group, &target)?;
@@ -102,10 +102,18 @@ fn heatmap_grid_png(maps: &AttentionMaps, group: &AttentionGroup, path: &Path) -
             "{}: {} attention, {} layers × {} heads (rows = queries, columns = keys; each panel shaded to its own largest weight)",
             maps.model, group.name, layers, heads
         );
-        root.draw(&Text::new(title, (10, 10), (FONT, 16).into_font().style(FontStyle::Bold)))
-            .map_err(draw_err)?;
+        root.draw(&Text::new(
+            title,
+            (10, 10),
+            (FONT, 16).into_font().style(FontStyle::Bold),
+        ))
+        .map_err(draw_err)?;
         let subtitle = match &maps.output {
-            Some(output) => format!("input: {}   →   {}", short(&maps.input, 80), short(output, 60)),
+            Some(output) => format!(
+                "input: {}   →   {}",
+                short(&maps.input, 80),
+                short(output, 60)
+            ),
             None => format!("input: {}", short(&maps.input, 120)),
         };
         root.draw(&Text::new(subtitle, (10, 34), (FONT, 13).into_font()))
@@ -116,7 +124,13 @@ fn heatmap_grid_png(maps: &AttentionMaps, group: &AttentionGroup, path: &Path) -
                 let y = header + ph * layer;
                 let area = root.clone().shrink((x, y), (pw, ph));
                 let weights = &group.weights[layer as usize][head as usize];
-                draw_panel(&area, &panel, group, weights, &format!("layer {layer}, head {head}"))?;
+                draw_panel(
+                    &area,
+                    &panel,
+                    group,
+                    weights,
+                    &format!("layer {layer}, head {head}"),
+                )?;
             }
         }
         Ok(())
@@ -128,7 +142,11 @@ fn short(text: &str, max: usize) -> String {
     if chars.len() <= max {
         text.replace('\n', "↵")
     } else {
-        chars[..max - 1].iter().collect::<String>().replace('\n', "↵") + "…"
+        chars[..max - 1]
+            .iter()
+            .collect::<String>()
+            .replace('\n', "↵")
+            + "…"
     }
 }
 
@@ -139,9 +157,17 @@ fn draw_panel(
     weights: &[Vec<f32>],
     title: &str,
 ) -> Result<()> {
-    let peak = weights.iter().flatten().fold(0.0f32, |m, &w| m.max(w)).max(1e-12);
-    area.draw(&Text::new(title.to_string(), (panel.left as i32, 2), (FONT, 13).into_font().style(FontStyle::Bold)))
-        .map_err(draw_err)?;
+    let peak = weights
+        .iter()
+        .flatten()
+        .fold(0.0f32, |m, &w| m.max(w))
+        .max(1e-12);
+    area.draw(&Text::new(
+        title.to_string(),
+        (panel.left as i32, 2),
+        (FONT, 13).into_font().style(FontStyle::Bold),
+    ))
+    .map_err(draw_err)?;
     let c = panel.cell as i32;
     let (left, top) = (panel.left as i32, panel.top as i32);
     for (i, row) in weights.iter().enumerate() {
@@ -154,7 +180,10 @@ fn draw_panel(
     }
     let frame = [
         (left, top),
-        (left + c * group.keys.len() as i32, top + c * group.queries.len() as i32),
+        (
+            left + c * group.keys.len() as i32,
+            top + c * group.queries.len() as i32,
+        ),
     ];
     area.draw(&Rectangle::new(frame, RGBColor(160, 160, 160)))
         .map_err(draw_err)?;
@@ -162,8 +191,12 @@ fn draw_panel(
     for (i, label) in group.queries.iter().enumerate().step_by(panel.stride) {
         let (w, h) = area.estimate_text_size(label, &style).map_err(draw_err)?;
         let y = top + c * i as i32 + (c - h as i32) / 2;
-        area.draw(&Text::new(label.as_str(), (left - 4 - w as i32, y), style.clone()))
-            .map_err(draw_err)?;
+        area.draw(&Text::new(
+            label.as_str(),
+            (left - 4 - w as i32, y),
+            style.clone(),
+        ))
+        .map_err(draw_err)?;
     }
     let rotated = style.transform(FontTransform::Rotate270);
     for (j, label) in group.keys.iter().enumerate().step_by(panel.stride) {
@@ -186,7 +219,12 @@ fn heat(v: f64) -> (f64, f64, f64) {
 
 /// The classification token's attention over the patches, per layer (rows) and head (columns,
 /// then the mean over heads), laid over the input image.
-fn overlay_png(maps: &AttentionMaps, group: &AttentionGroup, image: &ImageInput, path: &Path) -> Result<()> {
+fn overlay_png(
+    maps: &AttentionMaps,
+    group: &AttentionGroup,
+    image: &ImageInput,
+    path: &Path,
+) -> Result<()> {
     let scale = 4u32;
     let side = image.size as u32 * scale;
     let grid = image.size / image.patch_size;
@@ -199,8 +237,12 @@ fn overlay_png(maps: &AttentionMaps, group: &AttentionGroup, image: &ImageInput,
             "{}: attention of the classification token over the patches (layers ↓, heads →, then their mean)",
             maps.model
         );
-        root.draw(&Text::new(title, (10, 10), (FONT, 16).into_font().style(FontStyle::Bold)))
-            .map_err(draw_err)?;
+        root.draw(&Text::new(
+            title,
+            (10, 10),
+            (FONT, 16).into_font().style(FontStyle::Bold),
+        ))
+        .map_err(draw_err)?;
         let subtitle = format!(
             "{}   →   {}",
             maps.input,
@@ -229,8 +271,12 @@ fn overlay_png(maps: &AttentionMaps, group: &AttentionGroup, image: &ImageInput,
                 } else {
                     "mean".to_string()
                 };
-                root.draw(&Text::new(label, (x0 as i32, y0 as i32), (FONT, 12).into_font()))
-                    .map_err(draw_err)?;
+                root.draw(&Text::new(
+                    label,
+                    (x0 as i32, y0 as i32),
+                    (FONT, 12).into_font(),
+                ))
+                .map_err(draw_err)?;
                 let peak = patches.iter().fold(0.0f32, |m, &w| m.max(w)).max(1e-12);
                 for py in 0..image.size {
                     for px in 0..image.size {
@@ -239,7 +285,8 @@ fn overlay_png(maps: &AttentionMaps, group: &AttentionGroup, image: &ImageInput,
                         let v = (patches[patch] / peak) as f64;
                         let (r, g, b) = heat(v);
                         let alpha = 0.25 + 0.5 * v;
-                        let mix = |c: f64| (255.0 * ((1.0 - alpha) * grey + alpha * c)).round() as u8;
+                        let mix =
+                            |c: f64| (255.0 * ((1.0 - alpha) * grey + alpha * c)).round() as u8;
                         let colour = RGBColor(mix(r), mix(g), mix(b));
                         let (x, y) = (
                             (x0 + px as u32 * scale) as i32,

@@ -74,7 +74,8 @@ pub enum Geometry {
 
 /// Total variation between two rows over the keys `visible`, each renormalised over them.
 fn restricted_tv(visible: &[usize], a: impl Fn(usize) -> f32, b: impl Fn(usize) -> f32) -> f64 {
-    let mass = |f: &dyn Fn(usize) -> f32| visible.iter().map(|&k| f(k) as f64).sum::<f64>().max(1e-12);
+    let mass =
+        |f: &dyn Fn(usize) -> f32| visible.iter().map(|&k| f(k) as f64).sum::<f64>().max(1e-12);
     let (ma, mb) = (mass(&a), mass(&b));
     0.5 * visible
         .iter()
@@ -92,7 +93,11 @@ fn mean(values: impl Iterator<Item = f64>) -> f64 {
 }
 
 /// The statistics of every head of `group`; the shuffle comparison when `shuffled` is given.
-pub fn head_stats(group: &AttentionGroup, geometry: Geometry, shuffled: Option<&Shuffled<'_>>) -> Vec<HeadStats> {
+pub fn head_stats(
+    group: &AttentionGroup,
+    geometry: Geometry,
+    shuffled: Option<&Shuffled<'_>>,
+) -> Vec<HeadStats> {
     let mut all = Vec::new();
     for (layer, heads) in group.weights.iter().enumerate() {
         for (head, rows) in heads.iter().enumerate() {
@@ -120,14 +125,23 @@ pub fn head_stats(group: &AttentionGroup, geometry: Geometry, shuffled: Option<&
                             .skip(1)
                             .map(|(k, &a)| {
                                 let (yk, xk) = at(k);
-                                a as f64 * patch as f64 * ((yi - yk).powi(2) + (xi - xk).powi(2)).sqrt()
+                                a as f64
+                                    * patch as f64
+                                    * ((yi - yk).powi(2) + (xi - xk).powi(2)).sqrt()
                             })
                             .sum::<f64>()
                             / mass
                     }))
                 }
             });
-            let previous = is_self.then(|| mean(rows.iter().enumerate().skip(1).map(|(i, r)| r[i - 1] as f64)));
+            let previous = is_self.then(|| {
+                mean(
+                    rows.iter()
+                        .enumerate()
+                        .skip(1)
+                        .map(|(i, r)| r[i - 1] as f64),
+                )
+            });
             let same = is_self.then(|| mean(rows.iter().enumerate().map(|(i, r)| r[i] as f64)));
             let first = mean(rows.iter().map(|r| r[0] as f64));
             let (by_position, by_content) = match shuffled {
@@ -149,10 +163,16 @@ pub fn head_stats(group: &AttentionGroup, geometry: Geometry, shuffled: Option<&
                             continue;
                         }
                         let (same_place, same_token) = (&rows[i], &rows[qi]);
-                        by_position.push(restricted_tv(&visible, |k| shuffled_row[k], |k| same_place[k]));
-                        by_content.push(restricted_tv(&visible, |k| shuffled_row[k], |k| {
-                            same_token[s.key_order[k]]
-                        }));
+                        by_position.push(restricted_tv(
+                            &visible,
+                            |k| shuffled_row[k],
+                            |k| same_place[k],
+                        ));
+                        by_content.push(restricted_tv(
+                            &visible,
+                            |k| shuffled_row[k],
+                            |k| same_token[s.key_order[k]],
+                        ));
                     }
                     let position = 1.0 - mean(by_position.into_iter());
                     let content = 1.0 - mean(by_content.into_iter());
@@ -183,7 +203,8 @@ fn is_identity(order: &[usize]) -> bool {
 /// The statistics as a table, with a summary of which heads attend by position and which by
 /// content.
 pub fn render(group: &AttentionGroup, geometry: Geometry, stats: &[HeadStats]) -> String {
-    let dash = |v: Option<f64>, digits: usize| v.map_or("—".to_string(), |v| format!("{v:.digits$}"));
+    let dash =
+        |v: Option<f64>, digits: usize| v.map_or("—".to_string(), |v| format!("{v:.digits$}"));
     let unit = match geometry {
         Geometry::Sequence => "tokens",
         Geometry::Patches { .. } => "pixels",

@@ -23,7 +23,11 @@ fn clip(label: &str) -> Vec<char> {
     if chars.len() <= LABEL_CHARS {
         chars
     } else {
-        chars[..LABEL_CHARS - 1].iter().copied().chain(['…']).collect()
+        chars[..LABEL_CHARS - 1]
+            .iter()
+            .copied()
+            .chain(['…'])
+            .collect()
     }
 }
 
@@ -31,7 +35,11 @@ fn clip(label: &str) -> Vec<char> {
 /// Weights are scaled to the head's largest so that faint structure shows; the legend says so.
 pub fn heatmap(group: &AttentionGroup, layer: usize, head: usize, colour: bool) -> Result<String> {
     let weights = group.head(layer, head)?;
-    let peak = weights.iter().flatten().fold(0.0f32, |m, &w| m.max(w)).max(1e-12);
+    let peak = weights
+        .iter()
+        .flatten()
+        .fold(0.0f32, |m, &w| m.max(w))
+        .max(1e-12);
     let row_labels: Vec<Vec<char>> = group.queries.iter().map(|l| clip(l)).collect();
     let col_labels: Vec<Vec<char>> = group.keys.iter().map(|l| clip(l)).collect();
     let margin = row_labels.iter().map(Vec::len).max().unwrap_or(0) + 1;
@@ -80,7 +88,12 @@ pub fn heatmap(group: &AttentionGroup, layer: usize, head: usize, colour: bool) 
             .take(3)
             .map(|&k| format!("{} {:.2}", group.keys[k], row[k]))
             .collect();
-        writeln!(out, "  {query:>width$} → {}", top.join(", "), width = margin - 1)?;
+        writeln!(
+            out,
+            "  {query:>width$} → {}",
+            top.join(", "),
+            width = margin - 1
+        )?;
     }
     Ok(out)
 }

@@ -41,7 +41,10 @@ pub struct PositionEncodingConfig {
 #[derive(Module, Debug)]
 pub enum PositionEncoding<B: Backend> {
     /// A fixed table, `[max_len, d]`, not trained (sinusoids, 2-D sinusoids, or zeros).
-    Fixed(FixedTable<B>),
+    ///
+    /// The variant's name is written into saved weights: it stays `Sinusoidal`, the name
+    /// artifacts trained before the 2-D and zero tables existed carry, so they still load.
+    Sinusoidal(FixedTable<B>),
     /// A learned table.
     Learned(Embedding<B>),
 }
@@ -58,7 +61,7 @@ impl PositionEncodingConfig {
     /// # Panics
     /// For `sincos2d` without a `grid` that fits in `max_len`, or a `d_model` not divisible by 4.
     pub fn init<B: Backend>(&self, device: &B::Device) -> PositionEncoding<B> {
-        let fixed = |table| PositionEncoding::Fixed(FixedTable { table });
+        let fixed = |table| PositionEncoding::Sinusoidal(FixedTable { table });
         match self.kind {
             PositionKind::Sinusoidal => fixed(sinusoid_table(self.max_len, self.d_model, device)),
             PositionKind::Sincos2d => {
@@ -88,7 +91,7 @@ impl<B: Backend> PositionEncoding<B> {
     /// If `t` exceeds `max_len` (callers check prompt lengths first).
     pub fn encodings(&self, t: usize) -> Tensor<B, 2> {
         match self {
-            PositionEncoding::Fixed(s) => s.table.clone().narrow(0, 0, t),
+            PositionEncoding::Sinusoidal(s) => s.table.clone().narrow(0, 0, t),
             PositionEncoding::Learned(e) => e.weight.val().narrow(0, 0, t),
         }
     }
@@ -105,7 +108,7 @@ impl<B: Backend> PositionEncoding<B> {
     /// Longest sequence this encoding covers.
     pub fn max_len(&self) -> usize {
         match self {
-            PositionEncoding::Fixed(s) => s.table.dims()[0],
+            PositionEncoding::Sinusoidal(s) => s.table.dims()[0],
             PositionEncoding::Learned(e) => e.weight.dims()[0],
         }
     }
@@ -114,7 +117,7 @@ impl<B: Backend> PositionEncoding<B> {
     pub fn learned_table(&self) -> Option<&Param<Tensor<B, 2>>> {
         match self {
             PositionEncoding::Learned(e) => Some(&e.weight),
-            PositionEncoding::Fixed(_) => None,
+            PositionEncoding::Sinusoidal(_) => None,
         }
     }
 }

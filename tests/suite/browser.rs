@@ -28,7 +28,11 @@ struct Browser {
 
 impl Browser {
     fn start(profile: &Path) -> Self {
-        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
         let driver = Command::new(CHROMEDRIVER)
             .arg(format!("--port={port}"))
             .stdout(Stdio::null())
@@ -53,7 +57,10 @@ impl Browser {
             if ready {
                 break;
             }
-            assert!(began.elapsed() < Duration::from_secs(30), "chromedriver did not start");
+            assert!(
+                began.elapsed() < Duration::from_secs(30),
+                "chromedriver did not start"
+            );
             std::thread::sleep(Duration::from_millis(100));
         }
         let mut browser = Self {
@@ -82,7 +89,10 @@ impl Browser {
                 "goog:loggingPrefs": {"browser": "ALL"}
             }}}),
         );
-        browser.session = created["sessionId"].as_str().expect("a session").to_string();
+        browser.session = created["sessionId"]
+            .as_str()
+            .expect("a session")
+            .to_string();
         browser
     }
 
@@ -102,7 +112,10 @@ impl Browser {
             .read_to_string()
             .unwrap();
         let value: Value = serde_json::from_str(&text).unwrap();
-        assert!(value["value"]["error"].is_null(), "WebDriver {path}: {text}");
+        assert!(
+            value["value"]["error"].is_null(),
+            "WebDriver {path}: {text}"
+        );
         value["value"].clone()
     }
 
@@ -149,12 +162,29 @@ const LINES: &str = "return Array.from(document.querySelectorAll('#head-view lin
 
 fn assert_lines_show(lines: &Value, weights: &[Vec<Vec<f32>>]) {
     let lines = lines.as_array().unwrap();
-    let expected = weights.iter().flatten().flatten().filter(|&&w| w >= 0.01).count();
-    assert_eq!(lines.len(), expected, "one line per weight of at least 0.01");
+    let expected = weights
+        .iter()
+        .flatten()
+        .flatten()
+        .filter(|&&w| w >= 0.01)
+        .count();
+    assert_eq!(
+        lines.len(),
+        expected,
+        "one line per weight of at least 0.01"
+    );
     for line in lines {
-        let v: Vec<f64> = line.as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect();
+        let v: Vec<f64> = line
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_f64().unwrap())
+            .collect();
         let w = weights[v[0] as usize][v[1] as usize][v[2] as usize] as f64;
-        assert!((v[3] - w).abs() < 1e-4, "line {v:?} should have opacity {w}");
+        assert!(
+            (v[3] - w).abs() < 1e-4,
+            "line {v:?} should have opacity {w}"
+        );
     }
 }
 
@@ -171,7 +201,11 @@ fn the_attention_page_works_in_a_real_browser() {
     let dir = tempfile::tempdir().unwrap();
     let text = "to be, or not to be: that is the question";
     lm_artifact(dir.path(), text);
-    let model = Inspectable::<NdArray<f32>>::load(&ArtifactDir::new(dir.path().join("lm")), &Default::default()).unwrap();
+    let model = Inspectable::<NdArray<f32>>::load(
+        &ArtifactDir::new(dir.path().join("lm")),
+        &Default::default(),
+    )
+    .unwrap();
     let maps = model.capture(text, None, &Default::default()).unwrap();
     let page = dir.path().join("attention.html");
     std::fs::write(&page, html::page(&maps).unwrap()).unwrap();
@@ -202,7 +236,8 @@ fn the_attention_page_works_in_a_real_browser() {
     browser.script("console.error('sentinel');");
     let seen = browser.console();
     assert!(
-        seen.iter().any(|m| m["message"].as_str().unwrap_or("").contains("sentinel")),
+        seen.iter()
+            .any(|m| m["message"].as_str().unwrap_or("").contains("sentinel")),
         "the browser log is read: {seen:?}"
     );
 }

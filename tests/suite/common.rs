@@ -1,18 +1,18 @@
 //! Helpers shared by the test files: a fixed batch and a short training loop on it.
 
+use burn::backend::NdArray;
+use burn::module::Module;
 use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
 use burn::prelude::*;
 use burn::tensor::backend::AutodiffBackend;
-use transformer_lab::config::LmConfig;
-use transformer_lab::models::{LanguageModel, LmBatch};
-use transformer_lab::train::ReferenceOptimizer;
-use burn::backend::NdArray;
-use burn::module::Module;
 use std::path::Path;
 use std::process::{Command, Output};
 use transformer_lab::artifact::{ArtifactDir, ArtifactRecorder};
+use transformer_lab::config::LmConfig;
 use transformer_lab::config::{ExperimentConfig, TokenizerKind};
 use transformer_lab::data::Tokenizer;
+use transformer_lab::models::{LanguageModel, LmBatch};
+use transformer_lab::train::ReferenceOptimizer;
 use transformer_lab::train::Tokenizers;
 
 /// The small language model the tests train: vocabulary 13, 2 layers, 4 heads, width 32.
@@ -163,7 +163,11 @@ pub fn classifier_artifact(dir: &Path) {
             "n_heads": 2, "d_ff": 32, "max_len": 16},
             "data": {"dataset": "uci-sentiment", "tokenizer": "bpe", "bpe_vocab_size": 300,
                      "max_tokens": 16}}"#,
-        |c| c.classifier().unwrap().init::<NdArray<f32>>(&Default::default()),
+        |c| {
+            c.classifier()
+                .unwrap()
+                .init::<NdArray<f32>>(&Default::default())
+        },
         Some(tokenizer),
     );
 }
@@ -197,7 +201,12 @@ pub fn lm_artifact(dir: &Path, text: &str) {
 /// An untrained translator artifact (1+1 layers, 2 heads, shared BPE) in `dir/s2s`.
 #[allow(dead_code)]
 pub fn translator_artifact(dir: &Path) {
-    let texts = ["the cat sat on the mat", "le chat est sur le tapis", "a dog", "un chien"];
+    let texts = [
+        "the cat sat on the mat",
+        "le chat est sur le tapis",
+        "a dog",
+        "un chien",
+    ];
     let tokenizer = Tokenizer::fit(TokenizerKind::Bpe, texts.iter().cycle().take(40), 300).unwrap();
     write_artifact_at(
         dir,
@@ -205,7 +214,11 @@ pub fn translator_artifact(dir: &Path) {
         r#"{"name": "s2s", "model": {"kind": "seq2seq", "d_model": 16, "n_heads": 2,
             "encoder_layers": 1, "decoder_layers": 1, "d_ff": 32, "max_len": 24},
             "data": {"dataset": "copy", "tokenizer": "bpe", "bpe_vocab_size": 300, "max_tokens": 24}}"#,
-        |c| c.seq2seq().unwrap().init::<NdArray<f32>>(&Default::default()),
+        |c| {
+            c.seq2seq()
+                .unwrap()
+                .init::<NdArray<f32>>(&Default::default())
+        },
         Some(tokenizer),
     );
 }

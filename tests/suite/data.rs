@@ -173,3 +173,22 @@ fn translation_datasets_are_declared_with_their_licences() {
         .licence
         .contains("non-commercial"));
 }
+
+#[cfg(unix)]
+#[test]
+fn atomic_writes_replace_the_whole_file_with_ordinary_permissions() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("out/picture.png");
+    transformer_lab::artifact::write_atomic(&path, b"first").unwrap();
+    transformer_lab::artifact::write_atomic(&path, b"second").unwrap();
+    assert_eq!(std::fs::read(&path).unwrap(), b"second");
+    let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
+    assert_eq!(
+        mode & 0o044,
+        0o044,
+        "others may read what the user asked to write: {mode:o}"
+    );
+    let leftovers = std::fs::read_dir(path.parent().unwrap()).unwrap().count();
+    assert_eq!(leftovers, 1, "no temporary file is left behind");
+}

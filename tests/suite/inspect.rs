@@ -29,7 +29,11 @@ fn assert_rows_sum_to_one(group: &AttentionGroup) {
             for (q, row) in head.iter().enumerate() {
                 assert_eq!(row.len(), group.keys.len());
                 let sum: f32 = row.iter().sum();
-                assert!((sum - 1.0).abs() < 1e-5, "{} L{l}H{h} row {q} sums to {sum}", group.name);
+                assert!(
+                    (sum - 1.0).abs() < 1e-5,
+                    "{} L{l}H{h} row {q} sums to {sum}",
+                    group.name
+                );
             }
         }
     }
@@ -38,7 +42,11 @@ fn assert_rows_sum_to_one(group: &AttentionGroup) {
 fn assert_causal(group: &AttentionGroup) {
     for head in group.weights.iter().flatten() {
         for (q, row) in head.iter().enumerate() {
-            assert!(row[q + 1..].iter().all(|&w| w == 0.0), "{}: weight above the diagonal in row {q}", group.name);
+            assert!(
+                row[q + 1..].iter().all(|&w| w == 0.0),
+                "{}: weight above the diagonal in row {q}",
+                group.name
+            );
         }
     }
 }
@@ -50,8 +58,16 @@ fn exported_weights_are_the_weights_of_the_forward_pass() {
     let model = load(dir.path(), "lm");
     let device = Default::default();
     let maps = model.capture(TEXT, None, &device).unwrap();
-    let Inspectable::Lm(trained) = &model else { unreachable!() };
-    let ids: Vec<i64> = trained.tokenizer.encode(TEXT).unwrap().into_iter().map(|i| i as i64).collect();
+    let Inspectable::Lm(trained) = &model else {
+        unreachable!()
+    };
+    let ids: Vec<i64> = trained
+        .tokenizer
+        .encode(TEXT)
+        .unwrap()
+        .into_iter()
+        .map(|i| i as i64)
+        .collect();
     let n = ids.len();
     let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [1, n]), &device);
     let forward = trained.model.forward(tokens).attention;
@@ -61,7 +77,12 @@ fn exported_weights_are_the_weights_of_the_forward_pass() {
     assert_eq!(group.queries[2], "▁", "a space is shown as ▁");
     for (l, layer) in forward.into_iter().enumerate() {
         let values: Vec<f32> = layer.into_data().to_vec().unwrap(); // [1, h, n, n]
-        let exported: Vec<f32> = group.weights[l].iter().flatten().flatten().copied().collect();
+        let exported: Vec<f32> = group.weights[l]
+            .iter()
+            .flatten()
+            .flatten()
+            .copied()
+            .collect();
         assert_eq!(exported, values, "layer {l}");
     }
     assert_rows_sum_to_one(group);
@@ -87,14 +108,26 @@ fn a_translator_shows_encoder_decoder_and_cross_attention() {
     let dir = tempfile::tempdir().unwrap();
     translator_artifact(dir.path());
     let model = load(dir.path(), "s2s");
-    let maps = model.capture("the cat sat", Some("le chat"), &Default::default()).unwrap();
+    let maps = model
+        .capture("the cat sat", Some("le chat"), &Default::default())
+        .unwrap();
     let names: Vec<&str> = maps.groups.iter().map(|g| g.name.as_str()).collect();
     assert_eq!(names, ["encoder", "decoder", "cross"]);
     let (enc, dec, cross) = (&maps.groups[0], &maps.groups[1], &maps.groups[2]);
-    assert_eq!(enc.keys.last().map(String::as_str), Some("</s>"), "the source ends with </s>");
+    assert_eq!(
+        enc.keys.last().map(String::as_str),
+        Some("</s>"),
+        "the source ends with </s>"
+    );
     assert_eq!(dec.queries[0], "<s>", "the decoder reads <s> first");
-    assert_eq!(cross.queries, dec.queries, "cross-attention queries are the decoder's tokens");
-    assert_eq!(cross.keys, enc.keys, "cross-attention keys are the source tokens");
+    assert_eq!(
+        cross.queries, dec.queries,
+        "cross-attention queries are the decoder's tokens"
+    );
+    assert_eq!(
+        cross.keys, enc.keys,
+        "cross-attention keys are the source tokens"
+    );
     for g in &maps.groups {
         assert_rows_sum_to_one(g);
     }
@@ -120,11 +153,19 @@ fn group_of(weights: Vec<Vec<Vec<f32>>>) -> AttentionGroup {
 fn synthetic(tokens: &[usize]) -> AttentionGroup {
     let n = tokens.len();
     let previous: Vec<Vec<f32>> = (0..n)
-        .map(|q| (0..n).map(|k| if k + 1 == q.max(1) { 1.0 } else { 0.0 }).collect())
+        .map(|q| {
+            (0..n)
+                .map(|k| if k + 1 == q.max(1) { 1.0 } else { 0.0 })
+                .collect()
+        })
         .collect();
     let zero_at = tokens.iter().position(|&t| t == 0).unwrap();
     let content: Vec<Vec<f32>> = (0..n)
-        .map(|_| (0..n).map(|k| if k == zero_at { 1.0 } else { 0.0 }).collect())
+        .map(|_| {
+            (0..n)
+                .map(|k| if k == zero_at { 1.0 } else { 0.0 })
+                .collect()
+        })
         .collect();
     group_of(vec![previous, content])
 }
@@ -142,13 +183,22 @@ fn statistics_tell_a_previous_token_head_from_a_content_head() {
     };
     let stats = head_stats(&a, Geometry::Sequence, Some(&comparison));
     let previous = &stats[0];
-    assert!(previous.entropy.abs() < 1e-9, "one-hot rows have zero entropy");
+    assert!(
+        previous.entropy.abs() < 1e-9,
+        "one-hot rows have zero entropy"
+    );
     assert!((previous.previous.unwrap() - 1.0).abs() < 1e-9);
-    assert!((previous.distance.unwrap() - 5.0 / 6.0).abs() < 1e-9, "row 0 looks at itself");
+    assert!(
+        (previous.distance.unwrap() - 5.0 / 6.0).abs() < 1e-9,
+        "row 0 looks at itself"
+    );
     assert!((previous.by_position.unwrap() - 1.0).abs() < 1e-9);
     assert_eq!(previous.verdict(), Some("position"));
     let content = &stats[1];
-    assert!((content.first - 1.0).abs() < 1e-9, "token 0 is first in the original");
+    assert!(
+        (content.first - 1.0).abs() < 1e-9,
+        "token 0 is first in the original"
+    );
     assert!((content.by_content.unwrap() - 1.0).abs() < 1e-9);
     assert!(content.by_position.unwrap() < 0.5);
     assert_eq!(content.verdict(), Some("content"));
@@ -160,13 +210,18 @@ fn statistics_of_a_real_model_cover_every_head() {
     classifier_artifact(dir.path());
     let model = load(dir.path(), "art");
     let device = Default::default();
-    let maps: AttentionMaps = model.capture("money at the bank of the river", None, &device).unwrap();
+    let maps: AttentionMaps = model
+        .capture("money at the bank of the river", None, &device)
+        .unwrap();
     let all = model.statistics(&maps, 7, &device).unwrap();
     assert_eq!(all.len(), 1);
     let n = maps.groups[0].keys.len() as f64;
     assert_eq!(all[0].heads.len(), 2, "1 layer × 2 heads");
     for s in &all[0].heads {
-        assert!(s.entropy > 0.0 && s.entropy <= n.ln() + 1e-6, "entropy within [0, ln n]: {s:?}");
+        assert!(
+            s.entropy > 0.0 && s.entropy <= n.ln() + 1e-6,
+            "entropy within [0, ln n]: {s:?}"
+        );
         assert!(s.verdict().is_some());
     }
     assert!(all[0].text.contains("by position:"), "{}", all[0].text);
@@ -183,7 +238,10 @@ fn explain_walks_through_the_heads_real_weights() {
     assert_eq!(w.q[0].len(), 8, "d_head = 32 / 4");
     for (q, (row, forward)) in w.weights.iter().zip(&w.forward_weights).enumerate() {
         for (k, (a, b)) in row.iter().zip(forward).enumerate() {
-            assert!((a - b).abs() < 1e-6, "[{q}][{k}]: {a} vs the forward pass's {b}");
+            assert!(
+                (a - b).abs() < 1e-6,
+                "[{q}][{k}]: {a} vs the forward pass's {b}"
+            );
             if k > q {
                 assert_eq!(*a, 0.0);
                 assert_eq!(w.scores[q][k], f32::NEG_INFINITY);
@@ -201,45 +259,133 @@ fn attention_command_writes_every_format_and_names_what_exists() {
     lm_artifact(dir.path(), TEXT);
     let out = run(
         dir.path(),
-        &["attention", "--artifact-dir", "lm", "to be or not", "--layer", "1", "--head", "2", "--out", "view", "--stats"],
+        &[
+            "attention",
+            "--artifact-dir",
+            "lm",
+            "to be or not",
+            "--layer",
+            "1",
+            "--head",
+            "2",
+            "--out",
+            "view",
+            "--stats",
+        ],
     );
     assert!(out.status.success(), "{}", stderr(&out));
     let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(stdout.contains("self attention, layer 1, head 2"), "{stdout}");
+    assert!(
+        stdout.contains("self attention, layer 1, head 2"),
+        "{stdout}"
+    );
     assert!(stdout.contains("by position:"), "{stdout}");
     let png = image::open(dir.path().join("view/attention.png")).unwrap();
     assert!(png.width() > 400 && png.height() > 300);
     let page = std::fs::read_to_string(dir.path().join("view/attention.html")).unwrap();
     for outside in ["src=\"http", "href=\"http", "<script src", "@import"] {
-        assert!(!page.contains(outside), "the page is self-contained: {outside}");
+        assert!(
+            !page.contains(outside),
+            "the page is self-contained: {outside}"
+        );
     }
-    let json: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.path().join("view/attention.json")).unwrap()).unwrap();
+    let json: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(dir.path().join("view/attention.json")).unwrap(),
+    )
+    .unwrap();
     assert_eq!(json["groups"][0]["weights"].as_array().unwrap().len(), 2);
 
-    assert_clean_error(&run(dir.path(), &["attention", "--artifact-dir", "lm", "to be", "--layer", "2"]), "layers 0–1");
-    assert_clean_error(&run(dir.path(), &["attention", "--artifact-dir", "lm", "to be", "--head", "4"]), "heads 0–3");
-    assert_clean_error(&run(dir.path(), &["attention", "--artifact-dir", "lm", "to be", "--group", "cross"]), "it has: self");
-    assert_clean_error(&run(dir.path(), &["attention", "--artifact-dir", "lm", "zebra"]), "outside the model's vocabulary");
-    assert_clean_error(&run(dir.path(), &["explain", "--artifact-dir", "lm", "to be", "--layer", "5"]), "layers 0–1");
+    assert_clean_error(
+        &run(
+            dir.path(),
+            &["attention", "--artifact-dir", "lm", "to be", "--layer", "2"],
+        ),
+        "layers 0–1",
+    );
+    assert_clean_error(
+        &run(
+            dir.path(),
+            &["attention", "--artifact-dir", "lm", "to be", "--head", "4"],
+        ),
+        "heads 0–3",
+    );
+    assert_clean_error(
+        &run(
+            dir.path(),
+            &[
+                "attention",
+                "--artifact-dir",
+                "lm",
+                "to be",
+                "--group",
+                "cross",
+            ],
+        ),
+        "it has: self",
+    );
+    assert_clean_error(
+        &run(dir.path(), &["attention", "--artifact-dir", "lm", "zebra"]),
+        "outside the model's vocabulary",
+    );
+    assert_clean_error(
+        &run(
+            dir.path(),
+            &["explain", "--artifact-dir", "lm", "to be", "--layer", "5"],
+        ),
+        "layers 0–1",
+    );
 }
 
 #[test]
 fn a_vit_attention_picture_lays_the_class_token_over_the_image() {
     let dir = tempfile::tempdir().unwrap();
     vit_artifact(dir.path());
-    let digit = image::GrayImage::from_fn(28, 28, |x, y| image::Luma([if (10..18).contains(&x) && y > 4 && y < 24 { 255 } else { 0 }]));
+    let digit = image::GrayImage::from_fn(28, 28, |x, y| {
+        image::Luma([if (10..18).contains(&x) && y > 4 && y < 24 {
+            255
+        } else {
+            0
+        }])
+    });
     digit.save(dir.path().join("one.png")).unwrap();
     let model = load(dir.path(), "art");
-    let maps = model.capture(&dir.path().join("one.png").display().to_string(), None, &Default::default()).unwrap();
+    let maps = model
+        .capture(
+            &dir.path().join("one.png").display().to_string(),
+            None,
+            &Default::default(),
+        )
+        .unwrap();
     let group = &maps.groups[0];
     assert_eq!(group.queries.len(), 1 + 16, "CLS + 4×4 patches of 7 pixels");
     assert_eq!(group.queries[0], "CLS");
     assert_rows_sum_to_one(group);
-    let out = run(dir.path(), &["attention", "--artifact-dir", "art", "one.png", "--png", "vit.png"]);
+    let out = run(
+        dir.path(),
+        &[
+            "attention",
+            "--artifact-dir",
+            "art",
+            "one.png",
+            "--png",
+            "vit.png",
+        ],
+    );
     assert!(out.status.success(), "{}", stderr(&out));
     let png = image::open(dir.path().join("vit.png")).unwrap();
-    assert!(png.width() >= 3 * 112, "a panel per head and the mean, 4 px per pixel");
-    assert_clean_error(&run(dir.path(), &["explain", "--artifact-dir", "art", "a text"]), "for a ViT use `attention`");
-    assert_clean_error(&run(dir.path(), &["attention", "--artifact-dir", "art", "missing.png"]), "missing.png");
+    assert!(
+        png.width() >= 3 * 112,
+        "a panel per head and the mean, 4 px per pixel"
+    );
+    assert_clean_error(
+        &run(dir.path(), &["explain", "--artifact-dir", "art", "a text"]),
+        "for a ViT use `attention`",
+    );
+    assert_clean_error(
+        &run(
+            dir.path(),
+            &["attention", "--artifact-dir", "art", "missing.png"],
+        ),
+        "missing.png",
+    );
 }

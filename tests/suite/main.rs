@@ -1,12 +1,12 @@
 //! The integration tests, linked into one binary (one link of burn instead of one per file).
 
-mod common;
 mod attention;
 mod bleu;
 mod browser;
 mod classifier;
 mod cli;
 mod cli_classify;
+mod common;
 mod config;
 mod data;
 mod generate;
