@@ -47,3 +47,22 @@ fn learned_encoding_is_a_trainable_table() {
     assert_eq!(pe.num_params(), 60);
     assert_eq!(pe.max_len(), 10);
 }
+
+/// Saved weights name the fixed table's variant `Sinusoidal`, as artifacts trained by earlier
+/// versions do; renaming it would make those artifacts unloadable.
+#[test]
+fn saved_fixed_tables_keep_the_name_old_artifacts_carry() {
+    use transformer_lab::artifact::ArtifactRecorder;
+    let dir = tempfile::tempdir().unwrap();
+    for kind in [PositionKind::Sinusoidal, PositionKind::Sincos2d] {
+        let module = PositionEncodingConfig::new(kind, 17, 8)
+            .with_grid(Some([4, 4]))
+            .init::<B>(&Default::default());
+        let path = dir.path().join("positions");
+        module
+            .save_file(&path, &ArtifactRecorder::default())
+            .unwrap();
+        let bytes = std::fs::read(path.with_extension("mpk")).unwrap();
+        assert!(bytes.windows(10).any(|w| w == b"Sinusoidal"), "{kind:?}");
+    }
+}
