@@ -152,18 +152,9 @@ pub struct HeadWalkthrough {
     /// What the layer's attention reads: the residual stream after the layers below, through
     /// the layer's LayerNorm in a pre-norm model, `[n, d]`.
     pub x: Matrix,
-    /// This head's `Q = X·W_Q + b`, `[n, k]`.
-    pub q: Matrix,
-    /// This head's `K`, `[n, k]`.
-    pub k: Matrix,
-    /// This head's `V`, `[n, k]`.
-    pub v: Matrix,
-    /// `Q·Kᵀ/√k`, masked entries `-inf`, `[n, n]`.
-    pub scores: Matrix,
-    /// `softmax` of the scores, `[n, n]`.
-    pub weights: Matrix,
-    /// `A·V`, this head's part of the output before `W_O`, `[n, k]`.
-    pub output: Matrix,
+    /// This head's `Q = X·W_Q + b`, `K`, `V` (`[n, k]` each), the scores `Q·Kᵀ/√k` with masked
+    /// entries `-inf`, the weights and `A·V` (this head's part of the output before `W_O`).
+    pub steps: Walkthrough,
     /// The weights of this head in the model's own forward pass, for comparison.
     pub forward_weights: Matrix,
 }
@@ -234,12 +225,14 @@ pub fn model_walkthrough<B: Backend>(
         head,
         causal: mask.is_some(),
         x: to_matrix(x.squeeze_dims::<2>(&[0])),
-        q: flat(q),
-        k: flat(k),
-        v: flat(v),
-        scores: flat(scores),
-        weights: flat(weights),
-        output: flat(output),
+        steps: Walkthrough {
+            q: flat(q),
+            k: flat(k),
+            v: flat(v),
+            scores: flat(scores),
+            weights: flat(weights),
+            output: flat(output),
+        },
         forward_weights: flat(one(forward)),
     })
 }
@@ -284,7 +277,7 @@ fn format_labelled(title: &str, m: &Matrix, labels: &[String], columns: usize) -
 
 /// The walkthrough of a real head as text.
 pub fn render_model(w: &HeadWalkthrough) -> String {
-    let (n, d, d_k) = (w.tokens.len(), w.x[0].len(), w.q[0].len());
+    let (n, d, d_k) = (w.tokens.len(), w.x[0].len(), w.steps.q[0].len());
     let mut out = format!(
         "Layer {}, head {} on {n} tokens: {}\n",
         w.layer,
@@ -296,19 +289,19 @@ pub fn render_model(w: &HeadWalkthrough) -> String {
     out += &format!("\nStep 2. This head's projections: Q = X·W_Q, K = X·W_K, V = X·W_V, each d_head = {d_k} wide (its {d_k} columns of the layer's d_model-wide W)\n");
     out += &format_labelled(
         "Q (what each token looks for)",
-        &w.q,
+        &w.steps.q,
         &w.tokens,
         SHOWN_COLUMNS,
     );
     out += &format_labelled(
         "K (what each token offers to be found by)",
-        &w.k,
+        &w.steps.k,
         &w.tokens,
         SHOWN_COLUMNS,
     );
     out += &format_labelled(
         "V (what each token passes on)",
-        &w.v,
+        &w.steps.v,
         &w.tokens,
         SHOWN_COLUMNS,
     );
@@ -321,15 +314,17 @@ pub fn render_model(w: &HeadWalkthrough) -> String {
             ""
         }
     );
-    out += &format_labelled("S", &w.scores, &w.tokens, SHOWN_TOKENS);
+    out += &format_labelled("S", &w.steps.scores, &w.tokens, SHOWN_TOKENS);
     out += "\nStep 4. Weights A = softmax(S) row by row: each row sums to 1\n";
-    out += &format_labelled("A", &w.weights, &w.tokens, SHOWN_TOKENS);
+    out += &format_labelled("A", &w.steps.weights, &w.tokens, SHOWN_TOKENS);
     let worst_sum = w
+        .steps
         .weights
         .iter()
         .map(|r| (r.iter().sum::<f32>() - 1.0).abs())
         .fold(0.0f32, f32::max);
     let worst_diff = w
+        .steps
         .weights
         .iter()
         .flatten()
@@ -338,9 +333,9 @@ pub fn render_model(w: &HeadWalkthrough) -> String {
         .fold(0.0f32, f32::max);
     out += &format!("  every row sums to 1 within {worst_sum:.1e}; the model's own forward pass used these weights (largest difference {worst_diff:.1e})\n");
     out += "\nStep 5. Output O = A·V: each token's new vector is the weighted average of the values it attends to\n";
-    out += &format_labelled("O", &w.output, &w.tokens, SHOWN_COLUMNS);
+    out += &format_labelled("O", &w.steps.output, &w.tokens, SHOWN_COLUMNS);
     out += "\nWhere each token looks (its three largest weights):\n";
-    for (label, row) in w.tokens.iter().zip(&w.weights) {
+    for (label, row) in w.tokens.iter().zip(&w.steps.weights) {
         let mut order: Vec<usize> = (0..row.len()).collect();
         order.sort_by(|&a, &b| row[b].total_cmp(&row[a]));
         let top: Vec<String> = order

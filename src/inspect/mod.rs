@@ -331,14 +331,7 @@ impl<B: Backend> Inspectable<B> {
             }
             Self::Classifier(t) => {
                 let out = t.model.forward(tokens);
-                let probabilities: Vec<f32> = burn::tensor::activation::softmax(out.logits, 1)
-                    .into_data()
-                    .convert::<f32>()
-                    .to_vec()
-                    .expect("f32 probabilities");
-                let names = crate::classify::class_names(&t.config.data.dataset);
-                let (class, p) = crate::classify::top_classes(&probabilities, 1)[0];
-                *output = Some(format!("{} ({:.1}%)", names[class], 100.0 * p));
+                *output = Some(predicted_class(out.logits, &t.config.data.dataset));
                 vec![group(
                     "self",
                     false,
@@ -490,6 +483,21 @@ pub struct GroupStats {
     pub text: String,
 }
 
+/// `"label (p%)"` of the most likely class of one row of logits `[1, classes]`.
+fn predicted_class<B: Backend>(logits: Tensor<B, 2>, dataset: &str) -> String {
+    let probabilities: Vec<f32> = burn::tensor::activation::softmax(logits, 1)
+        .into_data()
+        .convert::<f32>()
+        .to_vec()
+        .expect("f32 probabilities");
+    let (class, p) = crate::classify::top_classes(&probabilities, 1)[0];
+    format!(
+        "{} ({:.1}%)",
+        crate::classify::class_names(dataset)[class],
+        100.0 * p
+    )
+}
+
 /// The labels of a ViT's tokens: `CLS`, then each patch as `row,col`.
 pub fn patch_labels(grid: usize) -> Vec<String> {
     std::iter::once("CLS".to_string())
@@ -520,13 +528,7 @@ pub fn vit_attention<B: Backend>(
         batch = unpatchify(patches.select(1, index), 1, size, size);
     }
     let out = trained.model.forward(batch);
-    let probabilities: Vec<f32> = burn::tensor::activation::softmax(out.logits, 1)
-        .into_data()
-        .convert::<f32>()
-        .to_vec()
-        .expect("f32 probabilities");
-    let names = crate::classify::class_names(&trained.config.data.dataset);
-    let (class, p) = crate::classify::top_classes(&probabilities, 1)[0];
+    let class = predicted_class(out.logits, &trained.config.data.dataset);
     let labels = patch_labels(size / image.patch_size);
     let group = AttentionGroup {
         name: "self".to_string(),
@@ -535,5 +537,5 @@ pub fn vit_attention<B: Backend>(
         keys: labels,
         weights: to_nested(out.attention),
     };
-    (group, format!("{} ({:.1}%)", names[class], 100.0 * p))
+    (group, class)
 }

@@ -235,8 +235,8 @@ fn explain_walks_through_the_heads_real_weights() {
     let w = model_walkthrough(&model, "not to be", 1, 3, &Default::default()).unwrap();
     assert!(w.causal);
     assert_eq!(w.tokens.len(), 9);
-    assert_eq!(w.q[0].len(), 8, "d_head = 32 / 4");
-    for (q, (row, forward)) in w.weights.iter().zip(&w.forward_weights).enumerate() {
+    assert_eq!(w.steps.q[0].len(), 8, "d_head = 32 / 4");
+    for (q, (row, forward)) in w.steps.weights.iter().zip(&w.forward_weights).enumerate() {
         for (k, (a, b)) in row.iter().zip(forward).enumerate() {
             assert!(
                 (a - b).abs() < 1e-6,
@@ -244,13 +244,18 @@ fn explain_walks_through_the_heads_real_weights() {
             );
             if k > q {
                 assert_eq!(*a, 0.0);
-                assert_eq!(w.scores[q][k], f32::NEG_INFINITY);
+                assert_eq!(w.steps.scores[q][k], f32::NEG_INFINITY);
             }
         }
     }
     // The scores are Q·Kᵀ/√d_k of the matrices shown.
-    let s01: f32 = w.q[1].iter().zip(&w.k[0]).map(|(a, b)| a * b).sum::<f32>() / 8f32.sqrt();
-    assert!((w.scores[1][0] - s01).abs() < 1e-5);
+    let s01: f32 = w.steps.q[1]
+        .iter()
+        .zip(&w.steps.k[0])
+        .map(|(a, b)| a * b)
+        .sum::<f32>()
+        / 8f32.sqrt();
+    assert!((w.steps.scores[1][0] - s01).abs() < 1e-5);
 }
 
 #[test]
