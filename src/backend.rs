@@ -8,6 +8,10 @@ use anyhow::{bail, Result};
 #[cfg(feature = "ndarray")]
 pub type Cpu = burn::backend::NdArray<f32>;
 
+/// burn's newer pure-Rust CPU backend.
+#[cfg(feature = "flex")]
+pub type Flex = burn::backend::Flex;
+
 /// The GPU backend.
 #[cfg(feature = "wgpu")]
 pub type Gpu = burn::backend::Wgpu<f32, i32>;
@@ -62,6 +66,8 @@ pub fn dispatch(kind: Option<BackendKind>, task: impl BackendTask) -> Result<()>
     match kind.unwrap_or_else(default_backend) {
         #[cfg(feature = "ndarray")]
         BackendKind::Ndarray => task.run::<Cpu>(Default::default()),
+        #[cfg(feature = "flex")]
+        BackendKind::Flex => task.run::<Flex>(Default::default()),
         #[cfg(feature = "wgpu")]
         BackendKind::Wgpu => task.run::<Gpu>(Default::default()),
         #[allow(unreachable_patterns)]

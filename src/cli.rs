@@ -23,6 +23,8 @@ pub struct Cli {
 pub enum BackendKind {
     /// CPU, pure Rust (cargo feature `ndarray`, the default).
     Ndarray,
+    /// CPU, pure Rust: burn's newer flex backend (cargo feature `flex`).
+    Flex,
     /// GPU through wgpu: Vulkan, Metal or DX12 (cargo feature `wgpu`).
     Wgpu,
 }

@@ -9,6 +9,8 @@ mod cli_classify;
 mod common;
 mod config;
 mod data;
+#[cfg(feature = "flex")]
+mod flex_backend;
 mod generate;
 mod images;
 mod inspect;
