@@ -8,8 +8,8 @@ use crate::classify::{
     text_probabilities, top_classes, Confusion,
 };
 use crate::cli::{
-    AttentionArgs, ClassifyArgs, Command, EmbedArgs, EvalArgs, ExplainArgs, GenerateArgs,
-    PredictArgs, SearchArgs, TrainArgs, TranslateArgs,
+    AttentionArgs, BenchArgs, BenchCommand, ClassifyArgs, Command, EmbedArgs, EvalArgs,
+    ExplainArgs, GenerateArgs, PredictArgs, SearchArgs, TrainArgs, TranslateArgs,
 };
 use crate::config::{ExperimentConfig, ModelConfig};
 use crate::data::{data_dir, TranslationCorpus};
@@ -37,6 +37,7 @@ impl BackendTask for Command {
             Command::Predict(args) => run_predict::<B>(args, device),
             Command::Classify(args) => run_classify::<B>(args, device),
             Command::Embed(args) => run_embed::<B>(args, device),
+            Command::Bench(args) => run_bench::<B>(args, device),
             Command::Attention(args) => run_attention::<B>(args, device),
             Command::Explain(args) => run_explain::<B>(args, device),
         }
@@ -404,6 +405,36 @@ fn run_embed<B: Backend>(args: EmbedArgs, device: B::Device) -> Result<()> {
             );
         }
     }
+    Ok(())
+}
+
+fn run_bench<B: Backend>(args: BenchArgs, device: B::Device) -> Result<()> {
+    let BenchCommand::Train(args) = args.what;
+    if args.steps == 0 || args.runs == 0 {
+        bail!("--steps and --runs must be at least 1");
+    }
+    let config = match &args.experiment {
+        Some(path) => ExperimentConfig::load(path)?,
+        None => ExperimentConfig::parse(crate::cli::DEFAULT_EXPERIMENT)?,
+    };
+    if config.lm().is_err() {
+        bail!(
+            "bench train measures language-model experiments; {} is a {} experiment",
+            config.name,
+            config.model.kind()
+        );
+    }
+    let plan = crate::bench::BenchPlan {
+        steps: args.steps,
+        warmup: args.warmup,
+        runs: args.runs,
+    };
+    let data_dir = data_dir(args.data.data_dir.as_deref());
+    let report = crate::bench::bench_lm::<Autodiff<B>>(&config, &data_dir, plan, &device)?;
+    print!(
+        "{}",
+        report.render(&format!("{} on {}", config.name, B::name(&device)))
+    );
     Ok(())
 }
 

@@ -23,14 +23,23 @@ pub trait BackendTask {
 }
 
 /// The backend used when `--backend` is absent: wgpu when it is compiled in and a hardware GPU
-/// is present; otherwise the CPU backend, which is several times faster on a CPU than wgpu
-/// running through a software Vulkan driver such as lavapipe.
+/// is present; otherwise the fastest CPU backend compiled in (flex, then ndarray), which on a
+/// CPU is several times faster than wgpu running through a software Vulkan driver (lavapipe).
 pub fn default_backend() -> BackendKind {
     #[cfg(feature = "wgpu")]
-    if !cfg!(feature = "ndarray") || hardware_gpu_present() {
+    if !(cfg!(feature = "ndarray") || cfg!(feature = "flex")) || hardware_gpu_present() {
         return BackendKind::Wgpu;
     }
-    BackendKind::Ndarray
+    cpu_default()
+}
+
+/// The CPU backend used by default: flex when compiled in (measured faster), else ndarray.
+pub fn cpu_default() -> BackendKind {
+    if cfg!(feature = "flex") {
+        BackendKind::Flex
+    } else {
+        BackendKind::Ndarray
+    }
 }
 
 /// Whether wgpu sees a real (discrete, integrated or virtual) GPU, not just a CPU adapter.

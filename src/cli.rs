@@ -10,7 +10,7 @@ pub const DEFAULT_EXPERIMENT: &str = include_str!("../experiments/shakespeare-ch
 #[derive(Parser, Debug)]
 #[command(name = "transformer-lab", version, about, long_about = None)]
 pub struct Cli {
-    /// Compute backend (the ones compiled in; default: wgpu when built with it and a GPU is present, else ndarray).
+    /// Compute backend (the ones compiled in; default: wgpu when built with it and a GPU is present, else flex, else ndarray).
     #[arg(long, global = true, value_enum)]
     pub backend: Option<BackendKind>,
     /// What to do.
@@ -21,9 +21,9 @@ pub struct Cli {
 /// The compute backends a binary can be built with.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum BackendKind {
-    /// CPU, pure Rust (cargo feature `ndarray`, the default).
+    /// CPU, pure Rust (cargo feature `ndarray`).
     Ndarray,
-    /// CPU, pure Rust: burn's newer flex backend (cargo feature `flex`).
+    /// CPU, pure Rust: burn's newer flex backend (cargo feature `flex`; the CPU default).
     Flex,
     /// GPU through wgpu: Vulkan, Metal or DX12 (cargo feature `wgpu`).
     Wgpu,
@@ -60,6 +60,8 @@ pub enum Command {
     /// or classifier, and the cosine similarity of every pair beside that of the static input
     /// embeddings (always 1: the input embedding ignores context).
     Embed(EmbedArgs),
+    /// Measure training speed: tokens/s of an experiment's training step on the chosen backend.
+    Bench(BenchArgs),
     /// Show the attention weights of every layer and head of a trained model on one input.
     ///
     /// Prints one head as a heatmap (--layer, --head; --group picks a translator's encoder,
@@ -227,6 +229,41 @@ pub struct EmbedArgs {
     /// How many leading dimensions of each vector to print (0 = all).
     #[arg(long, default_value_t = 8)]
     pub dims: usize,
+}
+
+/// `bench` options.
+#[derive(Args, Debug)]
+pub struct BenchArgs {
+    /// What to measure.
+    #[command(subcommand)]
+    pub what: BenchCommand,
+}
+
+/// The benchmarks.
+#[derive(Subcommand, Debug)]
+pub enum BenchCommand {
+    /// Train a language-model experiment for a few steps and print tokens/s (median of several
+    /// runs, warm-up excluded) and the forward / backward / optimizer split of a step.
+    Train(BenchTrainArgs),
+}
+
+/// `bench train` options.
+#[derive(Args, Debug)]
+pub struct BenchTrainArgs {
+    /// Experiment config (JSON). Default: the built-in shakespeare-char experiment.
+    #[arg(long, short, value_name = "FILE")]
+    pub experiment: Option<PathBuf>,
+    /// Timed steps per run.
+    #[arg(long, default_value_t = 50)]
+    pub steps: usize,
+    /// Untimed steps before them.
+    #[arg(long, default_value_t = 5)]
+    pub warmup: usize,
+    /// Runs, each from a fresh model; the median is reported.
+    #[arg(long, default_value_t = 3)]
+    pub runs: usize,
+    #[command(flatten)]
+    pub data: DataArgs,
 }
 
 /// `attention` options.

@@ -29,6 +29,7 @@
 pub mod app;
 pub mod artifact;
 pub mod backend;
+pub mod bench;
 pub mod bleu;
 pub mod classify;
 pub mod cli;

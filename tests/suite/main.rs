@@ -1,6 +1,7 @@
 //! The integration tests, linked into one binary (one link of burn instead of one per file).
 
 mod attention;
+mod bench;
 mod bleu;
 mod browser;
 mod classifier;

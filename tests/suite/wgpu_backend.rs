@@ -90,14 +90,19 @@ fn the_train_command_runs_on_wgpu() {
 
 #[test]
 fn the_default_backend_is_wgpu_only_on_a_hardware_gpu() {
-    use transformer_lab::backend::{default_backend, hardware_gpu_present};
+    use transformer_lab::backend::{cpu_default, default_backend, hardware_gpu_present};
     use transformer_lab::cli::BackendKind;
-    // lavapipe (what CI has) is a CPU adapter: wgpu works there but ndarray is faster.
+    // lavapipe (what CI has) is a CPU adapter: wgpu works there but a CPU backend is faster.
     let expected = if hardware_gpu_present() {
         BackendKind::Wgpu
     } else {
-        BackendKind::Ndarray
+        cpu_default()
     };
+    assert_eq!(
+        cpu_default(),
+        BackendKind::Flex,
+        "flex is compiled in by default"
+    );
     assert_eq!(default_backend(), expected);
     if std::env::var_os("CI_EXPECT_NO_GPU").is_some() {
         assert!(!hardware_gpu_present());
