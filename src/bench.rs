@@ -14,7 +14,7 @@ use crate::train::{Corpus, ReferenceOptimizer};
 use anyhow::{anyhow, Result};
 use burn::data::dataloader::batcher::Batcher;
 use burn::data::dataset::Dataset;
-use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
+use burn::optim::{GradientsParams, Optimizer};
 use burn::prelude::*;
 use burn::tensor::backend::AutodiffBackend;
 use rand::rngs::StdRng;
@@ -147,14 +147,7 @@ pub fn bench_lm<B: AutodiffBackend>(
     for run in 0..plan.runs {
         B::seed(device, config.seed + run as u64);
         let mut model: LanguageModel<B> = lm.init(device);
-        let adamw = AdamWConfig::new()
-            .with_beta_1(train.beta1)
-            .with_beta_2(train.beta2)
-            .with_epsilon(train.epsilon)
-            .with_weight_decay(0.0)
-            .init();
-        let mut optimizer =
-            ReferenceOptimizer::new(adamw, train.weight_decay as f64, train.grad_clip);
+        let mut optimizer = ReferenceOptimizer::adamw::<B, LanguageModel<B>>(train);
         let mut times = RunTimes::default();
         for (step, batch) in batches.iter().enumerate() {
             let began = Instant::now();

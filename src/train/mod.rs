@@ -310,13 +310,7 @@ where
 {
     let train = &config.train;
     let artifact = &session.artifact;
-    let adamw = AdamWConfig::new()
-        .with_beta_1(train.beta1)
-        .with_beta_2(train.beta2)
-        .with_epsilon(train.epsilon)
-        .with_weight_decay(0.0)
-        .init();
-    let optimizer = ReferenceOptimizer::new(adamw, train.weight_decay as f64, train.grad_clip);
+    let optimizer = ReferenceOptimizer::adamw::<B, M>(train);
     let schedule = WarmupSchedule::from_config(train);
 
     let accuracy = || match pad {
