@@ -95,7 +95,6 @@ use crate::data::Tokenizer;
 use anyhow::{bail, Context, Result};
 use burn::data::dataloader::DataLoader;
 use burn::module::{AutodiffModule, Module};
-use burn::optim::AdamWConfig;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::train::metric::{AccuracyMetric, LearningRateMetric, LossMetric, PerplexityMetric};
 use burn::train::{ClassificationOutput, InferenceStep, Learner, SupervisedTraining, TrainStep};
