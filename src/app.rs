@@ -449,14 +449,12 @@ fn run_attention<B: Backend>(args: AttentionArgs, device: B::Device) -> Result<(
     }
     let maps = model.capture(&args.input, args.target.as_deref(), &device)?;
     let group = maps.group(args.group.as_deref())?;
-    group.head(args.layer, args.head)?;
+    // Made first: an unknown layer or head fails before anything is printed or written.
+    let heatmap = terminal::heatmap(group, args.layer, args.head, terminal::colour_wanted())?;
     if let Some(output) = &maps.output {
         println!("model output: {output}");
     }
-    print!(
-        "{}",
-        terminal::heatmap(group, args.layer, args.head, terminal::colour_wanted())?
-    );
+    print!("{heatmap}");
     let in_out = |name: &str| args.out.as_ref().map(|dir| dir.join(name));
     if let Some(dir) = &args.out {
         std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;

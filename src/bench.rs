@@ -10,7 +10,7 @@
 use crate::config::ExperimentConfig;
 use crate::data::{LmBatcher, LmItem, TokenWindows};
 use crate::models::{LanguageModel, LmBatch};
-use crate::train::{Corpus, ReferenceOptimizer};
+use crate::train::{reference_adamw, Corpus};
 use anyhow::{anyhow, Result};
 use burn::data::dataloader::batcher::Batcher;
 use burn::data::dataset::Dataset;
@@ -147,7 +147,7 @@ pub fn bench_lm<B: AutodiffBackend>(
     for run in 0..plan.runs {
         B::seed(device, config.seed + run as u64);
         let mut model: LanguageModel<B> = lm.init(device);
-        let mut optimizer = ReferenceOptimizer::adamw::<B, LanguageModel<B>>(train);
+        let mut optimizer = reference_adamw::<B, LanguageModel<B>>(train);
         let mut times = RunTimes::default();
         for (step, batch) in batches.iter().enumerate() {
             let began = Instant::now();

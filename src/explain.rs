@@ -189,18 +189,7 @@ pub fn model_walkthrough<B: Backend>(
         Inspectable::Vit(_) => unreachable!("rejected above"),
     };
     let heads = stack.blocks[0].self_attention.n_heads();
-    if layer >= stack.n_layers() {
-        bail!(
-            "layer {layer} does not exist: this model has layers 0–{} (--layer)",
-            stack.n_layers() - 1
-        );
-    }
-    if head >= heads {
-        bail!(
-            "head {head} does not exist: each layer has heads 0–{} (--head)",
-            heads - 1
-        );
-    }
+    crate::inspect::check_head("this model", (stack.n_layers(), heads), layer, head)?;
     let x = stack.self_attention_input(x0.clone(), mask.as_ref(), None, layer); // [1, n, d]
     let attention = &stack.blocks[layer].self_attention;
     let (q, k, v) = attention.project(x.clone(), x.clone()); // [1, h, n, k]
@@ -336,14 +325,10 @@ pub fn render_model(w: &HeadWalkthrough) -> String {
     out += &format_labelled("O", &w.steps.output, &w.tokens, SHOWN_COLUMNS);
     out += "\nWhere each token looks (its three largest weights):\n";
     for (label, row) in w.tokens.iter().zip(&w.steps.weights) {
-        let mut order: Vec<usize> = (0..row.len()).collect();
-        order.sort_by(|&a, &b| row[b].total_cmp(&row[a]));
-        let top: Vec<String> = order
-            .iter()
-            .take(3)
-            .map(|&k| format!("{} {:.2}", w.tokens[k], row[k]))
-            .collect();
-        out += &format!("  {label} → {}\n", top.join(", "));
+        out += &format!(
+            "  {label} → {}\n",
+            crate::inspect::strongest_keys(row, &w.tokens)
+        );
     }
     out
 }

@@ -63,22 +63,46 @@ impl AttentionGroup {
     /// The `[query][key]` weights of one head, or a message naming the layers and heads that
     /// exist.
     pub fn head(&self, layer: usize, head: usize) -> Result<&Vec<Vec<f32>>> {
-        let (layers, heads) = (self.n_layers(), self.n_heads());
-        if layer >= layers {
-            bail!(
-                "layer {layer} does not exist: the {} attention has layers 0–{} (--layer)",
-                self.name,
-                layers - 1
-            );
-        }
-        if head >= heads {
-            bail!(
-                "head {head} does not exist: each layer has heads 0–{} (--head)",
-                heads - 1
-            );
-        }
+        check_head(
+            &format!("the {} attention", self.name),
+            (self.n_layers(), self.n_heads()),
+            layer,
+            head,
+        )?;
         Ok(&self.weights[layer][head])
     }
+}
+
+/// Fails unless `layer` and `head` exist in `what`, which has `layers × heads`, naming the
+/// ranges that do.
+pub fn check_head(
+    what: &str,
+    (layers, heads): (usize, usize),
+    layer: usize,
+    head: usize,
+) -> Result<()> {
+    if layer >= layers {
+        bail!(
+            "layer {layer} does not exist: {what} has layers 0–{} (--layer)",
+            layers - 1
+        );
+    }
+    if head >= heads {
+        bail!(
+            "head {head} does not exist: each layer has heads 0–{} (--head)",
+            heads - 1
+        );
+    }
+    Ok(())
+}
+
+/// `"token weight"` of the three keys a row of weights gives most to, largest first.
+pub fn strongest_keys(row: &[f32], keys: &[String]) -> String {
+    let top: Vec<String> = crate::classify::top_classes(row, 3)
+        .into_iter()
+        .map(|(k, w)| format!("{} {w:.2}", keys[k]))
+        .collect();
+    top.join(", ")
 }
 
 /// Where a ViT's input came from, for drawing attention over the image.

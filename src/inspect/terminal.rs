@@ -81,19 +81,8 @@ pub fn heatmap(group: &AttentionGroup, layer: usize, head: usize, colour: bool) 
     }
     writeln!(out, "\nstrongest keys of each query:")?;
     for (query, row) in group.queries.iter().zip(weights) {
-        let mut order: Vec<usize> = (0..row.len()).collect();
-        order.sort_by(|&a, &b| row[b].total_cmp(&row[a]));
-        let top: Vec<String> = order
-            .iter()
-            .take(3)
-            .map(|&k| format!("{} {:.2}", group.keys[k], row[k]))
-            .collect();
-        writeln!(
-            out,
-            "  {query:>width$} → {}",
-            top.join(", "),
-            width = margin - 1
-        )?;
+        let top = super::strongest_keys(row, &group.keys);
+        writeln!(out, "  {query:>width$} → {top}", width = margin - 1)?;
     }
     Ok(out)
 }

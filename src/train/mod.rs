@@ -84,7 +84,7 @@ mod seq2seq;
 
 pub use classify::{TrainedClassifier, TrainedVit};
 pub use lm::{evaluate, Corpus, Trained};
-pub use optim::{clip_global_norm, ReferenceOptimizer};
+pub use optim::{clip_global_norm, reference_adamw, ReferenceOptimizer};
 pub use renderer::{PlainRenderer, Throughput};
 pub use schedule::WarmupSchedule;
 pub use seq2seq::{TrainedTranslator, TranslationData};
@@ -309,7 +309,7 @@ where
 {
     let train = &config.train;
     let artifact = &session.artifact;
-    let optimizer = ReferenceOptimizer::adamw::<B, M>(train);
+    let optimizer = reference_adamw::<B, M>(train);
     let schedule = WarmupSchedule::from_config(train);
 
     let accuracy = || match pad {

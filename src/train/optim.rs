@@ -35,20 +35,18 @@ impl<O> ReferenceOptimizer<O> {
     }
 }
 
-impl ReferenceOptimizer<()> {
-    /// The optimizer `train` uses for `train`'s settings: AdamW (β₁, β₂, ε; no decay of its
-    /// own) inside global-norm clipping and decoupled decay of matrices.
-    pub fn adamw<B: AutodiffBackend, M: AutodiffModule<B>>(
-        train: &crate::config::TrainConfig,
-    ) -> ReferenceOptimizer<impl Optimizer<M, B>> {
-        let adamw = burn::optim::AdamWConfig::new()
-            .with_beta_1(train.beta1)
-            .with_beta_2(train.beta2)
-            .with_epsilon(train.epsilon)
-            .with_weight_decay(0.0)
-            .init::<B, M>();
-        ReferenceOptimizer::new(adamw, train.weight_decay as f64, train.grad_clip)
-    }
+/// The optimizer training uses for `train`'s settings: AdamW (β₁, β₂, ε; no decay of its own)
+/// inside global-norm clipping and decoupled decay of matrices.
+pub fn reference_adamw<B: AutodiffBackend, M: AutodiffModule<B>>(
+    train: &crate::config::TrainConfig,
+) -> ReferenceOptimizer<impl Optimizer<M, B>> {
+    let adamw = burn::optim::AdamWConfig::new()
+        .with_beta_1(train.beta1)
+        .with_beta_2(train.beta2)
+        .with_epsilon(train.epsilon)
+        .with_weight_decay(0.0)
+        .init::<B, M>();
+    ReferenceOptimizer::new(adamw, train.weight_decay as f64, train.grad_clip)
 }
 
 impl<M, B, O> Optimizer<M, B> for ReferenceOptimizer<O>

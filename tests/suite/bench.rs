@@ -1,6 +1,6 @@
 //! `bench train`: tokens/s from timed steps of the real training step, and the median.
 
-use crate::common::{assert_clean_error, run, stderr};
+use crate::common::{assert_clean_error, run, stderr, tiny_text_experiment};
 use transformer_lab::bench::median;
 
 #[test]
@@ -13,17 +13,7 @@ fn median_of_odd_and_even_counts() {
 #[test]
 fn bench_train_times_every_phase_of_real_steps() {
     let dir = tempfile::tempdir().unwrap();
-    std::fs::write(
-        dir.path().join("corpus.txt"),
-        "to be or not to be, that is the question. ".repeat(40),
-    )
-    .unwrap();
-    std::fs::write(
-        dir.path().join("tiny.json"),
-        r#"{"name": "tiny", "model": {"d_model": 16, "n_layers": 1, "n_heads": 2, "context": 16},
-            "data": {"text_file": "corpus.txt"}, "train": {"batch_size": 4}}"#,
-    )
-    .unwrap();
+    tiny_text_experiment(dir.path(), r#"{"batch_size": 4}"#);
     let out = run(
         dir.path(),
         &[

@@ -222,3 +222,47 @@ pub fn translator_artifact(dir: &Path) {
         Some(tokenizer),
     );
 }
+
+/// Writes `dir/corpus.txt` (a repeated line) and `dir/tiny.json`: a one-layer, width-16 char LM
+/// experiment on it with the given `"train"` section (a JSON object).
+#[allow(dead_code)]
+pub fn tiny_text_experiment(dir: &Path, train: &str) {
+    std::fs::write(
+        dir.join("corpus.txt"),
+        "to be or not to be, that is the question. ".repeat(40),
+    )
+    .unwrap();
+    std::fs::write(
+        dir.join("tiny.json"),
+        format!(
+            r#"{{"name": "tiny", "model": {{"d_model": 16, "n_layers": 1, "n_heads": 2, "context": 16}},
+                "data": {{"text_file": "corpus.txt"}}, "train": {train}}}"#
+        ),
+    )
+    .unwrap();
+}
+
+/// The largest difference between [`small_lm`]'s logits on [`batch`] computed on ndarray and
+/// the same weights (saved and reloaded) on backend `B`.
+#[allow(dead_code)]
+pub fn logit_difference_from_ndarray<B: Backend>(device: &B::Device) -> f32 {
+    let model = small_lm().init::<NdArray<f32>>(&Default::default());
+    let expected = model
+        .forward(batch::<NdArray<f32>>(&Default::default()).inputs)
+        .logits;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("model");
+    model
+        .save_file(path.clone(), &ArtifactRecorder::default())
+        .unwrap();
+    let other =
+        transformer_lab::artifact::load_weights(small_lm().init::<B>(device), &path, device)
+            .unwrap();
+    let actual = other.forward(batch::<B>(device).inputs).logits;
+    let a: Vec<f32> = expected.into_data().to_vec().unwrap();
+    let b: Vec<f32> = actual.into_data().convert::<f32>().to_vec().unwrap();
+    a.iter()
+        .zip(&b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}

@@ -3,14 +3,11 @@
 
 use crate::common;
 
-use burn::backend::{Autodiff, NdArray, Wgpu};
-use burn::module::Module;
+use burn::backend::{Autodiff, Wgpu};
 
-use common::{batch, overfit, small_lm};
-use transformer_lab::artifact::{load_weights, ArtifactRecorder};
+use common::{logit_difference_from_ndarray, overfit, small_lm, tiny_text_experiment};
 use transformer_lab::config::LmConfig;
 
-type Cpu = NdArray<f32>;
 type Gpu = Wgpu<f32, i32>;
 
 fn config() -> LmConfig {
@@ -19,24 +16,7 @@ fn config() -> LmConfig {
 
 #[test]
 fn wgpu_logits_equal_ndarray_logits() {
-    let cpu = Default::default();
-    let gpu = Default::default();
-    let model = config().init::<Cpu>(&cpu);
-    let expected = model.forward(batch::<Cpu>(&cpu).inputs).logits;
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("model");
-    model
-        .save_file(path.clone(), &ArtifactRecorder::default())
-        .unwrap();
-    let on_gpu = load_weights(config().init::<Gpu>(&gpu), &path, &gpu).unwrap();
-    let actual = on_gpu.forward(batch::<Gpu>(&gpu).inputs).logits;
-    let a: Vec<f32> = expected.into_data().to_vec().unwrap();
-    let b: Vec<f32> = actual.into_data().convert::<f32>().to_vec().unwrap();
-    let worst = a
-        .iter()
-        .zip(&b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0, f32::max);
+    let worst = logit_difference_from_ndarray::<Gpu>(&Default::default());
     assert!(worst < 1e-4, "wgpu and ndarray logits differ by {worst}");
 }
 
@@ -49,18 +29,10 @@ fn a_tiny_model_trains_on_wgpu() {
 #[test]
 fn the_train_command_runs_on_wgpu() {
     let dir = tempfile::tempdir().unwrap();
-    std::fs::write(
-        dir.path().join("corpus.txt"),
-        "to be or not to be, that is the question. ".repeat(40),
-    )
-    .unwrap();
-    std::fs::write(
-        dir.path().join("tiny.json"),
-        r#"{"model": {"d_model": 16, "n_layers": 1, "n_heads": 2, "context": 16},
-            "data": {"text_file": "corpus.txt"},
-            "train": {"batch_size": 8, "steps": 40, "steps_per_epoch": 20, "eval_batches": 2, "warmup_steps": 5, "lr": 0.01}}"#,
-    )
-    .unwrap();
+    tiny_text_experiment(
+        dir.path(),
+        r#"{"batch_size": 8, "steps": 40, "steps_per_epoch": 20, "eval_batches": 2, "warmup_steps": 5, "lr": 0.01}"#,
+    );
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_transformer-lab"))
         .args([
             "--backend",
