@@ -7,7 +7,7 @@
 pub use crate::models::classifier::ClassifierConfig;
 pub use crate::models::seq2seq::Seq2SeqConfig;
 pub use crate::models::vit::VitConfig;
-use crate::nn::{Activation, PositionKind, TransformerBlockConfig, TransformerStackConfig};
+use crate::nn::{Activation, Mixer, PositionKind, TransformerBlockConfig, TransformerStackConfig};
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 use std::path::Path;
@@ -148,6 +148,9 @@ pub struct LmConfig {
     pub bias: bool,
     /// Share the token embedding with the output projection (Press & Wolf 2017).
     pub tie_weights: bool,
+    /// Token mixer of the self-attention layers: `{"kind": "full"}` (default), `local`,
+    /// `strided`, `linear` or `hyena` (see `nn::mixer`).
+    pub mixer: Mixer,
 }
 
 impl Default for LmConfig {
@@ -165,6 +168,7 @@ impl Default for LmConfig {
             norm_first: true,
             bias: false,
             tie_weights: true,
+            mixer: Mixer::Full,
         }
     }
 }
@@ -186,7 +190,9 @@ impl LmConfig {
             .with_activation(self.activation)
             .with_norm_first(self.norm_first)
             .with_bias(self.bias)
-            .with_residual_init_std(0.02 / ((2 * self.n_layers) as f64).sqrt());
+            .with_residual_init_std(0.02 / ((2 * self.n_layers) as f64).sqrt())
+            .with_mixer(self.mixer.clone())
+            .with_max_len(self.context);
         TransformerStackConfig::decoder(self.n_layers, block, false)
     }
 
@@ -198,6 +204,7 @@ impl LmConfig {
         if self.position == PositionKind::Sincos2d {
             bail!("model: sincos2d positions are for image patches (vit), not text");
         }
+        self.mixer.validate("language model", true)?;
         validate_width(self.d_model, self.n_heads, self.dropout)
     }
 }

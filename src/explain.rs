@@ -188,10 +188,19 @@ pub fn model_walkthrough<B: Backend>(
         Inspectable::Translator(t) => (&t.model.encoder, t.model.embed_source(tokens), None),
         Inspectable::Vit(_) => unreachable!("rejected above"),
     };
-    let heads = stack.blocks[0].self_attention.n_heads();
+    let mixer = stack.blocks[0]
+        .self_attention
+        .as_ref()
+        .map_or("hyena", |attention| attention.mixer().name());
+    if mixer != "full" {
+        bail!(
+            "explain walks through full softmax attention, but this model's mixer is {mixer};              `attention` shows what its layers do"
+        );
+    }
+    let heads = stack.blocks[0].attention().n_heads();
     crate::inspect::check_head("this model", (stack.n_layers(), heads), layer, head)?;
     let x = stack.self_attention_input(x0.clone(), mask.as_ref(), None, layer); // [1, n, d]
-    let attention = &stack.blocks[layer].self_attention;
+    let attention = stack.blocks[layer].attention();
     let (q, k, v) = attention.project(x.clone(), x.clone()); // [1, h, n, k]
     let one = |t: Tensor<B, 4>| t.narrow(1, head, 1); // [1, 1, n, k]
     let (q, k, v) = (one(q), one(k), one(v));

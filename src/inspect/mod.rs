@@ -17,9 +17,10 @@ use crate::data::images::normalise_pixel;
 use crate::data::translation::pad_rows;
 use crate::data::{Special, Tokenizer};
 use crate::models::vit::{patchify, unpatchify};
+use crate::nn::AttentionMask;
 use crate::train::{Trained, TrainedClassifier, TrainedTranslator, TrainedVit};
 use crate::translate::{greedy, SearchConfig};
-use anyhow::{bail, Context, Result};
+use anyhow::{anyhow, bail, Context, Result};
 use burn::prelude::*;
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
@@ -312,7 +313,7 @@ impl<B: Backend> Inspectable<B> {
                     patch_size: vit.patch_size,
                     pixels: image.pixels,
                 };
-                let (group, class) = vit_attention(t, &input, None, device);
+                let (group, class) = vit_attention(t, &input, None, device)?;
                 maps.output = Some(class);
                 maps.groups.push(group);
                 maps.image = Some(input);
@@ -344,24 +345,29 @@ impl<B: Backend> Inspectable<B> {
         };
         Ok(match self {
             Self::Lm(t) => {
-                let out = t.model.forward(tokens);
-                vec![group(
-                    "self",
-                    true,
-                    &source_labels,
-                    &source_labels,
-                    out.attention,
-                )]
+                let out = t.model.forward(tokens.clone());
+                let weights = weights_or_dense(out.attention, || {
+                    let mask = AttentionMask::causal(ids.len(), device);
+                    let x = t.model.embed(tokens);
+                    t.model.decoder.mixer_weights(x, Some(&mask), None)
+                })?;
+                vec![group("self", true, &source_labels, &source_labels, weights)]
             }
             Self::Classifier(t) => {
-                let out = t.model.forward(tokens);
+                let out = t.model.forward(tokens.clone());
                 *output = Some(predicted_class(out.logits, &t.config.data.dataset));
+                // One unpadded sentence: no mask.
+                let weights = weights_or_dense(out.attention, || {
+                    t.model
+                        .encoder
+                        .mixer_weights(t.model.embed(tokens), None, None)
+                })?;
                 vec![group(
                     "self",
                     false,
                     &source_labels,
                     &source_labels,
-                    out.attention,
+                    weights,
                 )]
             }
             Self::Translator(t) => {
@@ -384,20 +390,25 @@ impl<B: Backend> Inspectable<B> {
                 let mut target_in = vec![Special::Bos.id()];
                 target_in.extend(target_ids.iter().take(t.model.max_len() - 1));
                 let target_labels = labels(&t.tokenizers.target, &target_in);
-                let memory = t.model.encode(tokens);
-                let encoder = memory.attention.clone();
+                let memory = t.model.encode(tokens.clone());
+                let encoder = weights_or_dense(memory.attention.clone(), || {
+                    let x = t.model.embed_source(tokens);
+                    t.model.encoder.mixer_weights(x, None, None)
+                })?;
                 let target_tensor =
                     pad_rows::<B>(&[target_in.iter().map(|&i| i as u32).collect()], device);
-                let out = t.model.decode(&memory, target_tensor);
+                let out = t.model.decode(&memory, target_tensor.clone());
+                let decoder = weights_or_dense(out.self_attention, || {
+                    let causal = AttentionMask::causal(target_in.len(), device);
+                    let memory = (&memory.states, Some(&memory.mask));
+                    let x = t.model.embed_target(target_tensor);
+                    t.model
+                        .decoder
+                        .mixer_weights(x, Some(&causal), Some(memory))
+                })?;
                 vec![
                     group("encoder", false, &source_labels, &source_labels, encoder),
-                    group(
-                        "decoder",
-                        true,
-                        &target_labels,
-                        &target_labels,
-                        out.self_attention,
-                    ),
+                    group("decoder", true, &target_labels, &target_labels, decoder),
                     group(
                         "cross",
                         false,
@@ -438,7 +449,7 @@ impl<B: Backend> Inspectable<B> {
                     .context("a ViT's maps carry the image")?;
                 let grid = image.size / image.patch_size;
                 let patches = shuffle(0..grid * grid, grid * grid);
-                let (group, _) = vit_attention(t, image, Some(&patches), device);
+                let (group, _) = vit_attention(t, image, Some(&patches), device)?;
                 let tokens: Vec<usize> = std::iter::once(0)
                     .chain(patches.iter().map(|p| p + 1))
                     .collect();
@@ -529,6 +540,23 @@ pub fn patch_labels(grid: usize) -> Vec<String> {
         .collect()
 }
 
+/// The weights a forward pass returned (the full mixer's), or else the mixer's dense weights
+/// computed on request; an error for a model without attention (Hyena).
+fn weights_or_dense<B: Backend>(
+    from_forward: Vec<Tensor<B, 4>>,
+    dense: impl FnOnce() -> Option<Vec<Tensor<B, 4>>>,
+) -> Result<Vec<Tensor<B, 4>>> {
+    if !from_forward.is_empty() {
+        return Ok(from_forward);
+    }
+    dense().ok_or_else(|| {
+        anyhow!(
+            "this model mixes tokens with the hyena operator (long convolutions and gating), \
+             which has no attention weights to show"
+        )
+    })
+}
+
 /// A ViT's self-attention on `image` (its patches reordered by `permutation` when given) and
 /// its predicted class with probability.
 pub fn vit_attention<B: Backend>(
@@ -536,7 +564,7 @@ pub fn vit_attention<B: Backend>(
     image: &ImageInput,
     permutation: Option<&[usize]>,
     device: &B::Device,
-) -> (AttentionGroup, String) {
+) -> Result<(AttentionGroup, String)> {
     let size = image.size;
     let values: Vec<f32> = image.pixels.iter().map(|&p| normalise_pixel(p)).collect();
     let mut batch = Tensor::<B, 4>::from_data(TensorData::new(values, [1, 1, size, size]), device);
@@ -551,15 +579,19 @@ pub fn vit_attention<B: Backend>(
         );
         batch = unpatchify(patches.select(1, index), 1, size, size);
     }
-    let out = trained.model.forward(batch);
+    let out = trained.model.forward(batch.clone());
     let class = predicted_class(out.logits, &trained.config.data.dataset);
+    let weights = weights_or_dense(out.attention, || {
+        let encoder = &trained.model.encoder;
+        encoder.mixer_weights(trained.model.embed(batch), None, None)
+    })?;
     let labels = patch_labels(size / image.patch_size);
     let group = AttentionGroup {
         name: "self".to_string(),
         causal: false,
         queries: labels.clone(),
         keys: labels,
-        weights: to_nested(out.attention),
+        weights: to_nested(weights),
     };
-    (group, class)
+    Ok((group, class))
 }

@@ -4,7 +4,7 @@
 
 use crate::config::validate_width;
 use crate::nn::{
-    padding_mask, pool, Activation, AttentionMask, Pooling, PositionEncoding,
+    padding_mask, pool, Activation, AttentionMask, Mixer, Pooling, PositionEncoding,
     PositionEncodingConfig, PositionKind, TransformerBlockConfig, TransformerStack,
     TransformerStackConfig,
 };
@@ -45,6 +45,9 @@ pub struct ClassifierConfig {
     pub activation: Activation,
     /// Pre-norm (`true`) or post-norm (`false`, the original paper and BERT).
     pub norm_first: bool,
+    /// Token mixer of the self-attention layers: `{"kind": "full"}` (default), `local`,
+    /// `strided`, `linear` or `hyena` (see `nn::mixer`).
+    pub mixer: Mixer,
 }
 
 impl Default for ClassifierConfig {
@@ -62,6 +65,7 @@ impl Default for ClassifierConfig {
             pool: Pooling::Cls,
             activation: Activation::Gelu,
             norm_first: true,
+            mixer: Mixer::Full,
         }
     }
 }
@@ -75,6 +79,7 @@ impl ClassifierConfig {
         if self.position == PositionKind::Sincos2d {
             bail!("model: sincos2d positions are for image patches (vit), not text");
         }
+        self.mixer.validate("classifier", false)?;
         validate_width(self.d_model, self.n_heads, self.dropout)
     }
 
@@ -88,7 +93,9 @@ impl ClassifierConfig {
             .with_dropout(self.dropout)
             .with_activation(self.activation)
             .with_norm_first(self.norm_first)
-            .with_residual_init_std(0.02 / ((2 * self.n_layers) as f64).sqrt());
+            .with_residual_init_std(0.02 / ((2 * self.n_layers) as f64).sqrt())
+            .with_mixer(self.mixer.clone())
+            .with_max_len(self.max_len);
         TextClassifier {
             token_embedding: EmbeddingConfig::new(self.vocab_size, self.d_model)
                 .with_initializer(Initializer::Normal {

@@ -5,7 +5,7 @@
 
 use crate::config::validate_width;
 use crate::nn::{
-    padding_mask, Activation, AttentionMask, PositionEncoding, PositionEncodingConfig,
+    padding_mask, Activation, AttentionMask, Mixer, PositionEncoding, PositionEncodingConfig,
     PositionKind, TransformerBlockConfig, TransformerStack, TransformerStackConfig,
 };
 use anyhow::{bail, Result};
@@ -51,6 +51,9 @@ pub struct Seq2SeqConfig {
     pub share_embeddings: bool,
     /// The target embedding is also the output projection (Press & Wolf 2017).
     pub tie_weights: bool,
+    /// Token mixer of the self-attention layers: `{"kind": "full"}` (default), `local`,
+    /// `strided`, `linear` or `hyena` (see `nn::mixer`).
+    pub mixer: Mixer,
 }
 
 impl Default for Seq2SeqConfig {
@@ -71,6 +74,7 @@ impl Default for Seq2SeqConfig {
             bias: true,
             share_embeddings: true,
             tie_weights: true,
+            mixer: Mixer::Full,
         }
     }
 }
@@ -87,6 +91,7 @@ impl Seq2SeqConfig {
         if self.position == PositionKind::Sincos2d {
             bail!("model: sincos2d positions are for image patches (vit), not text");
         }
+        self.mixer.validate("translator's encoder", false)?;
         validate_width(self.d_model, self.n_heads, self.dropout)
     }
 
@@ -97,6 +102,8 @@ impl Seq2SeqConfig {
             .with_norm_first(self.norm_first)
             .with_bias(self.bias)
             .with_residual_init_std(0.02 / ((2 * n_layers) as f64).sqrt())
+            .with_mixer(self.mixer.clone())
+            .with_max_len(self.max_len)
     }
 
     /// Builds the model. Vocabulary sizes must be resolved and the config validated.
@@ -296,6 +303,11 @@ impl<B: Backend> Seq2Seq<B> {
     /// Source embedding (scaled by `√d`) + positions: the encoder's input, `[b, s]` → `[b, s, d]`.
     pub fn embed_source(&self, source: Tensor<B, 2, Int>) -> Tensor<B, 3> {
         self.embed(&self.src_embedding, source)
+    }
+
+    /// Target embedding + positions: the decoder's input, `[b, t]` → `[b, t, d]`.
+    pub fn embed_target(&self, target_in: Tensor<B, 2, Int>) -> Tensor<B, 3> {
+        self.embed(self.target_embedding(), target_in)
     }
 
     fn embed(&self, table: &Embedding<B>, tokens: Tensor<B, 2, Int>) -> Tensor<B, 3> {

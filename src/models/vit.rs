@@ -5,7 +5,7 @@
 
 use crate::config::validate_width;
 use crate::nn::{
-    pool, Activation, Pooling, PositionEncoding, PositionEncodingConfig, PositionKind,
+    pool, Activation, Mixer, Pooling, PositionEncoding, PositionEncodingConfig, PositionKind,
     TransformerBlockConfig, TransformerStack, TransformerStackConfig,
 };
 use anyhow::{bail, Result};
@@ -46,6 +46,9 @@ pub struct VitConfig {
     pub activation: Activation,
     /// Pre-norm (`true`, as ViT) or post-norm.
     pub norm_first: bool,
+    /// Token mixer of the self-attention layers: `{"kind": "full"}` (default), `local`,
+    /// `strided`, `linear` or `hyena` (see `nn::mixer`).
+    pub mixer: Mixer,
 }
 
 impl Default for VitConfig {
@@ -64,6 +67,7 @@ impl Default for VitConfig {
             pool: Pooling::Cls,
             activation: Activation::Gelu,
             norm_first: true,
+            mixer: Mixer::Full,
         }
     }
 }
@@ -84,6 +88,7 @@ impl VitConfig {
         if self.position == PositionKind::Sincos2d && !self.d_model.is_multiple_of(4) {
             bail!("model: sincos2d positions need d_model divisible by 4");
         }
+        self.mixer.validate("vit", false)?;
         validate_width(self.d_model, self.n_heads, self.dropout)
     }
 
@@ -104,7 +109,9 @@ impl VitConfig {
             .with_dropout(self.dropout)
             .with_activation(self.activation)
             .with_norm_first(self.norm_first)
-            .with_residual_init_std(0.02 / ((2 * self.n_layers) as f64).sqrt());
+            .with_residual_init_std(0.02 / ((2 * self.n_layers) as f64).sqrt())
+            .with_mixer(self.mixer.clone())
+            .with_max_len(self.n_tokens());
         let patch_dim = self.channels * self.patch_size * self.patch_size;
         let position = PositionEncodingConfig::new(self.position, self.n_tokens(), d)
             .with_grid(Some([self.grid(), self.grid()]));
@@ -190,20 +197,27 @@ impl<B: Backend> VisionTransformer<B> {
     /// # Shapes
     /// `images`: `[b, c, H, W]` → logits `[b, classes]`.
     pub fn forward(&self, images: Tensor<B, 4>) -> VitOutput<B> {
-        let [b, _, _, _] = images.dims();
-        let patches = patchify(images, self.patch_size); // [b, n, c·p·p]
-        let x = self.patch_embedding.forward(patches); // [b, n, d]
-        let d = x.dims()[2];
-        let cls = self.cls_token.val().expand([b, 1, d]); // [b, 1, d]
-        let x = Tensor::cat(vec![cls, x], 1); // [b, n + 1, d]
-        let x = self.dropout.forward(self.position.forward(x));
-        let out = self.encoder.forward(x, None, None);
+        let out = self.encoder.forward(self.embed(images), None, None);
         let pooled = pool(out.x, self.pooling, None); // [b, d]
         VitOutput {
             logits: self.head.forward(pooled.clone()),
             pooled,
             attention: out.self_attention,
         }
+    }
+
+    /// Patch embedding, the `[CLS]` token first, positions (+ dropout): the encoder's input.
+    ///
+    /// # Shapes
+    /// `images`: `[b, c, H, W]` → `[b, n + 1, d]`.
+    pub fn embed(&self, images: Tensor<B, 4>) -> Tensor<B, 3> {
+        let [b, _, _, _] = images.dims();
+        let patches = patchify(images, self.patch_size); // [b, n, c·p·p]
+        let x = self.patch_embedding.forward(patches); // [b, n, d]
+        let d = x.dims()[2];
+        let cls = self.cls_token.val().expand([b, 1, d]); // [b, 1, d]
+        let x = Tensor::cat(vec![cls, x], 1); // [b, n + 1, d]
+        self.dropout.forward(self.position.forward(x))
     }
 
     /// Mean cross-entropy of a batch, with the logits and labels it was computed from.

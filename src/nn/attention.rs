@@ -1,14 +1,18 @@
 //! Scaled dot-product attention and multi-head attention ("Attention Is All You Need", §3.2).
 
-use super::mask::AttentionMask;
+use super::linear_attention::{linear_attention, linear_attention_weights};
+use super::mask::{local_mask, strided_mask, AttentionMask};
+use super::mixer::Mixer;
+use super::sparse::{local_attention, strided_attention};
 use burn::module::Module;
 use burn::nn::{Dropout, DropoutConfig, Initializer, Linear, LinearConfig};
 use burn::prelude::*;
 use burn::tensor::activation::softmax;
+use burn::tensor::Bool;
 
 /// Score given to masked-out positions before the softmax. Finite, so a fully masked row gives
 /// uniform weights instead of NaN.
-const MASKED_SCORE: f32 = -1.0e9;
+pub(crate) const MASKED_SCORE: f32 = -1.0e9;
 
 /// `softmax(Q·Kᵀ/√d_k + mask)·V`, returning the context and the attention weights.
 ///
@@ -39,11 +43,20 @@ pub fn attention_weights<B: Backend>(
     k: Tensor<B, 4>,
     mask: Option<&AttentionMask<B>>,
 ) -> Tensor<B, 4> {
+    masked_attention_weights(q, k, mask.map(AttentionMask::tensor))
+}
+
+/// [`attention_weights`] with a dense mask broadcastable to `[b, h, t, s]`, `true` = masked out.
+pub fn masked_attention_weights<B: Backend>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    mask: Option<Tensor<B, 4, Bool>>,
+) -> Tensor<B, 4> {
     let [b, h, t, d_head] = q.dims();
     let s = k.dims()[2];
     let scores = q.matmul(k.transpose()).div_scalar((d_head as f32).sqrt()); // [b, h, t, s]
     let scores = match mask {
-        Some(mask) => scores.mask_fill(mask.tensor().expand([b, h, t, s]), MASKED_SCORE),
+        Some(mask) => scores.mask_fill(mask.expand([b, h, t, s]), MASKED_SCORE),
         None => scores,
     };
     softmax(scores, 3)
@@ -69,6 +82,10 @@ pub struct MultiHeadAttentionConfig {
     /// it down by `1/√(2·n_layers)`).
     #[config(default = "Initializer::Normal { mean: 0.0, std: 0.02 }")]
     pub output_initializer: Initializer,
+    /// How queries mix the keys: full softmax attention, a sparse pattern, or linear attention
+    /// (sparse and linear mixers need self-attention; see [`Mixer`]).
+    #[config(default = "Mixer::Full")]
+    pub mixer: Mixer,
 }
 
 /// Multi-head attention: `MultiHead(Q,K,V) = Concat(head_1..head_h)·W^O`,
@@ -89,6 +106,7 @@ pub struct MultiHeadAttention<B: Backend> {
     pub output: Linear<B>,
     dropout: Dropout,
     n_heads: usize,
+    mixer: Mixer,
 }
 
 /// What an attention layer returns: the projected context and the weights of every head.
@@ -96,8 +114,10 @@ pub struct MultiHeadAttention<B: Backend> {
 pub struct AttentionOutput<B: Backend> {
     /// `[b, t, d]`, after the output projection W^O.
     pub context: Tensor<B, 3>,
-    /// `[b, h, t, s]`, the softmax weights (before attention dropout); rows sum to 1.
-    pub weights: Tensor<B, 4>,
+    /// `[b, h, t, s]`, the softmax weights (before attention dropout); rows sum to 1. Only the
+    /// full mixer has them for free; the others never build the `t × s` matrix in a forward
+    /// pass ([`MultiHeadAttention::mixer_weights`] builds it on request).
+    pub weights: Option<Tensor<B, 4>>,
 }
 
 impl MultiHeadAttentionConfig {
@@ -106,6 +126,10 @@ impl MultiHeadAttentionConfig {
     /// # Panics
     /// If `d_model` is not divisible by `n_heads` (configs are validated before this is called).
     pub fn init<B: Backend>(&self, device: &B::Device) -> MultiHeadAttention<B> {
+        assert!(
+            self.mixer.is_attention(),
+            "the hyena mixer is built by the block, not as attention"
+        );
         assert!(
             self.n_heads > 0 && self.d_model.is_multiple_of(self.n_heads),
             "d_model ({}) must be divisible by n_heads ({})",
@@ -125,6 +149,7 @@ impl MultiHeadAttentionConfig {
             output: linear(&self.output_initializer),
             dropout: DropoutConfig::new(self.dropout).init(),
             n_heads: self.n_heads,
+            mixer: self.mixer.clone(),
         }
     }
 }
@@ -135,7 +160,7 @@ impl<B: Backend> MultiHeadAttention<B> {
     /// # Shapes
     /// - `query`: `[b, t, d]`, `memory`: `[b, s, d]` (the same tensor for self-attention)
     /// - `mask`: broadcastable to `[b, 1, t, s]`, `true` = masked out
-    /// - returns context `[b, t, d]` and weights `[b, h, t, s]`
+    /// - returns context `[b, t, d]` and, for the full mixer, weights `[b, h, t, s]`
     pub fn forward(
         &self,
         query: Tensor<B, 3>,
@@ -167,18 +192,70 @@ impl<B: Backend> MultiHeadAttention<B> {
         (q, k, v)
     }
 
-    /// Attention with dropout on the weights (between the softmax and the product with V);
-    /// the weights returned for inspection are the undropped ones.
+    /// The mixer's attention, with dropout on the weights (between the softmax and the product
+    /// with V; linear attention has no weights to drop). The full mixer also returns its
+    /// undropped weights for inspection.
     fn attend(
         &self,
         q: Tensor<B, 4>,
         k: Tensor<B, 4>,
         v: Tensor<B, 4>,
         mask: Option<&AttentionMask<B>>,
-    ) -> (Tensor<B, 4>, Tensor<B, 4>) {
-        let weights = attention_weights(q, k, mask); // [b, h, t, s]
-        let context = self.dropout.forward(weights.clone()).matmul(v); // [b, h, t, k]
-        (context, weights)
+    ) -> (Tensor<B, 4>, Option<Tensor<B, 4>>) {
+        let causal = mask.is_some_and(AttentionMask::is_causal);
+        let pad = mask.and_then(AttentionMask::pad);
+        let dropout = Some(&self.dropout);
+        let context = match &self.mixer {
+            Mixer::Full => {
+                let weights = attention_weights(q, k, mask); // [b, h, t, s]
+                let context = self.dropout.forward(weights.clone()).matmul(v); // [b, h, t, k]
+                return (context, Some(weights));
+            }
+            Mixer::Local { window } => local_attention(q, k, v, *window, causal, pad, dropout),
+            Mixer::Strided { stride } => strided_attention(q, k, v, *stride, causal, pad, dropout),
+            Mixer::Linear { chunk } => linear_attention(q, k, v, causal, pad, *chunk),
+            Mixer::Hyena(_) => unreachable!("init refuses the hyena mixer"),
+        };
+        (context, None)
+    }
+
+    /// The dense weights `[b, h, t, s]` of this layer's mixer for `query` attending to `memory`:
+    /// softmax weights restricted to the sparse pattern, or linear attention's normalised
+    /// `φ(q)·φ(k)` — each row sums to 1 and `weights·V` is what the forward pass computes.
+    /// `O(t·s)` memory: for inspection, not training.
+    pub fn mixer_weights(
+        &self,
+        query: Tensor<B, 3>,
+        memory: Tensor<B, 3>,
+        mask: Option<&AttentionMask<B>>,
+    ) -> Tensor<B, 4> {
+        let (q, k, _) = self.project(query, memory);
+        let t = q.dims()[2];
+        let device = q.device();
+        let causal = mask.is_some_and(AttentionMask::is_causal);
+        let pattern = match &self.mixer {
+            Mixer::Local { window } => Some(local_mask::<B>(t, *window, causal, &device)),
+            Mixer::Strided { stride } => Some(strided_mask::<B>(t, *stride, causal, &device)),
+            _ => None,
+        }
+        .map(|pattern| pattern.unsqueeze::<4>()); // [1, 1, t, t]
+        let dense = match (mask.map(AttentionMask::tensor), pattern) {
+            (Some(mask), Some(pattern)) => {
+                let [b, _, _, s] = mask.dims();
+                let shape = [b, 1, t, s];
+                Some(mask.expand(shape).bool_or(pattern.expand(shape)))
+            }
+            (mask, pattern) => mask.or(pattern),
+        };
+        match &self.mixer {
+            Mixer::Linear { .. } => linear_attention_weights(q, k, dense),
+            _ => masked_attention_weights(q, k, dense),
+        }
+    }
+
+    /// The mixer this layer uses.
+    pub fn mixer(&self) -> &Mixer {
+        &self.mixer
     }
 
     /// `[b, n, d]` → `[b, h, n, k]`.

@@ -6,7 +6,9 @@
 
 use super::attention::{MultiHeadAttention, MultiHeadAttentionConfig};
 use super::feedforward::{Activation, FeedForward, FeedForwardConfig};
+use super::hyena::Hyena;
 use super::mask::AttentionMask;
+use super::mixer::Mixer;
 use burn::module::Module;
 use burn::nn::{Dropout, DropoutConfig, Initializer, LayerNorm, LayerNormConfig};
 use burn::prelude::*;
@@ -41,13 +43,21 @@ pub struct TransformerBlockConfig {
     /// grow with depth; the other weights use 0.02.
     #[config(default = 0.02)]
     pub residual_init_std: f64,
+    /// The token mixer of the self-attention sublayer (cross-attention is always full).
+    #[config(default = "Mixer::Full")]
+    pub mixer: Mixer,
+    /// Longest sequence the block will see (the Hyena filters are laid out over it).
+    #[config(default = 1024)]
+    pub max_len: usize,
 }
 
 /// One transformer layer. See the module docs for the residual/LayerNorm arrangement.
 #[derive(Module, Debug)]
 pub struct TransformerBlock<B: Backend> {
-    /// (Masked) self-attention.
-    pub self_attention: MultiHeadAttention<B>,
+    /// (Masked) self-attention: every mixer but Hyena.
+    pub self_attention: Option<MultiHeadAttention<B>>,
+    /// The Hyena operator, in self-attention's place when the mixer is `hyena`.
+    pub hyena: Option<Hyena<B>>,
     norm_self: LayerNorm<B>,
     /// Attention over the encoder output, in decoder blocks.
     pub cross_attention: Option<MultiHeadAttention<B>>,
@@ -64,8 +74,9 @@ pub struct TransformerBlock<B: Backend> {
 pub struct BlockOutput<B: Backend> {
     /// `[b, t, d]`.
     pub x: Tensor<B, 3>,
-    /// Self-attention weights `[b, h, t, t]`.
-    pub self_weights: Tensor<B, 4>,
+    /// Self-attention weights `[b, h, t, t]`, when the mixer computes them in its forward pass
+    /// (the full mixer).
+    pub self_weights: Option<Tensor<B, 4>>,
     /// Cross-attention weights `[b, h, t, s]`, in decoder blocks.
     pub cross_weights: Option<Tensor<B, 4>>,
 }
@@ -77,12 +88,20 @@ impl TransformerBlockConfig {
             mean: 0.0,
             std: self.residual_init_std,
         };
-        let attention = || {
+        let attention = |mixer: Mixer| {
             MultiHeadAttentionConfig::new(self.d_model, self.n_heads)
                 .with_dropout(self.dropout)
                 .with_bias(self.bias)
                 .with_output_initializer(residual_init.clone())
+                .with_mixer(mixer)
                 .init(device)
+        };
+        let (self_attention, hyena) = match &self.mixer {
+            Mixer::Hyena(hyena) => (
+                None,
+                Some(hyena.init(self.d_model, self.max_len, residual_init.clone(), device)),
+            ),
+            mixer => (Some(attention(mixer.clone())), None),
         };
         let norm = || {
             LayerNormConfig::new(self.d_model)
@@ -90,9 +109,10 @@ impl TransformerBlockConfig {
                 .init(device)
         };
         TransformerBlock {
-            self_attention: attention(),
+            self_attention,
+            hyena,
             norm_self: norm(),
-            cross_attention: self.cross_attention.then(attention),
+            cross_attention: self.cross_attention.then(|| attention(Mixer::Full)),
             norm_cross: self.cross_attention.then(norm),
             feedforward: FeedForwardConfig::new(self.d_model, self.d_ff)
                 .with_activation(self.activation)
@@ -113,7 +133,8 @@ impl<B: Backend> TransformerBlock<B> {
     /// # Shapes
     /// - `x`: `[b, t, d]`; `mask`: self-attention mask broadcastable to `[b, 1, t, t]`
     /// - `memory`: encoder output `[b, s, d]` with its key-padding mask, for decoder blocks
-    /// - returns `x` `[b, t, d]` and the weights `[b, h, t, t]` (and `[b, h, t, s]`)
+    /// - returns `x` `[b, t, d]`, the self-attention weights `[b, h, t, t]` when the mixer has
+    ///   them for free, and the cross-attention weights `[b, h, t, s]`
     ///
     /// # Panics
     /// If `memory` is given to a block built without cross-attention, or vice versa.
@@ -124,17 +145,20 @@ impl<B: Backend> TransformerBlock<B> {
         memory: Option<(&Tensor<B, 3>, Option<&AttentionMask<B>>)>,
     ) -> BlockOutput<B> {
         let mut self_weights = None;
-        let x = self.residual(x, &self.norm_self, |h| {
-            let out = self.self_attention.forward(h.clone(), h, mask);
-            self_weights = Some(out.weights);
-            out.context
+        let x = self.residual(x, &self.norm_self, |h| match &self.hyena {
+            Some(hyena) => hyena.forward(h),
+            None => {
+                let out = self.attention().forward(h.clone(), h, mask);
+                self_weights = out.weights;
+                out.context
+            }
         });
 
         let mut cross_weights = None;
         let x = match (&self.cross_attention, &self.norm_cross, memory) {
             (Some(cross), Some(norm), Some((memory, memory_mask))) => self.residual(x, norm, |h| {
                 let out = cross.forward(h, memory.clone(), memory_mask);
-                cross_weights = Some(out.weights);
+                cross_weights = out.weights;
                 out.context
             }),
             (None, None, None) => x,
@@ -144,7 +168,7 @@ impl<B: Backend> TransformerBlock<B> {
         let x = self.residual(x, &self.norm_ff, |h| self.feedforward.forward(h));
         BlockOutput {
             x,
-            self_weights: self_weights.expect("self-attention always runs"),
+            self_weights,
             cross_weights,
         }
     }
@@ -163,6 +187,16 @@ impl<B: Backend> TransformerBlock<B> {
             let h = sublayer(x.clone());
             norm.forward(x + self.dropout.forward(h))
         }
+    }
+
+    /// The self-attention sublayer.
+    ///
+    /// # Panics
+    /// If the block mixes with Hyena instead (see [`Self::hyena`]).
+    pub fn attention(&self) -> &MultiHeadAttention<B> {
+        self.self_attention
+            .as_ref()
+            .expect("blocks without Hyena have self-attention")
     }
 
     /// The LayerNorm applied before self-attention in pre-norm blocks (identity's place in

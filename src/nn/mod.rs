@@ -7,18 +7,25 @@
 pub mod attention;
 pub mod block;
 pub mod feedforward;
+pub mod fft;
+pub mod hyena;
+pub mod linear_attention;
 pub mod mask;
+pub mod mixer;
 pub mod pool;
 pub mod position;
+pub mod sparse;
 pub mod stack;
 
 pub use attention::{
-    attention_weights, scaled_dot_product_attention, AttentionOutput, MultiHeadAttention,
-    MultiHeadAttentionConfig,
+    attention_weights, masked_attention_weights, scaled_dot_product_attention, AttentionOutput,
+    MultiHeadAttention, MultiHeadAttentionConfig,
 };
 pub use block::{BlockOutput, TransformerBlock, TransformerBlockConfig};
 pub use feedforward::{Activation, FeedForward, FeedForwardConfig};
-pub use mask::{causal_mask, padding_mask, AttentionMask};
+pub use hyena::{Hyena, HyenaConfig};
+pub use mask::{causal_mask, local_mask, padding_mask, strided_mask, AttentionMask};
+pub use mixer::Mixer;
 pub use pool::{pool, Pooling};
 pub use position::{
     sincos_2d_table, sinusoid_table, PositionEncoding, PositionEncodingConfig, PositionKind,

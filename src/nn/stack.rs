@@ -57,7 +57,8 @@ pub struct TransformerStack<B: Backend> {
 pub struct StackOutput<B: Backend> {
     /// `[b, t, d]`.
     pub x: Tensor<B, 3>,
-    /// Per layer, self-attention weights `[b, h, t, t]`.
+    /// Per layer, self-attention weights `[b, h, t, t]` — for the full mixer; empty for the
+    /// others, which never build them in a forward pass ([`TransformerStack::mixer_weights`]).
     pub self_attention: Vec<Tensor<B, 4>>,
     /// Per layer, cross-attention weights `[b, h, t, s]` (empty for encoders and decoder-only).
     pub cross_attention: Vec<Tensor<B, 4>>,
@@ -82,7 +83,7 @@ impl<B: Backend> TransformerStack<B> {
         for block in &self.blocks {
             let out = block.forward(x, mask, memory);
             x = out.x;
-            self_attention.push(out.self_weights);
+            self_attention.extend(out.self_weights);
             cross_attention.extend(out.cross_weights);
         }
         if let Some(norm) = &self.final_norm {
@@ -109,6 +110,27 @@ impl<B: Backend> TransformerStack<B> {
             .iter()
             .fold(x, |x, block| block.forward(x, mask, memory).x);
         self.blocks[layer].self_attention_input(x)
+    }
+
+    /// Every layer's self-attention weights `[b, h, t, t]` as dense matrices, whatever the
+    /// mixer (see [`super::MultiHeadAttention::mixer_weights`]): for inspecting sparse and
+    /// linear attention, which do not build them in a forward pass. `None` for Hyena, which has
+    /// no attention weights. Arguments as in [`Self::forward`].
+    pub fn mixer_weights(
+        &self,
+        x: Tensor<B, 3>,
+        mask: Option<&AttentionMask<B>>,
+        memory: Option<(&Tensor<B, 3>, Option<&AttentionMask<B>>)>,
+    ) -> Option<Vec<Tensor<B, 4>>> {
+        let mut x = x;
+        let mut weights = Vec::with_capacity(self.blocks.len());
+        for block in &self.blocks {
+            let attention = block.self_attention.as_ref()?;
+            let h = block.self_attention_input(x.clone());
+            weights.push(attention.mixer_weights(h.clone(), h, mask));
+            x = block.forward(x, mask, memory).x;
+        }
+        Some(weights)
     }
 
     /// Number of layers.

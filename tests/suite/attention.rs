@@ -130,7 +130,7 @@ fn cross_attention_attends_over_the_memory_sequence() {
     let memory = Tensor::<B, 3>::random([2, 7, 8], burn::tensor::Distribution::Default, &device);
     let out = mha.forward(query.clone(), memory.clone(), None);
     assert_eq!(out.context.dims(), [2, 3, 8]);
-    assert_eq!(out.weights.dims(), [2, 2, 3, 7]);
+    assert_eq!(out.weights.unwrap().dims(), [2, 2, 3, 7]);
     // The queries' own values do not reach the output except through the attention weights:
     // changing the memory changes the context.
     let other = mha.forward(query, memory.mul_scalar(2.0), None);

@@ -17,6 +17,7 @@ mod images;
 mod inspect;
 mod lm;
 mod mask;
+mod mixer;
 mod position;
 mod seq2seq;
 mod tokenizer;

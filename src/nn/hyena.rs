@@ -1,0 +1,212 @@
+//! The Hyena operator (Poli et al. 2023, "Hyena Hierarchy"), a causal token mixer without
+//! attention: long convolutions with implicitly parametrised filters, interleaved with
+//! element-wise gating.
+//!
+//! For an input `u` `[b, t, d]` of order `N`:
+//! 1. project to `N + 1` streams `x¹…xᴺ, v` (one linear map to `(N+1)·d`), each smoothed by a
+//!    short causal depthwise convolution;
+//! 2. `z¹ = v`, `zⁿ⁺¹ = xⁿ ⊙ (hⁿ * zⁿ + Dⁿ ⊙ zⁿ)`: long causal convolution, skip term,
+//!    gating;
+//! 3. `y = zᴺ⁺¹·W_out`.
+//!
+//! The long filters are implicit: `hⁿ(t) = window(t) · FFN(positional features of t)`, a small
+//! sine-activated network evaluated at every position, times an exponentially decaying window
+//! (fast decay in some channels, slow in others). Positions are measured against the model's
+//! `max_len`, so a filter tap never depends on how long the current input is — a prefix gives
+//! the same outputs alone as inside a longer sequence. The convolutions run by FFT
+//! ([`super::fft::fft_conv`], `O(t log t)`).
+
+use super::fft::{direct_conv, fft_conv};
+use burn::module::{Module, Param};
+use burn::nn::conv::{Conv1d, Conv1dConfig};
+use burn::nn::{Initializer, Linear, LinearConfig, PaddingConfig1d};
+use burn::prelude::*;
+use serde::{Deserialize, Serialize};
+use std::f64::consts::PI;
+
+/// Settings of the Hyena operator (`"mixer": {"kind": "hyena", …}` in a config).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct HyenaConfig {
+    /// Order `N`: how many convolution-and-gate steps (2 in the paper's language models).
+    pub order: usize,
+    /// Hidden width of the filter network.
+    pub filter_width: usize,
+    /// Frequencies of the positional features the filter network reads (each a sin/cos pair,
+    /// besides the position itself).
+    pub filter_bands: usize,
+    /// Width of the short depthwise convolution on each projected stream.
+    pub short_kernel: usize,
+}
+
+impl Default for HyenaConfig {
+    fn default() -> Self {
+        Self {
+            order: 2,
+            filter_width: 64,
+            filter_bands: 8,
+            short_kernel: 3,
+        }
+    }
+}
+
+impl HyenaConfig {
+    /// Builds the operator for sequences of up to `max_len` positions.
+    pub fn init<B: Backend>(
+        &self,
+        d_model: usize,
+        max_len: usize,
+        output_initializer: Initializer,
+        device: &B::Device,
+    ) -> Hyena<B> {
+        let streams = (self.order + 1) * d_model;
+        let features = 1 + 2 * self.filter_bands;
+        let linear = |d_in: usize, d_out: usize, bias: bool| {
+            LinearConfig::new(d_in, d_out)
+                .with_bias(bias)
+                .init::<B>(device)
+        };
+        Hyena {
+            in_proj: linear(d_model, streams, true),
+            short_conv: Conv1dConfig::new(streams, streams, self.short_kernel)
+                .with_groups(streams)
+                .with_padding(PaddingConfig1d::Explicit(self.short_kernel - 1, 0))
+                .init(device),
+            filter: vec![
+                linear(features, self.filter_width, true),
+                linear(self.filter_width, self.filter_width, true),
+                linear(self.filter_width, self.order * d_model, false),
+            ],
+            frequency: Param::from_tensor(Tensor::ones([self.filter_width], device)),
+            skip: Param::from_tensor(Tensor::random(
+                [self.order, d_model],
+                burn::tensor::Distribution::Normal(0.0, 1.0),
+                device,
+            )),
+            out_proj: LinearConfig::new(d_model, d_model)
+                .with_initializer(output_initializer)
+                .init(device),
+            order: self.order,
+            bands: self.filter_bands,
+            max_len,
+        }
+    }
+}
+
+/// The Hyena operator; see the module docs.
+#[derive(Module, Debug)]
+pub struct Hyena<B: Backend> {
+    /// `d → (N+1)·d`: the streams `x¹…xᴺ, v`.
+    pub in_proj: Linear<B>,
+    /// Short causal depthwise convolution over each stream.
+    pub short_conv: Conv1d<B>,
+    /// The implicit filter network: features → width → width → `N·d` (sine activations).
+    pub filter: Vec<Linear<B>>,
+    /// Frequency `ω` of the filter network's sine activations, `[width]`.
+    pub frequency: Param<Tensor<B, 1>>,
+    /// The skip term `D`, `[N, d]`.
+    pub skip: Param<Tensor<B, 2>>,
+    /// `d → d`.
+    pub out_proj: Linear<B>,
+    order: usize,
+    bands: usize,
+    max_len: usize,
+}
+
+impl<B: Backend> Hyena<B> {
+    /// Mixes the sequence, causally.
+    ///
+    /// # Shapes
+    /// `x`: `[b, t, d]` with `t <= max_len` → `[b, t, d]`.
+    pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
+        self.forward_with(x, fft_conv)
+    }
+
+    /// [`Self::forward`] with the long convolutions done directly in `O(t²)`: the reference the
+    /// FFT path is tested against.
+    pub fn forward_direct(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
+        self.forward_with(x, direct_conv)
+    }
+
+    fn forward_with(
+        &self,
+        x: Tensor<B, 3>,
+        conv: fn(Tensor<B, 3>, Tensor<B, 2>) -> Tensor<B, 3>,
+    ) -> Tensor<B, 3> {
+        let [b, t, d] = x.dims();
+        let streams = self
+            .in_proj
+            .forward(x) // [b, t, (N+1)·d]
+            .swap_dims(1, 2); // [b, (N+1)·d, t]
+        let streams = self.short_conv.forward(streams); // [b, (N+1)·d, t]
+        let mut streams = streams.chunk(self.order + 1, 1); // N + 1 × [b, d, t]
+        let mut z = streams.pop().expect("order + 1 streams"); // v
+        let filters = self.filters(t); // [N, d, t]
+        let skip = self.skip.val();
+        for (n, gate) in streams.into_iter().enumerate() {
+            let h = filters.clone().slice(s![n]).reshape([d, t]); // [d, t]
+            let d_n = skip.clone().slice(s![n]).reshape([1, d, 1]);
+            z = gate * (conv(z.clone(), h) + z * d_n); // [b, d, t]
+        }
+        self.out_proj
+            .forward(z.swap_dims(1, 2)) // [b, t, d]
+            .reshape([b, t, d])
+    }
+
+    /// The long filters `hⁿ(t)` for `t < len`: `[N, d, len]`.
+    pub fn filters(&self, len: usize) -> Tensor<B, 3> {
+        let device = self.frequency.device();
+        let features = self.position_features(len, &device); // [len, features]
+        let omega = self.frequency.val().unsqueeze::<2>(); // [1, width]
+        let hidden = (self.filter[0].forward(features) * omega.clone()).sin();
+        let hidden = (self.filter[1].forward(hidden) * omega).sin();
+        let h = self.filter[2].forward(hidden); // [len, N·d]
+        let nd = h.dims()[1];
+        let h = h * self.decay_window(len, nd, &device); // [len, N·d]
+        h.reshape([len, self.order, nd / self.order]) // [len, N, d]
+            .permute([1, 2, 0]) // [N, d, len]
+    }
+
+    /// `[t/max_len, cos(2π·f·t/max_len), sin(…)]` for `f = 1..=bands`: `[len, 1 + 2·bands]`.
+    fn position_features(&self, len: usize, device: &B::Device) -> Tensor<B, 2> {
+        let width = 1 + 2 * self.bands;
+        let scale = self.max_len.max(len) as f64;
+        let values: Vec<f32> = (0..len)
+            .flat_map(|t| {
+                let time = t as f64 / scale;
+                let bands = (1..=self.bands).flat_map(move |f| {
+                    let angle = 2.0 * PI * f as f64 * time;
+                    [angle.cos(), angle.sin()]
+                });
+                std::iter::once(time).chain(bands)
+            })
+            .map(|v| v as f32)
+            .collect();
+        Tensor::from_data(TensorData::new(values, [len, width]), device)
+    }
+
+    /// `exp(−αᶜ·t/max_len)`, `[len, channels]`, with rates spread from fast (the filter falls to
+    /// 1% over 30% of `max_len`) to slow (to 1% over 150%), as in the paper's modulation.
+    fn decay_window(&self, len: usize, channels: usize, device: &B::Device) -> Tensor<B, 2> {
+        let scale = self.max_len.max(len) as f64;
+        let (fast, slow) = (0.01f64.ln() / 0.3, 0.01f64.ln() / 1.5);
+        let rate = |c: usize| {
+            let share = if channels > 1 {
+                c as f64 / (channels - 1) as f64
+            } else {
+                0.0
+            };
+            -(fast + (slow - fast) * share)
+        };
+        let values: Vec<f32> = (0..len)
+            .flat_map(|t| (0..channels).map(move |c| (t, c)))
+            .map(|(t, c)| (-rate(c) * t as f64 / scale).exp() as f32)
+            .collect();
+        Tensor::from_data(TensorData::new(values, [len, channels]), device)
+    }
+
+    /// Order `N`.
+    pub fn order(&self) -> usize {
+        self.order
+    }
+}
