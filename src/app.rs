@@ -8,8 +8,8 @@ use crate::classify::{
     text_probabilities, top_classes, Confusion,
 };
 use crate::cli::{
-    AttentionArgs, BenchArgs, BenchCommand, ClassifyArgs, Command, EmbedArgs, EvalArgs,
-    ExplainArgs, GenerateArgs, PredictArgs, SearchArgs, TrainArgs, TranslateArgs,
+    AttentionArgs, BenchArgs, BenchCommand, BenchMixersArgs, ClassifyArgs, Command, EmbedArgs,
+    EvalArgs, ExplainArgs, GenerateArgs, PredictArgs, SearchArgs, TrainArgs, TranslateArgs,
 };
 use crate::config::{ExperimentConfig, ModelConfig};
 use crate::data::{data_dir, TranslationCorpus};
@@ -409,7 +409,10 @@ fn run_embed<B: Backend>(args: EmbedArgs, device: B::Device) -> Result<()> {
 }
 
 fn run_bench<B: Backend>(args: BenchArgs, device: B::Device) -> Result<()> {
-    let BenchCommand::Train(args) = args.what;
+    let args = match args.what {
+        BenchCommand::Train(args) => args,
+        BenchCommand::Mixers(args) => return run_bench_mixers::<B>(args, device),
+    };
     if args.steps == 0 || args.runs == 0 {
         bail!("--steps and --runs must be at least 1");
     }
@@ -436,6 +439,87 @@ fn run_bench<B: Backend>(args: BenchArgs, device: B::Device) -> Result<()> {
         report.render(&format!("{} on {}", config.name, B::name(&device)))
     );
     Ok(())
+}
+
+fn run_bench_mixers<B: Backend>(args: BenchMixersArgs, device: B::Device) -> Result<()> {
+    use crate::bench::mixers::{bench_mixers, render, to_csv, write_png, MixerPlan};
+    use crate::nn::{HyenaConfig, Mixer};
+    let mixers = args
+        .mixers
+        .iter()
+        .map(|name| {
+            Ok(match name.as_str() {
+                "full" => Mixer::Full,
+                "local" => Mixer::Local {
+                    window: args.window,
+                },
+                "strided" => Mixer::Strided {
+                    stride: args.stride,
+                },
+                "linear" => Mixer::Linear { chunk: args.chunk },
+                "hyena" => Mixer::Hyena(HyenaConfig::default()),
+                other => bail!(
+                    "unknown mixer {other:?}; choose from full, local, strided, linear, hyena"
+                ),
+            })
+        })
+        .collect::<Result<Vec<Mixer>>>()?;
+    for mixer in &mixers {
+        mixer.validate("language model", true)?;
+    }
+    if args.lengths.is_empty() || args.lengths.windows(2).any(|w| w[0] >= w[1]) {
+        bail!("--lengths must be increasing");
+    }
+    if args.runs == 0 || args.d_model == 0 || args.heads == 0 || args.batch == 0 {
+        bail!("--runs, --d-model, --heads and --batch must be at least 1");
+    }
+    if !args.d_model.is_multiple_of(args.heads) {
+        bail!("--d-model must be divisible by --heads");
+    }
+    let plan = MixerPlan {
+        lengths: args.lengths.clone(),
+        d_model: args.d_model,
+        n_heads: args.heads,
+        batch: args.batch,
+        runs: args.runs,
+        budget_s: args.budget_s,
+        memory_limit: (available_memory().unwrap_or(8 << 30) as f64 * args.memory_share) as usize,
+    };
+    let backend = B::name(&device);
+    eprintln!(
+        "bench mixers on {backend}: d_model {}, {} heads, batch {}, causal; {} runs per point",
+        plan.d_model, plan.n_heads, plan.batch, plan.runs
+    );
+    let points = bench_mixers::<Autodiff<B>>(&mixers, &plan, &device, |p| {
+        eprintln!(
+            "  {:<8} {:>6} tokens: forward {:>9.2} ms, fwd+bwd {:>9.2} ms",
+            p.mixer,
+            p.length,
+            p.forward_s * 1e3,
+            p.train_s * 1e3
+        );
+    })?;
+    print!("{}", render(&points, &mixers));
+    std::fs::create_dir_all(&args.out)
+        .with_context(|| format!("cannot create {}", args.out.display()))?;
+    let csv = args.out.join("mixers.csv");
+    crate::artifact::write_atomic(&csv, to_csv(&points).as_bytes())?;
+    let png = args.out.join("mixers.png");
+    let title = format!(
+        "token mixers on {backend}: one causal layer, d_model {}, {} heads (window {}, stride {})",
+        plan.d_model, plan.n_heads, args.window, args.stride
+    );
+    write_png(&png, &points, &mixers, &title)?;
+    println!("wrote {} and {}", csv.display(), png.display());
+    Ok(())
+}
+
+/// Bytes of memory available to new allocations (Linux's MemAvailable).
+fn available_memory() -> Option<usize> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: usize = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
 }
 
 fn run_attention<B: Backend>(args: AttentionArgs, device: B::Device) -> Result<()> {

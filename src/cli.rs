@@ -245,6 +245,60 @@ pub enum BenchCommand {
     /// Train a language-model experiment for a few steps and print tokens/s (median of several
     /// runs, warm-up excluded) and the forward / backward / optimizer split of a step.
     Train(BenchTrainArgs),
+    /// Time (forward, forward+backward) and peak memory of one causal self-attention layer per
+    /// token mixer against sequence length; writes a CSV and a log-log PNG and prints growth
+    /// exponents and where each mixer overtakes full attention.
+    Mixers(BenchMixersArgs),
+}
+
+/// `bench mixers` options.
+#[derive(Args, Debug)]
+pub struct BenchMixersArgs {
+    /// Mixers to measure, comma-separated.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "full,local,strided,linear,hyena"
+    )]
+    pub mixers: Vec<String>,
+    /// Sequence lengths, comma-separated, increasing.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "128,256,512,1024,2048,4096,8192,16384"
+    )]
+    pub lengths: Vec<usize>,
+    /// Window of the local mixer.
+    #[arg(long, default_value_t = 128)]
+    pub window: usize,
+    /// Block length of the strided mixer.
+    #[arg(long, default_value_t = 128)]
+    pub stride: usize,
+    /// Chunk of the causal linear mixer.
+    #[arg(long, default_value_t = 64)]
+    pub chunk: usize,
+    /// Layer width.
+    #[arg(long, default_value_t = 128)]
+    pub d_model: usize,
+    /// Attention heads.
+    #[arg(long, default_value_t = 4)]
+    pub heads: usize,
+    /// Sequences per batch.
+    #[arg(long, default_value_t = 1)]
+    pub batch: usize,
+    /// Timed runs per point (after one warm-up); the median is reported.
+    #[arg(long, default_value_t = 3)]
+    pub runs: usize,
+    /// A mixer stops at the first length whose warm-up pass took longer (seconds).
+    #[arg(long, default_value_t = 60.0)]
+    pub budget_s: f64,
+    /// A mixer stops before a length predicted to need more heap than this share of the
+    /// machine's available memory.
+    #[arg(long, default_value_t = 0.6)]
+    pub memory_share: f64,
+    /// Where `mixers.csv` and `mixers.png` go.
+    #[arg(long, value_name = "DIR", default_value = "artifacts/bench")]
+    pub out: PathBuf,
 }
 
 /// `bench train` options.

@@ -4,6 +4,12 @@ use clap::Parser;
 use std::process::ExitCode;
 use transformer_lab::backend::dispatch;
 use transformer_lab::cli::Cli;
+use transformer_lab::memory::CountingAlloc;
+
+/// Counts heap bytes so `bench mixers` can report peak memory (forwards to the system
+/// allocator).
+#[global_allocator]
+static ALLOCATOR: CountingAlloc = CountingAlloc;
 
 fn main() -> ExitCode {
     let cli = Cli::parse();

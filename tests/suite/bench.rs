@@ -58,3 +58,71 @@ fn bench_train_times_every_phase_of_real_steps() {
         "at least 1",
     );
 }
+
+#[test]
+fn growth_exponents_and_crossovers() {
+    use transformer_lab::bench::mixers::{crossover, growth_exponent};
+    let quadratic: Vec<(f64, f64)> = [128.0, 256.0, 512.0]
+        .iter()
+        .map(|&l| (l, 3.0 * l * l))
+        .collect();
+    assert!((growth_exponent(&quadratic).unwrap() - 2.0).abs() < 1e-9);
+    assert_eq!(growth_exponent(&quadratic[..1]), None);
+    let full = [(128, 1.0), (256, 4.0), (512, 16.0), (1024, 64.0)];
+    // Faster from 512 on (a win at 128 followed by a loss does not count).
+    let variant = [(128, 0.5), (256, 5.0), (512, 10.0), (1024, 20.0)];
+    assert_eq!(crossover(&variant, &full), Some(512));
+    assert_eq!(crossover(&[(128, 2.0), (256, 8.0)], &full), None);
+    assert_eq!(crossover(&[(128, 0.1)], &full), Some(128));
+}
+
+#[test]
+fn bench_mixers_measures_every_mixer_and_writes_csv_and_png() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = run(
+        dir.path(),
+        &[
+            "bench",
+            "mixers",
+            "--lengths",
+            "16,32",
+            "--runs",
+            "1",
+            "--window",
+            "8",
+            "--stride",
+            "4",
+            "--d-model",
+            "16",
+            "--heads",
+            "2",
+            "--out",
+            "b",
+        ],
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    for mixer in ["full", "local", "strided", "linear", "hyena"] {
+        assert!(
+            stdout.contains(&format!("{mixer:<8} time ~ t^")),
+            "{stdout}"
+        );
+    }
+    let csv = std::fs::read_to_string(dir.path().join("b/mixers.csv")).unwrap();
+    let rows: Vec<&str> = csv.lines().collect();
+    assert_eq!(
+        rows[0],
+        "mixer,length,forward_ms,forward_backward_ms,peak_mib"
+    );
+    assert_eq!(rows.len(), 1 + 5 * 2);
+    // The binary counts heap bytes: every row has a positive peak.
+    for row in &rows[1..] {
+        let peak: f64 = row.rsplit(',').next().unwrap().parse().unwrap();
+        assert!(peak > 0.0, "{row}");
+    }
+    let png = std::fs::read(dir.path().join("b/mixers.png")).unwrap();
+    assert_eq!(&png[..4], b"\x89PNG");
+
+    let bad = run(dir.path(), &["bench", "mixers", "--mixers", "full,sparse"]);
+    assert_clean_error(&bad, "unknown mixer \"sparse\"");
+}

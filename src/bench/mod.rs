@@ -7,6 +7,8 @@
 //! corpus and built before timing starts, so data loading is not measured. The backend is
 //! synchronised after each phase, so on an asynchronous backend (wgpu) each phase is timed whole.
 
+pub mod mixers;
+
 use crate::config::ExperimentConfig;
 use crate::data::{LmBatcher, LmItem, TokenWindows};
 use crate::models::{LanguageModel, LmBatch};
