@@ -291,6 +291,9 @@ pub fn render(points: &[Point], mixers: &[Mixer]) -> String {
 
 const MIB: f64 = 1024.0 * 1024.0;
 
+/// What a plot panel reads from a point.
+type Measure = Box<dyn Fn(&Point) -> Option<f64>>;
+
 /// The points as CSV: `mixer,length,forward_ms,forward_backward_ms,peak_mib`.
 pub fn to_csv(points: &[Point]) -> String {
     let mut out = "mixer,length,forward_ms,forward_backward_ms,peak_mib\n".to_string();
@@ -325,7 +328,7 @@ pub fn write_png(path: &Path, points: &[Point], mixers: &[Mixer], title: &str) -
         lengths().fold(f64::INFINITY, f64::min),
         lengths().fold(0.0, f64::max) * 1.05,
     );
-    let panels: [(&str, Box<dyn Fn(&Point) -> Option<f64>>); 2] = [
+    let panels: [(&str, Measure); 2] = [
         (
             "forward + backward (ms)",
             Box::new(|p| Some(p.train_s * 1e3)),
@@ -345,7 +348,7 @@ pub fn write_png(path: &Path, points: &[Point], mixers: &[Mixer], title: &str) -
         ))
         .map_err(|e| err(format!("{e:?}")))?;
         for (area, (label, value)) in body.split_evenly((1, 2)).iter().zip(&panels) {
-            let values: Vec<f64> = points.iter().filter_map(|p| value(p)).collect();
+            let values: Vec<f64> = points.iter().filter_map(value).collect();
             if values.is_empty() {
                 continue;
             }

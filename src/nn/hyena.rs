@@ -16,7 +16,7 @@
 //! the same outputs alone as inside a longer sequence. The convolutions run by FFT
 //! ([`super::fft::fft_conv`], `O(t log t)`).
 
-use super::fft::{direct_conv, fft_conv};
+use super::fft::{causal_conv, direct_conv, fft_conv};
 use burn::module::{Module, Param};
 use burn::nn::conv::{Conv1d, Conv1dConfig};
 use burn::nn::{Initializer, Linear, LinearConfig, PaddingConfig1d};
@@ -114,11 +114,17 @@ pub struct Hyena<B: Backend> {
 }
 
 impl<B: Backend> Hyena<B> {
-    /// Mixes the sequence, causally.
+    /// Mixes the sequence, causally (long convolutions by [`causal_conv`]: a Toeplitz product
+    /// for short inputs, the FFT for long ones).
     ///
     /// # Shapes
     /// `x`: `[b, t, d]` with `t <= max_len` → `[b, t, d]`.
     pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
+        self.forward_with(x, causal_conv)
+    }
+
+    /// [`Self::forward`] with every long convolution by FFT, whatever the length.
+    pub fn forward_fft(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
         self.forward_with(x, fft_conv)
     }
 
@@ -138,7 +144,7 @@ impl<B: Backend> Hyena<B> {
             .in_proj
             .forward(x) // [b, t, (N+1)·d]
             .swap_dims(1, 2); // [b, (N+1)·d, t]
-        let streams = self.short_conv.forward(streams); // [b, (N+1)·d, t]
+        let streams = self.short_filter(streams); // [b, (N+1)·d, t]
         let mut streams = streams.chunk(self.order + 1, 1); // N + 1 × [b, d, t]
         let mut z = streams.pop().expect("order + 1 streams"); // v
         let filters = self.filters(t); // [N, d, t]
@@ -151,6 +157,35 @@ impl<B: Backend> Hyena<B> {
         self.out_proj
             .forward(z.swap_dims(1, 2)) // [b, t, d]
             .reshape([b, t, d])
+    }
+
+    /// The short causal depthwise convolution `yₜ = Σᵢ wᵢ·x_{t−(k−1)+i} + b` of every stream,
+    /// as `k` shifted multiply-adds (burn's grouped `Conv1d` runs one small product per group,
+    /// far slower here); its weights are the `Conv1d` module's.
+    ///
+    /// # Shapes
+    /// `[b, c, t]` → `[b, c, t]`.
+    fn short_filter(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
+        let [b, c, t] = x.dims();
+        let weight = self.short_conv.weight.val(); // [c, 1, k]
+        let k = weight.dims()[2];
+        let mut y = match &self.short_conv.bias {
+            Some(bias) => bias.val().reshape([1, c, 1]).expand([b, c, t]),
+            None => x.zeros_like(),
+        };
+        for i in 0..k {
+            let shift = k - 1 - i;
+            if shift >= t {
+                continue;
+            }
+            let tap = weight.clone().slice(s![.., .., i]).reshape([1, c, 1]);
+            let shifted = x
+                .clone()
+                .slice([0..b, 0..c, 0..t - shift])
+                .pad([(shift, 0)], burn::tensor::ops::PadMode::Constant(0.0));
+            y = y + shifted * tap;
+        }
+        y
     }
 
     /// The long filters `hⁿ(t)` for `t < len`: `[N, d, len]`.

@@ -394,3 +394,53 @@ fn a_vit_attention_picture_lays_the_class_token_over_the_image() {
         "missing.png",
     );
 }
+
+/// An untrained char LM artifact with `mixer` (a JSON object) in `dir/name`.
+fn mixer_lm_artifact(dir: &Path, name: &str, mixer: &str) {
+    use transformer_lab::config::TokenizerKind;
+    use transformer_lab::data::Tokenizer;
+    let tokenizer = Tokenizer::fit(TokenizerKind::Char, std::iter::once(TEXT), 0).unwrap();
+    let config = format!(
+        r#"{{"name": "{name}", "model": {{"kind": "lm", "d_model": 32, "n_layers": 2,
+            "n_heads": 4, "context": 64, "mixer": {mixer}}},
+            "data": {{"dataset": "tinyshakespeare", "tokenizer": "char"}}}}"#
+    );
+    crate::common::write_artifact_at(
+        dir,
+        name,
+        &config,
+        |c| c.lm().unwrap().init::<B>(&Default::default()),
+        Some(tokenizer),
+    );
+}
+
+#[test]
+fn sparse_and_linear_mixers_show_their_own_weights_and_hyena_says_it_has_none() {
+    let dir = tempfile::tempdir().unwrap();
+    let device = Default::default();
+    let n = TEXT.chars().count();
+    for (name, mixer, window) in [
+        ("local", r#"{"kind": "local", "window": 4}"#, Some(4)),
+        ("linear", r#"{"kind": "linear"}"#, None),
+    ] {
+        mixer_lm_artifact(dir.path(), name, mixer);
+        let maps = load(dir.path(), name).capture(TEXT, None, &device).unwrap();
+        let weights = &maps.groups[0].weights;
+        assert_eq!((weights.len(), weights[0].len()), (2, 4));
+        for row in weights.iter().flatten().flatten() {
+            assert!((row.iter().sum::<f32>() - 1.0).abs() < 1e-4);
+        }
+        for (i, row) in weights[1][2].iter().enumerate() {
+            for (j, &w) in row.iter().enumerate() {
+                let visible = j <= i && window.is_none_or(|w| i - j < w);
+                assert!(visible || w == 0.0, "{name}: query {i} key {j} weight {w}");
+            }
+        }
+        assert_eq!(weights[0][0].len(), n);
+        let out = run(dir.path(), &["explain", "--artifact-dir", name, TEXT]);
+        assert_clean_error(&out, &format!("this model's mixer is {name}"));
+    }
+    mixer_lm_artifact(dir.path(), "hyena", r#"{"kind": "hyena"}"#);
+    let out = run(dir.path(), &["attention", "--artifact-dir", "hyena", TEXT]);
+    assert_clean_error(&out, "no attention weights to show");
+}

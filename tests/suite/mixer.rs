@@ -7,7 +7,7 @@ use burn::prelude::*;
 use burn::tensor::{Distribution, Tolerance};
 use transformer_lab::config::{ClassifierConfig, LmConfig};
 use transformer_lab::generate::{generate, next_token_probs, Sampling};
-use transformer_lab::nn::fft::{direct_conv, fft, fft_conv};
+use transformer_lab::nn::fft::{direct_conv, fft, fft_conv, toeplitz_conv};
 use transformer_lab::nn::linear_attention::{
     linear_attention, linear_attention_weights, LinearState,
 };
@@ -255,8 +255,12 @@ fn fft_matches_the_dft_and_fft_convolution_the_direct_one() {
         let u: Tensor<B, 3> = random([2, 3, l], 50);
         let h: Tensor<B, 2> = random([3, l], 51);
         let fast = fft_conv(u.clone(), h.clone());
+        let toeplitz = toeplitz_conv(u.clone(), h.clone());
         let slow = direct_conv(u, h);
         fast.into_data()
+            .assert_approx_eq(&slow.clone().into_data(), tol(1e-4));
+        toeplitz
+            .into_data()
             .assert_approx_eq(&slow.into_data(), tol(1e-4));
     }
 }
