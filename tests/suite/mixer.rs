@@ -43,6 +43,35 @@ fn padding(t: usize) -> Tensor<B, 2, Bool> {
     Tensor::from_data(TensorData::new(pad, [2, t]), &Default::default())
 }
 
+type Kernel = fn(
+    Tensor<B, 4>,
+    Tensor<B, 4>,
+    Tensor<B, 4>,
+    usize,
+    bool,
+    Option<&Tensor<B, 2, Bool>>,
+    Option<&burn::nn::Dropout>,
+) -> Tensor<B, 4>;
+
+/// A blocked sparse kernel on `x = (q, k, v)`, without dropout.
+fn sparse(
+    kernel: Kernel,
+    x: &(Tensor<B, 4>, Tensor<B, 4>, Tensor<B, 4>),
+    size: usize,
+    causal: bool,
+    pad: Option<&Tensor<B, 2, Bool>>,
+) -> Tensor<B, 4> {
+    kernel(
+        x.0.clone(),
+        x.1.clone(),
+        x.2.clone(),
+        size,
+        causal,
+        pad,
+        None,
+    )
+}
+
 /// The outputs of real (non-padding) queries of a [`padding`] batch: padding queries may see no
 /// key at all, and what such a row holds is a convention (dense: uniform over every key).
 fn real_queries(x: Tensor<B, 4>) -> Vec<f32> {
@@ -88,30 +117,14 @@ fn local_blocks_equal_the_dense_sliding_window() {
     for t in [1, 7, 11, 16] {
         for window in [1, 3, 4, 5, 16] {
             let x = qkv(t, 10);
-            let causal = local_attention(
-                x.0.clone(),
-                x.1.clone(),
-                x.2.clone(),
-                window,
-                true,
-                None,
-                None,
-            );
+            let causal = sparse(local_attention, &x, window, true, None);
             let reference = dense(x.clone(), local_mask(t, window, true, &device), None);
             causal
                 .into_data()
                 .assert_approx_eq(&reference.into_data(), tol(1e-5));
             if t > 3 {
                 let pad = padding(t);
-                let both = local_attention(
-                    x.0.clone(),
-                    x.1.clone(),
-                    x.2.clone(),
-                    window,
-                    false,
-                    Some(&pad),
-                    None,
-                );
+                let both = sparse(local_attention, &x, window, false, Some(&pad));
                 let reference = dense(x, local_mask(t, window, false, &device), Some(pad));
                 assert_close(real_queries(both), real_queries(reference));
             }
@@ -125,29 +138,13 @@ fn local_with_a_window_as_long_as_the_sequence_is_full_attention() {
     let t = 9;
     for window in [9, 12, 100] {
         let x = qkv(t, 20);
-        let local = local_attention(
-            x.0.clone(),
-            x.1.clone(),
-            x.2.clone(),
-            window,
-            true,
-            None,
-            None,
-        );
+        let local = sparse(local_attention, &x, window, true, None);
         let full = dense(x.clone(), causal_mask(t, &device), None);
         local
             .into_data()
             .assert_approx_eq(&full.into_data(), tol(1e-5));
         let pad = padding(t);
-        let local = local_attention(
-            x.0.clone(),
-            x.1.clone(),
-            x.2.clone(),
-            window,
-            false,
-            Some(&pad),
-            None,
-        );
+        let local = sparse(local_attention, &x, window, false, Some(&pad));
         let nothing =
             Tensor::<B, 2, Bool>::from_data(TensorData::new(vec![false; t * t], [t, t]), &device);
         let full = dense(x, nothing, Some(pad));
@@ -161,29 +158,13 @@ fn strided_blocks_equal_the_dense_fixed_pattern() {
     for t in [5, 12, 13] {
         for stride in [1, 2, 3, 4, 16] {
             let x = qkv(t, 30);
-            let causal = strided_attention(
-                x.0.clone(),
-                x.1.clone(),
-                x.2.clone(),
-                stride,
-                true,
-                None,
-                None,
-            );
+            let causal = sparse(strided_attention, &x, stride, true, None);
             let reference = dense(x.clone(), strided_mask(t, stride, true, &device), None);
             causal
                 .into_data()
                 .assert_approx_eq(&reference.into_data(), tol(1e-5));
             let pad = padding(t);
-            let both = strided_attention(
-                x.0.clone(),
-                x.1.clone(),
-                x.2.clone(),
-                stride,
-                false,
-                Some(&pad),
-                None,
-            );
+            let both = sparse(strided_attention, &x, stride, false, Some(&pad));
             let reference = dense(x, strided_mask(t, stride, false, &device), Some(pad));
             assert_close(real_queries(both), real_queries(reference));
         }
