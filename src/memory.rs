@@ -18,24 +18,23 @@ fn grew(bytes: usize) {
     PEAK.fetch_max(live, Ordering::Relaxed);
 }
 
+/// Counts a fresh allocation of `bytes` (when it succeeded) and passes the pointer on.
+fn counted(ptr: *mut u8, bytes: usize) -> *mut u8 {
+    INSTALLED.store(true, Ordering::Relaxed);
+    if !ptr.is_null() {
+        grew(bytes);
+    }
+    ptr
+}
+
 // SAFETY: every call is forwarded unchanged to `System`; only counters are updated around it.
 unsafe impl GlobalAlloc for CountingAlloc {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        INSTALLED.store(true, Ordering::Relaxed);
-        let ptr = unsafe { System.alloc(layout) };
-        if !ptr.is_null() {
-            grew(layout.size());
-        }
-        ptr
+        counted(unsafe { System.alloc(layout) }, layout.size())
     }
 
     unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
-        INSTALLED.store(true, Ordering::Relaxed);
-        let ptr = unsafe { System.alloc_zeroed(layout) };
-        if !ptr.is_null() {
-            grew(layout.size());
-        }
-        ptr
+        counted(unsafe { System.alloc_zeroed(layout) }, layout.size())
     }
 
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {

@@ -129,10 +129,9 @@ pub fn bench_mixers<B: AutodiffBackend>(
 ) -> Result<Vec<Point>> {
     let mut points = Vec::new();
     for mixer in mixers {
-        let mut previous: Vec<&Point> = Vec::new();
-        let mut mine = Vec::new();
+        let mut mine: Vec<Point> = Vec::new();
         for &length in &plan.lengths {
-            if let [.., a, b] = previous[..] {
+            if let [.., a, b] = &mine[..] {
                 if let (Some(pa), Some(pb)) = (a.peak_bytes, b.peak_bytes) {
                     // Extrapolate the growth of the last two points: peak ∝ lengthᵖ.
                     let p = (pb.max(1) as f64 / pa.max(1) as f64).ln()
@@ -175,7 +174,6 @@ pub fn bench_mixers<B: AutodiffBackend>(
             };
             progress(&point);
             mine.push(point);
-            previous = mine.iter().collect();
             if over_budget {
                 break;
             }

@@ -191,53 +191,60 @@ impl<B: Backend> Hyena<B> {
     /// The long filters `hⁿ(t)` for `t < len`: `[N, d, len]`.
     pub fn filters(&self, len: usize) -> Tensor<B, 3> {
         let device = self.frequency.device();
-        let features = self.position_features(len, &device); // [len, features]
+        let time = self.time(len, &device); // [len, 1]
+        let features = self.position_features(time.clone()); // [len, features]
         let omega = self.frequency.val().unsqueeze::<2>(); // [1, width]
         let hidden = (self.filter[0].forward(features) * omega.clone()).sin();
         let hidden = (self.filter[1].forward(hidden) * omega).sin();
         let h = self.filter[2].forward(hidden); // [len, N·d]
         let nd = h.dims()[1];
-        let h = h * self.decay_window(len, nd, &device); // [len, N·d]
+        let h = h * self.decay_window(time, nd); // [len, N·d]
         h.reshape([len, self.order, nd / self.order]) // [len, N, d]
             .permute([1, 2, 0]) // [N, d, len]
     }
 
-    /// `[t/max_len, cos(2π·f·t/max_len), sin(…)]` for `f = 1..=bands`: `[len, 1 + 2·bands]`.
-    fn position_features(&self, len: usize, device: &B::Device) -> Tensor<B, 2> {
-        let width = 1 + 2 * self.bands;
-        let scale = self.max_len.max(len) as f64;
-        let values: Vec<f32> = (0..len)
-            .flat_map(|t| {
-                let time = t as f64 / scale;
-                let bands = (1..=self.bands).flat_map(move |f| {
-                    let angle = 2.0 * PI * f as f64 * time;
-                    [angle.cos(), angle.sin()]
-                });
-                std::iter::once(time).chain(bands)
-            })
-            .map(|v| v as f32)
+    /// Positions measured against `max_len`, `t/max_len` for `t < len`: `[len, 1]`.
+    fn time(&self, len: usize, device: &B::Device) -> Tensor<B, 2> {
+        let scale = self.max_len.max(len) as f32;
+        Tensor::<B, 1, Int>::arange(0..len as i64, device)
+            .float()
+            .div_scalar(scale)
+            .reshape([len, 1])
+    }
+
+    /// `[t/max_len, cos(2π·f·t/max_len), sin(…)]` for `f = 1..=bands` (each band's cos and sin
+    /// side by side): `time` `[len, 1]` → `[len, 1 + 2·bands]`.
+    fn position_features(&self, time: Tensor<B, 2>) -> Tensor<B, 2> {
+        let len = time.dims()[0];
+        let device = time.device();
+        let frequencies: Vec<f32> = (1..=self.bands)
+            .map(|f| (2.0 * PI * f as f64) as f32)
             .collect();
-        Tensor::from_data(TensorData::new(values, [len, width]), device)
+        let frequencies =
+            Tensor::<B, 2>::from_data(TensorData::new(frequencies, [1, self.bands]), &device);
+        let angle = time.clone() * frequencies; // [len, bands]
+        let bands = Tensor::stack::<3>(vec![angle.clone().cos(), angle.sin()], 2) // [len, bands, 2]
+            .reshape([len, 2 * self.bands]);
+        Tensor::cat(vec![time, bands], 1)
     }
 
     /// `exp(−αᶜ·t/max_len)`, `[len, channels]`, with rates spread from fast (the filter falls to
     /// 1% over 30% of `max_len`) to slow (to 1% over 150%), as in the paper's modulation.
-    fn decay_window(&self, len: usize, channels: usize, device: &B::Device) -> Tensor<B, 2> {
-        let scale = self.max_len.max(len) as f64;
+    fn decay_window(&self, time: Tensor<B, 2>, channels: usize) -> Tensor<B, 2> {
         let (fast, slow) = (0.01f64.ln() / 0.3, 0.01f64.ln() / 1.5);
-        let rate = |c: usize| {
-            let share = if channels > 1 {
-                c as f64 / (channels - 1) as f64
-            } else {
-                0.0
-            };
-            -(fast + (slow - fast) * share)
-        };
-        let values: Vec<f32> = (0..len)
-            .flat_map(|t| (0..channels).map(move |c| (t, c)))
-            .map(|(t, c)| (-rate(c) * t as f64 / scale).exp() as f32)
+        let rates: Vec<f32> = (0..channels)
+            .map(|c| {
+                let share = if channels > 1 {
+                    c as f64 / (channels - 1) as f64
+                } else {
+                    0.0
+                };
+                -(fast + (slow - fast) * share) as f32
+            })
             .collect();
-        Tensor::from_data(TensorData::new(values, [len, channels]), device)
+        let rates =
+            Tensor::<B, 2>::from_data(TensorData::new(rates, [1, channels]), &time.device());
+        (time * rates).neg().exp() // [len, channels]
     }
 
     /// Order `N`.

@@ -66,14 +66,7 @@ pub fn local_attention<B: Backend>(
         .unsqueeze::<5>(); // [1, 1, nb, c, span]
     let mask = with_padding(pattern, pad.map(|p| pad_windows(p, c, nb, before, after)));
 
-    let weights = softmax(
-        scores.mask_fill(mask.expand([b, h, nb, c, span]), MASKED_SCORE),
-        4,
-    );
-    let weights = match dropout {
-        Some(dropout) => dropout.forward(weights),
-        None => weights,
-    };
+    let weights = block_softmax(scores, mask, dropout); // [b, h, nb, ·, keys]
     weights
         .matmul(vw) // [b, h, nb, c, k]
         .reshape([b, h, nb * c, d_head])
@@ -153,20 +146,28 @@ pub fn strided_attention<B: Backend>(
     });
     let mask = with_padding(pattern, pad);
 
-    let weights = softmax(
-        scores.mask_fill(mask.expand([b, h, nb, l, width]), MASKED_SCORE),
-        4,
-    );
-    let weights = match dropout {
-        Some(dropout) => dropout.forward(weights),
-        None => weights,
-    };
+    let weights = block_softmax(scores, mask, dropout); // [b, h, nb, ·, keys]
     let own = weights.clone().slice(s![.., .., .., .., 0..l]).matmul(vb); // [b, h, nb, l, k]
     let summary = weights
         .slice(s![.., .., .., .., l..width])
         .reshape([b, h, n, nb])
         .matmul(summary_v); // [b, h, n, k]
     (own.reshape([b, h, n, d_head]) + summary).slice([0..b, 0..h, 0..t]) // [b, h, t, k]
+}
+
+/// The softmax over each block's keys with `mask` (`true` = masked out, broadcast over heads),
+/// then attention dropout when given.
+fn block_softmax<B: Backend>(
+    scores: Tensor<B, 5>,
+    mask: Tensor<B, 5, Bool>,
+    dropout: Option<&Dropout>,
+) -> Tensor<B, 5> {
+    let shape = scores.dims();
+    let weights = softmax(scores.mask_fill(mask.expand(shape), MASKED_SCORE), 4);
+    match dropout {
+        Some(dropout) => dropout.forward(weights),
+        None => weights,
+    }
 }
 
 /// `[b, h, t, k]` → `[b, h, n, k]`, zeros after `t`.
