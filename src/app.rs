@@ -16,19 +16,19 @@ use crate::data::{data_dir, TranslationCorpus};
 use crate::embed::{cosine, TextEncoder};
 use crate::explain;
 use crate::generate::{check_prompt, generate, Sampling};
+use crate::kernels::LabBackend;
 use crate::train::{
     evaluate, train, TrainRequest, Trained, TrainedClassifier, TrainedTranslator, TrainedVit,
 };
 use crate::translate::{translate_texts, SearchConfig, Truncated};
 use anyhow::{bail, Context, Result};
 use burn::backend::Autodiff;
-use burn::prelude::Backend;
 use std::io::{BufRead, Write};
 use std::path::PathBuf;
 use std::time::Instant;
 
 impl BackendTask for Command {
-    fn run<B: Backend>(self, device: B::Device) -> Result<()> {
+    fn run<B: LabBackend>(self, device: B::Device) -> Result<()> {
         match self {
             Command::Train(args) => run_train::<B>(args, device),
             Command::Generate(args) => run_generate::<B>(args, device),
@@ -44,7 +44,7 @@ impl BackendTask for Command {
     }
 }
 
-fn run_train<B: Backend>(args: TrainArgs, device: B::Device) -> Result<()> {
+fn run_train<B: LabBackend>(args: TrainArgs, device: B::Device) -> Result<()> {
     let config = args
         .experiment
         .as_deref()
@@ -78,7 +78,7 @@ fn run_train<B: Backend>(args: TrainArgs, device: B::Device) -> Result<()> {
     Ok(())
 }
 
-fn run_generate<B: Backend>(args: GenerateArgs, device: B::Device) -> Result<()> {
+fn run_generate<B: LabBackend>(args: GenerateArgs, device: B::Device) -> Result<()> {
     let sampling = Sampling {
         temperature: args.temperature,
         top_k: args.top_k,
@@ -115,7 +115,7 @@ fn run_generate<B: Backend>(args: GenerateArgs, device: B::Device) -> Result<()>
     Ok(())
 }
 
-fn run_eval<B: Backend>(args: EvalArgs, device: B::Device) -> Result<()> {
+fn run_eval<B: LabBackend>(args: EvalArgs, device: B::Device) -> Result<()> {
     if args.batch_size == 0 {
         bail!("--batch-size must be at least 1");
     }
@@ -141,7 +141,7 @@ fn run_eval<B: Backend>(args: EvalArgs, device: B::Device) -> Result<()> {
 }
 
 /// A translator's SearchConfig from the command line, `max_len` defaulting to the model's.
-fn search_config<B: Backend>(
+fn search_config<B: LabBackend>(
     args: &SearchArgs,
     translator: &TrainedTranslator<B>,
 ) -> Result<SearchConfig> {
@@ -165,7 +165,7 @@ fn warn_truncated(truncated: &[Truncated], max_tokens: usize) {
     }
 }
 
-fn run_translate<B: Backend>(args: TranslateArgs, device: B::Device) -> Result<()> {
+fn run_translate<B: LabBackend>(args: TranslateArgs, device: B::Device) -> Result<()> {
     let translator = TrainedTranslator::<B>::load(&ArtifactDir::new(&args.artifact_dir), &device)?;
     let search = search_config(&args.search, &translator)?;
     let texts = texts_or_stdin(args.texts)?;
@@ -187,7 +187,7 @@ fn run_translate<B: Backend>(args: TranslateArgs, device: B::Device) -> Result<(
     Ok(())
 }
 
-fn run_eval_translation<B: Backend>(args: EvalArgs, device: B::Device) -> Result<()> {
+fn run_eval_translation<B: LabBackend>(args: EvalArgs, device: B::Device) -> Result<()> {
     let translator = TrainedTranslator::<B>::load(&ArtifactDir::new(&args.artifact_dir), &device)?;
     let search = search_config(&args.search, &translator)?;
     let config = &translator.config;
@@ -248,7 +248,7 @@ fn run_eval_translation<B: Backend>(args: EvalArgs, device: B::Device) -> Result
     Ok(())
 }
 
-fn run_eval_classifier<B: Backend>(
+fn run_eval_classifier<B: LabBackend>(
     args: EvalArgs,
     config: &ExperimentConfig,
     device: B::Device,
@@ -290,7 +290,7 @@ fn run_eval_classifier<B: Backend>(
     Ok(())
 }
 
-fn run_predict<B: Backend>(args: PredictArgs, device: B::Device) -> Result<()> {
+fn run_predict<B: LabBackend>(args: PredictArgs, device: B::Device) -> Result<()> {
     let trained = TrainedVit::<B>::load(&ArtifactDir::new(&args.artifact_dir), &device)?;
     let size = trained.config.vit()?.image_size;
     let classes = class_names(&trained.config.data.dataset);
@@ -336,7 +336,7 @@ fn texts_or_stdin(texts: Vec<String>) -> Result<Vec<String>> {
         .context("cannot read stdin as UTF-8 text")
 }
 
-fn run_classify<B: Backend>(args: ClassifyArgs, device: B::Device) -> Result<()> {
+fn run_classify<B: LabBackend>(args: ClassifyArgs, device: B::Device) -> Result<()> {
     let trained = TrainedClassifier::<B>::load(&ArtifactDir::new(&args.artifact_dir), &device)?;
     let classes = class_names(&trained.config.data.dataset);
     let texts = texts_or_stdin(args.texts)?;
@@ -355,7 +355,7 @@ fn run_classify<B: Backend>(args: ClassifyArgs, device: B::Device) -> Result<()>
     Ok(())
 }
 
-fn run_embed<B: Backend>(args: EmbedArgs, device: B::Device) -> Result<()> {
+fn run_embed<B: LabBackend>(args: EmbedArgs, device: B::Device) -> Result<()> {
     let encoder = TextEncoder::<B>::load(&ArtifactDir::new(&args.artifact_dir), &device)?;
     let mut vectors = Vec::new();
     let mut lacking = Vec::new();
@@ -408,7 +408,7 @@ fn run_embed<B: Backend>(args: EmbedArgs, device: B::Device) -> Result<()> {
     Ok(())
 }
 
-fn run_bench<B: Backend>(args: BenchArgs, device: B::Device) -> Result<()> {
+fn run_bench<B: LabBackend>(args: BenchArgs, device: B::Device) -> Result<()> {
     let args = match args.what {
         BenchCommand::Train(args) => args,
         BenchCommand::Mixers(args) => return run_bench_mixers::<B>(args, device),
@@ -441,7 +441,7 @@ fn run_bench<B: Backend>(args: BenchArgs, device: B::Device) -> Result<()> {
     Ok(())
 }
 
-fn run_bench_mixers<B: Backend>(args: BenchMixersArgs, device: B::Device) -> Result<()> {
+fn run_bench_mixers<B: LabBackend>(args: BenchMixersArgs, device: B::Device) -> Result<()> {
     use crate::bench::mixers::{bench_mixers, render, to_csv, write_png, MixerPlan};
     use crate::nn::{HyenaConfig, Mixer};
     let mixers = args
@@ -522,7 +522,7 @@ fn available_memory() -> Option<usize> {
     Some(kib * 1024)
 }
 
-fn run_attention<B: Backend>(args: AttentionArgs, device: B::Device) -> Result<()> {
+fn run_attention<B: LabBackend>(args: AttentionArgs, device: B::Device) -> Result<()> {
     use crate::inspect::{html, picture, terminal, Inspectable};
     let model = Inspectable::<B>::load(&ArtifactDir::new(&args.artifact_dir), &device)?;
     if args.target.is_some() && !matches!(model, Inspectable::Translator(_)) {
@@ -565,7 +565,7 @@ fn run_attention<B: Backend>(args: AttentionArgs, device: B::Device) -> Result<(
     Ok(())
 }
 
-fn run_explain<B: Backend>(args: ExplainArgs, device: B::Device) -> Result<()> {
+fn run_explain<B: LabBackend>(args: ExplainArgs, device: B::Device) -> Result<()> {
     if let (Some(dir), Some(text)) = (&args.artifact_dir, &args.text) {
         let model = crate::inspect::Inspectable::<B>::load(&ArtifactDir::new(dir), &device)?;
         let walkthrough = explain::model_walkthrough(&model, text, args.layer, args.head, &device)?;

@@ -14,6 +14,7 @@
 //! Every file is written atomically (temporary file, fsync, rename), so an interrupted run
 //! never leaves a half-written file under a name that is read back.
 
+use crate::kernels::LabBackend;
 use anyhow::{anyhow, bail, Context, Result};
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::prelude::*;
@@ -58,7 +59,7 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
 #[derive(Debug, Default, Clone)]
 pub struct AtomicRecorder<R>(R);
 
-impl<B: Backend, R: FileRecorder<B>> Recorder<B> for AtomicRecorder<R> {
+impl<B: LabBackend, R: FileRecorder<B>> Recorder<B> for AtomicRecorder<R> {
     type Settings = R::Settings;
     type RecordArgs = PathBuf;
     type RecordOutput = ();
@@ -87,7 +88,7 @@ impl<B: Backend, R: FileRecorder<B>> Recorder<B> for AtomicRecorder<R> {
     }
 }
 
-impl<B: Backend, R: FileRecorder<B>> FileRecorder<B> for AtomicRecorder<R> {
+impl<B: LabBackend, R: FileRecorder<B>> FileRecorder<B> for AtomicRecorder<R> {
     fn file_extension() -> &'static str {
         R::file_extension()
     }
@@ -205,7 +206,7 @@ impl ArtifactDir {
 }
 
 /// Loads weights into `model`, refusing a file written for a model of another shape.
-pub fn load_weights<B: Backend, M: Module<B>>(
+pub fn load_weights<B: LabBackend, M: Module<B>>(
     model: M,
     path: &Path,
     device: &B::Device,
@@ -248,9 +249,9 @@ fn first_line(text: &str) -> &str {
 }
 
 /// The shape of every float parameter, in visiting order.
-pub fn param_shapes<B: Backend, M: Module<B>>(model: &M) -> Vec<Vec<usize>> {
+pub fn param_shapes<B: LabBackend, M: Module<B>>(model: &M) -> Vec<Vec<usize>> {
     struct Shapes(Vec<Vec<usize>>);
-    impl<B: Backend> ModuleVisitor<B> for Shapes {
+    impl<B: LabBackend> ModuleVisitor<B> for Shapes {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
             self.0.push(param.val().dims().to_vec());
         }

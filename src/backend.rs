@@ -2,6 +2,7 @@
 //! `--backend` flag picks among them.
 
 use crate::cli::BackendKind;
+use crate::kernels::LabBackend;
 use anyhow::{bail, Result};
 
 /// The CPU backend.
@@ -19,7 +20,7 @@ pub type Gpu = burn::backend::Wgpu<f32, i32>;
 /// Something to run on a backend chosen at run time.
 pub trait BackendTask {
     /// Runs on backend `B` with device `device`.
-    fn run<B: burn::tensor::backend::Backend>(self, device: B::Device) -> Result<()>;
+    fn run<B: LabBackend>(self, device: B::Device) -> Result<()>;
 }
 
 /// The backend used when `--backend` is absent: wgpu when it is compiled in and a hardware GPU

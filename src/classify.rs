@@ -5,6 +5,7 @@ use crate::data::images::normalise_pixel;
 use crate::data::sentiment::{encode_sentence, SENTIMENT_LABELS};
 use crate::data::translation::pad_rows;
 use crate::data::{ImageSet, SentimentCorpus};
+use crate::kernels::LabBackend;
 use crate::train::{TrainedClassifier, TrainedVit};
 use anyhow::{bail, Context, Result};
 use burn::prelude::*;
@@ -69,7 +70,7 @@ pub fn load_image(path: &Path, size: usize) -> Result<PreparedImage> {
 }
 
 /// Class probabilities of images, `[b, classes]`.
-pub fn image_probabilities<B: Backend>(
+pub fn image_probabilities<B: LabBackend>(
     trained: &TrainedVit<B>,
     images: &[Vec<u8>],
     size: usize,
@@ -88,7 +89,7 @@ pub fn image_probabilities<B: Backend>(
 }
 
 /// Class probabilities of texts, `[b, classes]`. Empty texts are an error.
-pub fn text_probabilities<B: Backend>(
+pub fn text_probabilities<B: LabBackend>(
     trained: &TrainedClassifier<B>,
     texts: &[String],
     device: &B::Device,
@@ -147,7 +148,7 @@ impl Confusion {
 }
 
 /// Arg-max class of each row of `scores`, `[b, classes]` → `b` indices.
-fn predictions<B: Backend>(scores: Tensor<B, 2>) -> Result<Vec<usize>> {
+fn predictions<B: LabBackend>(scores: Tensor<B, 2>) -> Result<Vec<usize>> {
     let [b, _] = scores.dims();
     let ids = scores.argmax(1).reshape([b]).into_data();
     Ok(ids
@@ -160,7 +161,7 @@ fn predictions<B: Backend>(scores: Tensor<B, 2>) -> Result<Vec<usize>> {
 }
 
 /// Test-set confusion of a ViT (the official 10,000 test images).
-pub fn evaluate_vit<B: Backend>(
+pub fn evaluate_vit<B: LabBackend>(
     trained: &TrainedVit<B>,
     data_dir: &Path,
     batch_size: usize,
@@ -187,7 +188,7 @@ pub fn evaluate_vit<B: Backend>(
 }
 
 /// Test-split confusion of a text classifier (GLUE dev for SST-2).
-pub fn evaluate_classifier<B: Backend>(
+pub fn evaluate_classifier<B: LabBackend>(
     trained: &TrainedClassifier<B>,
     data_dir: &Path,
     batch_size: usize,

@@ -4,12 +4,13 @@
 use crate::artifact::ArtifactDir;
 use crate::config::ModelConfig;
 use crate::data::{Special, Tokenizer};
+use crate::kernels::LabBackend;
 use crate::train::{Trained, TrainedClassifier};
 use anyhow::{bail, Result};
 use burn::prelude::*;
 
 /// A trained text model whose states can be read: a language model or a classifier.
-pub enum TextEncoder<B: Backend> {
+pub enum TextEncoder<B: LabBackend> {
     /// Decoder-only language model (each state sees only the words before it).
     Lm(Trained<B>),
     /// Encoder classifier (each state sees the whole sentence).
@@ -27,7 +28,7 @@ pub struct WordVectors {
     pub static_: Vec<f32>,
 }
 
-impl<B: Backend> TextEncoder<B> {
+impl<B: LabBackend> TextEncoder<B> {
     /// Loads any text model's artifact; image models are an error.
     pub fn load(artifact: &ArtifactDir, device: &B::Device) -> Result<Self> {
         let config = crate::config::ExperimentConfig::load(&artifact.config())?;

@@ -1,5 +1,6 @@
 //! `explain`: single-head scaled dot-product attention, step by step, on small matrices.
 
+use crate::kernels::LabBackend;
 use crate::nn::scaled_dot_product_attention;
 use anyhow::{bail, Context, Result};
 use burn::prelude::*;
@@ -56,7 +57,7 @@ pub fn parse_matrix(name: &str, text: &str) -> Result<Matrix> {
 }
 
 /// Runs X through W_Q, W_K, W_V and [`scaled_dot_product_attention`] on backend `B`.
-pub fn walkthrough<B: Backend>(
+pub fn walkthrough<B: LabBackend>(
     x: &Matrix,
     wq: &Matrix,
     wk: &Matrix,
@@ -101,7 +102,7 @@ pub fn walkthrough<B: Backend>(
     })
 }
 
-fn to_matrix<B: Backend>(m: Tensor<B, 2>) -> Matrix {
+fn to_matrix<B: LabBackend>(m: Tensor<B, 2>) -> Matrix {
     let [_, cols] = m.dims();
     let values: Vec<f32> = m.into_data().convert::<f32>().to_vec().expect("f32 matrix");
     values.chunks(cols).map(<[f32]>::to_vec).collect()
@@ -161,7 +162,7 @@ pub struct HeadWalkthrough {
 
 /// Walks through head `head` of layer `layer` of a trained text model (language model,
 /// classifier, or a translator's encoder) on `text`.
-pub fn model_walkthrough<B: Backend>(
+pub fn model_walkthrough<B: LabBackend>(
     model: &crate::inspect::Inspectable<B>,
     text: &str,
     layer: usize,

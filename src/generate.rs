@@ -1,6 +1,7 @@
 //! Autoregressive sampling from a language model: temperature, top-k, nucleus (top-p) and
 //! greedy decoding, written once for every backend.
 
+use crate::kernels::LabBackend;
 use crate::models::LanguageModel;
 use crate::nn::PositionKind;
 use anyhow::{bail, Result};
@@ -125,7 +126,7 @@ pub fn check_prompt(len: usize, context: usize, position: PositionKind) -> Resul
 /// Extends `prompt` by `max_new_tokens` tokens, calling `emit` with each as it is chosen.
 ///
 /// The model sees at most its last `context` tokens (a sliding window, as in nanoGPT).
-pub fn generate<B: Backend>(
+pub fn generate<B: LabBackend>(
     model: &LanguageModel<B>,
     prompt: &[usize],
     max_new_tokens: usize,
@@ -162,7 +163,7 @@ pub fn generate<B: Backend>(
 
 /// The next-token distribution of the model after `tokens`, `[v]` probabilities (for tests
 /// and inspection).
-pub fn next_token_probs<B: Backend>(
+pub fn next_token_probs<B: LabBackend>(
     model: &LanguageModel<B>,
     tokens: &[usize],
     device: &B::Device,

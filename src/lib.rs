@@ -39,6 +39,7 @@ pub mod embed;
 pub mod explain;
 pub mod generate;
 pub mod inspect;
+pub mod kernels;
 pub mod memory;
 pub mod models;
 pub mod nn;

@@ -5,6 +5,7 @@
 //! and the step's only host round trip is the few ids per row that steer the search.
 
 use crate::data::Special;
+use crate::kernels::LabBackend;
 use crate::models::{Memory, Seq2Seq};
 use crate::nn::AttentionMask;
 use anyhow::{bail, Result};
@@ -54,7 +55,7 @@ pub struct Hypothesis {
 ///
 /// # Shapes
 /// `source`: `[b, s]` ids (each row `… </s>`, padded with `<pad>`) → `b` hypotheses.
-pub fn greedy<B: Backend>(
+pub fn greedy<B: LabBackend>(
     model: &Seq2Seq<B>,
     source: Tensor<B, 2, Int>,
     search: &SearchConfig,
@@ -97,7 +98,7 @@ pub fn greedy<B: Backend>(
 /// has `k` finished hypotheses and no live one can still beat the worst of them at the
 /// current length. Returns the best-scoring finished hypothesis per sentence. With `k = 1`
 /// this is exactly greedy decoding.
-pub fn beam_search<B: Backend>(
+pub fn beam_search<B: LabBackend>(
     model: &Seq2Seq<B>,
     source: Tensor<B, 2, Int>,
     search: &SearchConfig,
@@ -212,7 +213,7 @@ fn can_stop(
 }
 
 /// Log-probabilities of the next token after each row's last token, `[rows, v]`.
-fn last_log_probs<B: Backend>(
+fn last_log_probs<B: LabBackend>(
     model: &Seq2Seq<B>,
     memory: &Memory<B>,
     rows: &[Vec<usize>],
@@ -235,7 +236,7 @@ fn last_log_probs<B: Backend>(
 }
 
 /// Repeats each sentence's key-padding mask `k` times (beams adjacent).
-fn repeat_mask<B: Backend>(mask: &AttentionMask<B>, k: usize) -> AttentionMask<B> {
+fn repeat_mask<B: LabBackend>(mask: &AttentionMask<B>, k: usize) -> AttentionMask<B> {
     let tensor = mask.tensor(); // [b, 1, 1, s]
     let [b, _, _, s] = tensor.dims();
     let pad = tensor
@@ -273,7 +274,7 @@ pub struct Truncated {
 /// Translates `texts` in batches of similar length, returning the translations in input order
 /// and the inputs that were cut to `max_tokens` (with `</s>`). An empty (or all-blank) text
 /// translates to an empty string without running the model.
-pub fn translate_texts<B: Backend>(
+pub fn translate_texts<B: LabBackend>(
     model: &Seq2Seq<B>,
     tokenizers: &crate::train::Tokenizers,
     texts: &[String],

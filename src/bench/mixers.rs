@@ -5,13 +5,13 @@
 //! variant's growth exponent and the length where it overtakes full attention.
 
 use super::median;
+use crate::kernels::{LabAutodiff, LabBackend};
 use crate::memory::{peak_since, reset_peak};
 use crate::nn::{AttentionMask, Hyena, Mixer, MultiHeadAttention, MultiHeadAttentionConfig};
 use crate::plot::{render_png, FONT};
 use anyhow::{anyhow, Result};
 use burn::nn::Initializer;
 use burn::prelude::*;
-use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::Distribution;
 use plotters::prelude::*;
 use std::fmt::Write as _;
@@ -53,12 +53,12 @@ pub struct Point {
 }
 
 /// One causal self-attention layer of a given mixer.
-enum Layer<B: Backend> {
+enum Layer<B: LabBackend> {
     Attention(MultiHeadAttention<B>),
     Hyena(Hyena<B>),
 }
 
-impl<B: Backend> Layer<B> {
+impl<B: LabBackend> Layer<B> {
     fn new(mixer: &Mixer, plan: &MixerPlan, max_len: usize, device: &B::Device) -> Self {
         match mixer {
             Mixer::Hyena(config) => Layer::Hyena(config.init(
@@ -90,12 +90,16 @@ impl<B: Backend> Layer<B> {
     }
 }
 
-fn sync<B: Backend>(device: &B::Device) -> Result<()> {
+fn sync<B: LabBackend>(device: &B::Device) -> Result<()> {
     B::sync(device).map_err(|e| anyhow!("the backend failed: {e:?}"))
 }
 
 /// Seconds of one forward pass without autodiff.
-fn time_forward<B: Backend>(layer: &Layer<B>, x: &Tensor<B, 3>, device: &B::Device) -> Result<f64> {
+fn time_forward<B: LabBackend>(
+    layer: &Layer<B>,
+    x: &Tensor<B, 3>,
+    device: &B::Device,
+) -> Result<f64> {
     let began = Instant::now();
     let out = layer.forward(x.clone());
     sync::<B>(device)?;
@@ -104,7 +108,7 @@ fn time_forward<B: Backend>(layer: &Layer<B>, x: &Tensor<B, 3>, device: &B::Devi
 }
 
 /// Seconds and peak heap bytes of one forward + backward pass.
-fn time_train<B: AutodiffBackend>(
+fn time_train<B: LabAutodiff>(
     layer: &Layer<B>,
     x: &Tensor<B, 3>,
     device: &B::Device,
@@ -121,7 +125,7 @@ fn time_train<B: AutodiffBackend>(
 
 /// Measures every mixer in `mixers` at every length of `plan` (stopping a mixer early as the
 /// plan says), calling `progress` after each point.
-pub fn bench_mixers<B: AutodiffBackend>(
+pub fn bench_mixers<B: LabAutodiff>(
     mixers: &[Mixer],
     plan: &MixerPlan,
     device: &B::Device,

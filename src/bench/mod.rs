@@ -11,14 +11,13 @@ pub mod mixers;
 
 use crate::config::ExperimentConfig;
 use crate::data::{LmBatcher, LmItem, TokenWindows};
+use crate::kernels::{LabAutodiff, LabBackend};
 use crate::models::{LanguageModel, LmBatch};
 use crate::train::{reference_adamw, Corpus};
 use anyhow::{anyhow, Result};
 use burn::data::dataloader::batcher::Batcher;
 use burn::data::dataset::Dataset;
 use burn::optim::{GradientsParams, Optimizer};
-use burn::prelude::*;
-use burn::tensor::backend::AutodiffBackend;
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
 use std::path::Path;
@@ -114,12 +113,12 @@ impl BenchReport {
     }
 }
 
-fn sync<B: Backend>(device: &B::Device) -> Result<()> {
+fn sync<B: LabBackend>(device: &B::Device) -> Result<()> {
     B::sync(device).map_err(|e| anyhow!("the backend failed: {e:?}"))
 }
 
 /// Trains the language model of `config` for `plan` on backend `B` and times every step.
-pub fn bench_lm<B: AutodiffBackend>(
+pub fn bench_lm<B: LabAutodiff>(
     config: &ExperimentConfig,
     data_dir: &Path,
     plan: BenchPlan,

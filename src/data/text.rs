@@ -1,5 +1,6 @@
 //! Next-token examples from a token stream: every window of `context + 1` consecutive tokens.
 
+use crate::kernels::LabBackend;
 use crate::models::LmBatch;
 use burn::data::dataloader::batcher::Batcher;
 use burn::data::dataset::Dataset;
@@ -66,7 +67,7 @@ impl Dataset<LmItem> for TokenWindows {
 #[derive(Clone, Debug, Default)]
 pub struct LmBatcher;
 
-impl<B: Backend> Batcher<B, LmItem, LmBatch<B>> for LmBatcher {
+impl<B: LabBackend> Batcher<B, LmItem, LmBatch<B>> for LmBatcher {
     fn batch(&self, items: Vec<LmItem>, device: &B::Device) -> LmBatch<B> {
         let b = items.len();
         let t = items[0].window.len() - 1;

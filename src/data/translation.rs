@@ -6,6 +6,7 @@ use super::bpe::Special;
 use super::registry::DatasetSpec;
 use super::tokenizer::Tokenizer;
 use crate::config::{CopyTaskConfig, DataConfig};
+use crate::kernels::LabBackend;
 use crate::models::Seq2SeqBatch;
 use anyhow::{bail, Context, Result};
 use burn::data::dataloader::batcher::Batcher;
@@ -353,7 +354,7 @@ pub fn pad_rows<B: Backend>(rows: &[Vec<u32>], device: &B::Device) -> Tensor<B, 
     Tensor::from_data(TensorData::new(ids, [rows.len(), n]), device)
 }
 
-impl<B: Backend> Batcher<B, PairItem, Seq2SeqBatch<B>> for Seq2SeqBatcher {
+impl<B: LabBackend> Batcher<B, PairItem, Seq2SeqBatch<B>> for Seq2SeqBatcher {
     fn batch(&self, items: Vec<PairItem>, device: &B::Device) -> Seq2SeqBatch<B> {
         let (bos, eos) = (Special::Bos.id() as u32, Special::Eos.id() as u32);
         let sources: Vec<Vec<u32>> = items.iter().map(|p| p.source.clone()).collect();

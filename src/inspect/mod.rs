@@ -16,6 +16,7 @@ use crate::config::{ExperimentConfig, ModelConfig};
 use crate::data::images::normalise_pixel;
 use crate::data::translation::pad_rows;
 use crate::data::{Special, Tokenizer};
+use crate::kernels::LabBackend;
 use crate::models::vit::{patchify, unpatchify};
 use crate::nn::AttentionMask;
 use crate::train::{Trained, TrainedClassifier, TrainedTranslator, TrainedVit};
@@ -181,7 +182,7 @@ pub fn labels(tokenizer: &Tokenizer, ids: &[usize]) -> Vec<String> {
 }
 
 /// `[b=1, h, q, k]` tensors, one per layer → `[layer][head][query][key]`.
-pub fn to_nested<B: Backend>(layers: Vec<Tensor<B, 4>>) -> Vec<Vec<Vec<Vec<f32>>>> {
+pub fn to_nested<B: LabBackend>(layers: Vec<Tensor<B, 4>>) -> Vec<Vec<Vec<Vec<f32>>>> {
     layers
         .into_iter()
         .map(|w| {
@@ -208,7 +209,7 @@ pub fn to_nested<B: Backend>(layers: Vec<Tensor<B, 4>>) -> Vec<Vec<Vec<Vec<f32>>
 /// A trained model of any kind, as `attention` and `explain` need it (one is loaded per
 /// command, so the variants' different sizes cost nothing).
 #[allow(clippy::large_enum_variant)]
-pub enum Inspectable<B: Backend> {
+pub enum Inspectable<B: LabBackend> {
     /// Decoder-only language model.
     Lm(Trained<B>),
     /// Encoder classifier.
@@ -219,7 +220,7 @@ pub enum Inspectable<B: Backend> {
     Vit(TrainedVit<B>),
 }
 
-impl<B: Backend> Inspectable<B> {
+impl<B: LabBackend> Inspectable<B> {
     /// Loads whatever model `artifact` holds.
     pub fn load(artifact: &ArtifactDir, device: &B::Device) -> Result<Self> {
         let config = ExperimentConfig::load(&artifact.config())?;
@@ -423,7 +424,7 @@ impl<B: Backend> Inspectable<B> {
     }
 }
 
-impl<B: Backend> Inspectable<B> {
+impl<B: LabBackend> Inspectable<B> {
     /// Head statistics of every group of `maps`, with the position-or-content comparison made
     /// on the same input shuffled by a permutation drawn from `seed` (a classifier keeps its
     /// `<s>` first, a translator its `</s>` last, a ViT its classification token).
@@ -519,7 +520,7 @@ pub struct GroupStats {
 }
 
 /// `"label (p%)"` of the most likely class of one row of logits `[1, classes]`.
-fn predicted_class<B: Backend>(logits: Tensor<B, 2>, dataset: &str) -> String {
+fn predicted_class<B: LabBackend>(logits: Tensor<B, 2>, dataset: &str) -> String {
     let probabilities: Vec<f32> = burn::tensor::activation::softmax(logits, 1)
         .into_data()
         .convert::<f32>()
@@ -542,7 +543,7 @@ pub fn patch_labels(grid: usize) -> Vec<String> {
 
 /// The weights a forward pass returned (the full mixer's), or else the mixer's dense weights
 /// computed on request; an error for a model without attention (Hyena).
-fn weights_or_dense<B: Backend>(
+fn weights_or_dense<B: LabBackend>(
     from_forward: Vec<Tensor<B, 4>>,
     dense: impl FnOnce() -> Option<Vec<Tensor<B, 4>>>,
 ) -> Result<Vec<Tensor<B, 4>>> {
@@ -559,7 +560,7 @@ fn weights_or_dense<B: Backend>(
 
 /// A ViT's self-attention on `image` (its patches reordered by `permutation` when given) and
 /// its predicted class with probability.
-pub fn vit_attention<B: Backend>(
+pub fn vit_attention<B: LabBackend>(
     trained: &TrainedVit<B>,
     image: &ImageInput,
     permutation: Option<&[usize]>,

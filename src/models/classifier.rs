@@ -3,6 +3,7 @@
 //! non-padding tokens) → class scores.
 
 use crate::config::validate_width;
+use crate::kernels::LabBackend;
 use crate::nn::{
     padding_mask, pool, Activation, AttentionMask, Mixer, Pooling, PositionEncoding,
     PositionEncodingConfig, PositionKind, TransformerBlockConfig, TransformerStack,
@@ -84,7 +85,7 @@ impl ClassifierConfig {
     }
 
     /// Builds the model. `vocab_size` must be resolved and the config validated.
-    pub fn init<B: Backend>(&self, device: &B::Device) -> TextClassifier<B> {
+    pub fn init<B: LabBackend>(&self, device: &B::Device) -> TextClassifier<B> {
         assert!(
             self.vocab_size > 0,
             "vocab_size must be resolved before init"
@@ -116,7 +117,7 @@ impl ClassifierConfig {
 
 /// The encoder classifier.
 #[derive(Module, Debug)]
-pub struct TextClassifier<B: Backend> {
+pub struct TextClassifier<B: LabBackend> {
     /// Token embedding `[v, d]`.
     pub token_embedding: Embedding<B>,
     /// Positional encoding.
@@ -133,7 +134,7 @@ pub struct TextClassifier<B: Backend> {
 
 /// Class scores, the encoder's states and every layer's attention.
 #[derive(Clone, Debug)]
-pub struct ClassifierOutput<B: Backend> {
+pub struct ClassifierOutput<B: LabBackend> {
     /// `[b, classes]`.
     pub logits: Tensor<B, 2>,
     /// `[b, n, d]`, the last layer's states (after the final norm of a pre-norm stack).
@@ -142,7 +143,7 @@ pub struct ClassifierOutput<B: Backend> {
     pub attention: Vec<Tensor<B, 4>>,
 }
 
-impl<B: Backend> TextClassifier<B> {
+impl<B: LabBackend> TextClassifier<B> {
     /// Class scores of padded token rows (`<s>` first, `<pad>` on the right).
     ///
     /// # Shapes

@@ -2,6 +2,7 @@
 //! final norm → projection to the vocabulary, trained with next-token cross-entropy.
 
 use crate::config::LmConfig;
+use crate::kernels::LabBackend;
 use crate::nn::{
     AttentionMask, PositionEncoding, PositionEncodingConfig, StackOutput, TransformerStack,
 };
@@ -14,7 +15,7 @@ use burn::prelude::*;
 
 /// A decoder-only transformer language model.
 #[derive(Module, Debug)]
-pub struct LanguageModel<B: Backend> {
+pub struct LanguageModel<B: LabBackend> {
     /// Token embedding `[v, d]`; also the output projection when weights are tied.
     pub token_embedding: Embedding<B>,
     /// Positional encoding.
@@ -28,7 +29,7 @@ pub struct LanguageModel<B: Backend> {
 
 /// A batch of next-token examples: `targets[i, j] = inputs[i, j + 1]` in the source text.
 #[derive(Clone, Debug)]
-pub struct LmBatch<B: Backend> {
+pub struct LmBatch<B: LabBackend> {
     /// `[b, t]` token ids.
     pub inputs: Tensor<B, 2, Int>,
     /// `[b, t]` the following token of each input position.
@@ -37,7 +38,7 @@ pub struct LmBatch<B: Backend> {
 
 /// Logits and the attention weights of every layer.
 #[derive(Clone, Debug)]
-pub struct LmOutput<B: Backend> {
+pub struct LmOutput<B: LabBackend> {
     /// `[b, t, v]` unnormalised next-token scores.
     pub logits: Tensor<B, 3>,
     /// Per layer, `[b, h, t, t]` causal self-attention weights.
@@ -46,7 +47,7 @@ pub struct LmOutput<B: Backend> {
 
 impl LmConfig {
     /// Builds the model. `vocab_size` must be resolved (non-zero) and the config validated.
-    pub fn init<B: Backend>(&self, device: &B::Device) -> LanguageModel<B> {
+    pub fn init<B: LabBackend>(&self, device: &B::Device) -> LanguageModel<B> {
         assert!(
             self.vocab_size > 0,
             "vocab_size must be resolved before init"
@@ -73,7 +74,7 @@ impl LmConfig {
     }
 }
 
-impl<B: Backend> LanguageModel<B> {
+impl<B: LabBackend> LanguageModel<B> {
     /// Logits and attention weights.
     ///
     /// # Shapes

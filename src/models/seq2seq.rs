@@ -4,6 +4,7 @@
 //! padding mask) → projection to the target vocabulary.
 
 use crate::config::validate_width;
+use crate::kernels::LabBackend;
 use crate::nn::{
     padding_mask, Activation, AttentionMask, Mixer, PositionEncoding, PositionEncodingConfig,
     PositionKind, TransformerBlockConfig, TransformerStack, TransformerStackConfig,
@@ -111,7 +112,7 @@ impl Seq2SeqConfig {
     /// # Panics
     /// If a vocabulary size is 0, or embeddings are shared between vocabularies of different
     /// sizes.
-    pub fn init<B: Backend>(&self, device: &B::Device) -> Seq2Seq<B> {
+    pub fn init<B: LabBackend>(&self, device: &B::Device) -> Seq2Seq<B> {
         assert!(
             self.src_vocab_size > 0 && self.tgt_vocab_size > 0,
             "vocabulary sizes must be resolved before init"
@@ -156,7 +157,7 @@ impl Seq2SeqConfig {
 
 /// The encoder–decoder transformer.
 #[derive(Module, Debug)]
-pub struct Seq2Seq<B: Backend> {
+pub struct Seq2Seq<B: LabBackend> {
     /// Source embedding `[v_src, d]` (also the target's when shared).
     pub src_embedding: Embedding<B>,
     /// Target embedding `[v_tgt, d]`, absent when shared with the source.
@@ -176,7 +177,7 @@ pub struct Seq2Seq<B: Backend> {
 
 /// A batch of translation pairs, padded with `<pad>` (id 0) on the right.
 #[derive(Clone, Debug)]
-pub struct Seq2SeqBatch<B: Backend> {
+pub struct Seq2SeqBatch<B: LabBackend> {
     /// `[b, s]` source ids.
     pub source: Tensor<B, 2, Int>,
     /// `[b, t]` decoder inputs: `<s> y₁ … y_{n}`.
@@ -187,7 +188,7 @@ pub struct Seq2SeqBatch<B: Backend> {
 
 /// The encoder's output and the mask that hides its padding from cross-attention.
 #[derive(Clone, Debug)]
-pub struct Memory<B: Backend> {
+pub struct Memory<B: LabBackend> {
     /// `[b, s, d]`.
     pub states: Tensor<B, 3>,
     /// Key-padding mask of the source, `true` = padding.
@@ -198,7 +199,7 @@ pub struct Memory<B: Backend> {
 
 /// Decoder logits and its attention weights.
 #[derive(Clone, Debug)]
-pub struct DecoderOutput<B: Backend> {
+pub struct DecoderOutput<B: LabBackend> {
     /// `[b, t, v_tgt]`.
     pub logits: Tensor<B, 3>,
     /// Per decoder layer, causal self-attention weights `[b, h, t, t]`.
@@ -207,7 +208,7 @@ pub struct DecoderOutput<B: Backend> {
     pub cross_attention: Vec<Tensor<B, 4>>,
 }
 
-impl<B: Backend> Seq2Seq<B> {
+impl<B: LabBackend> Seq2Seq<B> {
     /// Runs the encoder.
     ///
     /// # Shapes

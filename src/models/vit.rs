@@ -4,6 +4,7 @@
 //! classification token, or the mean) and classify.
 
 use crate::config::validate_width;
+use crate::kernels::LabBackend;
 use crate::nn::{
     pool, Activation, Mixer, Pooling, PositionEncoding, PositionEncodingConfig, PositionKind,
     TransformerBlockConfig, TransformerStack, TransformerStackConfig,
@@ -103,7 +104,7 @@ impl VitConfig {
     }
 
     /// Builds the model (the config must be valid).
-    pub fn init<B: Backend>(&self, device: &B::Device) -> VisionTransformer<B> {
+    pub fn init<B: LabBackend>(&self, device: &B::Device) -> VisionTransformer<B> {
         let d = self.d_model;
         let block = TransformerBlockConfig::new(d, self.n_heads, self.d_ff)
             .with_dropout(self.dropout)
@@ -136,7 +137,7 @@ impl VitConfig {
 
 /// The Vision Transformer.
 #[derive(Module, Debug)]
-pub struct VisionTransformer<B: Backend> {
+pub struct VisionTransformer<B: LabBackend> {
     /// Flattened patch `[c·p·p]` → `[d]`.
     pub patch_embedding: Linear<B>,
     /// The learned classification token, `[1, 1, d]`.
@@ -155,7 +156,7 @@ pub struct VisionTransformer<B: Backend> {
 
 /// Class scores, the pooled vector they came from, and every layer's attention.
 #[derive(Clone, Debug)]
-pub struct VitOutput<B: Backend> {
+pub struct VitOutput<B: LabBackend> {
     /// `[b, classes]`.
     pub logits: Tensor<B, 2>,
     /// `[b, d]`.
@@ -169,7 +170,7 @@ pub struct VitOutput<B: Backend> {
 /// # Shapes
 /// `images`: `[b, c, H, W]` with `p` dividing `H` and `W` → `[b, (H/p)·(W/p), c·p·p]`, patches
 /// in row-major order.
-pub fn patchify<B: Backend>(images: Tensor<B, 4>, p: usize) -> Tensor<B, 3> {
+pub fn patchify<B: LabBackend>(images: Tensor<B, 4>, p: usize) -> Tensor<B, 3> {
     let [b, c, h, w] = images.dims();
     let (gh, gw) = (h / p, w / p);
     images
@@ -182,7 +183,12 @@ pub fn patchify<B: Backend>(images: Tensor<B, 4>, p: usize) -> Tensor<B, 3> {
 ///
 /// # Shapes
 /// `patches`: `[b, (H/p)·(W/p), c·p·p]` → `[b, c, H, W]`.
-pub fn unpatchify<B: Backend>(patches: Tensor<B, 3>, c: usize, h: usize, w: usize) -> Tensor<B, 4> {
+pub fn unpatchify<B: LabBackend>(
+    patches: Tensor<B, 3>,
+    c: usize,
+    h: usize,
+    w: usize,
+) -> Tensor<B, 4> {
     let [b, _, _] = patches.dims();
     let p = ((patches.dims()[2] / c) as f64).sqrt().round() as usize;
     patches
@@ -191,7 +197,7 @@ pub fn unpatchify<B: Backend>(patches: Tensor<B, 3>, c: usize, h: usize, w: usiz
         .reshape([b, c, h, w])
 }
 
-impl<B: Backend> VisionTransformer<B> {
+impl<B: LabBackend> VisionTransformer<B> {
     /// Class scores of a batch of images.
     ///
     /// # Shapes

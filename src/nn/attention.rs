@@ -4,10 +4,10 @@ use super::linear_attention::{linear_attention, linear_attention_weights};
 use super::mask::{local_mask, strided_mask, AttentionMask};
 use super::mixer::Mixer;
 use super::sparse::{local_attention, strided_attention};
+use crate::kernels::{self, softmax, LabBackend};
 use burn::module::Module;
 use burn::nn::{Dropout, DropoutConfig, Initializer, Linear, LinearConfig};
 use burn::prelude::*;
-use burn::tensor::activation::softmax;
 use burn::tensor::Bool;
 
 /// Score given to masked-out positions before the softmax. Finite, so a fully masked row gives
@@ -24,7 +24,7 @@ pub(crate) const MASKED_SCORE: f32 = -1.0e9;
 /// - `q`: `[b, h, t, k]`, `k`: `[b, h, s, k]`, `v`: `[b, h, s, k]`
 /// - `mask`: broadcastable to `[b, h, t, s]`, `true` = masked out
 /// - returns `(context [b, h, t, k], weights [b, h, t, s])`; each row of `weights` sums to 1.
-pub fn scaled_dot_product_attention<B: Backend>(
+pub fn scaled_dot_product_attention<B: LabBackend>(
     q: Tensor<B, 4>,
     k: Tensor<B, 4>,
     v: Tensor<B, 4>,
@@ -38,7 +38,7 @@ pub fn scaled_dot_product_attention<B: Backend>(
 ///
 /// # Shapes
 /// `q`: `[b, h, t, k]`, `k`: `[b, h, s, k]`, mask broadcastable to `[b, h, t, s]` → `[b, h, t, s]`.
-pub fn attention_weights<B: Backend>(
+pub fn attention_weights<B: LabBackend>(
     q: Tensor<B, 4>,
     k: Tensor<B, 4>,
     mask: Option<&AttentionMask<B>>,
@@ -47,7 +47,7 @@ pub fn attention_weights<B: Backend>(
 }
 
 /// [`attention_weights`] with a dense mask broadcastable to `[b, h, t, s]`, `true` = masked out.
-pub fn masked_attention_weights<B: Backend>(
+pub fn masked_attention_weights<B: LabBackend>(
     q: Tensor<B, 4>,
     k: Tensor<B, 4>,
     mask: Option<Tensor<B, 4, Bool>>,
@@ -59,7 +59,7 @@ pub fn masked_attention_weights<B: Backend>(
         Some(mask) => scores.mask_fill(mask.expand([b, h, t, s]), MASKED_SCORE),
         None => scores,
     };
-    softmax(scores, 3)
+    softmax(scores)
 }
 
 /// Configuration of [`MultiHeadAttention`].
@@ -95,7 +95,7 @@ pub struct MultiHeadAttentionConfig {
 /// columns `i·k..(i+1)·k`). Self-attention passes the same sequence as `query` and `memory`;
 /// cross-attention passes the decoder state as `query` and the encoder output as `memory`.
 #[derive(Module, Debug)]
-pub struct MultiHeadAttention<B: Backend> {
+pub struct MultiHeadAttention<B: LabBackend> {
     /// W^Q, `[d, d]`.
     pub query: Linear<B>,
     /// W^K, `[d, d]`.
@@ -111,11 +111,12 @@ pub struct MultiHeadAttention<B: Backend> {
 
 /// What an attention layer returns: the projected context and the weights of every head.
 #[derive(Debug, Clone)]
-pub struct AttentionOutput<B: Backend> {
+pub struct AttentionOutput<B: LabBackend> {
     /// `[b, t, d]`, after the output projection W^O.
     pub context: Tensor<B, 3>,
     /// `[b, h, t, s]`, the softmax weights (before attention dropout); rows sum to 1. Only the
-    /// full mixer has them for free; the others never build the `t × s` matrix in a forward
+    /// full mixer has them for free, and only outside training with fused kernels (whose
+    /// attention kernel never stores them); the others never build the `t × s` matrix in a forward
     /// pass ([`MultiHeadAttention::mixer_weights`] builds it on request).
     pub weights: Option<Tensor<B, 4>>,
 }
@@ -125,7 +126,7 @@ impl MultiHeadAttentionConfig {
     ///
     /// # Panics
     /// If `d_model` is not divisible by `n_heads` (configs are validated before this is called).
-    pub fn init<B: Backend>(&self, device: &B::Device) -> MultiHeadAttention<B> {
+    pub fn init<B: LabBackend>(&self, device: &B::Device) -> MultiHeadAttention<B> {
         assert!(
             self.mixer.is_attention(),
             "the hyena mixer is built by the block, not as attention"
@@ -154,7 +155,7 @@ impl MultiHeadAttentionConfig {
     }
 }
 
-impl<B: Backend> MultiHeadAttention<B> {
+impl<B: LabBackend> MultiHeadAttention<B> {
     /// Attends from `query` to `memory`.
     ///
     /// # Shapes
@@ -206,6 +207,13 @@ impl<B: Backend> MultiHeadAttention<B> {
         let pad = mask.and_then(AttentionMask::pad);
         let dropout = Some(&self.dropout);
         let context = match &self.mixer {
+            // Training without attention dropout: the fused kernel, which never builds the
+            // `t × s` weights. Elsewhere (inference, inspection) the weights come for free.
+            Mixer::Full
+                if kernels::fused() && B::ad_enabled(&q.device()) && self.dropout.prob == 0.0 =>
+            {
+                kernels::attention(q, k, v, causal, pad)
+            }
             Mixer::Full => {
                 let weights = attention_weights(q, k, mask); // [b, h, t, s]
                 let context = self.dropout.forward(weights.clone()).matmul(v); // [b, h, t, k]

@@ -9,6 +9,7 @@ use super::feedforward::{Activation, FeedForward, FeedForwardConfig};
 use super::hyena::Hyena;
 use super::mask::AttentionMask;
 use super::mixer::Mixer;
+use crate::kernels::{layer_norm, LabBackend};
 use burn::module::Module;
 use burn::nn::{Dropout, DropoutConfig, Initializer, LayerNorm, LayerNormConfig};
 use burn::prelude::*;
@@ -53,7 +54,7 @@ pub struct TransformerBlockConfig {
 
 /// One transformer layer. See the module docs for the residual/LayerNorm arrangement.
 #[derive(Module, Debug)]
-pub struct TransformerBlock<B: Backend> {
+pub struct TransformerBlock<B: LabBackend> {
     /// (Masked) self-attention: every mixer but Hyena.
     pub self_attention: Option<MultiHeadAttention<B>>,
     /// The Hyena operator, in self-attention's place when the mixer is `hyena`.
@@ -71,7 +72,7 @@ pub struct TransformerBlock<B: Backend> {
 
 /// What a block returns: its output and the attention weights it used.
 #[derive(Debug, Clone)]
-pub struct BlockOutput<B: Backend> {
+pub struct BlockOutput<B: LabBackend> {
     /// `[b, t, d]`.
     pub x: Tensor<B, 3>,
     /// Self-attention weights `[b, h, t, t]`, when the mixer computes them in its forward pass
@@ -83,7 +84,7 @@ pub struct BlockOutput<B: Backend> {
 
 impl TransformerBlockConfig {
     /// Builds the block.
-    pub fn init<B: Backend>(&self, device: &B::Device) -> TransformerBlock<B> {
+    pub fn init<B: LabBackend>(&self, device: &B::Device) -> TransformerBlock<B> {
         let residual_init = Initializer::Normal {
             mean: 0.0,
             std: self.residual_init_std,
@@ -127,7 +128,7 @@ impl TransformerBlockConfig {
     }
 }
 
-impl<B: Backend> TransformerBlock<B> {
+impl<B: LabBackend> TransformerBlock<B> {
     /// Runs the layer.
     ///
     /// # Shapes
@@ -181,11 +182,11 @@ impl<B: Backend> TransformerBlock<B> {
         sublayer: impl FnOnce(Tensor<B, 3>) -> Tensor<B, 3>,
     ) -> Tensor<B, 3> {
         if self.norm_first {
-            let h = sublayer(norm.forward(x.clone()));
+            let h = sublayer(layer_norm(norm, x.clone()));
             x + self.dropout.forward(h)
         } else {
             let h = sublayer(x.clone());
-            norm.forward(x + self.dropout.forward(h))
+            layer_norm(norm, x + self.dropout.forward(h))
         }
     }
 
@@ -203,7 +204,7 @@ impl<B: Backend> TransformerBlock<B> {
     /// post-norm blocks, where it follows the residual instead).
     pub fn self_attention_input(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
         if self.norm_first {
-            self.norm_self.forward(x)
+            layer_norm(&self.norm_self, x)
         } else {
             x
         }

@@ -1,9 +1,11 @@
 //! The position-wise feed-forward network `FFN(x) = act(x·W₁ + b₁)·W₂ + b₂` (§3.3).
 
+use crate::kernels::gelu;
+use crate::kernels::LabBackend;
 use burn::module::Module;
 use burn::nn::{Dropout, DropoutConfig, Initializer, Linear, LinearConfig};
 use burn::prelude::*;
-use burn::tensor::activation::{gelu, relu};
+use burn::tensor::activation::relu;
 use serde::{Deserialize, Serialize};
 
 /// The non-linearity between the two projections.
@@ -42,7 +44,7 @@ pub struct FeedForwardConfig {
 
 /// Two linear maps with a non-linearity between, applied to each position independently.
 #[derive(Module, Debug)]
-pub struct FeedForward<B: Backend> {
+pub struct FeedForward<B: LabBackend> {
     /// W₁, `[d, d_ff]`.
     pub linear_inner: Linear<B>,
     /// W₂, `[d_ff, d]`.
@@ -53,7 +55,7 @@ pub struct FeedForward<B: Backend> {
 
 impl FeedForwardConfig {
     /// Builds the module.
-    pub fn init<B: Backend>(&self, device: &B::Device) -> FeedForward<B> {
+    pub fn init<B: LabBackend>(&self, device: &B::Device) -> FeedForward<B> {
         let linear = |d_in, d_out, initializer: &Initializer| {
             LinearConfig::new(d_in, d_out)
                 .with_bias(self.bias)
@@ -69,7 +71,7 @@ impl FeedForwardConfig {
     }
 }
 
-impl<B: Backend> FeedForward<B> {
+impl<B: LabBackend> FeedForward<B> {
     /// # Shapes
     /// `x`: `[b, t, d]` → `[b, t, d]`.
     pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {

@@ -17,6 +17,7 @@
 //! ([`super::fft::fft_conv`], `O(t log t)`).
 
 use super::fft::{causal_conv, direct_conv, fft_conv};
+use crate::kernels::LabBackend;
 use burn::module::{Module, Param};
 use burn::nn::conv::{Conv1d, Conv1dConfig};
 use burn::nn::{Initializer, Linear, LinearConfig, PaddingConfig1d};
@@ -52,7 +53,7 @@ impl Default for HyenaConfig {
 
 impl HyenaConfig {
     /// Builds the operator for sequences of up to `max_len` positions.
-    pub fn init<B: Backend>(
+    pub fn init<B: LabBackend>(
         &self,
         d_model: usize,
         max_len: usize,
@@ -95,7 +96,7 @@ impl HyenaConfig {
 
 /// The Hyena operator; see the module docs.
 #[derive(Module, Debug)]
-pub struct Hyena<B: Backend> {
+pub struct Hyena<B: LabBackend> {
     /// `d → (N+1)·d`: the streams `x¹…xᴺ, v`.
     pub in_proj: Linear<B>,
     /// Short causal depthwise convolution over each stream.
@@ -113,7 +114,7 @@ pub struct Hyena<B: Backend> {
     max_len: usize,
 }
 
-impl<B: Backend> Hyena<B> {
+impl<B: LabBackend> Hyena<B> {
     /// Mixes the sequence, causally (long convolutions by [`causal_conv`]: a Toeplitz product
     /// for short inputs, the FFT for long ones).
     ///

@@ -11,6 +11,7 @@
 //! [`linear_attention_weights`] is the quadratic form `A = φ(Q)·φ(K)ᵀ` (masked, rows normalised),
 //! the reference the tests hold the fast forms equal to and what inspection shows.
 
+use crate::kernels::LabBackend;
 use burn::prelude::*;
 use burn::tensor::activation::elu;
 use burn::tensor::ops::PadMode;
@@ -20,12 +21,12 @@ use burn::tensor::Bool;
 const EPS: f32 = 1e-6;
 
 /// The feature map φ(x) = elu(x) + 1 > 0.
-pub fn feature_map<B: Backend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
+pub fn feature_map<B: LabBackend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
     elu(x, 1.0).add_scalar(1.0)
 }
 
 /// φ(K) with the rows of padding keys set to zero, so they add nothing to any sum.
-fn key_features<B: Backend>(k: Tensor<B, 4>, pad: Option<&Tensor<B, 2, Bool>>) -> Tensor<B, 4> {
+fn key_features<B: LabBackend>(k: Tensor<B, 4>, pad: Option<&Tensor<B, 2, Bool>>) -> Tensor<B, 4> {
     let phi = feature_map(k); // [b, h, s, k]
     match pad {
         Some(pad) => {
@@ -46,7 +47,7 @@ fn key_features<B: Backend>(k: Tensor<B, 4>, pad: Option<&Tensor<B, 2, Bool>>) -
 /// - `q`: `[b, h, t, k]`; `k`, `v`: `[b, h, s, k]` (`s = t` when causal)
 /// - `pad`: `[b, s]`, `true` at padding keys
 /// - returns the context `[b, h, t, k]`
-pub fn linear_attention<B: Backend>(
+pub fn linear_attention<B: LabBackend>(
     q: Tensor<B, 4>,
     k: Tensor<B, 4>,
     v: Tensor<B, 4>,
@@ -68,7 +69,7 @@ pub fn linear_attention<B: Backend>(
 
 /// The causal form in chunks of `c`: within a chunk `(φQ·φKᵀ ⊙ L)·V` with `L` lower-triangular,
 /// plus `φQ·S` where `S` is the sum of `φKᵀV` over all earlier chunks (an exclusive prefix sum).
-fn causal_linear<B: Backend>(
+fn causal_linear<B: LabBackend>(
     phi_q: Tensor<B, 4>,
     phi_k: Tensor<B, 4>,
     v: Tensor<B, 4>,
@@ -113,7 +114,7 @@ fn causal_linear<B: Backend>(
 /// # Shapes
 /// `q`: `[b, h, t, k]`, `k`: `[b, h, s, k]`, `mask` broadcastable to `[b, h, t, s]`
 /// (`true` = masked out) → `[b, h, t, s]`.
-pub fn linear_attention_weights<B: Backend>(
+pub fn linear_attention_weights<B: LabBackend>(
     q: Tensor<B, 4>,
     k: Tensor<B, 4>,
     mask: Option<Tensor<B, 4, Bool>>,
@@ -132,14 +133,14 @@ pub fn linear_attention_weights<B: Backend>(
 /// The running sums of causal linear attention after some tokens: all a generating model needs
 /// to attend from the next token, whatever the length so far.
 #[derive(Clone, Debug)]
-pub struct LinearState<B: Backend> {
+pub struct LinearState<B: LabBackend> {
     /// `S = Σⱼ φ(kⱼ)ᵀvⱼ`, `[b, h, k, k]`.
     pub kv: Tensor<B, 4>,
     /// `z = Σⱼ φ(kⱼ)`, `[b, h, k, 1]`.
     pub z: Tensor<B, 4>,
 }
 
-impl<B: Backend> LinearState<B> {
+impl<B: LabBackend> LinearState<B> {
     /// The state before any token.
     pub fn new(b: usize, h: usize, d_head: usize, device: &B::Device) -> Self {
         Self {

@@ -1,4 +1,4 @@
-//! The one transformer implementation, generic over `B: Backend`.
+//! The one transformer implementation, generic over `B: LabBackend`.
 //!
 //! Every model in [`crate::models`] is built from these pieces; none has attention or blocks of
 //! its own. Attention is a pure function ([`attention::scaled_dot_product_attention`]) that

@@ -15,9 +15,9 @@
 
 use super::attention::MASKED_SCORE;
 use super::mask::{local_allows, strided_allows};
+use crate::kernels::{softmax, LabBackend};
 use burn::nn::Dropout;
 use burn::prelude::*;
-use burn::tensor::activation::softmax;
 use burn::tensor::ops::PadMode;
 use burn::tensor::Bool;
 
@@ -28,7 +28,7 @@ use burn::tensor::Bool;
 /// - `q`, `k`, `v`: `[b, h, t, k]` (self-attention: queries and keys are the same positions)
 /// - `pad`: `[b, t]`, `true` at padding keys
 /// - returns the context `[b, h, t, k]`
-pub fn local_attention<B: Backend>(
+pub fn local_attention<B: LabBackend>(
     q: Tensor<B, 4>,
     k: Tensor<B, 4>,
     v: Tensor<B, 4>,
@@ -79,7 +79,7 @@ pub fn local_attention<B: Backend>(
 ///
 /// # Shapes
 /// As [`local_attention`].
-pub fn strided_attention<B: Backend>(
+pub fn strided_attention<B: LabBackend>(
     q: Tensor<B, 4>,
     k: Tensor<B, 4>,
     v: Tensor<B, 4>,
@@ -157,13 +157,13 @@ pub fn strided_attention<B: Backend>(
 
 /// The softmax over each block's keys with `mask` (`true` = masked out, broadcast over heads),
 /// then attention dropout when given.
-fn block_softmax<B: Backend>(
+fn block_softmax<B: LabBackend>(
     scores: Tensor<B, 5>,
     mask: Tensor<B, 5, Bool>,
     dropout: Option<&Dropout>,
 ) -> Tensor<B, 5> {
     let shape = scores.dims();
-    let weights = softmax(scores.mask_fill(mask.expand(shape), MASKED_SCORE), 4);
+    let weights = softmax(scores.mask_fill(mask.expand(shape), MASKED_SCORE));
     match dropout {
         Some(dropout) => dropout.forward(weights),
         None => weights,
@@ -171,13 +171,13 @@ fn block_softmax<B: Backend>(
 }
 
 /// `[b, h, t, k]` → `[b, h, n, k]`, zeros after `t`.
-fn pad_to<B: Backend>(x: Tensor<B, 4>, n: usize) -> Tensor<B, 4> {
+fn pad_to<B: LabBackend>(x: Tensor<B, 4>, n: usize) -> Tensor<B, 4> {
     let t = x.dims()[2];
     x.pad([(0, n - t), (0, 0)], PadMode::Constant(0.0))
 }
 
 /// `[b, t]` → `[b, n]`, `true` (padding) after `t`.
-fn pad_mask_to<B: Backend>(pad: &Tensor<B, 2, Bool>, n: usize) -> Tensor<B, 2, Bool> {
+fn pad_mask_to<B: LabBackend>(pad: &Tensor<B, 2, Bool>, n: usize) -> Tensor<B, 2, Bool> {
     let t = pad.dims()[1];
     pad.clone()
         .float()
@@ -189,7 +189,7 @@ fn pad_mask_to<B: Backend>(pad: &Tensor<B, 2, Bool>, n: usize) -> Tensor<B, 2, B
 /// and the `after` blocks after it (zeros outside the sequence).
 ///
 /// `[b, h, t, k]` → `[b, h, nb, (before + 1 + after)·c, k]`.
-fn key_windows<B: Backend>(
+fn key_windows<B: LabBackend>(
     x: Tensor<B, 4>,
     c: usize,
     nb: usize,
@@ -209,7 +209,7 @@ fn key_windows<B: Backend>(
 }
 
 /// [`key_windows`] for a `[b, t]` key-padding mask: `[b, 1, nb, 1, span]`, `true` = masked.
-fn pad_windows<B: Backend>(
+fn pad_windows<B: LabBackend>(
     pad: &Tensor<B, 2, Bool>,
     c: usize,
     nb: usize,
@@ -232,7 +232,7 @@ fn pad_windows<B: Backend>(
 }
 
 /// The pattern `[1, 1, nb, c, span]` or'ed with a padding mask `[b, 1, nb, 1, span]`.
-fn with_padding<B: Backend>(
+fn with_padding<B: LabBackend>(
     pattern: Tensor<B, 5, Bool>,
     pad: Option<Tensor<B, 5, Bool>>,
 ) -> Tensor<B, 5, Bool> {

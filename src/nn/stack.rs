@@ -3,6 +3,7 @@
 
 use super::block::{TransformerBlock, TransformerBlockConfig};
 use super::mask::AttentionMask;
+use crate::kernels::{layer_norm, LabBackend};
 use burn::module::Module;
 use burn::nn::{LayerNorm, LayerNormConfig};
 use burn::prelude::*;
@@ -30,7 +31,7 @@ impl TransformerStackConfig {
 
     /// Builds the stack. Pre-norm stacks end with a LayerNorm (their blocks' outputs are
     /// un-normalised residual sums); post-norm stacks already end normalised.
-    pub fn init<B: Backend>(&self, device: &B::Device) -> TransformerStack<B> {
+    pub fn init<B: LabBackend>(&self, device: &B::Device) -> TransformerStack<B> {
         TransformerStack {
             blocks: (0..self.n_layers)
                 .map(|_| self.block.init(device))
@@ -46,7 +47,7 @@ impl TransformerStackConfig {
 
 /// `N` transformer layers and, for pre-norm, a final LayerNorm.
 #[derive(Module, Debug)]
-pub struct TransformerStack<B: Backend> {
+pub struct TransformerStack<B: LabBackend> {
     /// The layers, first to last.
     pub blocks: Vec<TransformerBlock<B>>,
     final_norm: Option<LayerNorm<B>>,
@@ -54,7 +55,7 @@ pub struct TransformerStack<B: Backend> {
 
 /// The output of a stack and the attention weights of every layer.
 #[derive(Debug, Clone)]
-pub struct StackOutput<B: Backend> {
+pub struct StackOutput<B: LabBackend> {
     /// `[b, t, d]`.
     pub x: Tensor<B, 3>,
     /// Per layer, self-attention weights `[b, h, t, t]` — for the full mixer; empty for the
@@ -64,7 +65,7 @@ pub struct StackOutput<B: Backend> {
     pub cross_attention: Vec<Tensor<B, 4>>,
 }
 
-impl<B: Backend> TransformerStack<B> {
+impl<B: LabBackend> TransformerStack<B> {
     /// Runs every layer.
     ///
     /// # Shapes
@@ -87,7 +88,7 @@ impl<B: Backend> TransformerStack<B> {
             cross_attention.extend(out.cross_weights);
         }
         if let Some(norm) = &self.final_norm {
-            x = norm.forward(x);
+            x = layer_norm(norm, x);
         }
         StackOutput {
             x,

@@ -8,11 +8,10 @@ use crate::data::{
     EncodedSentences, ImageBatch, ImageBatcher, ImageSet, SentenceBatch, SentenceBatcher,
     SentimentCorpus, Tokenizer,
 };
+use crate::kernels::{LabAutodiff, LabBackend};
 use crate::models::{TextClassifier, VisionTransformer};
 use anyhow::{Context, Result};
 use burn::data::dataset::Dataset;
-use burn::prelude::*;
-use burn::tensor::backend::AutodiffBackend;
 use burn::train::ClassificationOutput;
 use std::path::Path;
 
@@ -35,7 +34,7 @@ supervised_steps!(TextClassifier, SentenceBatch, |model, batch| {
 });
 
 /// Trains the Vision Transformer of `config`.
-pub(super) fn train_vit<B: AutodiffBackend>(
+pub(super) fn train_vit<B: LabAutodiff>(
     config: ExperimentConfig,
     session: &Session,
     data_dir: &Path,
@@ -78,7 +77,7 @@ pub(super) fn train_vit<B: AutodiffBackend>(
 }
 
 /// Trains the encoder classifier of `config`.
-pub(super) fn train_text<B: AutodiffBackend>(
+pub(super) fn train_text<B: LabAutodiff>(
     mut config: ExperimentConfig,
     tokenizers: Option<Tokenizers>,
     session: &Session,
@@ -134,14 +133,14 @@ pub(super) fn train_text<B: AutodiffBackend>(
 }
 
 /// A trained Vision Transformer with its config.
-pub struct TrainedVit<B: Backend> {
+pub struct TrainedVit<B: LabBackend> {
     /// The model.
     pub model: VisionTransformer<B>,
     /// Its resolved config.
     pub config: ExperimentConfig,
 }
 
-impl<B: Backend> TrainedVit<B> {
+impl<B: LabBackend> TrainedVit<B> {
     /// Loads what `train` wrote in `artifact`.
     pub fn load(artifact: &ArtifactDir, device: &B::Device) -> Result<Self> {
         let (model, _, config) = open_artifact(artifact, device, |config| {
@@ -152,7 +151,7 @@ impl<B: Backend> TrainedVit<B> {
 }
 
 /// A trained text classifier with its tokenizer and config.
-pub struct TrainedClassifier<B: Backend> {
+pub struct TrainedClassifier<B: LabBackend> {
     /// The model.
     pub model: TextClassifier<B>,
     /// Its tokenizer.
@@ -161,7 +160,7 @@ pub struct TrainedClassifier<B: Backend> {
     pub config: ExperimentConfig,
 }
 
-impl<B: Backend> TrainedClassifier<B> {
+impl<B: LabBackend> TrainedClassifier<B> {
     /// Loads what `train` wrote in `artifact`.
     pub fn load(artifact: &ArtifactDir, device: &B::Device) -> Result<Self> {
         let (model, tokenizers, config) = open_artifact(artifact, device, |config| {

@@ -4,12 +4,12 @@ use super::{launch, open_artifact, Session, Throughput, Tokenizers, TrainReport}
 use crate::artifact::ArtifactDir;
 use crate::config::ExperimentConfig;
 use crate::data::{DatasetSpec, LmBatcher, TokenWindows, Tokenizer};
+use crate::kernels::{LabAutodiff, LabBackend};
 use crate::models::{LanguageModel, LmBatch};
 use anyhow::{bail, Context, Result};
 use burn::data::dataloader::DataLoaderBuilder;
 use burn::data::dataset::transform::{SamplerDataset, SamplerDatasetOptions};
 use burn::prelude::*;
-use burn::tensor::backend::AutodiffBackend;
 use burn::train::ClassificationOutput;
 use std::path::Path;
 use std::sync::Arc;
@@ -82,7 +82,7 @@ impl Corpus {
 }
 
 /// Trains the language model of `config`.
-pub(super) fn train<B: AutodiffBackend>(
+pub(super) fn train<B: LabAutodiff>(
     mut config: ExperimentConfig,
     tokenizers: Option<Tokenizers>,
     session: &Session,
@@ -141,7 +141,7 @@ pub(super) fn train<B: AutodiffBackend>(
 }
 
 /// A language model in inference mode with the tokenizer and config it was trained with.
-pub struct Trained<B: Backend> {
+pub struct Trained<B: LabBackend> {
     /// The model.
     pub model: LanguageModel<B>,
     /// Its tokenizer.
@@ -150,7 +150,7 @@ pub struct Trained<B: Backend> {
     pub config: ExperimentConfig,
 }
 
-impl<B: Backend> Trained<B> {
+impl<B: LabBackend> Trained<B> {
     /// Loads what `train` wrote in `artifact`.
     pub fn load(artifact: &ArtifactDir, device: &B::Device) -> Result<Self> {
         let (model, tokenizers, config) = open_artifact(artifact, device, |config| {
@@ -167,7 +167,7 @@ impl<B: Backend> Trained<B> {
 }
 
 /// Validation loss and perplexity over every non-overlapping window of the validation split.
-pub fn evaluate<B: Backend>(
+pub fn evaluate<B: LabBackend>(
     trained: &Trained<B>,
     data_dir: &Path,
     batch_size: usize,

@@ -6,7 +6,7 @@
 /// its loss, validation only reports it.
 macro_rules! supervised_steps {
     ($model:ident, $batch:ident, |$m:ident, $b:ident| $output:expr) => {
-        impl<B: burn::tensor::backend::AutodiffBackend> burn::train::TrainStep for $model<B> {
+        impl<B: LabAutodiff> burn::train::TrainStep for $model<B> {
             type Input = $batch<B>;
             type Output = burn::train::ClassificationOutput<B>;
 
@@ -18,7 +18,7 @@ macro_rules! supervised_steps {
             }
         }
 
-        impl<B: burn::tensor::backend::Backend> burn::train::InferenceStep for $model<B> {
+        impl<B: LabBackend> burn::train::InferenceStep for $model<B> {
             type Input = $batch<B>;
             type Output = burn::train::ClassificationOutput<B>;
 
@@ -92,10 +92,11 @@ pub use seq2seq::{TrainedTranslator, TranslationData};
 use crate::artifact::{ArtifactDir, ArtifactRecorder};
 use crate::config::{ExperimentConfig, ModelConfig};
 use crate::data::Tokenizer;
+use crate::kernels::{LabAutodiff, LabBackend};
 use anyhow::{bail, Context, Result};
 use burn::data::dataloader::DataLoader;
 use burn::module::{AutodiffModule, Module};
-use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::backend::AutodiffBackend;
 use burn::train::metric::{AccuracyMetric, LearningRateMetric, LossMetric, PerplexityMetric};
 use burn::train::{ClassificationOutput, InferenceStep, Learner, SupervisedTraining, TrainStep};
 use std::io::IsTerminal;
@@ -106,7 +107,7 @@ use std::time::Instant;
 /// Opens what `train` wrote in `artifact`: its config, its tokenizers (checked against the
 /// config; none for an image model) and the model `init` builds from the config, with the
 /// trained weights loaded.
-pub(crate) fn open_artifact<B: Backend, M: Module<B>>(
+pub(crate) fn open_artifact<B: LabBackend, M: Module<B>>(
     artifact: &ArtifactDir,
     device: &B::Device,
     init: impl FnOnce(&ExperimentConfig) -> Result<M>,
@@ -224,7 +225,7 @@ impl Tokenizers {
 }
 
 /// Runs (or resumes) a training and writes its artifacts.
-pub fn train<B: AutodiffBackend>(request: TrainRequest, device: B::Device) -> Result<TrainReport> {
+pub fn train<B: LabAutodiff>(request: TrainRequest, device: B::Device) -> Result<TrainReport> {
     let (config, tokenizers, start) = prepare_artifact(&request)?;
     let session = Session {
         artifact: request.artifact.clone(),
@@ -300,7 +301,7 @@ pub(crate) fn launch<B, M>(
     throughput: Throughput,
 ) -> Result<TrainReport>
 where
-    B: AutodiffBackend,
+    B: LabAutodiff,
     M: TrainStep<Output = ClassificationOutput<B>>
         + AutodiffModule<B>
         + core::fmt::Display

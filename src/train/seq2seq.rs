@@ -4,11 +4,10 @@ use super::{launch, open_artifact, Session, Throughput, Tokenizers, TrainReport}
 use crate::artifact::ArtifactDir;
 use crate::config::ExperimentConfig;
 use crate::data::{EncodedPairs, Seq2SeqBatcher, Special, Tokenizer, TranslationCorpus};
+use crate::kernels::{LabAutodiff, LabBackend};
 use crate::models::{Seq2Seq, Seq2SeqBatch};
 use anyhow::{bail, Context, Result};
 use burn::data::dataset::Dataset;
-use burn::prelude::*;
-use burn::tensor::backend::AutodiffBackend;
 use burn::train::ClassificationOutput;
 use std::path::Path;
 
@@ -91,7 +90,7 @@ impl TranslationData {
 }
 
 /// Trains the translator of `config`.
-pub(super) fn train<B: AutodiffBackend>(
+pub(super) fn train<B: LabAutodiff>(
     mut config: ExperimentConfig,
     tokenizers: Option<Tokenizers>,
     session: &Session,
@@ -146,7 +145,7 @@ pub(super) fn train<B: AutodiffBackend>(
 }
 
 /// A translator in inference mode with its tokenizers and config.
-pub struct TrainedTranslator<B: Backend> {
+pub struct TrainedTranslator<B: LabBackend> {
     /// The model.
     pub model: Seq2Seq<B>,
     /// Its tokenizers.
@@ -155,7 +154,7 @@ pub struct TrainedTranslator<B: Backend> {
     pub config: ExperimentConfig,
 }
 
-impl<B: Backend> TrainedTranslator<B> {
+impl<B: LabBackend> TrainedTranslator<B> {
     /// Loads what `train` wrote in `artifact`.
     pub fn load(artifact: &ArtifactDir, device: &B::Device) -> Result<Self> {
         let (model, tokenizers, config) = open_artifact(artifact, device, |config| {

@@ -4,13 +4,13 @@ use burn::backend::NdArray;
 use burn::module::Module;
 use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
 use burn::prelude::*;
-use burn::tensor::backend::AutodiffBackend;
 use std::path::Path;
 use std::process::{Command, Output};
 use transformer_lab::artifact::{ArtifactDir, ArtifactRecorder};
 use transformer_lab::config::LmConfig;
 use transformer_lab::config::{ExperimentConfig, TokenizerKind};
 use transformer_lab::data::Tokenizer;
+use transformer_lab::kernels::{LabAutodiff, LabBackend};
 use transformer_lab::models::{LanguageModel, LmBatch};
 use transformer_lab::train::ReferenceOptimizer;
 use transformer_lab::train::Tokenizers;
@@ -45,7 +45,7 @@ pub fn valid_losses(log: &str) -> Vec<f64> {
 }
 
 /// Four sequences of 16 tokens over a vocabulary of 13, targets shifted by one.
-pub fn batch<B: Backend>(device: &B::Device) -> LmBatch<B> {
+pub fn batch<B: LabBackend>(device: &B::Device) -> LmBatch<B> {
     let ids: Vec<i64> = (0..4 * 17).map(|i| (i * 7 + i / 5) % 13).collect();
     let rows = |offset: usize| -> Vec<i64> {
         (0..4)
@@ -61,13 +61,23 @@ pub fn batch<B: Backend>(device: &B::Device) -> LmBatch<B> {
 /// Trains on [`batch`] for `steps` AdamW steps (lr 3e-3, global clip 1) and returns the first
 /// and the last loss.
 #[allow(dead_code)]
-pub fn overfit<B: AutodiffBackend>(
-    config: &LmConfig,
+pub fn overfit<B: LabAutodiff>(config: &LmConfig, steps: usize, device: &B::Device) -> (f32, f32) {
+    let losses = losses::<B>(config, steps, device);
+    (losses[0], *losses.last().unwrap())
+}
+
+/// The loss at each of `steps` AdamW steps on the fixed [`batch`], from a seeded model.
+pub fn losses<B: LabAutodiff>(config: &LmConfig, steps: usize, device: &B::Device) -> Vec<f32> {
+    B::seed(device, 7);
+    train_losses(config.init::<B>(device), steps, device)
+}
+
+/// The loss at each of `steps` AdamW steps of `model` on the fixed [`batch`].
+pub fn train_losses<B: LabAutodiff>(
+    mut model: LanguageModel<B>,
     steps: usize,
     device: &B::Device,
-) -> (f32, f32) {
-    B::seed(device, 7);
-    let mut model: LanguageModel<B> = config.init(device);
+) -> Vec<f32> {
     let mut optim =
         ReferenceOptimizer::new(AdamWConfig::new().with_weight_decay(0.0).init(), 0.0, 1.0);
     let mut losses = Vec::new();
@@ -77,7 +87,7 @@ pub fn overfit<B: AutodiffBackend>(
         let grads = GradientsParams::from_grads(loss.backward(), &model);
         model = optim.step(3e-3, model, grads);
     }
-    (losses[0], *losses.last().unwrap())
+    losses
 }
 
 // ---- Running the binary on artifacts written here ----
@@ -245,7 +255,7 @@ pub fn tiny_text_experiment(dir: &Path, train: &str) {
 /// The largest difference between [`small_lm`]'s logits on [`batch`] computed on ndarray and
 /// the same weights (saved and reloaded) on backend `B`.
 #[allow(dead_code)]
-pub fn logit_difference_from_ndarray<B: Backend>(device: &B::Device) -> f32 {
+pub fn logit_difference_from_ndarray<B: LabBackend>(device: &B::Device) -> f32 {
     let model = small_lm().init::<NdArray<f32>>(&Default::default());
     let expected = model
         .forward(batch::<NdArray<f32>>(&Default::default()).inputs)

@@ -15,6 +15,8 @@ mod flex_backend;
 mod generate;
 mod images;
 mod inspect;
+#[cfg(feature = "flex")]
+mod kernels;
 mod lm;
 mod mask;
 mod mixer;

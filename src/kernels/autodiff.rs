@@ -1,0 +1,188 @@
+//! The fused operations on `Autodiff<B>`: one graph node each, whose backward pass is the inner
+//! backend's fused backward (a kernel on flex, the composed form elsewhere).
+
+use super::LabBackend;
+use burn::backend::autodiff::checkpoint::base::Checkpointer;
+use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn::backend::autodiff::grads::Gradients;
+use burn::backend::autodiff::ops::{unary, Backward, Ops, OpsKind};
+use burn::backend::Autodiff;
+use burn::tensor::ops::FloatTensor;
+use burn::tensor::ops::FloatTensorOps;
+use burn::tensor::TensorMetadata;
+
+#[derive(Debug)]
+struct Gelu;
+
+impl<B: LabBackend> Backward<B, 1> for Gelu {
+    type State = FloatTensor<B>; // x
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let x = ops.state;
+        unary::<B, _>(ops.parents, ops.node, grads, |grad| {
+            B::fused_gelu_backward(x, grad)
+        });
+    }
+}
+
+#[derive(Debug)]
+struct Softmax;
+
+impl<B: LabBackend> Backward<B, 1> for Softmax {
+    type State = FloatTensor<B>; // the output p
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let p = ops.state;
+        unary::<B, _>(ops.parents, ops.node, grads, |grad| {
+            B::fused_softmax_backward(p, grad)
+        });
+    }
+}
+
+#[derive(Debug)]
+struct LayerNorm;
+
+/// `(x, γ, mean, 1/σ)`.
+type LayerNormState<B> = (
+    FloatTensor<B>,
+    FloatTensor<B>,
+    FloatTensor<B>,
+    FloatTensor<B>,
+);
+
+impl<B: LabBackend> Backward<B, 3> for LayerNorm {
+    type State = LayerNormState<B>;
+
+    fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let (x, gamma, mean, rstd) = ops.state;
+        let dy = grads.consume::<B>(&ops.node);
+        let (dx, dgamma, dbeta) = B::fused_layer_norm_backward(x, gamma, mean, rstd, dy);
+        for (parent, grad) in ops.parents.into_iter().zip([dx, dgamma, dbeta]) {
+            if let Some(node) = parent {
+                grads.register::<B>(node.id, grad);
+            }
+        }
+    }
+}
+
+#[derive(Debug)]
+struct Attention;
+
+/// What attention's backward needs: q, k, v, the output, the log-sum-exp, causal, padding.
+#[derive(Clone, Debug)]
+struct AttentionState<B: LabBackend> {
+    q: FloatTensor<B>,
+    k: FloatTensor<B>,
+    v: FloatTensor<B>,
+    o: FloatTensor<B>,
+    lse: FloatTensor<B>,
+    causal: bool,
+    pad: Option<FloatTensor<B>>,
+}
+
+impl<B: LabBackend> Backward<B, 3> for Attention {
+    type State = AttentionState<B>;
+
+    fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let AttentionState {
+            q,
+            k,
+            v,
+            o,
+            lse,
+            causal,
+            pad,
+        } = ops.state;
+        let d_o = grads.consume::<B>(&ops.node);
+        let (dq, dk, dv) = B::fused_attention_backward(q, k, v, o, lse, d_o, causal, pad);
+        for (parent, grad) in ops.parents.into_iter().zip([dq, dk, dv]) {
+            if let Some(node) = parent {
+                grads.register::<B>(node.id, grad);
+            }
+        }
+    }
+}
+
+impl<B: LabBackend, C: CheckpointStrategy> LabBackend for Autodiff<B, C> {
+    fn fused_gelu(x: FloatTensor<Self>) -> FloatTensor<Self> {
+        match Gelu
+            .prepare::<C>([x.node.clone()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => {
+                let y = B::fused_gelu(x.primitive.clone());
+                prep.finish(x.primitive, y)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(B::fused_gelu(x.primitive)),
+        }
+    }
+
+    fn fused_softmax(x: FloatTensor<Self>) -> FloatTensor<Self> {
+        let p = B::fused_softmax(x.primitive);
+        match Softmax.prepare::<C>([x.node]).compute_bound().stateful() {
+            OpsKind::Tracked(prep) => prep.finish(p.clone(), p),
+            OpsKind::UnTracked(prep) => prep.finish(p),
+        }
+    }
+
+    fn fused_layer_norm(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        beta: Option<FloatTensor<Self>>,
+        epsilon: f64,
+    ) -> FloatTensor<Self> {
+        // Without a bias, a constant zero stands in for it (it has no node to send a gradient).
+        let beta = beta.unwrap_or_else(|| {
+            Self::float_zeros(
+                gamma.primitive.shape(),
+                &B::float_device(&gamma.primitive),
+                gamma.primitive.dtype().into(),
+            )
+        });
+        let (y, mean, rstd) = B::fused_layer_norm_forward(
+            x.primitive.clone(),
+            gamma.primitive.clone(),
+            Some(beta.primitive),
+            epsilon,
+        );
+        let nodes = [x.node, gamma.node, beta.node];
+        match LayerNorm.prepare::<C>(nodes).compute_bound().stateful() {
+            OpsKind::Tracked(prep) => prep.finish((x.primitive, gamma.primitive, mean, rstd), y),
+            OpsKind::UnTracked(prep) => prep.finish(y),
+        }
+    }
+
+    fn fused_attention(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        causal: bool,
+        pad: Option<FloatTensor<Self>>,
+    ) -> FloatTensor<Self> {
+        let pad = pad.map(|pad| pad.primitive);
+        let (o, lse) = B::fused_attention_forward(
+            q.primitive.clone(),
+            k.primitive.clone(),
+            v.primitive.clone(),
+            causal,
+            pad.clone(),
+        );
+        let nodes = [q.node, k.node, v.node];
+        match Attention.prepare::<C>(nodes).compute_bound().stateful() {
+            OpsKind::Tracked(prep) => {
+                let state = AttentionState {
+                    q: q.primitive,
+                    k: k.primitive,
+                    v: v.primitive,
+                    o: o.clone(),
+                    lse,
+                    causal,
+                    pad,
+                };
+                prep.finish(state, o)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(o),
+        }
+    }
+}

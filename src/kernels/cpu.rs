@@ -1,0 +1,666 @@
+//! CPU kernels over `f32` slices: both cores through rayon, loops shaped so the compiler
+//! vectorises them (AVX2 + FMA chosen at run time when the CPU has them).
+//!
+//! Reductions are written with [`LANES`] independent accumulators (a float sum is not
+//! reassociated by the compiler, so a plain `iter().sum()` stays scalar), and inner products
+//! are turned into `axpy` updates over a transposed tile where possible.
+
+use super::MASKED;
+use rayon::prelude::*;
+
+/// Accumulator lanes of the vectorised reductions.
+const LANES: usize = 16;
+/// Elements per parallel task of the element-wise kernels.
+const CHUNK: usize = 1 << 14;
+/// Keys per tile of the attention kernels.
+const TILE: usize = 64;
+/// A row whose largest score or log-sum-exp is below this saw no unmasked key.
+const REAL_SCORE: f32 = MASKED * 0.5;
+
+/// Defines `pub fn $name` that runs the body compiled for AVX2 + FMA when the CPU has them,
+/// and for the baseline target otherwise.
+macro_rules! multiversion {
+    ($(#[$meta:meta])* $vis:vis fn $name:ident($($arg:ident: $ty:ty),* $(,)?) $(-> $ret:ty)? $body:block) => {
+        $(#[$meta])*
+        #[allow(clippy::too_many_arguments)]
+        $vis fn $name($($arg: $ty),*) $(-> $ret)? {
+            #[inline(always)]
+            #[allow(clippy::too_many_arguments)]
+            fn body($($arg: $ty),*) $(-> $ret)? $body
+            #[cfg(target_arch = "x86_64")]
+            {
+                #[target_feature(enable = "avx2,fma")]
+                #[allow(clippy::too_many_arguments)]
+                unsafe fn avx2($($arg: $ty),*) $(-> $ret)? { body($($arg),*) }
+                if std::arch::is_x86_feature_detected!("avx2")
+                    && std::arch::is_x86_feature_detected!("fma")
+                {
+                    // SAFETY: the CPU has the features `avx2` was compiled for.
+                    return unsafe { avx2($($arg),*) };
+                }
+            }
+            body($($arg),*)
+        }
+    };
+}
+
+/// `e^x` to within 2 ulp, branch-free so it vectorises; exactly 0 below −87.3.
+#[inline(always)]
+pub fn exp(x: f32) -> f32 {
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    const LN2_HI: f32 = 0.693_359_4;
+    const LN2_LO: f32 = -2.121_944_4e-4;
+    const ROUND: f32 = 12_582_912.0; // 1.5·2²³: adding and subtracting it rounds to an integer
+    let underflow = x < -87.3;
+    let x = x.clamp(-87.3, 88.3);
+    let n = (x * LOG2E + ROUND) - ROUND;
+    let r = x - n * LN2_HI - n * LN2_LO;
+    let mut p = 1.987_569_1e-4;
+    p = p * r + 1.398_199_9e-3;
+    p = p * r + 8.333_452e-3;
+    p = p * r + 4.166_579_6e-2;
+    p = p * r + 1.666_666_5e-1;
+    p = p * r + 5.000_000_1e-1;
+    let y = p * r * r + r + 1.0;
+    let scale = f32::from_bits(((n as i32 + 127) as u32) << 23);
+    if underflow {
+        0.0
+    } else {
+        y * scale
+    }
+}
+
+/// `erf(x)` as a rational function (odd numerator of degree 13 over an even denominator of
+/// degree 8) on `[−4, 4]`, ±1 outside: a few ulp, branch-free.
+#[inline(always)]
+pub fn erf(x: f32) -> f32 {
+    let x = x.clamp(-4.0, 4.0);
+    let x2 = x * x;
+    let mut p = -2.726_142_3e-10;
+    p = p * x2 + 2.770_681_4e-8;
+    p = p * x2 - 2.101_024e-6;
+    p = p * x2 - 5.692_506_4e-5;
+    p = p * x2 - 7.349_906_3e-4;
+    p = p * x2 - 2.954_6e-3;
+    p = p * x2 - 1.609_603_3e-2;
+    let mut q = -1.456_607_2e-5;
+    q = q * x2 - 2.133_740_6e-4;
+    q = q * x2 - 1.682_827e-3;
+    q = q * x2 - 7.373_329_2e-3;
+    q = q * x2 - 1.426_473_9e-2;
+    x * p / q
+}
+
+const FRAC_1_SQRT_2: f32 = std::f32::consts::FRAC_1_SQRT_2;
+/// `1/√(2π)`.
+const FRAC_1_SQRT_2PI: f32 = 0.398_942_3;
+
+multiversion! {
+    fn gelu_chunk(x: &[f32], y: &mut [f32]) {
+        for (y, &x) in y.iter_mut().zip(x) {
+            *y = 0.5 * x * (1.0 + erf(x * FRAC_1_SQRT_2));
+        }
+    }
+}
+
+multiversion! {
+    fn gelu_backward_chunk(x: &[f32], grad: &[f32], out: &mut [f32]) {
+        for ((out, &x), &g) in out.iter_mut().zip(x).zip(grad) {
+            let cdf = 0.5 * (1.0 + erf(x * FRAC_1_SQRT_2));
+            let pdf = FRAC_1_SQRT_2PI * exp(-0.5 * x * x);
+            *out = g * (cdf + x * pdf);
+        }
+    }
+}
+
+/// Exact GELU of every element.
+pub fn gelu(x: &[f32]) -> Vec<f32> {
+    let mut y = vec![0.0; x.len()];
+    y.par_chunks_mut(CHUNK)
+        .zip(x.par_chunks(CHUNK))
+        .for_each(|(y, x)| gelu_chunk(x, y));
+    y
+}
+
+/// `grad · GELU'(x)`, element by element.
+pub fn gelu_backward(x: &[f32], grad: &[f32]) -> Vec<f32> {
+    let mut out = vec![0.0; x.len()];
+    out.par_chunks_mut(CHUNK)
+        .zip(x.par_chunks(CHUNK).zip(grad.par_chunks(CHUNK)))
+        .for_each(|(out, (x, grad))| gelu_backward_chunk(x, grad, out));
+    out
+}
+
+/// Sum with [`LANES`] accumulators (vectorises).
+#[inline(always)]
+fn sum(x: &[f32]) -> f32 {
+    let mut acc = [0.0f32; LANES];
+    let chunks = x.chunks_exact(LANES);
+    let tail: f32 = chunks.remainder().iter().sum();
+    for c in chunks {
+        for l in 0..LANES {
+            acc[l] += c[l];
+        }
+    }
+    acc.iter().sum::<f32>() + tail
+}
+
+/// Inner product with [`LANES`] accumulators (vectorises).
+#[inline(always)]
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0.0f32; LANES];
+    let (ca, cb) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
+    let tail: f32 = ca
+        .remainder()
+        .iter()
+        .zip(cb.remainder())
+        .map(|(x, y)| x * y)
+        .sum();
+    for (x, y) in ca.zip(cb) {
+        for l in 0..LANES {
+            acc[l] += x[l] * y[l];
+        }
+    }
+    acc.iter().sum::<f32>() + tail
+}
+
+/// `y += a·x`.
+#[inline(always)]
+fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
+    for (y, &x) in y.iter_mut().zip(x) {
+        *y += a * x;
+    }
+}
+
+/// Rows per parallel task of the row-wise kernels.
+fn rows_per_task(d: usize) -> usize {
+    (CHUNK / d.max(1)).max(1)
+}
+
+multiversion! {
+    fn layer_norm_rows(
+        x: &[f32],
+        d: usize,
+        gamma: &[f32],
+        beta: Option<&[f32]>,
+        epsilon: f32,
+        y: &mut [f32],
+        mean: &mut [f32],
+        rstd: &mut [f32],
+    ) {
+        for (((x, y), mean), rstd) in x.chunks_exact(d).zip(y.chunks_exact_mut(d)).zip(mean).zip(rstd) {
+            let mu = sum(x) / d as f32;
+            for (y, &x) in y.iter_mut().zip(x) {
+                *y = x - mu;
+            }
+            let r = 1.0 / (dot(y, y) / d as f32 + epsilon).sqrt();
+            match beta {
+                Some(beta) => {
+                    for ((y, &g), &b) in y.iter_mut().zip(gamma).zip(beta) {
+                        *y = *y * r * g + b;
+                    }
+                }
+                None => {
+                    for (y, &g) in y.iter_mut().zip(gamma) {
+                        *y *= r * g;
+                    }
+                }
+            }
+            *mean = mu;
+            *rstd = r;
+        }
+    }
+}
+
+/// LayerNorm of the rows of `x` (`d` wide): `(y, mean, 1/σ)`.
+pub fn layer_norm(
+    x: &[f32],
+    d: usize,
+    gamma: &[f32],
+    beta: Option<&[f32]>,
+    epsilon: f32,
+) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let n = x.len() / d;
+    let (mut y, mut mean, mut rstd) = (vec![0.0; x.len()], vec![0.0; n], vec![0.0; n]);
+    let rows = rows_per_task(d);
+    y.par_chunks_mut(rows * d)
+        .zip(mean.par_chunks_mut(rows))
+        .zip(rstd.par_chunks_mut(rows))
+        .zip(x.par_chunks(rows * d))
+        .for_each(|(((y, mean), rstd), x)| {
+            layer_norm_rows(x, d, gamma, beta, epsilon, y, mean, rstd)
+        });
+    (y, mean, rstd)
+}
+
+multiversion! {
+    fn layer_norm_backward_rows(
+        x: &[f32],
+        d: usize,
+        gamma: &[f32],
+        mean: &[f32],
+        rstd: &[f32],
+        dy: &[f32],
+        dx: &mut [f32],
+        dgamma: &mut [f32],
+        dbeta: &mut [f32],
+    ) {
+        let rows = x.chunks_exact(d).zip(dy.chunks_exact(d)).zip(dx.chunks_exact_mut(d));
+        for (((x, dy), dx), (&mu, &r)) in rows.zip(mean.iter().zip(rstd)) {
+            // dx temporarily holds x̂; dL/dx̂ = dy·γ.
+            for (xh, &x) in dx.iter_mut().zip(x) {
+                *xh = (x - mu) * r;
+            }
+            let (mut mean_g, mut mean_gx) = (0.0f32, 0.0f32);
+            let mut acc_g = [0.0f32; LANES];
+            let mut acc_gx = [0.0f32; LANES];
+            for (i, ((&xh, &dy), &g)) in dx.iter().zip(dy).zip(gamma).enumerate() {
+                let gi = dy * g;
+                acc_g[i % LANES] += gi;
+                acc_gx[i % LANES] += gi * xh;
+            }
+            for l in 0..LANES {
+                mean_g += acc_g[l];
+                mean_gx += acc_gx[l];
+            }
+            mean_g /= d as f32;
+            mean_gx /= d as f32;
+            for ((((dx, &dy), &g), dg), db) in dx.iter_mut().zip(dy).zip(gamma).zip(dgamma.iter_mut()).zip(dbeta.iter_mut()) {
+                let xh = *dx;
+                *dg += dy * xh;
+                *db += dy;
+                *dx = r * (dy * g - mean_g - xh * mean_gx);
+            }
+        }
+    }
+}
+
+/// LayerNorm's gradients `(dx, dγ, dβ)` from the forward pass's statistics.
+pub fn layer_norm_backward(
+    x: &[f32],
+    d: usize,
+    gamma: &[f32],
+    mean: &[f32],
+    rstd: &[f32],
+    dy: &[f32],
+) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let mut dx = vec![0.0; x.len()];
+    let rows = rows_per_task(d);
+    let (dgamma, dbeta) = dx
+        .par_chunks_mut(rows * d)
+        .zip(x.par_chunks(rows * d))
+        .zip(dy.par_chunks(rows * d))
+        .zip(mean.par_chunks(rows).zip(rstd.par_chunks(rows)))
+        .fold(
+            || (vec![0.0f32; d], vec![0.0f32; d]),
+            |(mut dgamma, mut dbeta), (((dx, x), dy), (mean, rstd))| {
+                layer_norm_backward_rows(x, d, gamma, mean, rstd, dy, dx, &mut dgamma, &mut dbeta);
+                (dgamma, dbeta)
+            },
+        )
+        .reduce(
+            || (vec![0.0f32; d], vec![0.0f32; d]),
+            |(mut g1, mut b1), (g2, b2)| {
+                g1.iter_mut().zip(&g2).for_each(|(a, b)| *a += b);
+                b1.iter_mut().zip(&b2).for_each(|(a, b)| *a += b);
+                (g1, b1)
+            },
+        );
+    (dx, dgamma, dbeta)
+}
+
+multiversion! {
+    fn softmax_rows(x: &[f32], s: usize, y: &mut [f32]) {
+        for (x, y) in x.chunks_exact(s).zip(y.chunks_exact_mut(s)) {
+            let max = x.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+            for (y, &x) in y.iter_mut().zip(x) {
+                *y = exp(x - max);
+            }
+            let inv = 1.0 / sum(y);
+            for y in y.iter_mut() {
+                *y *= inv;
+            }
+        }
+    }
+}
+
+/// Softmax of each row (`s` wide).
+pub fn softmax(x: &[f32], s: usize) -> Vec<f32> {
+    let mut y = vec![0.0; x.len()];
+    let rows = rows_per_task(s);
+    y.par_chunks_mut(rows * s)
+        .zip(x.par_chunks(rows * s))
+        .for_each(|(y, x)| softmax_rows(x, s, y));
+    y
+}
+
+multiversion! {
+    fn softmax_backward_rows(p: &[f32], dp: &[f32], s: usize, dx: &mut [f32]) {
+        for ((p, dp), dx) in p.chunks_exact(s).zip(dp.chunks_exact(s)).zip(dx.chunks_exact_mut(s)) {
+            let dot = dot(p, dp);
+            for ((dx, &p), &dp) in dx.iter_mut().zip(p).zip(dp) {
+                *dx = p * (dp - dot);
+            }
+        }
+    }
+}
+
+/// `p ⊙ (dp − Σ p·dp)` row by row (`s` wide): the softmax's input gradient.
+pub fn softmax_backward(p: &[f32], dp: &[f32], s: usize) -> Vec<f32> {
+    let mut dx = vec![0.0; p.len()];
+    let rows = rows_per_task(s);
+    dx.par_chunks_mut(rows * s)
+        .zip(p.par_chunks(rows * s).zip(dp.par_chunks(rows * s)))
+        .for_each(|(dx, (p, dp))| softmax_backward_rows(p, dp, s, dx));
+    dx
+}
+
+/// A read-only `[b, h, n, k]` tensor in any row layout: element `(b, h, i, c)` is at
+/// `offset + b·strides[0] + h·strides[1] + i·strides[2] + c` (the head dimension is contiguous).
+#[derive(Clone, Copy, Debug)]
+pub struct Heads<'a> {
+    /// The storage the strides index.
+    pub data: &'a [f32],
+    /// Index of element `(0, 0, 0, 0)`.
+    pub offset: usize,
+    /// Strides of the batch, head and position dimensions.
+    pub strides: [usize; 3],
+}
+
+impl<'a> Heads<'a> {
+    /// Row `i` of head `(b, h)`, `k` wide.
+    #[inline(always)]
+    fn row(&self, b: usize, h: usize, i: usize, k: usize) -> &'a [f32] {
+        let start = self.offset + b * self.strides[0] + h * self.strides[1] + i * self.strides[2];
+        &self.data[start..start + k]
+    }
+}
+
+/// The shape of an attention problem: `q` `[b, h, t, k]`, keys and values `[b, h, s, k]`.
+#[derive(Clone, Copy, Debug)]
+pub struct AttentionShape {
+    /// Batch size.
+    pub b: usize,
+    /// Heads.
+    pub h: usize,
+    /// Query positions.
+    pub t: usize,
+    /// Key positions.
+    pub s: usize,
+    /// Head width.
+    pub k: usize,
+}
+
+impl AttentionShape {
+    /// Strides of a tensor laid out `[b, n, h, k]` (the order heads are split from and merged
+    /// into `[b, n, d]`), seen as `[b, h, n, k]`, for `n` positions.
+    pub fn interleaved(&self, n: usize) -> [usize; 3] {
+        [n * self.h * self.k, self.k, self.h * self.k]
+    }
+}
+
+/// A `*mut f32` that may cross threads: each task writes only the rows of its own head.
+#[derive(Clone, Copy)]
+struct Out(*mut f32);
+// SAFETY: tasks write disjoint rows (one head each) and the buffer outlives the parallel loop.
+unsafe impl Send for Out {}
+unsafe impl Sync for Out {}
+
+impl Out {
+    /// Row `i` of head `(b, h)` in a `[b, n, h, k]` buffer.
+    ///
+    /// # Safety
+    /// The row must be in bounds and written by one task only.
+    #[inline(always)]
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn row(
+        &self,
+        strides: [usize; 3],
+        b: usize,
+        h: usize,
+        i: usize,
+        k: usize,
+    ) -> &mut [f32] {
+        let start = b * strides[0] + h * strides[1] + i * strides[2];
+        std::slice::from_raw_parts_mut(self.0.add(start), k)
+    }
+}
+
+/// Whether key `j` is masked for query `i`.
+#[inline(always)]
+fn masked(i: usize, j: usize, causal: bool, pad: Option<&[f32]>) -> bool {
+    (causal && j > i) || pad.is_some_and(|pad| pad[j] > 0.5)
+}
+
+/// The scaled, masked scores of query row `q` against the key tile `kt` (`k × n`, transposed),
+/// keys `j0..j0 + n`.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn tile_scores(
+    scores: &mut [f32],
+    q: &[f32],
+    kt: &[f32],
+    scale: f32,
+    i: usize,
+    j0: usize,
+    causal: bool,
+    pad: Option<&[f32]>,
+) {
+    let n = scores.len();
+    scores.fill(0.0);
+    for (c, &qc) in q.iter().enumerate() {
+        axpy(scores, qc * scale, &kt[c * n..(c + 1) * n]);
+    }
+    if causal || pad.is_some() {
+        for (jj, s) in scores.iter_mut().enumerate() {
+            if masked(i, j0 + jj, causal, pad) {
+                *s = MASKED;
+            }
+        }
+    }
+}
+
+/// Writes rows `j0..j0 + n` of head `(b, h)` of `x` transposed into `out` (`k × n`).
+#[inline(always)]
+fn transpose_tile(out: &mut [f32], x: &Heads, b: usize, h: usize, j0: usize, n: usize, k: usize) {
+    for jj in 0..n {
+        for (c, &v) in x.row(b, h, j0 + jj, k).iter().enumerate() {
+            out[c * n + jj] = v;
+        }
+    }
+}
+
+multiversion! {
+    fn attention_head(
+        shape: AttentionShape,
+        q: Heads,
+        k: Heads,
+        v: Heads,
+        causal: bool,
+        pad: Option<&[f32]>,
+        b: usize,
+        h: usize,
+        o: Out,
+        lse: &mut [f32],
+    ) {
+        let AttentionShape { t, s, k: kw, .. } = shape;
+        let scale = 1.0 / (kw as f32).sqrt();
+        let o_strides = shape.interleaved(t);
+        let mut max = vec![f32::NEG_INFINITY; t];
+        let mut denom = vec![0.0f32; t];
+        let mut kt = vec![0.0f32; kw * TILE];
+        let mut scores = vec![0.0f32; TILE];
+        for i in 0..t {
+            // SAFETY: row i of head (b, h) belongs to this task.
+            unsafe { o.row(o_strides, b, h, i, kw) }.fill(0.0);
+        }
+        for j0 in (0..s).step_by(TILE) {
+            let n = TILE.min(s - j0);
+            let kt = &mut kt[..kw * n];
+            transpose_tile(kt, &k, b, h, j0, n, kw);
+            let scores = &mut scores[..n];
+            for i in 0..t {
+                if causal && j0 > i && max[i] > REAL_SCORE {
+                    continue; // every key of this tile is in row i's future
+                }
+                tile_scores(scores, q.row(b, h, i, kw), kt, scale, i, j0, causal, pad);
+                let tile_max = scores.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+                let new_max = max[i].max(tile_max);
+                let rescale = exp(max[i] - new_max);
+                // SAFETY: as above.
+                let out = unsafe { o.row(o_strides, b, h, i, kw) };
+                if rescale != 1.0 {
+                    denom[i] *= rescale;
+                    out.iter_mut().for_each(|x| *x *= rescale);
+                }
+                for x in scores.iter_mut() {
+                    *x = exp(*x - new_max);
+                }
+                denom[i] += sum(scores);
+                for (jj, &p) in scores.iter().enumerate() {
+                    axpy(out, p, v.row(b, h, j0 + jj, kw));
+                }
+                max[i] = new_max;
+            }
+        }
+        for i in 0..t {
+            // SAFETY: as above.
+            let out = unsafe { o.row(o_strides, b, h, i, kw) };
+            let inv = 1.0 / denom[i];
+            out.iter_mut().for_each(|x| *x *= inv);
+            lse[i] = max[i] + denom[i].ln();
+        }
+    }
+}
+
+/// Flash-style attention forward: `(output laid out [b, t, h, k], log-sum-exp [b, h, t])`.
+/// `pad` is `[b, s]`, above 0.5 at padded keys.
+pub fn attention_forward(
+    shape: AttentionShape,
+    q: Heads,
+    k: Heads,
+    v: Heads,
+    causal: bool,
+    pad: Option<&[f32]>,
+) -> (Vec<f32>, Vec<f32>) {
+    let AttentionShape { b, h, t, s, k: kw } = shape;
+    let mut o = vec![0.0f32; b * t * h * kw];
+    let mut lse = vec![0.0f32; b * h * t];
+    let out = Out(o.as_mut_ptr());
+    lse.par_chunks_mut(t).enumerate().for_each(|(head, lse)| {
+        let (bi, hi) = (head / h, head % h);
+        let pad = pad.map(|pad| &pad[bi * s..(bi + 1) * s]);
+        attention_head(shape, q, k, v, causal, pad, bi, hi, out, lse);
+    });
+    (o, lse)
+}
+
+multiversion! {
+    fn attention_head_backward(
+        shape: AttentionShape,
+        q: Heads,
+        k: Heads,
+        v: Heads,
+        o: Heads,
+        lse: &[f32],
+        d_o: Heads,
+        causal: bool,
+        pad: Option<&[f32]>,
+        b: usize,
+        h: usize,
+        grads: [Out; 3],
+    ) {
+        let AttentionShape { t, s, k: kw, .. } = shape;
+        let scale = 1.0 / (kw as f32).sqrt();
+        let [dq, dk, dv] = grads;
+        let (q_strides, kv_strides) = (shape.interleaved(t), shape.interleaved(s));
+        // SAFETY (every `row` below): rows of head (b, h) belong to this task.
+        for i in 0..t {
+            unsafe { dq.row(q_strides, b, h, i, kw) }.fill(0.0);
+        }
+        for j in 0..s {
+            unsafe { dk.row(kv_strides, b, h, j, kw) }.fill(0.0);
+            unsafe { dv.row(kv_strides, b, h, j, kw) }.fill(0.0);
+        }
+        let delta: Vec<f32> = (0..t)
+            .map(|i| dot(d_o.row(b, h, i, kw), o.row(b, h, i, kw)))
+            .collect();
+        let mut kt = vec![0.0f32; kw * TILE];
+        let mut vt = vec![0.0f32; kw * TILE];
+        let mut p = vec![0.0f32; TILE];
+        let mut ds = vec![0.0f32; TILE];
+        for j0 in (0..s).step_by(TILE) {
+            let n = TILE.min(s - j0);
+            let (kt, vt) = (&mut kt[..kw * n], &mut vt[..kw * n]);
+            transpose_tile(kt, &k, b, h, j0, n, kw);
+            transpose_tile(vt, &v, b, h, j0, n, kw);
+            let (p, ds) = (&mut p[..n], &mut ds[..n]);
+            for i in 0..t {
+                if causal && j0 > i && lse[i] > REAL_SCORE {
+                    continue;
+                }
+                let q_row = q.row(b, h, i, kw);
+                let do_row = d_o.row(b, h, i, kw);
+                if lse[i] > REAL_SCORE {
+                    tile_scores(p, q_row, kt, scale, i, j0, causal, pad);
+                    for x in p.iter_mut() {
+                        *x = exp(*x - lse[i]);
+                    }
+                } else {
+                    // Every key masked: uniform weights (lse = −10⁹ + ln s rounds to −10⁹).
+                    p.fill(1.0 / s as f32);
+                }
+                // dP = dO·Vᵀ for this tile.
+                ds.fill(0.0);
+                for (c, &g) in do_row.iter().enumerate() {
+                    axpy(ds, g, &vt[c * n..(c + 1) * n]);
+                }
+                for (jj, (ds, &p)) in ds.iter_mut().zip(p.iter()).enumerate() {
+                    *ds = if masked(i, j0 + jj, causal, pad) {
+                        0.0 // a masked score is a constant: no gradient reaches q or k
+                    } else {
+                        p * (*ds - delta[i]) * scale
+                    };
+                }
+                let dq_row = unsafe { dq.row(q_strides, b, h, i, kw) };
+                for (jj, (&g, &pj)) in ds.iter().zip(p.iter()).enumerate() {
+                    let j = j0 + jj;
+                    axpy(dq_row, g, k.row(b, h, j, kw));
+                    axpy(unsafe { dk.row(kv_strides, b, h, j, kw) }, g, q_row);
+                    axpy(unsafe { dv.row(kv_strides, b, h, j, kw) }, pj, do_row);
+                }
+            }
+        }
+    }
+}
+
+/// Flash-style attention backward: `(dq [b, t, h, k], dk [b, s, h, k], dv [b, s, h, k])`,
+/// the probabilities recomputed tile by tile from the saved log-sum-exp.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_backward(
+    shape: AttentionShape,
+    q: Heads,
+    k: Heads,
+    v: Heads,
+    o: Heads,
+    lse: &[f32],
+    d_o: Heads,
+    causal: bool,
+    pad: Option<&[f32]>,
+) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let AttentionShape { b, h, t, s, k: kw } = shape;
+    let mut dq = vec![0.0f32; b * t * h * kw];
+    let mut dk = vec![0.0f32; b * s * h * kw];
+    let mut dv = vec![0.0f32; b * s * h * kw];
+    let grads = [
+        Out(dq.as_mut_ptr()),
+        Out(dk.as_mut_ptr()),
+        Out(dv.as_mut_ptr()),
+    ];
+    lse.par_chunks(t).enumerate().for_each(|(head, lse)| {
+        let (bi, hi) = (head / h, head % h);
+        let pad = pad.map(|pad| &pad[bi * s..(bi + 1) * s]);
+        attention_head_backward(shape, q, k, v, o, lse, d_o, causal, pad, bi, hi, grads);
+    });
+    (dq, dk, dv)
+}

@@ -1,0 +1,267 @@
+//! The fused operations on flex: the [`super::cpu`] kernels on flex's `f32` storage, read in
+//! place (strided views included) and written without copies. Other dtypes take the composed
+//! path.
+
+use super::cpu::{self, AttentionShape, Heads};
+use super::{reference, LabBackend};
+use burn::backend::flex::{FlexTensor, Layout};
+use burn::backend::Flex;
+use burn::prelude::*;
+use burn::tensor::{DType, TensorData, TensorMetadata, TensorPrimitive};
+
+/// The tensor with its elements contiguous from some offset (a copy only when they are not).
+fn contiguous(x: FlexTensor) -> FlexTensor {
+    if x.as_slice::<f32>().is_some() {
+        x
+    } else {
+        x.to_contiguous()
+    }
+}
+
+/// The elements of a contiguous `f32` tensor.
+fn slice(x: &FlexTensor) -> &[f32] {
+    x.as_slice::<f32>().expect("made contiguous")
+}
+
+fn from_vec(data: Vec<f32>, shape: Shape) -> FlexTensor {
+    FlexTensor::from_data(TensorData::new(data, shape))
+}
+
+/// An `[b, h, n, k]` tensor as rows with a contiguous head dimension.
+fn heads(x: &FlexTensor) -> Heads<'_> {
+    let layout = x.layout();
+    let strides = layout.strides();
+    Heads {
+        data: x.storage::<f32>(),
+        offset: layout.start_offset(),
+        strides: [
+            strides[0] as usize,
+            strides[1] as usize,
+            strides[2] as usize,
+        ],
+    }
+}
+
+/// `x` with non-negative strides and a contiguous last dimension.
+fn rows(x: FlexTensor) -> FlexTensor {
+    let layout = x.layout();
+    if layout.strides()[3] == 1 && layout.has_positive_strides() {
+        x
+    } else {
+        x.to_contiguous()
+    }
+}
+
+/// An `[b, h, n, k]` tensor over a buffer laid out `[b, n, h, k]` (how heads are split from
+/// and merged into `[b, n, d]`, so the surrounding `swap_dims` costs nothing).
+fn interleaved(data: Vec<f32>, shape: AttentionShape, n: usize) -> FlexTensor {
+    let AttentionShape { b, h, k, .. } = shape;
+    let bytes = TensorData::new(data, [b, n, h, k]).bytes;
+    let [sb, sh, sn] = shape.interleaved(n).map(|s| s as isize);
+    let layout = Layout::new(Shape::new([b, h, n, k]), vec![sb, sh, sn, 1], 0);
+    FlexTensor::new(bytes, layout, DType::F32)
+}
+
+fn is_f32(x: &FlexTensor) -> bool {
+    x.dtype() == DType::F32
+}
+
+fn tensor<const D: usize>(x: FlexTensor) -> Tensor<Flex, D> {
+    Tensor::from_primitive(TensorPrimitive::Float(x))
+}
+
+fn prim<const D: usize>(x: Tensor<Flex, D>) -> FlexTensor {
+    x.into_primitive().tensor()
+}
+
+impl LabBackend for Flex {
+    fn fused_gelu(x: FlexTensor) -> FlexTensor {
+        if !is_f32(&x) {
+            return prim(reference::gelu(tensor::<1>(x)));
+        }
+        let x = contiguous(x);
+        from_vec(cpu::gelu(slice(&x)), x.shape())
+    }
+
+    fn fused_gelu_backward(x: FlexTensor, grad: FlexTensor) -> FlexTensor {
+        if !is_f32(&x) {
+            return prim(reference::gelu_backward(tensor::<1>(x), tensor(grad)));
+        }
+        let (x, grad) = (contiguous(x), contiguous(grad));
+        from_vec(cpu::gelu_backward(slice(&x), slice(&grad)), x.shape())
+    }
+
+    fn fused_layer_norm_forward(
+        x: FlexTensor,
+        gamma: FlexTensor,
+        beta: Option<FlexTensor>,
+        epsilon: f64,
+    ) -> (FlexTensor, FlexTensor, FlexTensor) {
+        if !is_f32(&x) {
+            let (y, mean, rstd) =
+                reference::layer_norm_forward(tensor(x), tensor(gamma), beta.map(tensor), epsilon);
+            return (prim(y), prim(mean), prim(rstd));
+        }
+        let (x, gamma, beta) = (contiguous(x), contiguous(gamma), beta.map(contiguous));
+        let shape = x.shape();
+        let (n, d) = (shape[0], shape[1]);
+        let (y, mean, rstd) = cpu::layer_norm(
+            slice(&x),
+            d,
+            slice(&gamma),
+            beta.as_ref().map(slice),
+            epsilon as f32,
+        );
+        (
+            from_vec(y, shape),
+            from_vec(mean, Shape::new([n])),
+            from_vec(rstd, Shape::new([n])),
+        )
+    }
+
+    fn fused_layer_norm_backward(
+        x: FlexTensor,
+        gamma: FlexTensor,
+        mean: FlexTensor,
+        rstd: FlexTensor,
+        dy: FlexTensor,
+    ) -> (FlexTensor, FlexTensor, FlexTensor) {
+        if !is_f32(&x) {
+            let (dx, dgamma, dbeta) = reference::layer_norm_backward(
+                tensor(x),
+                tensor(gamma),
+                tensor(mean),
+                tensor(rstd),
+                tensor(dy),
+            );
+            return (prim(dx), prim(dgamma), prim(dbeta));
+        }
+        let [x, gamma, mean, rstd, dy] = [x, gamma, mean, rstd, dy].map(contiguous);
+        let shape = x.shape();
+        let d = shape[1];
+        let (dx, dgamma, dbeta) = cpu::layer_norm_backward(
+            slice(&x),
+            d,
+            slice(&gamma),
+            slice(&mean),
+            slice(&rstd),
+            slice(&dy),
+        );
+        (
+            from_vec(dx, shape),
+            from_vec(dgamma, Shape::new([d])),
+            from_vec(dbeta, Shape::new([d])),
+        )
+    }
+
+    fn fused_softmax(x: FlexTensor) -> FlexTensor {
+        if !is_f32(&x) {
+            return prim(burn::tensor::activation::softmax(tensor::<2>(x), 1));
+        }
+        let x = contiguous(x);
+        let shape = x.shape();
+        from_vec(cpu::softmax(slice(&x), shape[1]), shape)
+    }
+
+    fn fused_softmax_backward(p: FlexTensor, dp: FlexTensor) -> FlexTensor {
+        if !is_f32(&p) {
+            return prim(reference::softmax_backward(tensor(p), tensor(dp)));
+        }
+        let (p, dp) = (contiguous(p), contiguous(dp));
+        let shape = p.shape();
+        from_vec(
+            cpu::softmax_backward(slice(&p), slice(&dp), shape[1]),
+            shape,
+        )
+    }
+
+    fn fused_attention_forward(
+        q: FlexTensor,
+        k: FlexTensor,
+        v: FlexTensor,
+        causal: bool,
+        pad: Option<FlexTensor>,
+    ) -> (FlexTensor, FlexTensor) {
+        if !is_f32(&q) {
+            let (o, lse) = reference::attention_forward(
+                tensor(q),
+                tensor(k),
+                tensor(v),
+                causal,
+                pad.map(tensor),
+            );
+            return (prim(o), prim(lse));
+        }
+        let shape = attention_shape(&q, &k);
+        let [q, k, v] = [q, k, v].map(rows);
+        let pad = pad.map(contiguous);
+        let (o, lse) = cpu::attention_forward(
+            shape,
+            heads(&q),
+            heads(&k),
+            heads(&v),
+            causal,
+            pad.as_ref().map(slice),
+        );
+        let AttentionShape { b, h, t, .. } = shape;
+        (
+            interleaved(o, shape, t),
+            from_vec(lse, Shape::new([b, h, t])),
+        )
+    }
+
+    fn fused_attention_backward(
+        q: FlexTensor,
+        k: FlexTensor,
+        v: FlexTensor,
+        o: FlexTensor,
+        lse: FlexTensor,
+        d_o: FlexTensor,
+        causal: bool,
+        pad: Option<FlexTensor>,
+    ) -> (FlexTensor, FlexTensor, FlexTensor) {
+        if !is_f32(&q) {
+            let (dq, dk, dv) = reference::attention_backward(
+                tensor(q),
+                tensor(k),
+                tensor(v),
+                tensor(o),
+                tensor(lse),
+                tensor(d_o),
+                causal,
+                pad.map(tensor),
+            );
+            return (prim(dq), prim(dk), prim(dv));
+        }
+        let shape = attention_shape(&q, &k);
+        let [q, k, v, o, d_o] = [q, k, v, o, d_o].map(rows);
+        let (lse, pad) = (contiguous(lse), pad.map(contiguous));
+        let (dq, dk, dv) = cpu::attention_backward(
+            shape,
+            heads(&q),
+            heads(&k),
+            heads(&v),
+            heads(&o),
+            slice(&lse),
+            heads(&d_o),
+            causal,
+            pad.as_ref().map(slice),
+        );
+        (
+            interleaved(dq, shape, shape.t),
+            interleaved(dk, shape, shape.s),
+            interleaved(dv, shape, shape.s),
+        )
+    }
+}
+
+fn attention_shape(q: &FlexTensor, k: &FlexTensor) -> AttentionShape {
+    let (qs, ks) = (q.shape(), k.shape());
+    AttentionShape {
+        b: qs[0],
+        h: qs[1],
+        t: qs[2],
+        s: ks[2],
+        k: qs[3],
+    }
+}

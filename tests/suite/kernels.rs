@@ -1,0 +1,266 @@
+//! The fused kernels equal the composed operations they replace: values and gradients, on random
+//! inputs and on the edge cases (fully masked rows, long rows, odd sizes, strided views), and a
+//! model trains the same with them on or off.
+
+use crate::common::{small_lm, train_losses};
+use burn::backend::{Autodiff, Flex, NdArray};
+use burn::module::{Module, Param};
+use burn::nn::LayerNormConfig;
+use burn::prelude::*;
+use burn::tensor::{Bool, Distribution};
+use transformer_lab::kernels::{self, cpu, with_fused, LabAutodiff};
+use transformer_lab::models::LanguageModel;
+use transformer_lab::nn::{AttentionMask, MultiHeadAttentionConfig};
+
+type Ad = Autodiff<Flex>;
+
+/// Largest `|a − b|` relative to the largest `|b|` (at least 1).
+fn rel_diff<B: Backend, const D: usize>(a: Tensor<B, D>, b: Tensor<B, D>) -> f32 {
+    let a: Vec<f32> = a.into_data().to_vec().unwrap();
+    let b: Vec<f32> = b.into_data().to_vec().unwrap();
+    assert_eq!(a.len(), b.len());
+    let scale = b.iter().fold(1.0f32, |m, x| m.max(x.abs()));
+    let worst = a
+        .iter()
+        .zip(&b)
+        .fold(0.0f32, |m, (x, y)| m.max((x - y).abs()));
+    assert!(worst.is_finite(), "non-finite values");
+    worst / scale
+}
+
+fn random<B: Backend, const D: usize>(
+    shape: [usize; D],
+    seed: u64,
+    device: &B::Device,
+) -> Tensor<B, D> {
+    B::seed(device, seed);
+    Tensor::random(shape, Distribution::Normal(0.0, 1.0), device)
+}
+
+/// Runs `f` on fresh leaves made from `inputs`, fused and composed, and returns the largest
+/// relative difference of the outputs and of each input's gradient (of `Σ y ⊙ w`, random `w`).
+fn compare<B: LabAutodiff, const D: usize, const N: usize>(
+    inputs: [Tensor<B, D>; N],
+    f: impl Fn([Tensor<B, D>; N]) -> Tensor<B, D>,
+) -> (f32, [f32; N]) {
+    let run = |on: bool| {
+        with_fused(on, || {
+            let leaves = inputs.clone().map(|x| x.detach().require_grad());
+            let y = f(leaves.clone());
+            let w = random::<B, D>(y.dims(), 99, &y.device());
+            let grads = (y.clone() * w).sum().backward();
+            let dx = leaves.map(|x| x.grad(&grads).expect("every input gets a gradient"));
+            (y.inner(), dx)
+        })
+    };
+    let (y_fused, dx_fused) = run(true);
+    let (y_ref, dx_ref) = run(false);
+    let mut dx_ref = dx_ref.into_iter();
+    let grads = dx_fused.map(|a| rel_diff(a, dx_ref.next().unwrap()));
+    (rel_diff(y_fused, y_ref), grads)
+}
+
+fn assert_close(what: &str, (y, grads): (f32, impl AsRef<[f32]>), tol: f32) {
+    assert!(y < tol, "{what}: outputs differ by {y}");
+    for (i, g) in grads.as_ref().iter().enumerate() {
+        assert!(*g < tol, "{what}: gradient of input {i} differs by {g}");
+    }
+}
+
+/// erf in f64 by its Maclaurin series (|x| ≤ 3) or continued fraction of erfc (beyond).
+fn erf64(x: f64) -> f64 {
+    if x.abs() > 3.0 {
+        let z = x.abs();
+        let mut f = 0.0;
+        for n in (1..200).rev() {
+            f = n as f64 / 2.0 / (z + f);
+        }
+        let erfc = (-z * z).exp() / std::f64::consts::PI.sqrt() / (z + f);
+        return x.signum() * (1.0 - erfc);
+    }
+    let (mut term, mut sum) = (x, x);
+    for n in 1..200 {
+        term *= -x * x / n as f64;
+        sum += term / (2 * n + 1) as f64;
+    }
+    sum * 2.0 / std::f64::consts::PI.sqrt()
+}
+
+#[test]
+fn vectorised_exp_and_erf_are_accurate() {
+    let mut worst_exp = 0.0f64;
+    let mut worst_erf = 0.0f64;
+    for i in 0..=200_000 {
+        let x = -87.0 + 175.0 * i as f64 / 200_000.0;
+        let x = x as f32 as f64; // the exact input the f32 function sees
+        let rel = (cpu::exp(x as f32) as f64 - x.exp()).abs() / x.exp();
+        worst_exp = worst_exp.max(rel);
+        let x = (-6.0 + 12.0 * i as f64 / 200_000.0) as f32 as f64;
+        worst_erf = worst_erf.max((cpu::erf(x as f32) as f64 - erf64(x)).abs());
+    }
+    assert!(worst_exp < 5e-7, "exp relative error {worst_exp}");
+    assert!(worst_erf < 5e-7, "erf absolute error {worst_erf}");
+    assert_eq!(cpu::exp(-1.0e9), 0.0);
+    assert_eq!(cpu::exp(f32::NEG_INFINITY), 0.0);
+}
+
+#[test]
+fn fused_gelu_equals_the_erf_form() {
+    let device = Default::default();
+    let x = random::<Ad, 3>([3, 37, 29], 1, &device).mul_scalar(3.0);
+    assert_close("gelu", compare([x], |[x]| kernels::gelu(x)), 1e-6);
+}
+
+#[test]
+fn fused_layer_norm_equals_burns() {
+    let device = Default::default();
+    for bias in [true, false] {
+        let mut norm = LayerNormConfig::new(33).with_bias(bias).init::<Ad>(&device);
+        // Non-trivial γ and β, so their gradients and effects are visible.
+        norm.gamma = Param::from_tensor((norm.gamma.val() + random([33], 2, &device)).detach());
+        norm.beta = norm
+            .beta
+            .map(|beta| Param::from_tensor((beta.val() + random([33], 3, &device)).detach()));
+        let x = random::<Ad, 3>([5, 7, 33], 4, &device)
+            .mul_scalar(2.0)
+            .add_scalar(1.0);
+        let case = compare([x], |[x]| kernels::layer_norm(&norm, x));
+        assert_close(&format!("layer norm (bias {bias})"), case, 1e-5);
+        // The parameters' gradients.
+        let grads = |on: bool| {
+            with_fused(on, || {
+                let y = kernels::layer_norm(&norm, random::<Ad, 3>([5, 7, 33], 4, &device));
+                let g = (y * random([5, 7, 33], 5, &device)).sum().backward();
+                let dgamma = norm.gamma.val().grad(&g).unwrap();
+                let dbeta = norm.beta.as_ref().map(|b| b.val().grad(&g).unwrap());
+                (dgamma, dbeta)
+            })
+        };
+        let ((g1, b1), (g2, b2)) = (grads(true), grads(false));
+        assert!(rel_diff(g1, g2) < 1e-5, "dγ differs");
+        if let (Some(b1), Some(b2)) = (b1, b2) {
+            assert!(rel_diff(b1, b2) < 1e-5, "dβ differs");
+        }
+    }
+}
+
+#[test]
+fn fused_softmax_equals_burns_on_masked_and_long_rows() {
+    let device = Default::default();
+    // A fully masked row (every score the masked value), a partly masked one, and long rows.
+    let x = random::<Ad, 3>([2, 3, 1000], 6, &device).mul_scalar(4.0);
+    let mask = Tensor::<Ad, 1, Int>::arange(0..1000, &device)
+        .reshape([1, 1, 1000])
+        .greater_elem(400)
+        .expand([2, 3, 1000])
+        .slice_assign(
+            [0..1, 0..1, 0..1000],
+            Tensor::<Ad, 3, Bool>::full([1, 1, 1000], true, &device),
+        );
+    let case = compare([x], |[x]| {
+        kernels::softmax(x.mask_fill(mask.clone(), -1.0e9))
+    });
+    assert_close("softmax", case, 1e-5);
+    let odd = random::<Ad, 2>([17, 3], 7, &device);
+    assert_close(
+        "softmax 3 wide",
+        compare([odd], |[x]| kernels::softmax(x)),
+        1e-5,
+    );
+}
+
+/// Fused attention (output and q/k/v gradients) against the composed form, on backend `B`.
+fn attention_case<B: LabAutodiff>(
+    [b, h, t, s, k]: [usize; 5],
+    causal: bool,
+    padded: &[usize],
+    device: &B::Device,
+) -> (f32, [f32; 3]) {
+    let q = random::<B, 4>([b, h, t, k], 11, device);
+    let kk = random::<B, 4>([b, h, s, k], 12, device);
+    let v = random::<B, 4>([b, h, s, k], 13, device);
+    // `padded[i]`: how many trailing keys of batch row i are padding.
+    let pad: Vec<bool> = (0..b)
+        .flat_map(|i| {
+            (0..s).map(move |j| j + padded.get(i % padded.len().max(1)).copied().unwrap_or(0) >= s)
+        })
+        .collect();
+    let pad = Tensor::<B, 2, Bool>::from_data(TensorData::new(pad, [b, s]), device);
+    let pad = (!padded.is_empty()).then_some(pad);
+    compare([q, kk, v], |[q, k, v]| {
+        kernels::attention(q, k, v, causal, pad.as_ref())
+    })
+}
+
+#[test]
+fn fused_attention_equals_the_composed_form() {
+    let device = Default::default();
+    let cases: &[([usize; 5], bool, &[usize], &str)] = &[
+        ([2, 3, 70, 70, 8], true, &[], "causal, two key tiles"),
+        (
+            [2, 2, 9, 9, 5],
+            true,
+            &[0, 3],
+            "causal with padding, odd head width",
+        ),
+        (
+            [3, 2, 5, 131, 4],
+            false,
+            &[0, 7, 131],
+            "cross, a fully padded row",
+        ),
+        ([1, 1, 3, 300, 16], false, &[11], "long rows"),
+        (
+            [2, 1, 6, 6, 3],
+            true,
+            &[6, 0],
+            "causal, every key of one row padded",
+        ),
+        ([1, 1, 1, 1, 1], true, &[], "one position"),
+    ];
+    for &(shape, causal, padded, what) in cases {
+        assert_close(
+            what,
+            attention_case::<Ad>(shape, causal, padded, &device),
+            2e-5,
+        );
+    }
+    // The composed defaults (ndarray) behind the same autodiff node.
+    let device = Default::default();
+    let case = attention_case::<Autodiff<NdArray>>([2, 2, 9, 9, 5], true, &[0, 3], &device);
+    assert_close("ndarray defaults", case, 2e-5);
+}
+
+#[test]
+fn fused_attention_inside_multi_head_attention_matches_on_strided_heads() {
+    // Heads split from [b, t, d] are strided views: the kernel reads them in place and writes its
+    // output in the layout the heads are merged from.
+    let device = Default::default();
+    let mha = MultiHeadAttentionConfig::new(24, 3).init::<Ad>(&device);
+    let x = random::<Ad, 3>([2, 13, 24], 21, &device);
+    let pad = Tensor::<Ad, 2, Bool>::from_data(
+        TensorData::new((0..26).map(|i| i >= 22).collect::<Vec<_>>(), [2, 13]),
+        &device,
+    );
+    let mask = AttentionMask::causal(13, &device).with_padding(pad);
+    let case = compare([x], |[x]| mha.forward(x.clone(), x, Some(&mask)).context);
+    assert_close("multi-head attention", case, 2e-5);
+}
+
+#[test]
+fn training_with_fused_kernels_follows_the_composed_loss_curve() {
+    let device = Default::default();
+    // One initial model for both (the backend's seed is shared with tests running beside).
+    // Parameters are initialised lazily (on first use): fix their values before cloning.
+    let model: LanguageModel<Ad> = small_lm().init(&device);
+    let model = small_lm().init(&device).load_record(model.into_record());
+    let fused = with_fused(true, || train_losses(model.clone(), 8, &device));
+    let composed = with_fused(false, || train_losses(model, 8, &device));
+    for (step, (a, b)) in fused.iter().zip(&composed).enumerate() {
+        assert!(
+            (a - b).abs() < 1e-4 * b.abs().max(1.0),
+            "step {step}: loss {a} fused, {b} composed"
+        );
+    }
+    assert!(fused.last() < fused.first(), "the loss falls: {fused:?}");
+}
