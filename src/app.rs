@@ -8,7 +8,7 @@ use crate::classify::{
     text_probabilities, top_classes, Confusion,
 };
 use crate::cli::{
-    AttentionArgs, BenchArgs, BenchCommand, BenchMixersArgs, ClassifyArgs, Command, EmbedArgs,
+    AttentionArgs, BenchArgs, BenchCommand, BenchKernelsArgs, BenchMixersArgs, ClassifyArgs, Command, EmbedArgs,
     EvalArgs, ExplainArgs, GenerateArgs, PredictArgs, SearchArgs, TrainArgs, TranslateArgs,
 };
 use crate::config::{ExperimentConfig, ModelConfig};
@@ -21,7 +21,7 @@ use crate::train::{
     evaluate, train, TrainRequest, Trained, TrainedClassifier, TrainedTranslator, TrainedVit,
 };
 use crate::translate::{translate_texts, SearchConfig, Truncated};
-use anyhow::{bail, Context, Result};
+use anyhow::{anyhow, bail, Context, Result};
 use burn::backend::Autodiff;
 use std::io::{BufRead, Write};
 use std::path::PathBuf;
@@ -412,6 +412,7 @@ fn run_bench<B: LabBackend>(args: BenchArgs, device: B::Device) -> Result<()> {
     let args = match args.what {
         BenchCommand::Train(args) => args,
         BenchCommand::Mixers(args) => return run_bench_mixers::<B>(args, device),
+        BenchCommand::Kernels(args) => return run_bench_kernels::<B>(args, device),
     };
     if args.steps == 0 || args.runs == 0 {
         bail!("--steps and --runs must be at least 1");
@@ -438,6 +439,38 @@ fn run_bench<B: LabBackend>(args: BenchArgs, device: B::Device) -> Result<()> {
         "{}",
         report.render(&format!("{} on {}", config.name, B::name(&device)))
     );
+    Ok(())
+}
+
+fn run_bench_kernels<B: LabBackend>(args: BenchKernelsArgs, device: B::Device) -> Result<()> {
+    if args.reps == 0 || args.vocab == 0 {
+        bail!("--reps and --vocab must be at least 1");
+    }
+    let config = match &args.experiment {
+        Some(path) => ExperimentConfig::load(path)?,
+        None => ExperimentConfig::parse(crate::cli::DEFAULT_EXPERIMENT)?,
+    };
+    let lm = config.lm().map_err(|_| {
+        anyhow!(
+            "bench kernels uses language-model shapes; {} is a {} experiment",
+            config.name,
+            config.model.kind()
+        )
+    })?;
+    let rows = crate::bench::kernels::bench_kernels::<Autodiff<B>>(
+        lm,
+        config.train.batch_size,
+        args.vocab,
+        args.reps,
+        &device,
+    )?;
+    println!(
+        "{} on {}: forward + backward of each operation, median of {} runs",
+        config.name,
+        B::name(&device),
+        args.reps
+    );
+    print!("{}", crate::bench::kernels::render(&rows));
     Ok(())
 }
 

@@ -13,6 +13,10 @@ pub struct Cli {
     /// Compute backend (the ones compiled in; default: wgpu when built with it and a GPU is present, else flex, else ndarray).
     #[arg(long, global = true, value_enum)]
     pub backend: Option<BackendKind>,
+    /// Use the composed tensor ops instead of the fused kernels (GELU, LayerNorm, softmax,
+    /// attention): the reference the kernels are tested against, for comparisons.
+    #[arg(long, global = true)]
+    pub no_fused: bool,
     /// What to do.
     #[command(subcommand)]
     pub command: Command,
@@ -249,6 +253,25 @@ pub enum BenchCommand {
     /// token mixer against sequence length; writes a CSV and a log-log PNG and prints growth
     /// exponents and where each mixer overtakes full attention.
     Mixers(BenchMixersArgs),
+    /// Time each fused kernel (GELU, LayerNorm, attention, softmax) against the composed ops it
+    /// replaces, forward + backward at an experiment's shapes, with a linear layer and the loss
+    /// beside them for scale: the per-operation profile of a training step.
+    Kernels(BenchKernelsArgs),
+}
+
+/// `bench kernels` options.
+#[derive(Args, Debug)]
+pub struct BenchKernelsArgs {
+    /// Language-model experiment whose shapes to use. Default: the built-in shakespeare-char.
+    #[arg(long, short, value_name = "FILE")]
+    pub experiment: Option<PathBuf>,
+    /// Timed repetitions per operation (after two warm-ups); the median is reported.
+    #[arg(long, default_value_t = 30)]
+    pub reps: usize,
+    /// Vocabulary size for the loss (the experiment's comes from its data; 65 = Tiny
+    /// Shakespeare's characters).
+    #[arg(long, default_value_t = 65)]
+    pub vocab: usize,
 }
 
 /// `bench mixers` options.

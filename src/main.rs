@@ -13,6 +13,7 @@ static ALLOCATOR: CountingAlloc = CountingAlloc;
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    transformer_lab::kernels::set_fused(!cli.no_fused);
     match dispatch(cli.backend, cli.command) {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {

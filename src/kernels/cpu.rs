@@ -2,8 +2,9 @@
 //! vectorises them (AVX2 + FMA chosen at run time when the CPU has them).
 //!
 //! Reductions are written with [`LANES`] independent accumulators (a float sum is not
-//! reassociated by the compiler, so a plain `iter().sum()` stays scalar), and inner products
-//! are turned into `axpy` updates over a transposed tile where possible.
+//! reassociated by the compiler, so a plain `iter().sum()` stays scalar). The attention kernels
+//! work on `64 × 64` tiles whose products go to the `gemm` crate (the kernel flex's own matmul
+//! uses), reading heads in place through their strides.
 
 use super::MASKED;
 use rayon::prelude::*;
@@ -12,7 +13,7 @@ use rayon::prelude::*;
 const LANES: usize = 16;
 /// Elements per parallel task of the element-wise kernels.
 const CHUNK: usize = 1 << 14;
-/// Keys per tile of the attention kernels.
+/// Queries and keys per tile of the attention kernels.
 const TILE: usize = 64;
 /// A row whose largest score or log-sum-exp is below this saw no unmasked key.
 const REAL_SCORE: f32 = MASKED * 0.5;
@@ -162,14 +163,6 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
         }
     }
     acc.iter().sum::<f32>() + tail
-}
-
-/// `y += a·x`.
-#[inline(always)]
-fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
-    for (y, &x) in y.iter_mut().zip(x) {
-        *y += a * x;
-    }
 }
 
 /// Rows per parallel task of the row-wise kernels.
@@ -432,40 +425,75 @@ fn masked(i: usize, j: usize, causal: bool, pad: Option<&[f32]>) -> bool {
     (causal && j > i) || pad.is_some_and(|pad| pad[j] > 0.5)
 }
 
-/// The scaled, masked scores of query row `q` against the key tile `kt` (`k × n`, transposed),
-/// keys `j0..j0 + n`.
-#[inline(always)]
+/// A matrix operand: `(pointer, row stride, column stride)` in elements.
+type Operand = (*const f32, usize, usize);
+
+/// `dst = scale·A·B` (`accumulate`: `dst += scale·A·B`) for `A` `m × k` and `B` `k × n`, with
+/// `dst` row-major (`ld` apart): one single-threaded call of the `gemm` crate, the product
+/// kernel flex itself uses (the parallelism is across heads).
+///
+/// # Safety
+/// Every operand must be valid for its extent, and `dst` not alias them.
 #[allow(clippy::too_many_arguments)]
-fn tile_scores(
-    scores: &mut [f32],
-    q: &[f32],
-    kt: &[f32],
+#[inline(always)]
+unsafe fn matmul(
+    [m, n, k]: [usize; 3],
+    dst: *mut f32,
+    ld: usize,
+    accumulate: bool,
+    (a, a_rs, a_cs): Operand,
+    (b, b_rs, b_cs): Operand,
     scale: f32,
-    i: usize,
-    j0: usize,
-    causal: bool,
-    pad: Option<&[f32]>,
 ) {
-    let n = scores.len();
-    scores.fill(0.0);
-    for (c, &qc) in q.iter().enumerate() {
-        axpy(scores, qc * scale, &kt[c * n..(c + 1) * n]);
+    gemm::gemm(
+        m,
+        n,
+        k,
+        dst,
+        1,
+        ld as isize,
+        accumulate,
+        a,
+        a_cs as isize,
+        a_rs as isize,
+        b,
+        b_cs as isize,
+        b_rs as isize,
+        1.0,
+        scale,
+        false,
+        false,
+        false,
+        gemm::Parallelism::None,
+    )
+}
+
+impl Heads<'_> {
+    /// Rows `i0..` of head `(b, h)` as a matrix operand (row-major, `k` columns).
+    #[inline(always)]
+    fn rows(&self, b: usize, h: usize, i0: usize) -> Operand {
+        let start = self.offset + b * self.strides[0] + h * self.strides[1] + i0 * self.strides[2];
+        (self.data[start..].as_ptr(), self.strides[2], 1)
     }
-    if causal || pad.is_some() {
-        for (jj, s) in scores.iter_mut().enumerate() {
-            if masked(i, j0 + jj, causal, pad) {
-                *s = MASKED;
-            }
-        }
+
+    /// Rows `j0..` of head `(b, h)` transposed (a `k × n` operand).
+    #[inline(always)]
+    fn rows_transposed(&self, b: usize, h: usize, j0: usize) -> Operand {
+        let (ptr, rs, cs) = self.rows(b, h, j0);
+        (ptr, cs, rs)
     }
 }
 
-/// Writes rows `j0..j0 + n` of head `(b, h)` of `x` transposed into `out` (`k × n`).
-#[inline(always)]
-fn transpose_tile(out: &mut [f32], x: &Heads, b: usize, h: usize, j0: usize, n: usize, k: usize) {
-    for jj in 0..n {
-        for (c, &v) in x.row(b, h, j0 + jj, k).iter().enumerate() {
-            out[c * n + jj] = v;
+/// Masks the score tile `scores` (`rows × n`, queries `i0..`, keys `j0..`).
+fn mask_tile(scores: &mut [f32], n: usize, i0: usize, j0: usize, causal: bool, pad: Option<&[f32]>) {
+    if !causal && pad.is_none() {
+        return;
+    }
+    for (ii, row) in scores.chunks_exact_mut(n).enumerate() {
+        for (jj, x) in row.iter_mut().enumerate() {
+            if masked(i0 + ii, j0 + jj, causal, pad) {
+                *x = MASKED;
+            }
         }
     }
 }
@@ -486,49 +514,56 @@ multiversion! {
         let AttentionShape { t, s, k: kw, .. } = shape;
         let scale = 1.0 / (kw as f32).sqrt();
         let o_strides = shape.interleaved(t);
-        let mut max = vec![f32::NEG_INFINITY; t];
-        let mut denom = vec![0.0f32; t];
-        let mut kt = vec![0.0f32; kw * TILE];
-        let mut scores = vec![0.0f32; TILE];
-        for i in 0..t {
-            // SAFETY: row i of head (b, h) belongs to this task.
-            unsafe { o.row(o_strides, b, h, i, kw) }.fill(0.0);
-        }
-        for j0 in (0..s).step_by(TILE) {
-            let n = TILE.min(s - j0);
-            let kt = &mut kt[..kw * n];
-            transpose_tile(kt, &k, b, h, j0, n, kw);
-            let scores = &mut scores[..n];
-            for i in 0..t {
-                if causal && j0 > i && max[i] > REAL_SCORE {
-                    continue; // every key of this tile is in row i's future
+        let mut scores = vec![0.0f32; TILE * TILE];
+        let mut acc = vec![0.0f32; TILE * kw];
+        let (mut max, mut denom) = ([0.0f32; TILE], [0.0f32; TILE]);
+        for i0 in (0..t).step_by(TILE) {
+            let m = TILE.min(t - i0);
+            let acc = &mut acc[..m * kw];
+            acc.fill(0.0);
+            max[..m].fill(f32::NEG_INFINITY);
+            denom[..m].fill(0.0);
+            for j0 in (0..s).step_by(TILE) {
+                if causal && j0 >= i0 + m && max[..m].iter().all(|&x| x > REAL_SCORE) {
+                    break; // every later key is in the future of every row of this block
                 }
-                tile_scores(scores, q.row(b, h, i, kw), kt, scale, i, j0, causal, pad);
-                let tile_max = scores.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
-                let new_max = max[i].max(tile_max);
-                let rescale = exp(max[i] - new_max);
-                // SAFETY: as above.
-                let out = unsafe { o.row(o_strides, b, h, i, kw) };
-                if rescale != 1.0 {
-                    denom[i] *= rescale;
-                    out.iter_mut().for_each(|x| *x *= rescale);
+                let n = TILE.min(s - j0);
+                let scores = &mut scores[..m * n];
+                // SAFETY: operands are rows of this head, in bounds; `scores` is local.
+                unsafe {
+                    let (qr, kt) = (q.rows(b, h, i0), k.rows_transposed(b, h, j0));
+                    matmul([m, n, kw], scores.as_mut_ptr(), n, false, qr, kt, scale);
                 }
-                for x in scores.iter_mut() {
-                    *x = exp(*x - new_max);
+                mask_tile(scores, n, i0, j0, causal, pad);
+                for (ii, row) in scores.chunks_exact_mut(n).enumerate() {
+                    let tile_max = row.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+                    let new_max = max[ii].max(tile_max);
+                    let rescale = exp(max[ii] - new_max);
+                    if rescale != 1.0 {
+                        denom[ii] *= rescale;
+                        acc[ii * kw..(ii + 1) * kw].iter_mut().for_each(|x| *x *= rescale);
+                    }
+                    for x in row.iter_mut() {
+                        *x = exp(*x - new_max);
+                    }
+                    denom[ii] += sum(row);
+                    max[ii] = new_max;
                 }
-                denom[i] += sum(scores);
-                for (jj, &p) in scores.iter().enumerate() {
-                    axpy(out, p, v.row(b, h, j0 + jj, kw));
+                // SAFETY: as above; `acc` is local.
+                unsafe {
+                    let p = (scores.as_ptr(), n, 1);
+                    matmul([m, kw, n], acc.as_mut_ptr(), kw, true, p, v.rows(b, h, j0), 1.0);
                 }
-                max[i] = new_max;
             }
-        }
-        for i in 0..t {
-            // SAFETY: as above.
-            let out = unsafe { o.row(o_strides, b, h, i, kw) };
-            let inv = 1.0 / denom[i];
-            out.iter_mut().for_each(|x| *x *= inv);
-            lse[i] = max[i] + denom[i].ln();
+            for ii in 0..m {
+                // SAFETY: row i0 + ii of head (b, h) belongs to this task.
+                let out = unsafe { o.row(o_strides, b, h, i0 + ii, kw) };
+                let inv = 1.0 / denom[ii];
+                for (o, &a) in out.iter_mut().zip(&acc[ii * kw..(ii + 1) * kw]) {
+                    *o = a * inv;
+                }
+                lse[i0 + ii] = max[ii] + denom[ii].ln();
+            }
         }
     }
 }
@@ -572,64 +607,77 @@ multiversion! {
     ) {
         let AttentionShape { t, s, k: kw, .. } = shape;
         let scale = 1.0 / (kw as f32).sqrt();
-        let [dq, dk, dv] = grads;
+        let [dq_out, dk_out, dv_out] = grads;
         let (q_strides, kv_strides) = (shape.interleaved(t), shape.interleaved(s));
-        // SAFETY (every `row` below): rows of head (b, h) belong to this task.
-        for i in 0..t {
-            unsafe { dq.row(q_strides, b, h, i, kw) }.fill(0.0);
-        }
-        for j in 0..s {
-            unsafe { dk.row(kv_strides, b, h, j, kw) }.fill(0.0);
-            unsafe { dv.row(kv_strides, b, h, j, kw) }.fill(0.0);
-        }
         let delta: Vec<f32> = (0..t)
             .map(|i| dot(d_o.row(b, h, i, kw), o.row(b, h, i, kw)))
             .collect();
-        let mut kt = vec![0.0f32; kw * TILE];
-        let mut vt = vec![0.0f32; kw * TILE];
-        let mut p = vec![0.0f32; TILE];
-        let mut ds = vec![0.0f32; TILE];
-        for j0 in (0..s).step_by(TILE) {
-            let n = TILE.min(s - j0);
-            let (kt, vt) = (&mut kt[..kw * n], &mut vt[..kw * n]);
-            transpose_tile(kt, &k, b, h, j0, n, kw);
-            transpose_tile(vt, &v, b, h, j0, n, kw);
-            let (p, ds) = (&mut p[..n], &mut ds[..n]);
-            for i in 0..t {
-                if causal && j0 > i && lse[i] > REAL_SCORE {
-                    continue;
+        // This head's gradients, row-major; written out at the end.
+        let (mut dq, mut dk, mut dv) = (vec![0.0f32; t * kw], vec![0.0f32; s * kw], vec![0.0f32; s * kw]);
+        let mut p = vec![0.0f32; TILE * TILE];
+        let mut ds = vec![0.0f32; TILE * TILE];
+        for i0 in (0..t).step_by(TILE) {
+            let m = TILE.min(t - i0);
+            let lse = &lse[i0..i0 + m];
+            for j0 in (0..s).step_by(TILE) {
+                if causal && j0 >= i0 + m && lse.iter().all(|&x| x > REAL_SCORE) {
+                    break;
                 }
-                let q_row = q.row(b, h, i, kw);
-                let do_row = d_o.row(b, h, i, kw);
-                if lse[i] > REAL_SCORE {
-                    tile_scores(p, q_row, kt, scale, i, j0, causal, pad);
-                    for x in p.iter_mut() {
-                        *x = exp(*x - lse[i]);
-                    }
-                } else {
-                    // Every key masked: uniform weights (lse = −10⁹ + ln s rounds to −10⁹).
-                    p.fill(1.0 / s as f32);
+                let n = TILE.min(s - j0);
+                let (p, ds) = (&mut p[..m * n], &mut ds[..m * n]);
+                // SAFETY (every product): operands are rows of this head or local buffers, in
+                // bounds, and each destination is local.
+                unsafe {
+                    let (qr, kt) = (q.rows(b, h, i0), k.rows_transposed(b, h, j0));
+                    matmul([m, n, kw], p.as_mut_ptr(), n, false, qr, kt, scale);
                 }
-                // dP = dO·Vᵀ for this tile.
-                ds.fill(0.0);
-                for (c, &g) in do_row.iter().enumerate() {
-                    axpy(ds, g, &vt[c * n..(c + 1) * n]);
-                }
-                for (jj, (ds, &p)) in ds.iter_mut().zip(p.iter()).enumerate() {
-                    *ds = if masked(i, j0 + jj, causal, pad) {
-                        0.0 // a masked score is a constant: no gradient reaches q or k
+                mask_tile(p, n, i0, j0, causal, pad);
+                for (row, &l) in p.chunks_exact_mut(n).zip(lse) {
+                    if l > REAL_SCORE {
+                        row.iter_mut().for_each(|x| *x = exp(*x - l));
                     } else {
-                        p * (*ds - delta[i]) * scale
-                    };
+                        // Every key masked: uniform weights (lse = −10⁹ + ln s rounds to −10⁹).
+                        row.fill(1.0 / s as f32);
+                    }
                 }
-                let dq_row = unsafe { dq.row(q_strides, b, h, i, kw) };
-                for (jj, (&g, &pj)) in ds.iter().zip(p.iter()).enumerate() {
-                    let j = j0 + jj;
-                    axpy(dq_row, g, k.row(b, h, j, kw));
-                    axpy(unsafe { dk.row(kv_strides, b, h, j, kw) }, g, q_row);
-                    axpy(unsafe { dv.row(kv_strides, b, h, j, kw) }, pj, do_row);
+                unsafe {
+                    // dV += Pᵀ·dO; dP = dO·Vᵀ.
+                    let pt = (p.as_ptr(), 1, n);
+                    let dv_tile = dv[j0 * kw..].as_mut_ptr();
+                    matmul([n, kw, m], dv_tile, kw, true, pt, d_o.rows(b, h, i0), 1.0);
+                    let (dor, vt) = (d_o.rows(b, h, i0), v.rows_transposed(b, h, j0));
+                    matmul([m, n, kw], ds.as_mut_ptr(), n, false, dor, vt, 1.0);
+                }
+                // dS = P ⊙ (dP − D)·scale; a masked score is a constant: no gradient.
+                for (ii, (ds_row, p_row)) in ds.chunks_exact_mut(n).zip(p.chunks_exact(n)).enumerate() {
+                    let d = delta[i0 + ii];
+                    for (x, &pj) in ds_row.iter_mut().zip(p_row) {
+                        *x = pj * (*x - d) * scale;
+                    }
+                    if causal || pad.is_some() {
+                        for (jj, x) in ds_row.iter_mut().enumerate() {
+                            if masked(i0 + ii, j0 + jj, causal, pad) {
+                                *x = 0.0;
+                            }
+                        }
+                    }
+                }
+                unsafe {
+                    // dQ += dS·K; dK += dSᵀ·Q.
+                    let dq_blk = dq[i0 * kw..].as_mut_ptr();
+                    matmul([m, kw, n], dq_blk, kw, true, (ds.as_ptr(), n, 1), k.rows(b, h, j0), 1.0);
+                    let dk_tile = dk[j0 * kw..].as_mut_ptr();
+                    matmul([n, kw, m], dk_tile, kw, true, (ds.as_ptr(), 1, n), q.rows(b, h, i0), 1.0);
                 }
             }
+        }
+        // SAFETY: rows of head (b, h) belong to this task.
+        for (i, row) in dq.chunks_exact(kw).enumerate() {
+            unsafe { dq_out.row(q_strides, b, h, i, kw) }.copy_from_slice(row);
+        }
+        for (j, (dk_row, dv_row)) in dk.chunks_exact(kw).zip(dv.chunks_exact(kw)).enumerate() {
+            unsafe { dk_out.row(kv_strides, b, h, j, kw) }.copy_from_slice(dk_row);
+            unsafe { dv_out.row(kv_strides, b, h, j, kw) }.copy_from_slice(dv_row);
         }
     }
 }

@@ -3,6 +3,7 @@
 use super::linear_attention::{linear_attention, linear_attention_weights};
 use super::mask::{local_mask, strided_mask, AttentionMask};
 use super::mixer::Mixer;
+use super::linear;
 use super::sparse::{local_attention, strided_attention};
 use crate::kernels::{self, softmax, LabBackend};
 use burn::module::Module;
@@ -169,13 +170,13 @@ impl<B: LabBackend> MultiHeadAttention<B> {
         mask: Option<&AttentionMask<B>>,
     ) -> AttentionOutput<B> {
         let [b, t, d] = query.dims();
-        let q = self.split_heads(self.query.forward(query)); // [b, h, t, k]
-        let k = self.split_heads(self.key.forward(memory.clone())); // [b, h, s, k]
-        let v = self.split_heads(self.value.forward(memory)); // [b, h, s, k]
+        let q = self.split_heads(linear(&self.query, query)); // [b, h, t, k]
+        let k = self.split_heads(linear(&self.key, memory.clone())); // [b, h, s, k]
+        let v = self.split_heads(linear(&self.value, memory)); // [b, h, s, k]
         let (context, weights) = self.attend(q, k, v, mask);
         let context = context.swap_dims(1, 2).reshape([b, t, d]); // [b, t, d]
         AttentionOutput {
-            context: self.output.forward(context),
+            context: linear(&self.output, context),
             weights,
         }
     }
@@ -187,9 +188,9 @@ impl<B: LabBackend> MultiHeadAttention<B> {
         query: Tensor<B, 3>,
         memory: Tensor<B, 3>,
     ) -> (Tensor<B, 4>, Tensor<B, 4>, Tensor<B, 4>) {
-        let q = self.split_heads(self.query.forward(query));
-        let k = self.split_heads(self.key.forward(memory.clone()));
-        let v = self.split_heads(self.value.forward(memory));
+        let q = self.split_heads(linear(&self.query, query));
+        let k = self.split_heads(linear(&self.key, memory.clone()));
+        let v = self.split_heads(linear(&self.value, memory));
         (q, k, v)
     }
 

@@ -1,5 +1,6 @@
 //! The position-wise feed-forward network `FFN(x) = act(x·W₁ + b₁)·W₂ + b₂` (§3.3).
 
+use super::linear;
 use crate::kernels::gelu;
 use crate::kernels::LabBackend;
 use burn::module::Module;
@@ -75,11 +76,11 @@ impl<B: LabBackend> FeedForward<B> {
     /// # Shapes
     /// `x`: `[b, t, d]` → `[b, t, d]`.
     pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
-        let h = self.linear_inner.forward(x); // [b, t, d_ff]
+        let h = linear(&self.linear_inner, x); // [b, t, d_ff]
         let h = match self.activation {
             Activation::Relu => relu(h),
             Activation::Gelu => gelu(h),
         };
-        self.linear_outer.forward(self.dropout.forward(h))
+        linear(&self.linear_outer, self.dropout.forward(h))
     }
 }
