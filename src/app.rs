@@ -8,8 +8,9 @@ use crate::classify::{
     text_probabilities, top_classes, Confusion,
 };
 use crate::cli::{
-    AttentionArgs, BenchArgs, BenchCommand, BenchKernelsArgs, BenchMixersArgs, ClassifyArgs, Command, EmbedArgs,
-    EvalArgs, ExplainArgs, GenerateArgs, PredictArgs, SearchArgs, TrainArgs, TranslateArgs,
+    AttentionArgs, BenchArgs, BenchCommand, BenchKernelsArgs, BenchMixersArgs, ClassifyArgs,
+    Command, EmbedArgs, EvalArgs, ExplainArgs, GenerateArgs, PredictArgs, SearchArgs, TrainArgs,
+    TranslateArgs,
 };
 use crate::config::{ExperimentConfig, ModelConfig};
 use crate::data::{data_dir, TranslationCorpus};

@@ -94,7 +94,9 @@ pub fn bench_kernels<B: LabAutodiff>(
 
     let norm = LayerNormConfig::new(d).with_bias(lm.bias).init::<B>(device);
     let x = [random::<B, _>([n, d], device)];
-    let (composed, fused) = both(&x, reps, device, &|x| kernels::layer_norm(&norm, x[0].clone()))?;
+    let (composed, fused) = both(&x, reps, device, &|x| {
+        kernels::layer_norm(&norm, x[0].clone())
+    })?;
     rows.push(KernelTiming {
         name: "LayerNorm",
         shape: format!("[{n}, {d}]"),
@@ -104,7 +106,9 @@ pub fn bench_kernels<B: LabAutodiff>(
     });
 
     let mask = AttentionMask::<B>::causal(t, device);
-    let qkv: Vec<Tensor<B, 4>> = (0..3).map(|_| random::<B, 4>([b, h, t, k], device)).collect();
+    let qkv: Vec<Tensor<B, 4>> = (0..3)
+        .map(|_| random::<B, 4>([b, h, t, k], device))
+        .collect();
     let composed = with_fused(false, || {
         time(&qkv, reps, device, &|x| {
             scaled_dot_product_attention(x[0].clone(), x[1].clone(), x[2].clone(), Some(&mask)).0
@@ -126,7 +130,10 @@ pub fn bench_kernels<B: LabAutodiff>(
     let causal = mask.tensor().expand([b, h, t, t]);
     let scores = [random::<B, _>([b, h, t, t], device)];
     let (composed, fused) = both(&scores, reps, device, &|x| {
-        kernels::softmax(x[0].clone().mask_fill(causal.clone(), crate::nn::attention::MASKED_SCORE))
+        kernels::softmax(
+            x[0].clone()
+                .mask_fill(causal.clone(), crate::nn::attention::MASKED_SCORE),
+        )
     })?;
     rows.push(KernelTiming {
         name: "masked softmax",
@@ -136,9 +143,13 @@ pub fn bench_kernels<B: LabAutodiff>(
         fused,
     });
 
-    let linear = LinearConfig::new(d, d_ff).with_bias(lm.bias).init::<B>(device);
+    let linear = LinearConfig::new(d, d_ff)
+        .with_bias(lm.bias)
+        .init::<B>(device);
     let x = [random::<B, _>([b, t, d], device)];
-    let composed = time(&x, reps, device, &|x| crate::nn::linear(&linear, x[0].clone()))?;
+    let composed = time(&x, reps, device, &|x| {
+        crate::nn::linear(&linear, x[0].clone())
+    })?;
     rows.push(KernelTiming {
         name: "linear (reference)",
         shape: format!("[{b}, {t}, {d}]→{d_ff}"),
@@ -149,12 +160,17 @@ pub fn bench_kernels<B: LabAutodiff>(
     });
 
     let targets = Tensor::<B, 1, Int>::from_data(
-        TensorData::new((0..n).map(|i| (i * 7 % vocab) as i64).collect::<Vec<_>>(), [n]),
+        TensorData::new(
+            (0..n).map(|i| (i * 7 % vocab) as i64).collect::<Vec<_>>(),
+            [n],
+        ),
         device,
     );
     let loss = CrossEntropyLossConfig::new().init(device);
     let x = [random::<B, _>([n, vocab], device)];
-    let composed = time(&x, reps, device, &|x| loss.forward(x[0].clone(), targets.clone()).reshape([1, 1]))?;
+    let composed = time(&x, reps, device, &|x| {
+        loss.forward(x[0].clone(), targets.clone()).reshape([1, 1])
+    })?;
     rows.push(KernelTiming {
         name: "cross-entropy (reference)",
         shape: format!("[{n}, {vocab}]"),
@@ -183,7 +199,8 @@ pub fn render(rows: &[KernelTiming]) -> String {
             r.per_step,
             r.composed * 1e3,
             r.fused.map_or("—".into(), |f| format!("{:.3}", f * 1e3)),
-            r.fused.map_or("—".into(), |f| format!("{:.1}×", r.composed / f)),
+            r.fused
+                .map_or("—".into(), |f| format!("{:.1}×", r.composed / f)),
         );
     }
     out += &format!(

@@ -61,7 +61,7 @@ pub fn exp(x: f32) -> f32 {
     p = p * r + 8.333_452e-3;
     p = p * r + 4.166_579_6e-2;
     p = p * r + 1.666_666_5e-1;
-    p = p * r + 5.000_000_1e-1;
+    p = p * r + 0.5;
     let y = p * r * r + r + 1.0;
     let scale = f32::from_bits(((n as i32 + 127) as u32) << 23);
     if underflow {
@@ -485,7 +485,14 @@ impl Heads<'_> {
 }
 
 /// Masks the score tile `scores` (`rows × n`, queries `i0..`, keys `j0..`).
-fn mask_tile(scores: &mut [f32], n: usize, i0: usize, j0: usize, causal: bool, pad: Option<&[f32]>) {
+fn mask_tile(
+    scores: &mut [f32],
+    n: usize,
+    i0: usize,
+    j0: usize,
+    causal: bool,
+    pad: Option<&[f32]>,
+) {
     if !causal && pad.is_none() {
         return;
     }

@@ -1,9 +1,9 @@
 //! Scaled dot-product attention and multi-head attention ("Attention Is All You Need", §3.2).
 
+use super::linear;
 use super::linear_attention::{linear_attention, linear_attention_weights};
 use super::mask::{local_mask, strided_mask, AttentionMask};
 use super::mixer::Mixer;
-use super::linear;
 use super::sparse::{local_attention, strided_attention};
 use crate::kernels::{self, softmax, LabBackend};
 use burn::module::Module;
