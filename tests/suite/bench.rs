@@ -126,3 +126,39 @@ fn bench_mixers_measures_every_mixer_and_writes_csv_and_png() {
     let bad = run(dir.path(), &["bench", "mixers", "--mixers", "full,sparse"]);
     assert_clean_error(&bad, "unknown mixer \"sparse\"");
 }
+
+#[test]
+#[cfg(feature = "flex")]
+fn bench_kernels_times_each_fused_kernel_against_the_composed_ops() {
+    let dir = tempfile::tempdir().unwrap();
+    tiny_text_experiment(dir.path(), r#"{"batch_size": 4}"#);
+    let out = std::process::Command::new(crate::common::BIN)
+        .args([
+            "--backend",
+            "flex",
+            "bench",
+            "kernels",
+            "-e",
+            "tiny.json",
+            "--reps",
+            "2",
+        ])
+        .current_dir(dir.path())
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = String::from_utf8_lossy(&out.stdout);
+    for kernel in ["GELU", "LayerNorm", "causal attention", "masked softmax"] {
+        let row = text
+            .lines()
+            .find(|l| l.starts_with(kernel))
+            .unwrap_or_else(|| panic!("no {kernel} row: {text}"));
+        let speedup = row.split_whitespace().last().unwrap().trim_end_matches('×');
+        let speedup: f64 = speedup.parse().unwrap_or_else(|_| panic!("{row}"));
+        assert!(speedup > 0.0, "{row}");
+    }
+    assert!(text.contains("per training step"), "{text}");
+    // A missing experiment file: one clear error line.
+    let bad = run(dir.path(), &["bench", "kernels", "-e", "missing.json"]);
+    assert_clean_error(&bad, "missing.json");
+}
