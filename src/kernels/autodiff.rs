@@ -132,21 +132,18 @@ impl<B: LabBackend, C: CheckpointStrategy> LabBackend for Autodiff<B, C> {
         beta: Option<FloatTensor<Self>>,
         epsilon: f64,
     ) -> FloatTensor<Self> {
-        // Without a bias, a constant zero stands in for it (it has no node to send a gradient).
-        let beta = beta.unwrap_or_else(|| {
-            Self::float_zeros(
-                gamma.primitive.shape(),
-                &B::float_device(&gamma.primitive),
-                gamma.primitive.dtype().into(),
-            )
-        });
         let (y, mean, rstd) = B::fused_layer_norm_forward(
             x.primitive.clone(),
             gamma.primitive.clone(),
-            Some(beta.primitive),
+            beta.as_ref().map(|beta| beta.primitive.clone()),
             epsilon,
         );
-        let nodes = [x.node, gamma.node, beta.node];
+        // Without a bias, a constant stands in for its node (it takes no gradient).
+        let beta_node = match beta {
+            Some(beta) => beta.node,
+            None => Self::float_zeros([1].into(), &B::float_device(&y), y.dtype().into()).node,
+        };
+        let nodes = [x.node, gamma.node, beta_node];
         match LayerNorm.prepare::<C>(nodes).compute_bound().stateful() {
             OpsKind::Tracked(prep) => prep.finish((x.primitive, gamma.primitive, mean, rstd), y),
             OpsKind::UnTracked(prep) => prep.finish(y),

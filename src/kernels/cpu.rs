@@ -6,7 +6,7 @@
 //! work on `64 × 64` tiles whose products go to the `gemm` crate (the kernel flex's own matmul
 //! uses), reading heads in place through their strides.
 
-use super::MASKED;
+use crate::nn::attention::MASKED_SCORE;
 use rayon::prelude::*;
 
 /// Accumulator lanes of the vectorised reductions.
@@ -16,7 +16,7 @@ const CHUNK: usize = 1 << 14;
 /// Queries and keys per tile of the attention kernels.
 const TILE: usize = 64;
 /// A row whose largest score or log-sum-exp is below this saw no unmasked key.
-const REAL_SCORE: f32 = MASKED * 0.5;
+const REAL_SCORE: f32 = MASKED_SCORE * 0.5;
 
 /// Defines `pub fn $name` that runs the body compiled for AVX2 + FMA when the CPU has them,
 /// and for the baseline target otherwise.
@@ -499,7 +499,7 @@ fn mask_tile(
     for (ii, row) in scores.chunks_exact_mut(n).enumerate() {
         for (jj, x) in row.iter_mut().enumerate() {
             if masked(i0 + ii, j0 + jj, causal, pad) {
-                *x = MASKED;
+                *x = MASKED_SCORE;
             }
         }
     }

@@ -3,11 +3,11 @@
 //! path.
 
 use super::cpu::{self, AttentionShape, Heads};
-use super::{reference, LabBackend};
+use super::{composed, LabBackend};
 use burn::backend::flex::{FlexTensor, Layout};
 use burn::backend::Flex;
 use burn::prelude::*;
-use burn::tensor::{DType, TensorData, TensorMetadata, TensorPrimitive};
+use burn::tensor::{DType, TensorData, TensorMetadata};
 
 /// The tensor with its elements contiguous from some offset (a copy only when they are not).
 fn contiguous(x: FlexTensor) -> FlexTensor {
@@ -66,18 +66,10 @@ fn is_f32(x: &FlexTensor) -> bool {
     x.dtype() == DType::F32
 }
 
-fn tensor<const D: usize>(x: FlexTensor) -> Tensor<Flex, D> {
-    Tensor::from_primitive(TensorPrimitive::Float(x))
-}
-
-fn prim<const D: usize>(x: Tensor<Flex, D>) -> FlexTensor {
-    x.into_primitive().tensor()
-}
-
 impl LabBackend for Flex {
     fn fused_gelu(x: FlexTensor) -> FlexTensor {
         if !is_f32(&x) {
-            return prim(reference::gelu(tensor::<1>(x)));
+            return composed::gelu::<Flex>(x);
         }
         let x = contiguous(x);
         from_vec(cpu::gelu(slice(&x)), x.shape())
@@ -85,7 +77,7 @@ impl LabBackend for Flex {
 
     fn fused_gelu_backward(x: FlexTensor, grad: FlexTensor) -> FlexTensor {
         if !is_f32(&x) {
-            return prim(reference::gelu_backward(tensor::<1>(x), tensor(grad)));
+            return composed::gelu_backward::<Flex>(x, grad);
         }
         let (x, grad) = (contiguous(x), contiguous(grad));
         from_vec(cpu::gelu_backward(slice(&x), slice(&grad)), x.shape())
@@ -98,9 +90,7 @@ impl LabBackend for Flex {
         epsilon: f64,
     ) -> (FlexTensor, FlexTensor, FlexTensor) {
         if !is_f32(&x) {
-            let (y, mean, rstd) =
-                reference::layer_norm_forward(tensor(x), tensor(gamma), beta.map(tensor), epsilon);
-            return (prim(y), prim(mean), prim(rstd));
+            return composed::layer_norm_forward::<Flex>(x, gamma, beta, epsilon);
         }
         let (x, gamma, beta) = (contiguous(x), contiguous(gamma), beta.map(contiguous));
         let shape = x.shape();
@@ -127,14 +117,7 @@ impl LabBackend for Flex {
         dy: FlexTensor,
     ) -> (FlexTensor, FlexTensor, FlexTensor) {
         if !is_f32(&x) {
-            let (dx, dgamma, dbeta) = reference::layer_norm_backward(
-                tensor(x),
-                tensor(gamma),
-                tensor(mean),
-                tensor(rstd),
-                tensor(dy),
-            );
-            return (prim(dx), prim(dgamma), prim(dbeta));
+            return composed::layer_norm_backward::<Flex>(x, gamma, mean, rstd, dy);
         }
         let [x, gamma, mean, rstd, dy] = [x, gamma, mean, rstd, dy].map(contiguous);
         let shape = x.shape();
@@ -156,7 +139,7 @@ impl LabBackend for Flex {
 
     fn fused_softmax(x: FlexTensor) -> FlexTensor {
         if !is_f32(&x) {
-            return prim(burn::tensor::activation::softmax(tensor::<2>(x), 1));
+            return composed::softmax::<Flex>(x);
         }
         let x = contiguous(x);
         let shape = x.shape();
@@ -165,7 +148,7 @@ impl LabBackend for Flex {
 
     fn fused_softmax_backward(p: FlexTensor, dp: FlexTensor) -> FlexTensor {
         if !is_f32(&p) {
-            return prim(reference::softmax_backward(tensor(p), tensor(dp)));
+            return composed::softmax_backward::<Flex>(p, dp);
         }
         let (p, dp) = (contiguous(p), contiguous(dp));
         let shape = p.shape();
@@ -183,14 +166,7 @@ impl LabBackend for Flex {
         pad: Option<FlexTensor>,
     ) -> (FlexTensor, FlexTensor) {
         if !is_f32(&q) {
-            let (o, lse) = reference::attention_forward(
-                tensor(q),
-                tensor(k),
-                tensor(v),
-                causal,
-                pad.map(tensor),
-            );
-            return (prim(o), prim(lse));
+            return composed::attention_forward::<Flex>(q, k, v, causal, pad);
         }
         let shape = attention_shape(&q, &k);
         let [q, k, v] = [q, k, v].map(rows);
@@ -221,17 +197,7 @@ impl LabBackend for Flex {
         pad: Option<FlexTensor>,
     ) -> (FlexTensor, FlexTensor, FlexTensor) {
         if !is_f32(&q) {
-            let (dq, dk, dv) = reference::attention_backward(
-                tensor(q),
-                tensor(k),
-                tensor(v),
-                tensor(o),
-                tensor(lse),
-                tensor(d_o),
-                causal,
-                pad.map(tensor),
-            );
-            return (prim(dq), prim(dk), prim(dv));
+            return composed::attention_backward::<Flex>(q, k, v, o, lse, d_o, causal, pad);
         }
         let shape = attention_shape(&q, &k);
         let [q, k, v, o, d_o] = [q, k, v, o, d_o].map(rows);

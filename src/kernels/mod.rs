@@ -13,23 +13,23 @@
 //! fused kernels are switched off ([`set_fused`], `--no-fused` on the command line), which is how
 //! the tests and `bench kernels` compare the two.
 //!
-//! Attention here is "flash-style": the kernel walks key tiles with an online softmax and keeps
-//! one row of scores at a time, saving only the output and each row's log-sum-exp for the
-//! backward pass, which recomputes the probabilities tile by tile — the `t × s` score matrix is
-//! never stored.
+//! Attention here is "flash-style": the kernel walks `64 × 64` tiles of queries and keys with an
+//! online softmax, saving only the output and each row's log-sum-exp for the backward pass,
+//! which recomputes the probabilities tile by tile — the `t × s` score matrix is never stored.
 
 mod autodiff;
+mod composed;
 pub mod cpu;
 #[cfg(feature = "flex")]
 mod flex;
 pub mod reference;
 
-use crate::nn::attention::MASKED_SCORE;
 use burn::nn::LayerNorm;
 use burn::prelude::*;
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::ops::FloatTensor;
-use burn::tensor::{Bool, TensorPrimitive};
+use burn::tensor::Bool;
+use composed::{prim, tensor};
 use std::cell::Cell;
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -40,15 +40,12 @@ use std::sync::atomic::{AtomicBool, Ordering};
 pub trait LabBackend: Backend {
     /// Exact GELU, `x·Φ(x)` (the erf form).
     fn fused_gelu(x: FloatTensor<Self>) -> FloatTensor<Self> {
-        prim(reference::gelu(tensor::<Self, 1>(x)))
+        composed::gelu::<Self>(x)
     }
 
     /// `grad · d GELU(x)/dx = grad · (Φ(x) + x·φ(x))`.
     fn fused_gelu_backward(x: FloatTensor<Self>, grad: FloatTensor<Self>) -> FloatTensor<Self> {
-        prim(reference::gelu_backward(
-            tensor::<Self, 1>(x),
-            tensor::<Self, 1>(grad),
-        ))
+        composed::gelu_backward::<Self>(x, grad)
     }
 
     /// LayerNorm of the rows of `x` `[n, d]`.
@@ -68,13 +65,7 @@ pub trait LabBackend: Backend {
         beta: Option<FloatTensor<Self>>,
         epsilon: f64,
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
-        let (y, mean, rstd) = reference::layer_norm_forward(
-            tensor::<Self, 2>(x),
-            tensor(gamma),
-            beta.map(tensor),
-            epsilon,
-        );
-        (prim(y), prim(mean), prim(rstd))
+        composed::layer_norm_forward::<Self>(x, gamma, beta, epsilon)
     }
 
     /// The gradients `(dx [n, d], dγ [d], dβ [d])` of LayerNorm for the output gradient `dy`.
@@ -85,27 +76,17 @@ pub trait LabBackend: Backend {
         rstd: FloatTensor<Self>,
         dy: FloatTensor<Self>,
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
-        let (dx, dgamma, dbeta) = reference::layer_norm_backward(
-            tensor::<Self, 2>(x),
-            tensor(gamma),
-            tensor(mean),
-            tensor(rstd),
-            tensor(dy),
-        );
-        (prim(dx), prim(dgamma), prim(dbeta))
+        composed::layer_norm_backward::<Self>(x, gamma, mean, rstd, dy)
     }
 
     /// Softmax over the last dimension of `x` `[n, s]`.
     fn fused_softmax(x: FloatTensor<Self>) -> FloatTensor<Self> {
-        prim(burn::tensor::activation::softmax(tensor::<Self, 2>(x), 1))
+        composed::softmax::<Self>(x)
     }
 
     /// `dx = p ⊙ (dp − Σ_j p_j·dp_j)`, row by row, for `p = softmax(x)` `[n, s]`.
     fn fused_softmax_backward(p: FloatTensor<Self>, dp: FloatTensor<Self>) -> FloatTensor<Self> {
-        prim(reference::softmax_backward(
-            tensor::<Self, 2>(p),
-            tensor(dp),
-        ))
+        composed::softmax_backward::<Self>(p, dp)
     }
 
     /// Attention `softmax(Q·Kᵀ/√k + mask)·V` without its weights.
@@ -127,14 +108,7 @@ pub trait LabBackend: Backend {
         causal: bool,
         pad: Option<FloatTensor<Self>>,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        let (o, lse) = reference::attention_forward(
-            tensor::<Self, 4>(q),
-            tensor(k),
-            tensor(v),
-            causal,
-            pad.map(tensor),
-        );
-        (prim(o), prim(lse))
+        composed::attention_forward::<Self>(q, k, v, causal, pad)
     }
 
     /// The gradients `(dq, dk, dv)` of attention for the output gradient `d_o`, from the
@@ -150,17 +124,7 @@ pub trait LabBackend: Backend {
         causal: bool,
         pad: Option<FloatTensor<Self>>,
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
-        let (dq, dk, dv) = reference::attention_backward(
-            tensor::<Self, 4>(q),
-            tensor(k),
-            tensor(v),
-            tensor(o),
-            tensor(lse),
-            tensor(d_o),
-            causal,
-            pad.map(tensor),
-        );
-        (prim(dq), prim(dk), prim(dv))
+        composed::attention_backward::<Self>(q, k, v, o, lse, d_o, causal, pad)
     }
 }
 
@@ -249,7 +213,7 @@ pub fn softmax<B: LabBackend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
 }
 
 /// Softmax attention without its weights: `softmax(Q·Kᵀ/√k + mask)·V`, masked scores set to
-/// [`MASKED_SCORE`] (a fully masked row attends uniformly, as the composed form does).
+/// [`MASKED_SCORE`](crate::nn::attention::MASKED_SCORE) (a fully masked row attends uniformly, as the composed form does).
 ///
 /// # Shapes
 /// `q`: `[b, h, t, k]`, `k`, `v`: `[b, h, s, k]`; `causal` needs `t = s`; `pad`: `[b, s]`,
@@ -273,15 +237,4 @@ pub fn attention<B: LabBackend>(
         causal,
         pad.map(prim),
     ))
-}
-
-/// The score given to masked-out keys, as `f32` for the kernels.
-pub(crate) const MASKED: f32 = MASKED_SCORE;
-
-fn tensor<B: Backend, const D: usize>(x: FloatTensor<B>) -> Tensor<B, D> {
-    Tensor::from_primitive(TensorPrimitive::Float(x))
-}
-
-fn prim<B: Backend, const D: usize>(x: Tensor<B, D>) -> FloatTensor<B> {
-    x.into_primitive().tensor()
 }

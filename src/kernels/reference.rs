@@ -1,7 +1,7 @@
 //! The composed forms of the fused operations, written with burn's tensor ops: the defaults of
 //! [`super::LabBackend`] and the references the kernels are tested against.
 
-use super::MASKED;
+use crate::nn::attention::MASKED_SCORE;
 use crate::nn::mask::causal_mask;
 use burn::prelude::*;
 use burn::tensor::Bool;
@@ -114,7 +114,7 @@ fn scores<B: Backend>(
     let s = k.dims()[2];
     let scores = q.matmul(k.transpose()).div_scalar((d_head as f32).sqrt());
     match mask {
-        Some(mask) => scores.mask_fill(mask.clone().expand([b, h, t, s]), MASKED),
+        Some(mask) => scores.mask_fill(mask.clone().expand([b, h, t, s]), MASKED_SCORE),
         None => scores,
     }
 }
@@ -148,7 +148,7 @@ pub fn attention_backward<B: Backend>(
     k: Tensor<B, 4>,
     v: Tensor<B, 4>,
     o: Tensor<B, 4>,
-    lse: Tensor<B, 3>,
+    _lse: Tensor<B, 3>,
     d_o: Tensor<B, 4>,
     causal: bool,
     pad: Option<Tensor<B, 2>>,
@@ -157,7 +157,8 @@ pub fn attention_backward<B: Backend>(
     let s = k.dims()[2];
     let scale = 1.0 / (d_head as f32).sqrt();
     let mask = score_mask(t, s, causal, pad, &q.device());
-    let _ = lse; // recomputed exactly below (see attention_forward on fully masked rows)
+    // P by a softmax, not `exp(scores − lse)`: exact on fully masked rows too (see
+    // attention_forward).
     let p = burn::tensor::activation::softmax(scores(q.clone(), k.clone(), mask.as_ref()), 3);
     let dv = p.clone().transpose().matmul(d_o.clone());
     let dp = d_o.clone().matmul(v.transpose());

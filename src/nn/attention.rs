@@ -170,9 +170,7 @@ impl<B: LabBackend> MultiHeadAttention<B> {
         mask: Option<&AttentionMask<B>>,
     ) -> AttentionOutput<B> {
         let [b, t, d] = query.dims();
-        let q = self.split_heads(linear(&self.query, query)); // [b, h, t, k]
-        let k = self.split_heads(linear(&self.key, memory.clone())); // [b, h, s, k]
-        let v = self.split_heads(linear(&self.value, memory)); // [b, h, s, k]
+        let (q, k, v) = self.project(query, memory); // [b, h, t|s, k]
         let (context, weights) = self.attend(q, k, v, mask);
         let context = context.swap_dims(1, 2).reshape([b, t, d]); // [b, t, d]
         AttentionOutput {

@@ -1,8 +1,7 @@
 //! The position-wise feed-forward network `FFN(x) = act(x·W₁ + b₁)·W₂ + b₂` (§3.3).
 
 use super::linear;
-use crate::kernels::gelu;
-use crate::kernels::LabBackend;
+use crate::kernels::{gelu, LabBackend};
 use burn::module::Module;
 use burn::nn::{Dropout, DropoutConfig, Initializer, Linear, LinearConfig};
 use burn::prelude::*;

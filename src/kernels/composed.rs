@@ -1,0 +1,111 @@
+//! [`super::reference`] on backend primitives: the bodies of [`super::LabBackend`]'s default
+//! methods, and what a kernel-backed backend falls back to for inputs its kernels do not take
+//! (flex, for dtypes other than `f32`).
+
+use super::reference;
+use burn::prelude::*;
+use burn::tensor::ops::FloatTensor;
+use burn::tensor::TensorPrimitive;
+
+/// A float primitive as a tensor.
+pub(super) fn tensor<B: Backend, const D: usize>(x: FloatTensor<B>) -> Tensor<B, D> {
+    Tensor::from_primitive(TensorPrimitive::Float(x))
+}
+
+/// A float tensor's primitive.
+pub(super) fn prim<B: Backend, const D: usize>(x: Tensor<B, D>) -> FloatTensor<B> {
+    x.into_primitive().tensor()
+}
+
+/// See [`super::LabBackend::fused_gelu`].
+pub fn gelu<B: Backend>(x: FloatTensor<B>) -> FloatTensor<B> {
+    prim(reference::gelu(tensor::<B, 1>(x)))
+}
+
+/// See [`super::LabBackend::fused_gelu_backward`].
+pub fn gelu_backward<B: Backend>(x: FloatTensor<B>, grad: FloatTensor<B>) -> FloatTensor<B> {
+    prim(reference::gelu_backward(tensor::<B, 1>(x), tensor(grad)))
+}
+
+/// See [`super::LabBackend::fused_layer_norm_forward`].
+pub fn layer_norm_forward<B: Backend>(
+    x: FloatTensor<B>,
+    gamma: FloatTensor<B>,
+    beta: Option<FloatTensor<B>>,
+    epsilon: f64,
+) -> (FloatTensor<B>, FloatTensor<B>, FloatTensor<B>) {
+    let (y, mean, rstd) =
+        reference::layer_norm_forward(tensor::<B, 2>(x), tensor(gamma), beta.map(tensor), epsilon);
+    (prim(y), prim(mean), prim(rstd))
+}
+
+/// See [`super::LabBackend::fused_layer_norm_backward`].
+pub fn layer_norm_backward<B: Backend>(
+    x: FloatTensor<B>,
+    gamma: FloatTensor<B>,
+    mean: FloatTensor<B>,
+    rstd: FloatTensor<B>,
+    dy: FloatTensor<B>,
+) -> (FloatTensor<B>, FloatTensor<B>, FloatTensor<B>) {
+    let (dx, dgamma, dbeta) = reference::layer_norm_backward(
+        tensor::<B, 2>(x),
+        tensor(gamma),
+        tensor(mean),
+        tensor(rstd),
+        tensor(dy),
+    );
+    (prim(dx), prim(dgamma), prim(dbeta))
+}
+
+/// See [`super::LabBackend::fused_softmax`].
+pub fn softmax<B: Backend>(x: FloatTensor<B>) -> FloatTensor<B> {
+    prim(burn::tensor::activation::softmax(tensor::<B, 2>(x), 1))
+}
+
+/// See [`super::LabBackend::fused_softmax_backward`].
+pub fn softmax_backward<B: Backend>(p: FloatTensor<B>, dp: FloatTensor<B>) -> FloatTensor<B> {
+    prim(reference::softmax_backward(tensor::<B, 2>(p), tensor(dp)))
+}
+
+/// See [`super::LabBackend::fused_attention_forward`].
+pub fn attention_forward<B: Backend>(
+    q: FloatTensor<B>,
+    k: FloatTensor<B>,
+    v: FloatTensor<B>,
+    causal: bool,
+    pad: Option<FloatTensor<B>>,
+) -> (FloatTensor<B>, FloatTensor<B>) {
+    let (o, lse) = reference::attention_forward(
+        tensor::<B, 4>(q),
+        tensor(k),
+        tensor(v),
+        causal,
+        pad.map(tensor),
+    );
+    (prim(o), prim(lse))
+}
+
+/// See [`super::LabBackend::fused_attention_backward`].
+#[allow(clippy::too_many_arguments)]
+pub fn attention_backward<B: Backend>(
+    q: FloatTensor<B>,
+    k: FloatTensor<B>,
+    v: FloatTensor<B>,
+    o: FloatTensor<B>,
+    lse: FloatTensor<B>,
+    d_o: FloatTensor<B>,
+    causal: bool,
+    pad: Option<FloatTensor<B>>,
+) -> (FloatTensor<B>, FloatTensor<B>, FloatTensor<B>) {
+    let (dq, dk, dv) = reference::attention_backward(
+        tensor::<B, 4>(q),
+        tensor(k),
+        tensor(v),
+        tensor(o),
+        tensor(lse),
+        tensor(d_o),
+        causal,
+        pad.map(tensor),
+    );
+    (prim(dq), prim(dk), prim(dv))
+}
