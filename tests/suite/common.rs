@@ -15,6 +15,25 @@ use transformer_lab::models::{LanguageModel, LmBatch};
 use transformer_lab::train::ReferenceOptimizer;
 use transformer_lab::train::Tokenizers;
 
+/// A tensor of standard-normal values drawn from its own seeded generator. The backend's
+/// `B::seed` is one generator shared by every test thread, so draws from it race with the tests
+/// running beside; comparisons that need the same numbers twice use this.
+#[allow(dead_code)]
+pub fn normal<B: Backend, const D: usize>(
+    shape: [usize; D],
+    seed: u64,
+    device: &B::Device,
+) -> Tensor<B, D> {
+    use burn::tensor::Distribution;
+    use rand::{rngs::StdRng, SeedableRng};
+    let data = TensorData::random::<f32, _, _>(
+        shape,
+        Distribution::Normal(0.0, 1.0),
+        &mut StdRng::seed_from_u64(seed),
+    );
+    Tensor::from_data(data, device)
+}
+
 /// The small language model the tests train: vocabulary 13, 2 layers, 4 heads, width 32.
 #[allow(dead_code)]
 pub fn small_lm() -> LmConfig {

@@ -7,7 +7,7 @@ use burn::backend::{Autodiff, Flex, NdArray};
 use burn::module::{Module, Param};
 use burn::nn::LayerNormConfig;
 use burn::prelude::*;
-use burn::tensor::{Bool, Distribution};
+use burn::tensor::Bool;
 use transformer_lab::kernels::{self, cpu, with_fused, LabAutodiff};
 use transformer_lab::models::LanguageModel;
 use transformer_lab::nn::{AttentionMask, MultiHeadAttentionConfig};
@@ -28,14 +28,7 @@ fn rel_diff<B: Backend, const D: usize>(a: Tensor<B, D>, b: Tensor<B, D>) -> f32
     worst / scale
 }
 
-fn random<B: Backend, const D: usize>(
-    shape: [usize; D],
-    seed: u64,
-    device: &B::Device,
-) -> Tensor<B, D> {
-    B::seed(device, seed);
-    Tensor::random(shape, Distribution::Normal(0.0, 1.0), device)
-}
+use crate::common::normal as random;
 
 /// Runs `f` on fresh leaves made from `inputs`, fused and composed, and returns the largest
 /// relative difference of the outputs and of each input's gradient (of `Σ y ⊙ w`, random `w`).

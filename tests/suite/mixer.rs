@@ -4,7 +4,7 @@
 
 use burn::backend::{Autodiff, NdArray};
 use burn::prelude::*;
-use burn::tensor::{Distribution, Tolerance};
+use burn::tensor::Tolerance;
 use transformer_lab::config::{ClassifierConfig, LmConfig};
 use transformer_lab::generate::{generate, next_token_probs, Sampling};
 use transformer_lab::nn::fft::{direct_conv, fft, fft_conv, toeplitz_conv};
@@ -25,8 +25,7 @@ fn tol(v: f64) -> Tolerance<f32> {
 }
 
 fn random<Bk: Backend, const D: usize>(shape: [usize; D], seed: u64) -> Tensor<Bk, D> {
-    Bk::seed(&Default::default(), seed);
-    Tensor::random(shape, Distribution::Normal(0.0, 1.0), &Default::default())
+    crate::common::normal(shape, seed, &Default::default())
 }
 
 fn qkv(t: usize, seed: u64) -> (Tensor<B, 4>, Tensor<B, 4>, Tensor<B, 4>) {
