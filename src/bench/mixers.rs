@@ -83,7 +83,7 @@ impl<B: LabBackend> Layer<B> {
         match self {
             Layer::Attention(attention) => {
                 let mask = AttentionMask::causal(x.dims()[1], &x.device());
-                attention.forward(x.clone(), x, Some(&mask)).context
+                attention.forward_self(x, Some(&mask)).context
             }
             Layer::Hyena(hyena) => hyena.forward(x),
         }

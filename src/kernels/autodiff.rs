@@ -103,7 +103,110 @@ impl<B: LabBackend> Backward<B, 3> for Attention {
     }
 }
 
+#[derive(Debug)]
+struct PackedAttention;
+
+/// What packed self-attention's backward needs.
+#[derive(Clone, Debug)]
+struct PackedAttentionState<B: LabBackend> {
+    qkv: FloatTensor<B>,
+    o: FloatTensor<B>,
+    lse: FloatTensor<B>,
+    heads: usize,
+    causal: bool,
+    pad: Option<FloatTensor<B>>,
+}
+
+impl<B: LabBackend> Backward<B, 1> for PackedAttention {
+    type State = PackedAttentionState<B>;
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let PackedAttentionState {
+            qkv,
+            o,
+            lse,
+            heads,
+            causal,
+            pad,
+        } = ops.state;
+        unary::<B, _>(ops.parents, ops.node, grads, |d_o| {
+            B::fused_packed_attention_backward(qkv, o, lse, d_o, heads, causal, pad)
+        });
+    }
+}
+
+#[derive(Debug)]
+struct Linear;
+
+impl<B: LabBackend> Backward<B, 3> for Linear {
+    /// `(x, w, whether there is a bias)`.
+    type State = (FloatTensor<B>, FloatTensor<B>, bool);
+
+    fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let (x, w, bias) = ops.state;
+        let dy = grads.consume::<B>(&ops.node);
+        let (dx, dw, db) = B::fused_linear_backward(x, w, dy, bias);
+        for (parent, grad) in ops.parents.into_iter().zip([Some(dx), Some(dw), db]) {
+            if let (Some(node), Some(grad)) = (parent, grad) {
+                grads.register::<B>(node.id, grad);
+            }
+        }
+    }
+}
+
 impl<B: LabBackend, C: CheckpointStrategy> LabBackend for Autodiff<B, C> {
+    fn fused_linear(
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        b: Option<FloatTensor<Self>>,
+    ) -> FloatTensor<Self> {
+        let y = B::fused_linear(
+            x.primitive.clone(),
+            w.primitive.clone(),
+            b.as_ref().map(|b| b.primitive.clone()),
+        );
+        // Without a bias, a constant stands in for its node (it takes no gradient).
+        let bias = b.is_some();
+        let b_node = match b {
+            Some(b) => b.node,
+            None => Self::float_zeros([1].into(), &B::float_device(&y), y.dtype().into()).node,
+        };
+        let nodes = [x.node, w.node, b_node];
+        match Linear.prepare::<C>(nodes).compute_bound().stateful() {
+            OpsKind::Tracked(prep) => prep.finish((x.primitive, w.primitive, bias), y),
+            OpsKind::UnTracked(prep) => prep.finish(y),
+        }
+    }
+
+    fn fused_packed_attention(
+        qkv: FloatTensor<Self>,
+        heads: usize,
+        causal: bool,
+        pad: Option<FloatTensor<Self>>,
+    ) -> FloatTensor<Self> {
+        let pad = pad.map(|pad| pad.primitive);
+        let (o, lse) =
+            B::fused_packed_attention_forward(qkv.primitive.clone(), heads, causal, pad.clone());
+        match PackedAttention
+            .prepare::<C>([qkv.node])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => {
+                let state = PackedAttentionState {
+                    qkv: qkv.primitive,
+                    o: o.clone(),
+                    lse,
+                    heads,
+                    causal,
+                    pad,
+                };
+                prep.finish(state, o)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(o),
+        }
+    }
+
     fn fused_gelu(x: FloatTensor<Self>) -> FloatTensor<Self> {
         match Gelu
             .prepare::<C>([x.node.clone()])

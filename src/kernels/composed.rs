@@ -2,7 +2,7 @@
 //! methods, and what a kernel-backed backend falls back to for inputs its kernels do not take
 //! (flex, for dtypes other than `f32`).
 
-use super::reference;
+use super::{reference, LabBackend};
 use burn::prelude::*;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::TensorPrimitive;
@@ -108,4 +108,73 @@ pub fn attention_backward<B: Backend>(
         pad.map(tensor),
     );
     (prim(dq), prim(dk), prim(dv))
+}
+
+/// See [`super::LabBackend::fused_linear`].
+pub fn linear<B: Backend>(
+    x: FloatTensor<B>,
+    w: FloatTensor<B>,
+    b: Option<FloatTensor<B>>,
+) -> FloatTensor<B> {
+    prim(reference::linear_forward(
+        tensor::<B, 2>(x),
+        tensor(w),
+        b.map(tensor),
+    ))
+}
+
+/// See [`super::LabBackend::fused_linear_backward`].
+pub fn linear_backward<B: Backend>(
+    x: FloatTensor<B>,
+    w: FloatTensor<B>,
+    dy: FloatTensor<B>,
+    bias: bool,
+) -> (FloatTensor<B>, FloatTensor<B>, Option<FloatTensor<B>>) {
+    let (dx, dw, db) = reference::linear_backward(tensor::<B, 2>(x), tensor(w), tensor(dy), bias);
+    (prim(dx), prim(dw), db.map(prim))
+}
+
+/// See [`super::LabBackend::fused_packed_attention_forward`]: the backend's attention on views
+/// of the packed projections.
+pub fn packed_attention_forward<B: LabBackend>(
+    qkv: FloatTensor<B>,
+    heads: usize,
+    causal: bool,
+    pad: Option<FloatTensor<B>>,
+) -> (FloatTensor<B>, FloatTensor<B>) {
+    let (q, k, v) = reference::split_packed(tensor::<B, 3>(qkv), heads);
+    let (o, lse) = B::fused_attention_forward(prim(q), prim(k), prim(v), causal, pad);
+    (prim(reference::merge_heads(tensor::<B, 4>(o))), lse)
+}
+
+/// See [`super::LabBackend::fused_packed_attention_backward`]: the backend's attention backward
+/// on views, its three gradients concatenated.
+pub fn packed_attention_backward<B: LabBackend>(
+    qkv: FloatTensor<B>,
+    o: FloatTensor<B>,
+    lse: FloatTensor<B>,
+    d_o: FloatTensor<B>,
+    heads: usize,
+    causal: bool,
+    pad: Option<FloatTensor<B>>,
+) -> FloatTensor<B> {
+    let (q, k, v) = reference::split_packed(tensor::<B, 3>(qkv), heads);
+    let [b, t, d] = tensor::<B, 3>(o.clone()).dims();
+    let to_heads = |x: FloatTensor<B>| {
+        tensor::<B, 3>(x)
+            .reshape([b, t, heads, d / heads])
+            .swap_dims(1, 2)
+    };
+    let (dq, dk, dv) = B::fused_attention_backward(
+        prim(q),
+        prim(k),
+        prim(v),
+        prim(to_heads(o)),
+        lse,
+        prim(to_heads(d_o)),
+        causal,
+        pad,
+    );
+    let merged = [dq, dk, dv].map(|g| reference::merge_heads(tensor::<B, 4>(g)));
+    prim(Tensor::cat(merged.to_vec(), 2))
 }

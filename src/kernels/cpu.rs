@@ -348,6 +348,171 @@ pub fn softmax_backward(p: &[f32], dp: &[f32], s: usize) -> Vec<f32> {
     dx
 }
 
+/// A read-only matrix in any layout: element `(r, c)` is at `offset + r·rs + c·cs` of `data`.
+#[derive(Clone, Copy, Debug)]
+pub struct Matrix<'a> {
+    /// The storage the strides index.
+    pub data: &'a [f32],
+    /// Index of element `(0, 0)`.
+    pub offset: usize,
+    /// `[rows, columns]`.
+    pub shape: [usize; 2],
+    /// `[row stride, column stride]`.
+    pub strides: [usize; 2],
+}
+
+impl Matrix<'_> {
+    /// As a product operand, checked to lie inside its storage.
+    fn operand(&self) -> Operand {
+        let [r, c] = self.shape;
+        let [rs, cs] = self.strides;
+        if r > 0 && c > 0 {
+            let last = self.offset + (r - 1) * rs + (c - 1) * cs;
+            assert!(last < self.data.len(), "matrix view out of bounds");
+        }
+        (self.data[self.offset..].as_ptr(), rs, cs)
+    }
+
+    /// The transposed view.
+    fn t(self) -> Self {
+        let ([r, c], [rs, cs]) = (self.shape, self.strides);
+        Self {
+            shape: [c, r],
+            strides: [cs, rs],
+            ..self
+        }
+    }
+}
+
+/// Products of at least this many multiply-adds are split across both cores; smaller ones run
+/// on one (for `768 × 128 × 128` one core is faster than two: the split costs more than it
+/// saves).
+const PARALLEL_PRODUCT: usize = 1 << 24;
+
+/// `dst (m × n, row-major) = A·B`, or `+= A·B` when `accumulate`, on one core or both.
+///
+/// # Safety
+/// `dst` must be valid for `m × n` writes (and reads when `accumulate`) and alias neither
+/// operand; without `accumulate` it may be uninitialised.
+unsafe fn product(dst: *mut f32, accumulate: bool, a: Matrix, b: Matrix, parallel: bool) {
+    let ([m, k], n) = (a.shape, b.shape[1]);
+    assert_eq!(k, b.shape[0], "inner dimensions differ");
+    let ((a, a_rs, a_cs), (b, b_rs, b_cs)) = (a.operand(), b.operand());
+    let parallelism = if parallel && m * n * k >= PARALLEL_PRODUCT {
+        gemm::Parallelism::Rayon(0)
+    } else {
+        gemm::Parallelism::None
+    };
+    // SAFETY: the operands were checked in bounds; `dst` is the caller's promise.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst,
+            1,
+            n as isize,
+            accumulate,
+            a,
+            a_cs as isize,
+            a_rs as isize,
+            b,
+            b_cs as isize,
+            b_rs as isize,
+            1.0,
+            1.0,
+            false,
+            false,
+            false,
+            parallelism,
+        )
+    }
+}
+
+/// A destination pointer handed to another rayon task.
+#[derive(Clone, Copy)]
+struct SendPtr(*mut f32);
+// SAFETY: each pointer is written by one task only, while its buffer lives.
+unsafe impl Send for SendPtr {}
+unsafe impl Sync for SendPtr {}
+
+impl SendPtr {
+    /// The pointer (a method, so closures capture the whole `Send` wrapper).
+    fn get(self) -> *mut f32 {
+        self.0
+    }
+}
+
+/// `y = x·w + b` for `x` `n × i`, `w` `i × o`: the bias is written first and the product
+/// accumulated onto it (one pass over `y`, no separate broadcast add).
+pub fn linear(x: Matrix, w: Matrix, bias: Option<&[f32]>) -> Vec<f32> {
+    let (n, o) = (x.shape[0], w.shape[1]);
+    let mut y = uninit(n * o);
+    match bias {
+        Some(bias) => {
+            assert_eq!(bias.len(), o, "bias width");
+            for _ in 0..n {
+                y.extend_from_slice(bias);
+            }
+            // SAFETY: `y` holds `n × o` initialised elements.
+            unsafe { product(y.as_mut_ptr(), true, x, w, true) };
+        }
+        None => {
+            // SAFETY: `y` has room for `n × o`; the product writes them all without reading.
+            y = unsafe {
+                product(y.as_mut_ptr(), false, x, w, true);
+                written(y, n * o)
+            };
+        }
+    }
+    y
+}
+
+multiversion! {
+    fn column_sums(dy: Matrix, out: &mut [f32]) {
+        out.fill(0.0);
+        let [n, o] = dy.shape;
+        for r in 0..n {
+            let start = dy.offset + r * dy.strides[0];
+            for (acc, &g) in out.iter_mut().zip(&dy.data[start..start + o]) {
+                *acc += g;
+            }
+        }
+    }
+}
+
+/// The gradients `(dx = dy·wᵀ, dw = xᵀ·dy, db = Σ_rows dy)` of [`linear`]. The two products
+/// are independent and of equal size: each runs on its own core (two single-core products are
+/// faster than two split ones at these sizes). `dy` must have unit column stride.
+pub fn linear_backward(
+    x: Matrix,
+    w: Matrix,
+    dy: Matrix,
+    bias: bool,
+) -> (Vec<f32>, Vec<f32>, Option<Vec<f32>>) {
+    let ([n, i], o) = (x.shape, w.shape[1]);
+    assert_eq!(dy.strides[1], 1, "dy rows must be contiguous");
+    let (mut dx, mut dw) = (uninit(n * i), uninit(i * o));
+    let (dx_ptr, dw_ptr) = (SendPtr(dx.as_mut_ptr()), SendPtr(dw.as_mut_ptr()));
+    // With more than two cores each product may split further.
+    let split = rayon::current_num_threads() > 2;
+    let db = rayon::join(
+        // SAFETY: each destination has room for its product, written without reading.
+        || unsafe { product(dx_ptr.get(), false, dy, w.t(), split) },
+        || {
+            unsafe { product(dw_ptr.get(), false, x.t(), dy, split) };
+            bias.then(|| {
+                let mut db = vec![0.0; o];
+                column_sums(dy, &mut db);
+                db
+            })
+        },
+    )
+    .1;
+    // SAFETY: each product wrote all of its destination's elements.
+    unsafe { (written(dx, n * i), written(dw, i * o), db) }
+}
+
 /// A read-only `[b, h, n, k]` tensor in any row layout: element `(b, h, i, c)` is at
 /// `offset + b·strides[0] + h·strides[1] + i·strides[2] + c` (the head dimension is contiguous).
 #[derive(Clone, Copy, Debug)]
@@ -392,31 +557,45 @@ impl AttentionShape {
     }
 }
 
-/// A `*mut f32` that may cross threads: each task writes only the rows of its own head.
+/// A writable `[b, h, n, k]` destination, element `(b, h, i, c)` at
+/// `b·strides[0] + h·strides[1] + i·strides[2] + c` from its pointer; it may cross threads
+/// because each task writes only the rows of its own head.
 #[derive(Clone, Copy)]
-struct Out(*mut f32);
+struct Out {
+    ptr: *mut f32,
+    strides: [usize; 3],
+}
 // SAFETY: tasks write disjoint rows (one head each) and the buffer outlives the parallel loop.
 unsafe impl Send for Out {}
 unsafe impl Sync for Out {}
 
 impl Out {
-    /// Row `i` of head `(b, h)` in a `[b, n, h, k]` buffer.
+    /// Writes `row` as row `i` of head `(b, h)`.
     ///
     /// # Safety
-    /// The row must be in bounds and written by one task only.
+    /// The row must be in bounds and written by one task only (the destination may be
+    /// uninitialised memory: no reference to it is made).
     #[inline(always)]
-    #[allow(clippy::mut_from_ref)]
-    unsafe fn row(
-        &self,
-        strides: [usize; 3],
-        b: usize,
-        h: usize,
-        i: usize,
-        k: usize,
-    ) -> &mut [f32] {
-        let start = b * strides[0] + h * strides[1] + i * strides[2];
-        std::slice::from_raw_parts_mut(self.0.add(start), k)
+    unsafe fn write(&self, b: usize, h: usize, i: usize, row: &[f32]) {
+        let [sb, sh, si] = self.strides;
+        let dst = self.ptr.add(b * sb + h * sh + i * si);
+        std::ptr::copy_nonoverlapping(row.as_ptr(), dst, row.len());
     }
+}
+
+/// A buffer of `n` elements that a kernel fills completely before it is read.
+fn uninit(n: usize) -> Vec<f32> {
+    Vec::with_capacity(n)
+}
+
+/// Marks the `n` elements of `buffer` written.
+///
+/// # Safety
+/// All `n` elements must have been written (through raw pointers).
+unsafe fn written(mut buffer: Vec<f32>, n: usize) -> Vec<f32> {
+    debug_assert!(buffer.capacity() >= n);
+    buffer.set_len(n);
+    buffer
 }
 
 /// Whether key `j` is masked for query `i`.
@@ -520,7 +699,6 @@ multiversion! {
     ) {
         let AttentionShape { t, s, k: kw, .. } = shape;
         let scale = 1.0 / (kw as f32).sqrt();
-        let o_strides = shape.interleaved(t);
         let mut scores = vec![0.0f32; TILE * TILE];
         let mut acc = vec![0.0f32; TILE * kw];
         let (mut max, mut denom) = ([0.0f32; TILE], [0.0f32; TILE]);
@@ -562,13 +740,11 @@ multiversion! {
                     matmul([m, kw, n], acc.as_mut_ptr(), kw, true, p, v.rows(b, h, j0), 1.0);
                 }
             }
-            for ii in 0..m {
-                // SAFETY: row i0 + ii of head (b, h) belongs to this task.
-                let out = unsafe { o.row(o_strides, b, h, i0 + ii, kw) };
+            for (ii, row) in acc.chunks_exact_mut(kw).enumerate() {
                 let inv = 1.0 / denom[ii];
-                for (o, &a) in out.iter_mut().zip(&acc[ii * kw..(ii + 1) * kw]) {
-                    *o = a * inv;
-                }
+                row.iter_mut().for_each(|a| *a *= inv);
+                // SAFETY: row i0 + ii of head (b, h) belongs to this task.
+                unsafe { o.write(b, h, i0 + ii, row) };
                 lse[i0 + ii] = max[ii] + denom[ii].ln();
             }
         }
@@ -586,15 +762,19 @@ pub fn attention_forward(
     pad: Option<&[f32]>,
 ) -> (Vec<f32>, Vec<f32>) {
     let AttentionShape { b, h, t, s, k: kw } = shape;
-    let mut o = vec![0.0f32; b * t * h * kw];
+    let mut o = uninit(b * t * h * kw);
     let mut lse = vec![0.0f32; b * h * t];
-    let out = Out(o.as_mut_ptr());
+    let out = Out {
+        ptr: o.as_mut_ptr(),
+        strides: shape.interleaved(t),
+    };
     lse.par_chunks_mut(t).enumerate().for_each(|(head, lse)| {
         let (bi, hi) = (head / h, head % h);
         let pad = pad.map(|pad| &pad[bi * s..(bi + 1) * s]);
         attention_head(shape, q, k, v, causal, pad, bi, hi, out, lse);
     });
-    (o, lse)
+    // SAFETY: every row of every head was written.
+    (unsafe { written(o, b * t * h * kw) }, lse)
 }
 
 multiversion! {
@@ -615,7 +795,6 @@ multiversion! {
         let AttentionShape { t, s, k: kw, .. } = shape;
         let scale = 1.0 / (kw as f32).sqrt();
         let [dq_out, dk_out, dv_out] = grads;
-        let (q_strides, kv_strides) = (shape.interleaved(t), shape.interleaved(s));
         let delta: Vec<f32> = (0..t)
             .map(|i| dot(d_o.row(b, h, i, kw), o.row(b, h, i, kw)))
             .collect();
@@ -680,11 +859,13 @@ multiversion! {
         }
         // SAFETY: rows of head (b, h) belong to this task.
         for (i, row) in dq.chunks_exact(kw).enumerate() {
-            unsafe { dq_out.row(q_strides, b, h, i, kw) }.copy_from_slice(row);
+            unsafe { dq_out.write(b, h, i, row) };
         }
         for (j, (dk_row, dv_row)) in dk.chunks_exact(kw).zip(dv.chunks_exact(kw)).enumerate() {
-            unsafe { dk_out.row(kv_strides, b, h, j, kw) }.copy_from_slice(dk_row);
-            unsafe { dv_out.row(kv_strides, b, h, j, kw) }.copy_from_slice(dv_row);
+            unsafe {
+                dk_out.write(b, h, j, dk_row);
+                dv_out.write(b, h, j, dv_row);
+            }
         }
     }
 }
@@ -704,18 +885,85 @@ pub fn attention_backward(
     pad: Option<&[f32]>,
 ) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
     let AttentionShape { b, h, t, s, k: kw } = shape;
-    let mut dq = vec![0.0f32; b * t * h * kw];
-    let mut dk = vec![0.0f32; b * s * h * kw];
-    let mut dv = vec![0.0f32; b * s * h * kw];
+    let (q_len, kv_len) = (b * t * h * kw, b * s * h * kw);
+    let (mut dq, mut dk, mut dv) = (uninit(q_len), uninit(kv_len), uninit(kv_len));
+    let (q_strides, kv_strides) = (shape.interleaved(t), shape.interleaved(s));
     let grads = [
-        Out(dq.as_mut_ptr()),
-        Out(dk.as_mut_ptr()),
-        Out(dv.as_mut_ptr()),
+        Out {
+            ptr: dq.as_mut_ptr(),
+            strides: q_strides,
+        },
+        Out {
+            ptr: dk.as_mut_ptr(),
+            strides: kv_strides,
+        },
+        Out {
+            ptr: dv.as_mut_ptr(),
+            strides: kv_strides,
+        },
     ];
+    backward_into(shape, [q, k, v, o, d_o], lse, causal, pad, grads);
+    // SAFETY: every row of every head of the three was written.
+    unsafe { (written(dq, q_len), written(dk, kv_len), written(dv, kv_len)) }
+}
+
+/// Self-attention on packed projections `qkv` `[b, t, 3·h·k]` (Q, K, V side by side): the
+/// gradient of `qkv`, written in place of its three parts. `o` and `d_o` are `[b, t, h·k]`.
+pub fn packed_attention_backward(
+    shape: AttentionShape,
+    qkv: &[f32],
+    o: &[f32],
+    lse: &[f32],
+    d_o: &[f32],
+    causal: bool,
+    pad: Option<&[f32]>,
+) -> Vec<f32> {
+    let AttentionShape { b, h, t, k: kw, .. } = shape;
+    let d = h * kw;
+    assert_eq!(qkv.len(), b * t * 3 * d, "packed projections' size");
+    let mut dqkv = uninit(qkv.len());
+    let packed = [t * 3 * d, kw, 3 * d];
+    let part = |i: usize| Heads {
+        data: qkv,
+        offset: i * d,
+        strides: packed,
+    };
+    let merged = |data| Heads {
+        data,
+        offset: 0,
+        strides: shape.interleaved(t),
+    };
+    let ptr = dqkv.as_mut_ptr();
+    // SAFETY: the three parts start inside the buffer; every row written is in bounds.
+    let grads = [0, 1, 2].map(|i| Out {
+        ptr: unsafe { ptr.add(i * d) },
+        strides: packed,
+    });
+    backward_into(
+        shape,
+        [part(0), part(1), part(2), merged(o), merged(d_o)],
+        lse,
+        causal,
+        pad,
+        grads,
+    );
+    // SAFETY: every row of the three parts, which tile the buffer, was written.
+    unsafe { written(dqkv, qkv.len()) }
+}
+
+/// Runs the backward kernel over every head, in parallel, writing `[dq, dk, dv]`.
+fn backward_into(
+    shape: AttentionShape,
+    [q, k, v, o, d_o]: [Heads; 5],
+    lse: &[f32],
+    causal: bool,
+    pad: Option<&[f32]>,
+    grads: [Out; 3],
+) {
+    let AttentionShape { h, t, s, .. } = shape;
     lse.par_chunks(t).enumerate().for_each(|(head, lse)| {
         let (bi, hi) = (head / h, head % h);
         let pad = pad.map(|pad| &pad[bi * s..(bi + 1) * s]);
         attention_head_backward(shape, q, k, v, o, lse, d_o, causal, pad, bi, hi, grads);
     });
-    (dq, dk, dv)
 }

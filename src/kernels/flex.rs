@@ -2,7 +2,7 @@
 //! place (strided views included) and written without copies. Other dtypes take the composed
 //! path.
 
-use super::cpu::{self, AttentionShape, Heads};
+use super::cpu::{self, AttentionShape, Heads, Matrix};
 use super::{composed, LabBackend};
 use burn::backend::flex::{FlexTensor, Layout};
 use burn::backend::Flex;
@@ -60,6 +60,28 @@ fn interleaved(data: Vec<f32>, shape: AttentionShape, n: usize) -> FlexTensor {
     let [sb, sh, sn] = shape.interleaved(n).map(|s| s as isize);
     let layout = Layout::new(Shape::new([b, h, n, k]), vec![sb, sh, sn, 1], 0);
     FlexTensor::new(bytes, layout, DType::F32)
+}
+
+/// A 2-D tensor as a strided matrix (copied first only if a stride is negative).
+fn matrix(x: &FlexTensor) -> Matrix<'_> {
+    let layout = x.layout();
+    let strides = layout.strides();
+    let shape = x.shape();
+    Matrix {
+        data: x.storage::<f32>(),
+        offset: layout.start_offset(),
+        shape: [shape[0], shape[1]],
+        strides: [strides[0] as usize, strides[1] as usize],
+    }
+}
+
+/// `x` with non-negative strides (a 2-D view [`matrix`] can read).
+fn positive(x: FlexTensor) -> FlexTensor {
+    if x.layout().has_positive_strides() {
+        x
+    } else {
+        x.to_contiguous()
+    }
 }
 
 fn is_f32(x: &FlexTensor) -> bool {
@@ -184,6 +206,78 @@ impl LabBackend for Flex {
             interleaved(o, shape, t),
             from_vec(lse, Shape::new([b, h, t])),
         )
+    }
+
+    fn fused_linear(x: FlexTensor, w: FlexTensor, b: Option<FlexTensor>) -> FlexTensor {
+        if !is_f32(&x) {
+            return composed::linear::<Flex>(x, w, b);
+        }
+        let (x, w, b) = (positive(x), positive(w), b.map(contiguous));
+        let n = x.shape()[0];
+        let o = w.shape()[1];
+        let y = cpu::linear(matrix(&x), matrix(&w), b.as_ref().map(slice));
+        from_vec(y, Shape::new([n, o]))
+    }
+
+    fn fused_linear_backward(
+        x: FlexTensor,
+        w: FlexTensor,
+        dy: FlexTensor,
+        bias: bool,
+    ) -> (FlexTensor, FlexTensor, Option<FlexTensor>) {
+        if !is_f32(&x) {
+            return composed::linear_backward::<Flex>(x, w, dy, bias);
+        }
+        let (x, w) = (positive(x), positive(w));
+        let dy = if dy.layout().strides()[1] == 1 {
+            positive(dy)
+        } else {
+            dy.to_contiguous()
+        };
+        let ([n, i], o) = ([x.shape()[0], x.shape()[1]], w.shape()[1]);
+        let (dx, dw, db) = cpu::linear_backward(matrix(&x), matrix(&w), matrix(&dy), bias);
+        (
+            from_vec(dx, Shape::new([n, i])),
+            from_vec(dw, Shape::new([i, o])),
+            db.map(|db| from_vec(db, Shape::new([o]))),
+        )
+    }
+
+    fn fused_packed_attention_backward(
+        qkv: FlexTensor,
+        o: FlexTensor,
+        lse: FlexTensor,
+        d_o: FlexTensor,
+        heads: usize,
+        causal: bool,
+        pad: Option<FlexTensor>,
+    ) -> FlexTensor {
+        if !is_f32(&qkv) {
+            return composed::packed_attention_backward::<Flex>(
+                qkv, o, lse, d_o, heads, causal, pad,
+            );
+        }
+        let [qkv, o, lse, d_o] = [qkv, o, lse, d_o].map(contiguous);
+        let pad = pad.map(contiguous);
+        let [b, t, d3] = [qkv.shape()[0], qkv.shape()[1], qkv.shape()[2]];
+        let k = d3 / 3 / heads;
+        let shape = AttentionShape {
+            b,
+            h: heads,
+            t,
+            s: t,
+            k,
+        };
+        let dqkv = cpu::packed_attention_backward(
+            shape,
+            slice(&qkv),
+            slice(&o),
+            slice(&lse),
+            slice(&d_o),
+            causal,
+            pad.as_ref().map(slice),
+        );
+        from_vec(dqkv, qkv.shape())
     }
 
     fn fused_attention_backward(

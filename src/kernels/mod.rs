@@ -24,7 +24,7 @@ pub mod cpu;
 mod flex;
 pub mod reference;
 
-use burn::nn::LayerNorm;
+use burn::nn::{LayerNorm, Linear};
 use burn::prelude::*;
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::ops::FloatTensor;
@@ -100,6 +100,17 @@ pub trait LabBackend: Backend {
         Self::fused_attention_forward(q, k, v, causal, pad).0
     }
 
+    /// [`Self::fused_packed_attention_forward`] without its log-sum-exp (the differentiable
+    /// entry point).
+    fn fused_packed_attention(
+        qkv: FloatTensor<Self>,
+        heads: usize,
+        causal: bool,
+        pad: Option<FloatTensor<Self>>,
+    ) -> FloatTensor<Self> {
+        Self::fused_packed_attention_forward(qkv, heads, causal, pad).0
+    }
+
     /// Attention returning `(output [b, h, t, k], log-sum-exp of each row's scores [b, h, t])`.
     fn fused_attention_forward(
         q: FloatTensor<Self>,
@@ -125,6 +136,57 @@ pub trait LabBackend: Backend {
         pad: Option<FloatTensor<Self>>,
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
         composed::attention_backward::<Self>(q, k, v, o, lse, d_o, causal, pad)
+    }
+
+    /// Self-attention on packed projections: `qkv` `[b, t, 3·d]` holds Q, K and V side by side
+    /// (one product computed them), each split into `heads` heads → `(output [b, t, d],
+    /// log-sum-exp [b, h, t])`. The default runs [`Self::fused_attention_forward`] on views.
+    fn fused_packed_attention_forward(
+        qkv: FloatTensor<Self>,
+        heads: usize,
+        causal: bool,
+        pad: Option<FloatTensor<Self>>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        composed::packed_attention_forward::<Self>(qkv, heads, causal, pad)
+    }
+
+    /// The gradient `[b, t, 3·d]` of packed self-attention for the output gradient `d_o`
+    /// `[b, t, d]`. The default concatenates [`Self::fused_attention_backward`]'s three.
+    #[allow(clippy::too_many_arguments)]
+    fn fused_packed_attention_backward(
+        qkv: FloatTensor<Self>,
+        o: FloatTensor<Self>,
+        lse: FloatTensor<Self>,
+        d_o: FloatTensor<Self>,
+        heads: usize,
+        causal: bool,
+        pad: Option<FloatTensor<Self>>,
+    ) -> FloatTensor<Self> {
+        composed::packed_attention_backward::<Self>(qkv, o, lse, d_o, heads, causal, pad)
+    }
+
+    /// A linear layer, `x·w + b`: `x` `[n, i]`, `w` `[i, o]`, `b` `[o]` → `[n, o]`.
+    fn fused_linear(
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        b: Option<FloatTensor<Self>>,
+    ) -> FloatTensor<Self> {
+        composed::linear::<Self>(x, w, b)
+    }
+
+    /// The gradients `(dx [n, i], dw [i, o], db [o])` of [`Self::fused_linear`] for the output
+    /// gradient `dy` (`db` only with a bias).
+    fn fused_linear_backward(
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        dy: FloatTensor<Self>,
+        bias: bool,
+    ) -> (
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        Option<FloatTensor<Self>>,
+    ) {
+        composed::linear_backward::<Self>(x, w, dy, bias)
     }
 }
 
@@ -234,6 +296,68 @@ pub fn attention<B: LabBackend>(
         prim(q),
         prim(k),
         prim(v),
+        causal,
+        pad.map(prim),
+    ))
+}
+
+/// `layer` applied to the last dimension of `x`, as one `[n, d_in]·[d_in, d_out]` product over
+/// all leading dimensions, the bias added in the same pass (one graph node under autodiff).
+///
+/// burn's `Linear` on a `[b, t, d]` input runs a batched product against the broadcast weight,
+/// whose backward pass is `b` small products summed over the batch; one flat product is several
+/// times faster on a CPU. With fused kernels off this is burn's `Linear` on the flattened input.
+pub fn linear<B: LabBackend, const D: usize>(layer: &Linear<B>, x: Tensor<B, D>) -> Tensor<B, D> {
+    linear_parts(&[layer], x)
+}
+
+/// Several linear layers with the same input as one product against their weights side by
+/// side: `[.., d_in]` → `[.., Σ d_out]`, each layer's outputs in its own columns (how
+/// self-attention computes Q, K and V together).
+pub fn linear_parts<B: LabBackend, const D: usize>(
+    layers: &[&Linear<B>],
+    x: Tensor<B, D>,
+) -> Tensor<B, D> {
+    let mut shape = x.dims();
+    let d_in = shape[D - 1];
+    let x = x.reshape([-1, d_in as i32]);
+    let (weight, bias) = match layers {
+        [layer] => (layer.weight.val(), layer.bias.as_ref().map(|b| b.val())),
+        _ => {
+            let weights = layers.iter().map(|l| l.weight.val()).collect();
+            let biases: Option<Vec<_>> = layers
+                .iter()
+                .map(|l| l.bias.as_ref().map(|b| b.val()))
+                .collect();
+            (Tensor::cat(weights, 1), biases.map(|b| Tensor::cat(b, 0)))
+        }
+    };
+    let y = if fused() {
+        tensor::<B, 2>(B::fused_linear(prim(x), prim(weight), bias.map(prim)))
+    } else {
+        reference::linear_forward(x, weight, bias)
+    };
+    shape[D - 1] = y.dims()[1];
+    y.reshape(shape)
+}
+
+/// Causal or padded self-attention on packed projections `qkv` `[b, t, 3·d]` (Q, K and V side
+/// by side, from [`linear_parts`]) with `heads` heads → `[b, t, d]`, merged heads. Under
+/// autodiff its gradient is written into one `[b, t, 3·d]` buffer: no split, no concatenation.
+pub fn packed_self_attention<B: LabBackend>(
+    qkv: Tensor<B, 3>,
+    heads: usize,
+    causal: bool,
+    pad: Option<&Tensor<B, 2, Bool>>,
+) -> Tensor<B, 3> {
+    let pad = pad.map(|pad| pad.clone().float());
+    if !fused() {
+        let (q, k, v) = reference::split_packed(qkv, heads);
+        return reference::merge_heads(reference::attention_forward(q, k, v, causal, pad).0);
+    }
+    tensor(B::fused_packed_attention(
+        prim(qkv),
+        heads,
         causal,
         pad.map(prim),
     ))

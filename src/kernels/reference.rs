@@ -174,3 +174,50 @@ pub fn attention_backward<B: Backend>(
     let dk = ds.transpose().matmul(q);
     (dq, dk, dv)
 }
+
+/// `x·w + b`: `x` `[n, i]`, `w` `[i, o]`, `b` `[o]` → `[n, o]`.
+pub fn linear_forward<B: Backend>(
+    x: Tensor<B, 2>,
+    w: Tensor<B, 2>,
+    b: Option<Tensor<B, 1>>,
+) -> Tensor<B, 2> {
+    let y = x.matmul(w);
+    match b {
+        Some(b) => y + b.unsqueeze(),
+        None => y,
+    }
+}
+
+/// The gradients `(dx = dy·wᵀ, dw = xᵀ·dy, db = Σ_rows dy)` of [`linear_forward`].
+pub fn linear_backward<B: Backend>(
+    x: Tensor<B, 2>,
+    w: Tensor<B, 2>,
+    dy: Tensor<B, 2>,
+    bias: bool,
+) -> (Tensor<B, 2>, Tensor<B, 2>, Option<Tensor<B, 1>>) {
+    let db = bias.then(|| dy.clone().sum_dim(0).squeeze_dim(0));
+    (
+        dy.clone().matmul(w.transpose()),
+        x.transpose().matmul(dy),
+        db,
+    )
+}
+
+/// Q, K and V `[b, h, t, k]` of packed projections `[b, t, 3·d]` (Q, K, V side by side, each
+/// split into `heads` heads): views, no copies.
+pub fn split_packed<B: Backend>(
+    qkv: Tensor<B, 3>,
+    heads: usize,
+) -> (Tensor<B, 4>, Tensor<B, 4>, Tensor<B, 4>) {
+    let [b, t, d3] = qkv.dims();
+    let k = d3 / 3 / heads;
+    let all = qkv.reshape([b, t, 3 * heads, k]).swap_dims(1, 2); // [b, 3h, t, k]
+    let part = |i: usize| all.clone().narrow(1, i * heads, heads);
+    (part(0), part(1), part(2))
+}
+
+/// Heads `[b, h, t, k]` merged into `[b, t, h·k]`.
+pub fn merge_heads<B: Backend>(x: Tensor<B, 4>) -> Tensor<B, 3> {
+    let [b, h, t, k] = x.dims();
+    x.swap_dims(1, 2).reshape([b, t, h * k])
+}

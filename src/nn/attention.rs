@@ -5,6 +5,7 @@ use super::linear_attention::{linear_attention, linear_attention_weights};
 use super::mask::{local_mask, strided_mask, AttentionMask};
 use super::mixer::Mixer;
 use super::sparse::{local_attention, strided_attention};
+use crate::kernels::reference::split_packed;
 use crate::kernels::{self, softmax, LabBackend};
 use burn::module::Module;
 use burn::nn::{Dropout, DropoutConfig, Initializer, Linear, LinearConfig};
@@ -179,6 +180,45 @@ impl<B: LabBackend> MultiHeadAttention<B> {
         }
     }
 
+    /// Self-attention of `x` (`[b, t, d]`, `mask` broadcastable to `[b, 1, t, t]`): Q, K and V
+    /// come from one product against `W^Q`, `W^K`, `W^V` side by side, and in training with fused
+    /// kernels the attention kernel reads them in place from that product and writes their
+    /// gradient back into one buffer. The same result as `forward(x, x, mask)`.
+    pub fn forward_self(
+        &self,
+        x: Tensor<B, 3>,
+        mask: Option<&AttentionMask<B>>,
+    ) -> AttentionOutput<B> {
+        let [b, t, d] = x.dims();
+        let qkv = kernels::linear_parts(&[&self.query, &self.key, &self.value], x); // [b, t, 3d]
+        if self.uses_attention_kernel(&qkv.device()) {
+            let causal = mask.is_some_and(AttentionMask::is_causal);
+            let pad = mask.and_then(AttentionMask::pad);
+            let context = kernels::packed_self_attention(qkv, self.n_heads, causal, pad);
+            return AttentionOutput {
+                context: linear(&self.output, context),
+                weights: None,
+            };
+        }
+        let (q, k, v) = split_packed(qkv, self.n_heads); // views, [b, h, t, k]
+        let (context, weights) = self.attend(q, k, v, mask);
+        let context = context.swap_dims(1, 2).reshape([b, t, d]); // [b, t, d]
+        AttentionOutput {
+            context: linear(&self.output, context),
+            weights,
+        }
+    }
+
+    /// Whether this layer's attention runs as the fused kernel: full softmax attention in
+    /// training (autodiff on) with fused kernels and no attention dropout. Elsewhere (inference,
+    /// inspection) the composed form runs, whose weights come for free.
+    fn uses_attention_kernel(&self, device: &B::Device) -> bool {
+        matches!(self.mixer, Mixer::Full)
+            && kernels::fused()
+            && B::ad_enabled(device)
+            && self.dropout.prob == 0.0
+    }
+
     /// The heads' queries, keys and values for `query` attending to `memory`, before attention:
     /// what `explain --artifact-dir` shows. Shapes `[b, h, t|s, k]`.
     pub fn project(
@@ -206,11 +246,8 @@ impl<B: LabBackend> MultiHeadAttention<B> {
         let pad = mask.and_then(AttentionMask::pad);
         let dropout = Some(&self.dropout);
         let context = match &self.mixer {
-            // Training without attention dropout: the fused kernel, which never builds the
-            // `t × s` weights. Elsewhere (inference, inspection) the weights come for free.
-            Mixer::Full
-                if kernels::fused() && B::ad_enabled(&q.device()) && self.dropout.prob == 0.0 =>
-            {
+            // The fused kernel never builds the `t × s` weights.
+            Mixer::Full if self.uses_attention_kernel(&q.device()) => {
                 kernels::attention(q, k, v, causal, pad)
             }
             Mixer::Full => {

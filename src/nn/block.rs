@@ -149,7 +149,7 @@ impl<B: LabBackend> TransformerBlock<B> {
         let x = self.residual(x, &self.norm_self, |h| match &self.hyena {
             Some(hyena) => hyena.forward(h),
             None => {
-                let out = self.attention().forward(h.clone(), h, mask);
+                let out = self.attention().forward_self(h, mask);
                 self_weights = out.weights;
                 out.context
             }

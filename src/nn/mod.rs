@@ -32,17 +32,5 @@ pub use position::{
 };
 pub use stack::{StackOutput, TransformerStack, TransformerStackConfig};
 
-use burn::nn::Linear;
-use burn::prelude::*;
-
-/// `layer` applied to the last dimension of `x`, as one `[n, d_in]·[d_in, d_out]` product over
-/// all leading dimensions. burn's `Linear` on a `[b, t, d]` input runs a batched product against
-/// the broadcast weight, whose backward pass is `b` small products summed over the batch; one
-/// flat product is several times faster on a CPU.
-pub fn linear<B: Backend, const D: usize>(layer: &Linear<B>, x: Tensor<B, D>) -> Tensor<B, D> {
-    let mut shape = x.dims();
-    let d_in = shape[D - 1];
-    let y = layer.forward(x.reshape([-1, d_in as i32]));
-    shape[D - 1] = y.dims()[1];
-    y.reshape(shape)
-}
+/// `layer` on the last dimension as one flat product (see [`crate::kernels::linear`]).
+pub use crate::kernels::linear;

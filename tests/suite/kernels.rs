@@ -5,7 +5,7 @@
 use crate::common::{small_lm, train_losses};
 use burn::backend::{Autodiff, Flex, NdArray};
 use burn::module::{Module, Param};
-use burn::nn::LayerNormConfig;
+use burn::nn::{LayerNormConfig, LinearConfig};
 use burn::prelude::*;
 use burn::tensor::Bool;
 use transformer_lab::kernels::{self, cpu, with_fused, LabAutodiff};
@@ -236,8 +236,108 @@ fn fused_attention_inside_multi_head_attention_matches_on_strided_heads() {
         &device,
     );
     let mask = AttentionMask::causal(13, &device).with_padding(pad);
-    let case = compare([x], |[x]| mha.forward(x.clone(), x, Some(&mask)).context);
+    let case = compare([x.clone()], |[x]| {
+        mha.forward(x.clone(), x, Some(&mask)).context
+    });
     assert_close("multi-head attention", case, 2e-5);
+    // Self-attention from one packed Q/K/V product is the same layer.
+    let case = compare([x.clone()], |[x]| mha.forward_self(x, Some(&mask)).context);
+    assert_close("packed multi-head self-attention", case, 2e-5);
+    let packed = with_fused(true, || mha.forward_self(x.clone(), Some(&mask)).context);
+    let apart = with_fused(true, || mha.forward(x.clone(), x, Some(&mask)).context);
+    assert!(
+        rel_diff(packed, apart) < 1e-5,
+        "forward_self differs from forward(x, x)"
+    );
+}
+
+#[test]
+fn packed_self_attention_equals_the_composed_form() {
+    // Q, K and V side by side in one [b, t, 3·d] tensor, read in place; the gradient is written
+    // back into one buffer of that shape.
+    let device = Default::default();
+    let cases: &[([usize; 4], bool, &[usize], &str)] = &[
+        ([2, 70, 3, 8], true, &[], "causal, two key tiles"),
+        (
+            [2, 9, 2, 5],
+            true,
+            &[0, 3],
+            "causal with padding, odd head width",
+        ),
+        (
+            [3, 6, 2, 4],
+            false,
+            &[0, 2, 6],
+            "bidirectional, a fully padded row",
+        ),
+        ([1, 1, 1, 1], true, &[], "one position"),
+    ];
+    for &([b, t, h, k], causal, padded, what) in cases {
+        let qkv = random::<Ad, 3>([b, t, 3 * h * k], 31, &device);
+        let pad: Vec<bool> = (0..b)
+            .flat_map(|i| (0..t).map(move |j| j + padded.get(i).copied().unwrap_or(0) >= t))
+            .collect();
+        let pad = Tensor::<Ad, 2, Bool>::from_data(TensorData::new(pad, [b, t]), &device);
+        let pad = (!padded.is_empty()).then_some(pad);
+        let case = compare([qkv], |[qkv]| {
+            kernels::packed_self_attention(qkv, h, causal, pad.as_ref())
+        });
+        assert_close(what, case, 2e-5);
+    }
+}
+
+#[test]
+fn fused_linear_equals_the_composed_product() {
+    let device = Default::default();
+    for bias in [true, false] {
+        let mut layer = LinearConfig::new(29, 23)
+            .with_bias(bias)
+            .init::<Ad>(&device);
+        layer.weight = Param::from_tensor(random([29, 23], 41, &device));
+        layer.bias = layer
+            .bias
+            .map(|_| Param::from_tensor(random([23], 42, &device)));
+        // A plain input, and a transposed (strided) one, as the flat product sees them.
+        let x = random::<Ad, 3>([3, 37, 29], 43, &device);
+        let case = compare([x], |[x]| kernels::linear(&layer, x));
+        assert_close(&format!("linear (bias {bias})"), case, 1e-5);
+        let xt = random::<Ad, 2>([29, 37], 44, &device);
+        let case = compare([xt], |[xt]| {
+            kernels::linear(&layer, xt.transpose()).transpose()
+        });
+        assert_close(
+            &format!("linear on a transposed input (bias {bias})"),
+            case,
+            1e-5,
+        );
+        // The parameters' gradients.
+        let grads = |on: bool| {
+            with_fused(on, || {
+                let y = kernels::linear(&layer, random::<Ad, 2>([37, 29], 45, &device));
+                let g = (y * random([37, 23], 46, &device)).sum().backward();
+                let dw = layer.weight.val().grad(&g).unwrap();
+                let db = layer.bias.as_ref().map(|b| b.val().grad(&g).unwrap());
+                (dw, db)
+            })
+        };
+        let ((w1, b1), (w2, b2)) = (grads(true), grads(false));
+        assert!(rel_diff(w1, w2) < 1e-5, "dW differs");
+        if let (Some(b1), Some(b2)) = (b1, b2) {
+            assert!(rel_diff(b1, b2) < 1e-5, "db differs");
+        }
+        // Several layers side by side are each layer on its own columns.
+        let other = LinearConfig::new(29, 5).with_bias(bias).init::<Ad>(&device);
+        let x = random::<Ad, 2>([37, 29], 47, &device);
+        let both = kernels::linear_parts(&[&layer, &other], x.clone());
+        let apart = Tensor::cat(
+            vec![
+                kernels::linear(&layer, x.clone()),
+                kernels::linear(&other, x),
+            ],
+            1,
+        );
+        assert!(rel_diff(both, apart) < 1e-6, "packed layers differ");
+    }
 }
 
 #[test]
