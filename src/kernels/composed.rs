@@ -2,7 +2,7 @@
 //! methods, and what a kernel-backed backend falls back to for inputs its kernels do not take
 //! (flex, for dtypes other than `f32`).
 
-use super::{reference, LabBackend};
+use super::{reference, AdamWStep, LabBackend};
 use burn::prelude::*;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::TensorPrimitive;
@@ -177,4 +177,37 @@ pub fn packed_attention_backward<B: LabBackend>(
     );
     let merged = [dq, dk, dv].map(|g| reference::merge_heads(tensor::<B, 4>(g)));
     prim(Tensor::cat(merged.to_vec(), 2))
+}
+
+/// See [`super::LabBackend::fused_adamw`]: burn's AdamW update, op by op.
+pub fn adamw<B: Backend>(
+    param: FloatTensor<B>,
+    grad: FloatTensor<B>,
+    moments: Option<(FloatTensor<B>, FloatTensor<B>)>,
+    step: AdamWStep,
+) -> (FloatTensor<B>, FloatTensor<B>, FloatTensor<B>) {
+    let AdamWStep {
+        lr,
+        beta_1,
+        beta_2,
+        epsilon,
+        weight_decay,
+        time,
+    } = step;
+    let grad = tensor::<B, 1>(grad);
+    let (m, v) = match moments {
+        Some((m, v)) => (
+            tensor::<B, 1>(m).mul_scalar(beta_1) + grad.clone().mul_scalar(1.0 - beta_1),
+            tensor::<B, 1>(v).mul_scalar(beta_2) + grad.square().mul_scalar(1.0 - beta_2),
+        ),
+        None => (
+            grad.clone().mul_scalar(1.0 - beta_1),
+            grad.square().mul_scalar(1.0 - beta_2),
+        ),
+    };
+    let m_hat = m.clone().div_scalar(1.0 - beta_1.powi(time));
+    let v_hat = v.clone().div_scalar(1.0 - beta_2.powi(time));
+    let delta = m_hat / v_hat.sqrt().add_scalar(epsilon);
+    let param = tensor::<B, 1>(param).mul_scalar(1.0 - lr * weight_decay) - delta.mul_scalar(lr);
+    (prim(param), prim(m), prim(v))
 }

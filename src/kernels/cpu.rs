@@ -6,6 +6,7 @@
 //! work on `64 × 64` tiles whose products go to the `gemm` crate (the kernel flex's own matmul
 //! uses), reading heads in place through their strides.
 
+use super::AdamWStep;
 use crate::nn::attention::MASKED_SCORE;
 use rayon::prelude::*;
 
@@ -966,4 +967,43 @@ fn backward_into(
         let pad = pad.map(|pad| &pad[bi * s..(bi + 1) * s]);
         attention_head_backward(shape, q, k, v, o, lse, d_o, causal, pad, bi, hi, grads);
     });
+}
+
+multiversion! {
+    fn adamw_chunk(
+        param: &mut [f32],
+        grad: &[f32],
+        m: &mut [f32],
+        v: &mut [f32],
+        first: bool,
+        step: AdamWStep,
+    ) {
+        let AdamWStep { lr, beta_1, beta_2, epsilon, weight_decay, time } = step;
+        let (c1, c2) = (1.0 - beta_1.powi(time), 1.0 - beta_2.powi(time));
+        let (b1, b2) = if first { (0.0, 0.0) } else { (beta_1, beta_2) };
+        let keep = 1.0 - lr * weight_decay;
+        for (((p, &g), m), v) in param.iter_mut().zip(grad).zip(m.iter_mut()).zip(v.iter_mut()) {
+            *m = *m * b1 + g * (1.0 - beta_1);
+            *v = *v * b2 + g * g * (1.0 - beta_2);
+            let delta = (*m / c1) / ((*v / c2).sqrt() + epsilon);
+            *p = *p * keep - delta * lr;
+        }
+    }
+}
+
+/// One AdamW step (see [`AdamWStep`]) over `param`, its moments updated in place (`first`:
+/// they hold zeros and this is step 1's initialisation).
+pub fn adamw(
+    param: &mut [f32],
+    grad: &[f32],
+    m: &mut [f32],
+    v: &mut [f32],
+    first: bool,
+    step: AdamWStep,
+) {
+    param
+        .par_chunks_mut(CHUNK)
+        .zip(grad.par_chunks(CHUNK))
+        .zip(m.par_chunks_mut(CHUNK).zip(v.par_chunks_mut(CHUNK)))
+        .for_each(|((p, g), (m, v))| adamw_chunk(p, g, m, v, first, step));
 }

@@ -3,7 +3,7 @@
 //! path.
 
 use super::cpu::{self, AttentionShape, Heads, Matrix};
-use super::{composed, LabBackend};
+use super::{composed, AdamWStep, LabBackend};
 use burn::backend::flex::{FlexTensor, Layout};
 use burn::backend::Flex;
 use burn::prelude::*;
@@ -206,6 +206,46 @@ impl LabBackend for Flex {
             interleaved(o, shape, t),
             from_vec(lse, Shape::new([b, h, t])),
         )
+    }
+
+    fn fused_adamw(
+        param: FlexTensor,
+        grad: FlexTensor,
+        moments: Option<(FlexTensor, FlexTensor)>,
+        step: AdamWStep,
+    ) -> (FlexTensor, FlexTensor, FlexTensor) {
+        if !is_f32(&param) {
+            return composed::adamw::<Flex>(param, grad, moments, step);
+        }
+        let grad = contiguous(grad);
+        let n = grad.shape().num_elements();
+        // Updated in place where a buffer is not shared (flex copies it on write otherwise).
+        let owned = |x: FlexTensor| {
+            let layout = x.layout();
+            if layout.is_contiguous() && layout.start_offset() == 0 {
+                x
+            } else {
+                x.to_contiguous()
+            }
+        };
+        let first = moments.is_none();
+        let (mut m, mut v) = match moments {
+            Some((m, v)) => (owned(m), owned(v)),
+            None => {
+                let zeros = || from_vec(vec![0.0; n], grad.shape());
+                (zeros(), zeros())
+            }
+        };
+        let mut p = owned(param);
+        cpu::adamw(
+            &mut p.storage_mut::<f32>()[..n],
+            slice(&grad),
+            &mut m.storage_mut::<f32>()[..n],
+            &mut v.storage_mut::<f32>()[..n],
+            first,
+            step,
+        );
+        (p, m, v)
     }
 
     fn fused_linear(x: FlexTensor, w: FlexTensor, b: Option<FlexTensor>) -> FlexTensor {

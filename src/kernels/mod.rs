@@ -165,6 +165,17 @@ pub trait LabBackend: Backend {
         composed::packed_attention_backward::<Self>(qkv, o, lse, d_o, heads, causal, pad)
     }
 
+    /// One AdamW step of a parameter `[n]` (any shape, flattened): `(parameter, first
+    /// moment, second moment)` after it, from the moments before it (`None` at the first step).
+    fn fused_adamw(
+        param: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        moments: Option<(FloatTensor<Self>, FloatTensor<Self>)>,
+        step: AdamWStep,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        composed::adamw::<Self>(param, grad, moments, step)
+    }
+
     /// A linear layer, `x·w + b`: `x` `[n, i]`, `w` `[i, o]`, `b` `[o]` → `[n, o]`.
     fn fused_linear(
         x: FloatTensor<Self>,
@@ -361,4 +372,44 @@ pub fn packed_self_attention<B: LabBackend>(
         causal,
         pad.map(prim),
     ))
+}
+
+/// The settings of one AdamW step (PyTorch's `AdamW`, burn's `AdamW`): for gradient `g`,
+/// `m ← β₁m + (1−β₁)g`, `v ← β₂v + (1−β₂)g²`, and
+/// `θ ← θ(1 − lr·λ) − lr · (m/(1−β₁ᵗ)) / (√(v/(1−β₂ᵗ)) + ε)`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AdamWStep {
+    /// Learning rate.
+    pub lr: f32,
+    /// β₁.
+    pub beta_1: f32,
+    /// β₂.
+    pub beta_2: f32,
+    /// ε.
+    pub epsilon: f32,
+    /// Decoupled weight decay λ.
+    pub weight_decay: f32,
+    /// The step number `t`, from 1.
+    pub time: i32,
+}
+
+/// One AdamW step of `param`: `(parameter, first moment, second moment)` after it (see
+/// [`AdamWStep`]); one pass over the elements with fused kernels, the composed tensor ops
+/// without.
+pub fn adamw<B: LabBackend, const D: usize>(
+    param: Tensor<B, D>,
+    grad: Tensor<B, D>,
+    moments: Option<(Tensor<B, D>, Tensor<B, D>)>,
+    step: AdamWStep,
+) -> (Tensor<B, D>, Tensor<B, D>, Tensor<B, D>) {
+    let shape = param.shape();
+    let flat = |x: Tensor<B, D>| prim(x.reshape([-1]));
+    let moments = moments.map(|(m, v)| (flat(m), flat(v)));
+    let (p, m, v) = if fused() {
+        B::fused_adamw(flat(param), flat(grad), moments, step)
+    } else {
+        composed::adamw::<B>(flat(param), flat(grad), moments, step)
+    };
+    let back = |x| tensor::<B, 1>(x).reshape(shape.clone());
+    (back(p), back(m), back(v))
 }

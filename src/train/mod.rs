@@ -84,7 +84,7 @@ mod seq2seq;
 
 pub use classify::{TrainedClassifier, TrainedVit};
 pub use lm::{evaluate, Corpus, Trained};
-pub use optim::{clip_global_norm, reference_adamw, ReferenceOptimizer};
+pub use optim::{clip_global_norm, reference_adamw, LabAdamW, ReferenceOptimizer};
 pub use renderer::{PlainRenderer, Throughput};
 pub use schedule::WarmupSchedule;
 pub use seq2seq::{TrainedTranslator, TranslationData};

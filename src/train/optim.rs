@@ -8,8 +8,13 @@
 //!   embeddings), none on LayerNorm gains and biases — nanoGPT's two parameter groups. burn's
 //!   AdamW decays every parameter.
 
+use crate::kernels::{self, AdamWStep, LabAutodiff, LabBackend};
 use burn::module::{AutodiffModule, ModuleMapper, ModuleVisitor, Param};
-use burn::optim::{GradientsParams, MultiGradientsParams, Optimizer};
+use burn::optim::adaptor::OptimizerAdaptor;
+use burn::optim::{
+    AdamWState, AdaptiveMomentumState, GradientsParams, LearningRate, MultiGradientsParams,
+    Optimizer, SimpleOptimizer,
+};
 use burn::prelude::*;
 use burn::tensor::backend::AutodiffBackend;
 
@@ -35,18 +40,77 @@ impl<O> ReferenceOptimizer<O> {
     }
 }
 
-/// The optimizer training uses for `train`'s settings: AdamW (β₁, β₂, ε; no decay of its own)
-/// inside global-norm clipping and decoupled decay of matrices.
-pub fn reference_adamw<B: AutodiffBackend, M: AutodiffModule<B>>(
+/// The optimizer training uses for `train`'s settings: [`LabAdamW`] (β₁, β₂, ε, decoupled
+/// decay of matrices) inside global-norm clipping.
+pub fn reference_adamw<B: LabAutodiff, M: AutodiffModule<B>>(
     train: &crate::config::TrainConfig,
 ) -> ReferenceOptimizer<impl Optimizer<M, B>> {
-    let adamw = burn::optim::AdamWConfig::new()
-        .with_beta_1(train.beta1)
-        .with_beta_2(train.beta2)
-        .with_epsilon(train.epsilon)
-        .with_weight_decay(0.0)
-        .init::<B, M>();
-    ReferenceOptimizer::new(adamw, train.weight_decay as f64, train.grad_clip)
+    let adamw = LabAdamW {
+        beta_1: train.beta1,
+        beta_2: train.beta2,
+        epsilon: train.epsilon,
+        weight_decay: train.weight_decay,
+    };
+    // The decay is the optimizer's own (fused into its update): none in the wrapper.
+    ReferenceOptimizer::new(OptimizerAdaptor::from(adamw), 0.0, train.grad_clip)
+}
+
+/// AdamW as PyTorch and nanoGPT run it, one fused pass per parameter ([`kernels::adamw`]):
+/// moments, bias correction, decoupled weight decay of matrices (rank ≥ 2; none on biases
+/// and LayerNorm gains) and the update together. Its state is burn's `AdamWState`, so its
+/// checkpoints and burn's AdamW's are the same records.
+#[derive(Clone, Debug)]
+pub struct LabAdamW {
+    /// β₁.
+    pub beta_1: f32,
+    /// β₂.
+    pub beta_2: f32,
+    /// ε.
+    pub epsilon: f32,
+    /// Decoupled weight decay λ of matrices.
+    pub weight_decay: f32,
+}
+
+impl<B: LabBackend> SimpleOptimizer<B> for LabAdamW {
+    type State<const D: usize> = AdamWState<B, D>;
+
+    fn step<const D: usize>(
+        &self,
+        lr: LearningRate,
+        tensor: Tensor<B, D>,
+        grad: Tensor<B, D>,
+        state: Option<Self::State<D>>,
+    ) -> (Tensor<B, D>, Option<Self::State<D>>) {
+        let (moments, time) = match state {
+            Some(AdamWState { momentum }) => (
+                Some((momentum.moment_1, momentum.moment_2)),
+                momentum.time + 1,
+            ),
+            None => (None, 1),
+        };
+        let step = AdamWStep {
+            lr: lr as f32,
+            beta_1: self.beta_1,
+            beta_2: self.beta_2,
+            epsilon: self.epsilon,
+            weight_decay: if D >= 2 { self.weight_decay } else { 0.0 },
+            time: time as i32,
+        };
+        let (tensor, moment_1, moment_2) = kernels::adamw(tensor, grad, moments, step);
+        let momentum = AdaptiveMomentumState {
+            time,
+            moment_1,
+            moment_2,
+            max_moment_2: None,
+        };
+        (tensor, Some(AdamWState { momentum }))
+    }
+
+    fn to_device<const D: usize>(state: Self::State<D>, device: &B::Device) -> Self::State<D> {
+        AdamWState {
+            momentum: state.momentum.to_device(device),
+        }
+    }
 }
 
 impl<M, B, O> Optimizer<M, B> for ReferenceOptimizer<O>

@@ -2,15 +2,19 @@
 //! inputs and on the edge cases (fully masked rows, long rows, odd sizes, strided views), and a
 //! model trains the same with them on or off.
 
-use crate::common::{small_lm, train_losses};
+use crate::common::{batch, small_lm, train_losses};
 use burn::backend::{Autodiff, Flex, NdArray};
-use burn::module::{Module, Param};
+use burn::module::{Module, ModuleVisitor, Param};
 use burn::nn::{LayerNormConfig, LinearConfig};
+use burn::optim::adaptor::OptimizerAdaptor;
+use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
 use burn::prelude::*;
+use burn::record::{BinBytesRecorder, FullPrecisionSettings, Recorder};
 use burn::tensor::Bool;
 use transformer_lab::kernels::{self, cpu, with_fused, LabAutodiff};
 use transformer_lab::models::LanguageModel;
 use transformer_lab::nn::{AttentionMask, MultiHeadAttentionConfig};
+use transformer_lab::train::{LabAdamW, ReferenceOptimizer};
 
 type Ad = Autodiff<Flex>;
 
@@ -356,4 +360,79 @@ fn training_with_fused_kernels_follows_the_composed_loss_curve() {
         );
     }
     assert!(fused.last() < fused.first(), "the loss falls: {fused:?}");
+}
+
+/// Trains `model` for `steps` on the fixed batch with `optim`; the losses and the optimizer.
+fn steps_with<O: Optimizer<LanguageModel<Ad>, Ad>>(
+    mut model: LanguageModel<Ad>,
+    mut optim: O,
+    steps: usize,
+) -> (Vec<f32>, LanguageModel<Ad>, O) {
+    let device = Default::default();
+    let mut losses = Vec::new();
+    for _ in 0..steps {
+        let (loss, _, _) = model.loss(batch(&device));
+        losses.push(loss.clone().into_scalar());
+        let grads = GradientsParams::from_grads(loss.backward(), &model);
+        model = optim.step(3e-3, model, grads);
+    }
+    (losses, model, optim)
+}
+
+#[test]
+fn fused_adamw_steps_like_burns_adamw_and_shares_its_checkpoints() {
+    let device = Default::default();
+    let model: LanguageModel<Ad> = small_lm().init(&device);
+    let model = small_lm().init(&device).load_record(model.into_record());
+    let (weight_decay, clip) = (0.1, 1.0);
+    let ours = || {
+        let adamw = LabAdamW {
+            beta_1: 0.9,
+            beta_2: 0.99,
+            epsilon: 1e-5,
+            weight_decay,
+        };
+        ReferenceOptimizer::new(OptimizerAdaptor::from(adamw), 0.0, clip)
+    };
+    let burns = || {
+        let adamw = AdamWConfig::new()
+            .with_beta_2(0.99)
+            .with_weight_decay(0.0)
+            .init::<Ad, LanguageModel<Ad>>();
+        ReferenceOptimizer::new(adamw, weight_decay as f64, clip)
+    };
+    // Every parameter, flattened (LayerNorm gains and biases included: they are not decayed).
+    let embedding = |m: &LanguageModel<Ad>| {
+        struct All(Vec<f32>);
+        impl ModuleVisitor<Ad> for All {
+            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<Ad, D>>) {
+                let values = param.val().inner().into_data().to_vec::<f32>().unwrap();
+                self.0.extend(values);
+            }
+        }
+        let mut all = All(Vec::new());
+        m.visit(&mut all);
+        let n = all.0.len();
+        Tensor::<Flex, 1>::from_data(TensorData::new(all.0, [n]), &Default::default())
+    };
+    let (reference, reference_model, burn_optim) = steps_with(model.clone(), burns(), 4);
+    for on in [true, false] {
+        let (losses, trained, _) = with_fused(on, || steps_with(model.clone(), ours(), 4));
+        for (a, b) in losses.iter().zip(&reference) {
+            assert!((a - b).abs() < 1e-5, "fused {on}: loss {a} vs burn's {b}");
+        }
+        let diff = rel_diff(embedding(&trained), embedding(&reference_model));
+        assert!(diff < 1e-5, "fused {on}: parameters differ by {diff}");
+    }
+    // The optimizer state of one is the other's checkpoint: after burn's 4 steps, ours resumes
+    // from burn's saved record and takes the same 5th step.
+    let recorder = BinBytesRecorder::<FullPrecisionSettings>::default();
+    let bytes = recorder.record(burn_optim.to_record(), ()).unwrap();
+    let resumed = ours().load_record(recorder.load(bytes, &device).unwrap());
+    let (ours_next, ..) = steps_with(reference_model.clone(), resumed, 2);
+    let (burns_next, ..) = steps_with(reference_model, burn_optim, 2);
+    assert!(
+        (ours_next[1] - burns_next[1]).abs() < 1e-5,
+        "{ours_next:?} vs {burns_next:?}"
+    );
 }
