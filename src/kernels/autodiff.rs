@@ -15,12 +15,12 @@ use burn::tensor::TensorMetadata;
 struct Gelu;
 
 impl<B: LabBackend> Backward<B, 1> for Gelu {
-    type State = FloatTensor<B>; // x
+    type State = FloatTensor<B>; // GELU'(x)
 
     fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
-        let x = ops.state;
+        let derivative = ops.state;
         unary::<B, _>(ops.parents, ops.node, grads, |grad| {
-            B::fused_gelu_backward(x, grad)
+            B::float_mul(grad, derivative)
         });
     }
 }
@@ -214,8 +214,8 @@ impl<B: LabBackend, C: CheckpointStrategy> LabBackend for Autodiff<B, C> {
             .stateful()
         {
             OpsKind::Tracked(prep) => {
-                let y = B::fused_gelu(x.primitive.clone());
-                prep.finish(x.primitive, y)
+                let (y, derivative) = B::fused_gelu_forward(x.primitive);
+                prep.finish(derivative, y)
             }
             OpsKind::UnTracked(prep) => prep.finish(B::fused_gelu(x.primitive)),
         }

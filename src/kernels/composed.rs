@@ -22,6 +22,17 @@ pub fn gelu<B: Backend>(x: FloatTensor<B>) -> FloatTensor<B> {
     prim(reference::gelu(tensor::<B, 1>(x)))
 }
 
+/// See [`super::LabBackend::fused_gelu_forward`]: the backend's GELU and its backward for a
+/// gradient of ones.
+pub fn gelu_forward<B: LabBackend>(x: FloatTensor<B>) -> (FloatTensor<B>, FloatTensor<B>) {
+    let x = tensor::<B, 1>(x);
+    let ones = x.ones_like();
+    (
+        B::fused_gelu(prim(x.clone())),
+        B::fused_gelu_backward(prim(x), prim(ones)),
+    )
+}
+
 /// See [`super::LabBackend::fused_gelu_backward`].
 pub fn gelu_backward<B: Backend>(x: FloatTensor<B>, grad: FloatTensor<B>) -> FloatTensor<B> {
     prim(reference::gelu_backward(tensor::<B, 1>(x), tensor(grad)))

@@ -55,7 +55,11 @@ pub fn exp(x: f32) -> f32 {
     const ROUND: f32 = 12_582_912.0; // 1.5·2²³: adding and subtracting it rounds to an integer
     let underflow = x < -87.3;
     let x = x.clamp(-87.3, 88.3);
-    let n = (x * LOG2E + ROUND) - ROUND;
+    let rounded = x * LOG2E + ROUND;
+    let n = rounded - ROUND;
+    // The integer `n` from the bits of `ROUND + n` (its ulp is 1): a float-to-int cast would
+    // saturate and check for NaN element by element, which does not vectorise.
+    let n_int = rounded.to_bits() as i32 - ROUND.to_bits() as i32;
     let r = x - n * LN2_HI - n * LN2_LO;
     let mut p = 1.987_569_1e-4;
     p = p * r + 1.398_199_9e-3;
@@ -64,7 +68,7 @@ pub fn exp(x: f32) -> f32 {
     p = p * r + 1.666_666_5e-1;
     p = p * r + 0.5;
     let y = p * r * r + r + 1.0;
-    let scale = f32::from_bits(((n as i32 + 127) as u32) << 23);
+    let scale = f32::from_bits(((n_int + 127) as u32) << 23);
     if underflow {
         0.0
     } else {
@@ -113,6 +117,27 @@ multiversion! {
             *out = g * (cdf + x * pdf);
         }
     }
+}
+
+multiversion! {
+    fn gelu_with_derivative_chunk(x: &[f32], y: &mut [f32], derivative: &mut [f32]) {
+        for ((y, d), &x) in y.iter_mut().zip(derivative.iter_mut()).zip(x) {
+            let cdf = 0.5 * (1.0 + erf(x * FRAC_1_SQRT_2));
+            let pdf = FRAC_1_SQRT_2PI * exp(-0.5 * x * x);
+            *y = x * cdf;
+            *d = cdf + x * pdf;
+        }
+    }
+}
+
+/// `(GELU(x), GELU'(x))` of every element, for training's forward pass.
+pub fn gelu_with_derivative(x: &[f32]) -> (Vec<f32>, Vec<f32>) {
+    let (mut y, mut derivative) = (vec![0.0; x.len()], vec![0.0; x.len()]);
+    y.par_chunks_mut(CHUNK)
+        .zip(derivative.par_chunks_mut(CHUNK))
+        .zip(x.par_chunks(CHUNK))
+        .for_each(|((y, d), x)| gelu_with_derivative_chunk(x, y, d));
+    (y, derivative)
 }
 
 /// Exact GELU of every element.

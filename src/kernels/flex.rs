@@ -97,6 +97,15 @@ impl LabBackend for Flex {
         from_vec(cpu::gelu(slice(&x)), x.shape())
     }
 
+    fn fused_gelu_forward(x: FlexTensor) -> (FlexTensor, FlexTensor) {
+        if !is_f32(&x) {
+            return composed::gelu_forward::<Flex>(x);
+        }
+        let x = contiguous(x);
+        let (y, derivative) = cpu::gelu_with_derivative(slice(&x));
+        (from_vec(y, x.shape()), from_vec(derivative, x.shape()))
+    }
+
     fn fused_gelu_backward(x: FlexTensor, grad: FlexTensor) -> FlexTensor {
         if !is_f32(&x) {
             return composed::gelu_backward::<Flex>(x, grad);

@@ -48,6 +48,12 @@ pub trait LabBackend: Backend {
         composed::gelu_backward::<Self>(x, grad)
     }
 
+    /// `(GELU(x), GELU'(x))`: the forward pass of training, which keeps the derivative so the
+    /// backward pass is one product (`erf` and `exp` evaluated once per element, not twice).
+    fn fused_gelu_forward(x: FloatTensor<Self>) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        composed::gelu_forward::<Self>(x)
+    }
+
     /// LayerNorm of the rows of `x` `[n, d]`.
     fn fused_layer_norm(
         x: FloatTensor<Self>,
