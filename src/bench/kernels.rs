@@ -147,16 +147,16 @@ pub fn bench_kernels<B: LabAutodiff>(
         .with_bias(lm.bias)
         .init::<B>(device);
     let x = [random::<B, _>([b, t, d], device)];
-    let composed = time(&x, reps, device, &|x| {
+    let (composed, fused) = both(&x, reps, device, &|x| {
         crate::nn::linear(&linear, x[0].clone())
     })?;
     rows.push(KernelTiming {
-        name: "linear (reference)",
+        name: "linear",
         shape: format!("[{b}, {t}, {d}]→{d_ff}"),
         // A layer's four d×d and two d×4d products cost three of these.
         per_step: 3 * layers,
         composed,
-        fused: None,
+        fused,
     });
 
     let targets = Tensor::<B, 1, Int>::from_data(
