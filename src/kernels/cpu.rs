@@ -423,36 +423,14 @@ const PARALLEL_PRODUCT: usize = 1 << 24;
 unsafe fn product(dst: *mut f32, accumulate: bool, a: Matrix, b: Matrix, parallel: bool) {
     let ([m, k], n) = (a.shape, b.shape[1]);
     assert_eq!(k, b.shape[0], "inner dimensions differ");
-    let ((a, a_rs, a_cs), (b, b_rs, b_cs)) = (a.operand(), b.operand());
+    let (a, b) = (a.operand(), b.operand());
     let parallelism = if parallel && m * n * k >= PARALLEL_PRODUCT {
         gemm::Parallelism::Rayon(0)
     } else {
         gemm::Parallelism::None
     };
     // SAFETY: the operands were checked in bounds; `dst` is the caller's promise.
-    unsafe {
-        gemm::gemm(
-            m,
-            n,
-            k,
-            dst,
-            1,
-            n as isize,
-            accumulate,
-            a,
-            a_cs as isize,
-            a_rs as isize,
-            b,
-            b_cs as isize,
-            b_rs as isize,
-            1.0,
-            1.0,
-            false,
-            false,
-            false,
-            parallelism,
-        )
-    }
+    unsafe { matmul_with([m, n, k], dst, n, accumulate, a, b, 1.0, parallelism) }
 }
 
 /// A destination pointer handed to another rayon task.
@@ -642,6 +620,33 @@ type Operand = (*const f32, usize, usize);
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 unsafe fn matmul(
+    mnk: [usize; 3],
+    dst: *mut f32,
+    ld: usize,
+    accumulate: bool,
+    a: Operand,
+    b: Operand,
+    scale: f32,
+) {
+    matmul_with(
+        mnk,
+        dst,
+        ld,
+        accumulate,
+        a,
+        b,
+        scale,
+        gemm::Parallelism::None,
+    )
+}
+
+/// [`matmul`] with the given parallelism.
+///
+/// # Safety
+/// As [`matmul`].
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+unsafe fn matmul_with(
     [m, n, k]: [usize; 3],
     dst: *mut f32,
     ld: usize,
@@ -649,6 +654,7 @@ unsafe fn matmul(
     (a, a_rs, a_cs): Operand,
     (b, b_rs, b_cs): Operand,
     scale: f32,
+    parallelism: gemm::Parallelism,
 ) {
     gemm::gemm(
         m,
@@ -669,7 +675,7 @@ unsafe fn matmul(
         false,
         false,
         false,
-        gemm::Parallelism::None,
+        parallelism,
     )
 }
 
