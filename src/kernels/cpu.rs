@@ -14,6 +14,10 @@ use rayon::prelude::*;
 const LANES: usize = 16;
 /// Elements per parallel task of the element-wise kernels.
 const CHUNK: usize = 1 << 14;
+/// Element-wise and row-wise passes over fewer elements run on the calling thread: handing
+/// work to rayon from outside its pool wakes a worker and blocks on a latch, which costs more
+/// than a pass over a `768 × 128` activation (LayerNorm's) saves by splitting.
+const SPLIT: usize = 1 << 17;
 /// Queries and keys per tile of the attention kernels.
 const TILE: usize = 64;
 /// A row whose largest score or log-sum-exp is below this saw no unmasked key.
@@ -133,6 +137,10 @@ multiversion! {
 /// `(GELU(x), GELU'(x))` of every element, for training's forward pass.
 pub fn gelu_with_derivative(x: &[f32]) -> (Vec<f32>, Vec<f32>) {
     let (mut y, mut derivative) = (vec![0.0; x.len()], vec![0.0; x.len()]);
+    if x.len() < SPLIT {
+        gelu_with_derivative_chunk(x, &mut y, &mut derivative);
+        return (y, derivative);
+    }
     y.par_chunks_mut(CHUNK)
         .zip(derivative.par_chunks_mut(CHUNK))
         .zip(x.par_chunks(CHUNK))
@@ -143,6 +151,10 @@ pub fn gelu_with_derivative(x: &[f32]) -> (Vec<f32>, Vec<f32>) {
 /// Exact GELU of every element.
 pub fn gelu(x: &[f32]) -> Vec<f32> {
     let mut y = vec![0.0; x.len()];
+    if x.len() < SPLIT {
+        gelu_chunk(x, &mut y);
+        return y;
+    }
     y.par_chunks_mut(CHUNK)
         .zip(x.par_chunks(CHUNK))
         .for_each(|(y, x)| gelu_chunk(x, y));
@@ -152,6 +164,10 @@ pub fn gelu(x: &[f32]) -> Vec<f32> {
 /// `grad · GELU'(x)`, element by element.
 pub fn gelu_backward(x: &[f32], grad: &[f32]) -> Vec<f32> {
     let mut out = vec![0.0; x.len()];
+    if x.len() < SPLIT {
+        gelu_backward_chunk(x, grad, &mut out);
+        return out;
+    }
     out.par_chunks_mut(CHUNK)
         .zip(x.par_chunks(CHUNK).zip(grad.par_chunks(CHUNK)))
         .for_each(|(out, (x, grad))| gelu_backward_chunk(x, grad, out));
@@ -241,6 +257,10 @@ pub fn layer_norm(
 ) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
     let n = x.len() / d;
     let (mut y, mut mean, mut rstd) = (vec![0.0; x.len()], vec![0.0; n], vec![0.0; n]);
+    if x.len() < SPLIT {
+        layer_norm_rows(x, d, gamma, beta, epsilon, &mut y, &mut mean, &mut rstd);
+        return (y, mean, rstd);
+    }
     let rows = rows_per_task(d);
     y.par_chunks_mut(rows * d)
         .zip(mean.par_chunks_mut(rows))
@@ -304,6 +324,21 @@ pub fn layer_norm_backward(
     dy: &[f32],
 ) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
     let mut dx = vec![0.0; x.len()];
+    if x.len() < SPLIT {
+        let (mut dgamma, mut dbeta) = (vec![0.0f32; d], vec![0.0f32; d]);
+        layer_norm_backward_rows(
+            x,
+            d,
+            gamma,
+            mean,
+            rstd,
+            dy,
+            &mut dx,
+            &mut dgamma,
+            &mut dbeta,
+        );
+        return (dx, dgamma, dbeta);
+    }
     let rows = rows_per_task(d);
     let (dgamma, dbeta) = dx
         .par_chunks_mut(rows * d)
@@ -346,6 +381,10 @@ multiversion! {
 /// Softmax of each row (`s` wide).
 pub fn softmax(x: &[f32], s: usize) -> Vec<f32> {
     let mut y = vec![0.0; x.len()];
+    if x.len() < SPLIT {
+        softmax_rows(x, s, &mut y);
+        return y;
+    }
     let rows = rows_per_task(s);
     y.par_chunks_mut(rows * s)
         .zip(x.par_chunks(rows * s))
@@ -367,6 +406,10 @@ multiversion! {
 /// `p ⊙ (dp − Σ p·dp)` row by row (`s` wide): the softmax's input gradient.
 pub fn softmax_backward(p: &[f32], dp: &[f32], s: usize) -> Vec<f32> {
     let mut dx = vec![0.0; p.len()];
+    if p.len() < SPLIT {
+        softmax_backward_rows(p, dp, s, &mut dx);
+        return dx;
+    }
     let rows = rows_per_task(s);
     dx.par_chunks_mut(rows * s)
         .zip(p.par_chunks(rows * s).zip(dp.par_chunks(rows * s)))
@@ -1032,6 +1075,9 @@ pub fn adamw(
     first: bool,
     step: AdamWStep,
 ) {
+    if param.len() < SPLIT {
+        return adamw_chunk(param, grad, m, v, first, step);
+    }
     param
         .par_chunks_mut(CHUNK)
         .zip(grad.par_chunks(CHUNK))

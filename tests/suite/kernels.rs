@@ -11,7 +11,7 @@ use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
 use burn::prelude::*;
 use burn::record::{BinBytesRecorder, FullPrecisionSettings, Recorder};
 use burn::tensor::Bool;
-use transformer_lab::kernels::{self, cpu, with_fused, LabAutodiff};
+use transformer_lab::kernels::{self, cpu, with_fused, AdamWStep, LabAutodiff};
 use transformer_lab::models::LanguageModel;
 use transformer_lab::nn::{AttentionMask, MultiHeadAttentionConfig};
 use transformer_lab::train::{LabAdamW, ReferenceOptimizer};
@@ -139,6 +139,66 @@ fn fused_layer_norm_equals_burns() {
             assert!(rel_diff(b1, b2) < 1e-5, "dβ differs");
         }
     }
+}
+
+#[test]
+fn large_inputs_split_across_cores_and_still_agree() {
+    // Above 2¹⁷ elements the element-wise and row-wise kernels split their work across rayon
+    // tasks (below, they run on the calling thread, which the other tests cover).
+    let device = Default::default();
+    let x = random::<Ad, 2>([300, 500], 51, &device);
+    assert_close("gelu", compare([x.clone()], |[x]| kernels::gelu(x)), 1e-6);
+    assert_close(
+        "softmax",
+        compare([x.clone()], |[x]| kernels::softmax(x)),
+        1e-5,
+    );
+    let norm = LayerNormConfig::new(500).init::<Ad>(&device);
+    assert_close(
+        "layer norm",
+        compare([x.clone()], |[x]| kernels::layer_norm(&norm, x)),
+        1e-5,
+    );
+    let w = random::<Ad, 2>([300, 500], 56, &device);
+    let dgamma = |on| {
+        with_fused(on, || {
+            let g = (kernels::layer_norm(&norm, x.clone()) * w.clone())
+                .sum()
+                .backward();
+            norm.gamma.val().grad(&g).unwrap()
+        })
+    };
+    assert!(
+        rel_diff(dgamma(true), dgamma(false)) < 1e-5,
+        "layer norm dγ differs"
+    );
+    let (p, g) = (
+        random::<Flex, 2>([400, 400], 52, &device),
+        random([400, 400], 53, &device),
+    );
+    let moments = Some((
+        random([400, 400], 54, &device),
+        random([400, 400], 55, &device).abs(),
+    ));
+    let step = AdamWStep {
+        lr: 1e-2,
+        beta_1: 0.9,
+        beta_2: 0.99,
+        epsilon: 1e-8,
+        weight_decay: 0.1,
+        time: 3,
+    };
+    let run = |on| {
+        with_fused(on, || {
+            kernels::adamw(p.clone(), g.clone(), moments.clone(), step)
+        })
+    };
+    let ((p1, m1, v1), (p2, m2, v2)) = (run(true), run(false));
+    assert!(rel_diff(p1, p2) < 1e-6, "adamw parameters differ");
+    assert!(
+        rel_diff(m1, m2) < 1e-6 && rel_diff(v1, v2) < 1e-6,
+        "adamw moments differ"
+    );
 }
 
 #[test]
