@@ -114,16 +114,6 @@ multiversion! {
 }
 
 multiversion! {
-    fn gelu_backward_chunk(x: &[f32], grad: &[f32], out: &mut [f32]) {
-        for ((out, &x), &g) in out.iter_mut().zip(x).zip(grad) {
-            let cdf = 0.5 * (1.0 + erf(x * FRAC_1_SQRT_2));
-            let pdf = FRAC_1_SQRT_2PI * exp(-0.5 * x * x);
-            *out = g * (cdf + x * pdf);
-        }
-    }
-}
-
-multiversion! {
     fn gelu_with_derivative_chunk(x: &[f32], y: &mut [f32], derivative: &mut [f32]) {
         for ((y, d), &x) in y.iter_mut().zip(derivative.iter_mut()).zip(x) {
             let cdf = 0.5 * (1.0 + erf(x * FRAC_1_SQRT_2));
@@ -159,19 +149,6 @@ pub fn gelu(x: &[f32]) -> Vec<f32> {
         .zip(x.par_chunks(CHUNK))
         .for_each(|(y, x)| gelu_chunk(x, y));
     y
-}
-
-/// `grad · GELU'(x)`, element by element.
-pub fn gelu_backward(x: &[f32], grad: &[f32]) -> Vec<f32> {
-    let mut out = vec![0.0; x.len()];
-    if x.len() < SPLIT {
-        gelu_backward_chunk(x, grad, &mut out);
-        return out;
-    }
-    out.par_chunks_mut(CHUNK)
-        .zip(x.par_chunks(CHUNK).zip(grad.par_chunks(CHUNK)))
-        .for_each(|(out, (x, grad))| gelu_backward_chunk(x, grad, out));
-    out
 }
 
 /// Sum with [`LANES`] accumulators (vectorises).
@@ -517,7 +494,6 @@ pub fn linear(x: Matrix, w: Matrix, bias: Option<&[f32]>) -> Vec<f32> {
 
 multiversion! {
     fn column_sums(dy: Matrix, out: &mut [f32]) {
-        out.fill(0.0);
         let [n, o] = dy.shape;
         for r in 0..n {
             let start = dy.offset + r * dy.strides[0];

@@ -106,14 +106,6 @@ impl LabBackend for Flex {
         (from_vec(y, x.shape()), from_vec(derivative, x.shape()))
     }
 
-    fn fused_gelu_backward(x: FlexTensor, grad: FlexTensor) -> FlexTensor {
-        if !is_f32(&x) {
-            return composed::gelu_backward::<Flex>(x, grad);
-        }
-        let (x, grad) = (contiguous(x), contiguous(grad));
-        from_vec(cpu::gelu_backward(slice(&x), slice(&grad)), x.shape())
-    }
-
     fn fused_layer_norm_forward(
         x: FlexTensor,
         gamma: FlexTensor,

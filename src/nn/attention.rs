@@ -5,7 +5,7 @@ use super::linear_attention::{linear_attention, linear_attention_weights};
 use super::mask::{local_mask, strided_mask, AttentionMask};
 use super::mixer::Mixer;
 use super::sparse::{local_attention, strided_attention};
-use crate::kernels::reference::split_packed;
+use crate::kernels::reference::{merge_heads, split_packed};
 use crate::kernels::{self, softmax, LabBackend};
 use burn::module::Module;
 use burn::nn::{Dropout, DropoutConfig, Initializer, Linear, LinearConfig};
@@ -170,12 +170,17 @@ impl<B: LabBackend> MultiHeadAttention<B> {
         memory: Tensor<B, 3>,
         mask: Option<&AttentionMask<B>>,
     ) -> AttentionOutput<B> {
-        let [b, t, d] = query.dims();
         let (q, k, v) = self.project(query, memory); // [b, h, t|s, k]
-        let (context, weights) = self.attend(q, k, v, mask);
-        let context = context.swap_dims(1, 2).reshape([b, t, d]); // [b, t, d]
+        self.output(self.attend(q, k, v, mask))
+    }
+
+    /// Heads `[b, h, t, k]` merged and projected by `W^O`, with the weights beside.
+    fn output(
+        &self,
+        (context, weights): (Tensor<B, 4>, Option<Tensor<B, 4>>),
+    ) -> AttentionOutput<B> {
         AttentionOutput {
-            context: linear(&self.output, context),
+            context: linear(&self.output, merge_heads(context)), // [b, t, d]
             weights,
         }
     }
@@ -189,23 +194,17 @@ impl<B: LabBackend> MultiHeadAttention<B> {
         x: Tensor<B, 3>,
         mask: Option<&AttentionMask<B>>,
     ) -> AttentionOutput<B> {
-        let [b, t, d] = x.dims();
         let qkv = kernels::linear_parts(&[&self.query, &self.key, &self.value], x); // [b, t, 3d]
-        if self.uses_attention_kernel(&qkv.device()) {
-            let causal = mask.is_some_and(AttentionMask::is_causal);
-            let pad = mask.and_then(AttentionMask::pad);
-            let context = kernels::packed_self_attention(qkv, self.n_heads, causal, pad);
-            return AttentionOutput {
-                context: linear(&self.output, context),
-                weights: None,
-            };
+        if !self.uses_attention_kernel(&qkv.device()) {
+            let (q, k, v) = split_packed(qkv, self.n_heads); // views, [b, h, t, k]
+            return self.output(self.attend(q, k, v, mask));
         }
-        let (q, k, v) = split_packed(qkv, self.n_heads); // views, [b, h, t, k]
-        let (context, weights) = self.attend(q, k, v, mask);
-        let context = context.swap_dims(1, 2).reshape([b, t, d]); // [b, t, d]
+        let causal = mask.is_some_and(AttentionMask::is_causal);
+        let pad = mask.and_then(AttentionMask::pad);
+        let context = kernels::packed_self_attention(qkv, self.n_heads, causal, pad); // [b, t, d]
         AttentionOutput {
             context: linear(&self.output, context),
-            weights,
+            weights: None,
         }
     }
 

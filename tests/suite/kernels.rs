@@ -226,6 +226,23 @@ fn fused_softmax_equals_burns_on_masked_and_long_rows() {
     );
 }
 
+/// A `[b, s]` key-padding mask whose batch row `i` has its last `padded[i]` keys padded
+/// (`padded` repeats over the rows); `None` for no padding.
+fn padding<B: Backend>(
+    b: usize,
+    s: usize,
+    padded: &[usize],
+    device: &B::Device,
+) -> Option<Tensor<B, 2, Bool>> {
+    if padded.is_empty() {
+        return None;
+    }
+    let pad: Vec<bool> = (0..b)
+        .flat_map(|i| (0..s).map(move |j| j + padded[i % padded.len()] >= s))
+        .collect();
+    Some(Tensor::from_data(TensorData::new(pad, [b, s]), device))
+}
+
 /// Fused attention (output and q/k/v gradients) against the composed form, on backend `B`.
 fn attention_case<B: LabAutodiff>(
     [b, h, t, s, k]: [usize; 5],
@@ -236,14 +253,7 @@ fn attention_case<B: LabAutodiff>(
     let q = random::<B, 4>([b, h, t, k], 11, device);
     let kk = random::<B, 4>([b, h, s, k], 12, device);
     let v = random::<B, 4>([b, h, s, k], 13, device);
-    // `padded[i]`: how many trailing keys of batch row i are padding.
-    let pad: Vec<bool> = (0..b)
-        .flat_map(|i| {
-            (0..s).map(move |j| j + padded.get(i % padded.len().max(1)).copied().unwrap_or(0) >= s)
-        })
-        .collect();
-    let pad = Tensor::<B, 2, Bool>::from_data(TensorData::new(pad, [b, s]), device);
-    let pad = (!padded.is_empty()).then_some(pad);
+    let pad = padding::<B>(b, s, padded, device);
     compare([q, kk, v], |[q, k, v]| {
         kernels::attention(q, k, v, causal, pad.as_ref())
     })
@@ -338,11 +348,7 @@ fn packed_self_attention_equals_the_composed_form() {
     ];
     for &([b, t, h, k], causal, padded, what) in cases {
         let qkv = random::<Ad, 3>([b, t, 3 * h * k], 31, &device);
-        let pad: Vec<bool> = (0..b)
-            .flat_map(|i| (0..t).map(move |j| j + padded.get(i).copied().unwrap_or(0) >= t))
-            .collect();
-        let pad = Tensor::<Ad, 2, Bool>::from_data(TensorData::new(pad, [b, t]), &device);
-        let pad = (!padded.is_empty()).then_some(pad);
+        let pad = padding::<Ad>(b, t, padded, &device);
         let case = compare([qkv], |[qkv]| {
             kernels::packed_self_attention(qkv, h, causal, pad.as_ref())
         });
