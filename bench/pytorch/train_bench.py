@@ -4,6 +4,7 @@ Kept apart from the project (it is not a dependency of anything): it exists to m
 on the same machine, in the same sitting, with the same model, optimizer and batches.
 
     python3 bench/pytorch/train_bench.py --data-dir DATA [--threads 2] [--steps 30] [--warmup 5] [--runs 3]
+        [--adamw default|foreach|fused]
 
 Model (experiments/shakespeare-char.json): 4 pre-norm blocks, 4 heads, d_model 128, d_ff 512,
 exact GELU, no biases, learned positions, tied input/output embedding, context 64, batch 12;
@@ -75,6 +76,12 @@ def main():
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument(
+        "--adamw",
+        choices=["default", "foreach", "fused"],
+        default="default",
+        help="PyTorch's AdamW implementation (default: its per-parameter loop on a CPU)",
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(1337)
@@ -98,6 +105,7 @@ def main():
             [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
             lr=1e-3,
             betas=(0.9, 0.99),
+            **({} if args.adamw == "default" else {args.adamw: True}),
         )
         times = []
         for step, (x, y) in enumerate(batches):
@@ -117,7 +125,7 @@ def main():
         splits.extend(times)
     fwd, bwd, opt_t = (statistics.median(t[i] for t in splits) * 1e3 for i in range(3))
     print(
-        f"pytorch {torch.__version__}, {args.threads} threads: {statistics.median(speeds):.0f} tokens/s "
+        f"pytorch {torch.__version__}, {args.threads} threads, AdamW {args.adamw}: {statistics.median(speeds):.0f} tokens/s "
         f"(median of {args.runs} runs: {', '.join(f'{s:.0f}' for s in speeds)}; {batch * context} tokens per step)"
     )
     print(f"median step {fwd + bwd + opt_t:.1f} ms = forward {fwd:.1f} + backward {bwd:.1f} + optimizer {opt_t:.1f}")

@@ -7,8 +7,8 @@ use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{unary, Backward, Ops, OpsKind};
 use burn::backend::Autodiff;
-use burn::tensor::ops::FloatTensor;
 use burn::tensor::ops::FloatTensorOps;
+use burn::tensor::ops::{FloatTensor, IntTensor};
 use burn::tensor::TensorMetadata;
 
 #[derive(Debug)]
@@ -154,7 +154,68 @@ impl<B: LabBackend> Backward<B, 3> for Linear {
     }
 }
 
+#[derive(Debug)]
+struct CrossEntropy;
+
+/// What the cross-entropy's backward needs: logits, targets, log-sum-exp, ε, the ignored class.
+#[derive(Clone, Debug)]
+struct CrossEntropyState<B: LabBackend> {
+    logits: FloatTensor<B>,
+    targets: IntTensor<B>,
+    lse: FloatTensor<B>,
+    smoothing: f32,
+    ignore: Option<usize>,
+}
+
+impl<B: LabBackend> Backward<B, 1> for CrossEntropy {
+    type State = CrossEntropyState<B>;
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let CrossEntropyState {
+            logits,
+            targets,
+            lse,
+            smoothing,
+            ignore,
+        } = ops.state;
+        unary::<B, _>(ops.parents, ops.node, grads, |grad| {
+            B::fused_cross_entropy_backward(logits, targets, lse, grad, smoothing, ignore)
+        });
+    }
+}
+
 impl<B: LabBackend, C: CheckpointStrategy> LabBackend for Autodiff<B, C> {
+    fn fused_cross_entropy(
+        logits: FloatTensor<Self>,
+        targets: IntTensor<Self>,
+        smoothing: f32,
+        ignore: Option<usize>,
+    ) -> FloatTensor<Self> {
+        let (loss, lse) = B::fused_cross_entropy_forward(
+            logits.primitive.clone(),
+            targets.clone(),
+            smoothing,
+            ignore,
+        );
+        match CrossEntropy
+            .prepare::<C>([logits.node])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => {
+                let state = CrossEntropyState {
+                    logits: logits.primitive,
+                    targets,
+                    lse,
+                    smoothing,
+                    ignore,
+                };
+                prep.finish(state, loss)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(loss),
+        }
+    }
+
     fn fused_linear(
         x: FloatTensor<Self>,
         w: FloatTensor<Self>,

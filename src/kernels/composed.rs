@@ -4,7 +4,7 @@
 
 use super::{reference, AdamWStep, LabBackend};
 use burn::prelude::*;
-use burn::tensor::ops::FloatTensor;
+use burn::tensor::ops::{FloatTensor, IntTensor};
 use burn::tensor::TensorPrimitive;
 
 /// A float primitive as a tensor.
@@ -221,4 +221,36 @@ pub fn adamw<B: Backend>(
     let delta = m_hat / v_hat.sqrt().add_scalar(epsilon);
     let param = tensor::<B, 1>(param).mul_scalar(1.0 - lr * weight_decay) - delta.mul_scalar(lr);
     (prim(param), prim(m), prim(v))
+}
+
+/// See [`super::LabBackend::fused_cross_entropy_forward`].
+pub fn cross_entropy_forward<B: Backend>(
+    logits: FloatTensor<B>,
+    targets: IntTensor<B>,
+    smoothing: f32,
+    ignore: Option<usize>,
+) -> (FloatTensor<B>, FloatTensor<B>) {
+    let targets = Tensor::<B, 1, Int>::from_primitive(targets);
+    let (loss, lse) =
+        reference::cross_entropy_forward(tensor::<B, 2>(logits), targets, smoothing, ignore);
+    (prim(loss), prim(lse))
+}
+
+/// See [`super::LabBackend::fused_cross_entropy_backward`].
+pub fn cross_entropy_backward<B: Backend>(
+    logits: FloatTensor<B>,
+    targets: IntTensor<B>,
+    lse: FloatTensor<B>,
+    grad: FloatTensor<B>,
+    smoothing: f32,
+    ignore: Option<usize>,
+) -> FloatTensor<B> {
+    prim(reference::cross_entropy_backward(
+        tensor::<B, 2>(logits),
+        Tensor::from_primitive(targets),
+        tensor(lse),
+        tensor(grad),
+        smoothing,
+        ignore,
+    ))
 }

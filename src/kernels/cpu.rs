@@ -9,6 +9,7 @@
 use super::AdamWStep;
 use crate::nn::attention::MASKED_SCORE;
 use rayon::prelude::*;
+use std::mem::MaybeUninit;
 
 /// Accumulator lanes of the vectorised reductions.
 const LANES: usize = 16;
@@ -392,6 +393,135 @@ pub fn softmax_backward(p: &[f32], dp: &[f32], s: usize) -> Vec<f32> {
         .zip(p.par_chunks(rows * s).zip(dp.par_chunks(rows * s)))
         .for_each(|(dx, (p, dp))| softmax_backward_rows(p, dp, s, dx));
     dx
+}
+
+/// `Σ e^(x − shift)` with [`LANES`] accumulators (vectorises).
+#[inline(always)]
+fn sum_exp(x: &[f32], shift: f32) -> f32 {
+    let mut acc = [0.0f32; LANES];
+    let chunks = x.chunks_exact(LANES);
+    let tail: f32 = chunks.remainder().iter().map(|&x| exp(x - shift)).sum();
+    for c in chunks {
+        for l in 0..LANES {
+            acc[l] += exp(c[l] - shift);
+        }
+    }
+    acc.iter().sum::<f32>() + tail
+}
+
+/// A row's target, or `None` where the row is ignored.
+#[inline(always)]
+fn target(y: usize, ignore: Option<usize>) -> Option<usize> {
+    (Some(y) != ignore).then_some(y)
+}
+
+multiversion! {
+    fn cross_entropy_rows(
+        x: &[f32],
+        v: usize,
+        targets: &[usize],
+        smoothing: f32,
+        ignore: Option<usize>,
+        loss: &mut [f32],
+        lse: &mut [f32],
+    ) {
+        let rows = x.chunks_exact(v).zip(targets).zip(loss.iter_mut().zip(lse.iter_mut()));
+        for ((x, &y), (loss, lse)) in rows {
+            let max = x.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+            let l = max + sum_exp(x, max).ln();
+            *lse = l;
+            *loss = match target(y, ignore) {
+                Some(y) => l - (1.0 - smoothing) * x[y] - smoothing * sum(x) / v as f32,
+                None => 0.0,
+            };
+        }
+    }
+}
+
+/// The label-smoothed cross-entropy of each row of `x` (`v` wide) against its target,
+/// `lse − (1−ε)·x_y − ε·mean(x)` (`0` for rows whose target is `ignore`), and each row's
+/// log-sum-exp: `(loss, lse)`.
+pub fn cross_entropy(
+    x: &[f32],
+    v: usize,
+    targets: &[usize],
+    smoothing: f32,
+    ignore: Option<usize>,
+) -> (Vec<f32>, Vec<f32>) {
+    let n = targets.len();
+    let (mut loss, mut lse) = (vec![0.0; n], vec![0.0; n]);
+    if x.len() < SPLIT {
+        cross_entropy_rows(x, v, targets, smoothing, ignore, &mut loss, &mut lse);
+        return (loss, lse);
+    }
+    let rows = rows_per_task(v);
+    x.par_chunks(rows * v)
+        .zip(targets.par_chunks(rows))
+        .zip(loss.par_chunks_mut(rows).zip(lse.par_chunks_mut(rows)))
+        .for_each(|((x, t), (loss, lse))| {
+            cross_entropy_rows(x, v, t, smoothing, ignore, loss, lse)
+        });
+    (loss, lse)
+}
+
+multiversion! {
+    fn cross_entropy_backward_rows(
+        x: &[f32],
+        v: usize,
+        targets: &[usize],
+        lse: &[f32],
+        grad: &[f32],
+        smoothing: f32,
+        ignore: Option<usize>,
+        dx: &mut [MaybeUninit<f32>],
+    ) {
+        let uniform = smoothing / v as f32;
+        let rows = x.chunks_exact(v).zip(dx.chunks_exact_mut(v));
+        for (((x, dx), &y), (&lse, &g)) in rows.zip(targets).zip(lse.iter().zip(grad)) {
+            match target(y, ignore) {
+                Some(y) => {
+                    for (dx, &x) in dx.iter_mut().zip(x) {
+                        dx.write(g * (exp(x - lse) - uniform));
+                    }
+                    dx[y].write(g * (exp(x[y] - lse) - uniform - (1.0 - smoothing)));
+                }
+                None => {
+                    for dx in dx.iter_mut() {
+                        dx.write(0.0);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The gradient of [`cross_entropy`]'s row losses for their gradient `grad`:
+/// `grad · (softmax(row) − (1−ε)·onehot(y) − ε/v)`, zero on ignored rows.
+pub fn cross_entropy_backward(
+    x: &[f32],
+    v: usize,
+    targets: &[usize],
+    lse: &[f32],
+    grad: &[f32],
+    smoothing: f32,
+    ignore: Option<usize>,
+) -> Vec<f32> {
+    let mut dx = uninit(x.len());
+    let slots = &mut dx.spare_capacity_mut()[..x.len()];
+    if x.len() < SPLIT {
+        cross_entropy_backward_rows(x, v, targets, lse, grad, smoothing, ignore, slots);
+    } else {
+        let rows = rows_per_task(v);
+        x.par_chunks(rows * v)
+            .zip(slots.par_chunks_mut(rows * v))
+            .zip(targets.par_chunks(rows))
+            .zip(lse.par_chunks(rows).zip(grad.par_chunks(rows)))
+            .for_each(|(((x, dx), t), (lse, g))| {
+                cross_entropy_backward_rows(x, v, t, lse, g, smoothing, ignore, dx)
+            });
+    }
+    // SAFETY: every row of `dx` was written in full above.
+    unsafe { written(dx, x.len()) }
 }
 
 /// A read-only matrix in any layout: element `(r, c)` is at `offset + r·rs + c·cs` of `data`.

@@ -84,11 +84,77 @@ fn positive(x: FlexTensor) -> FlexTensor {
     }
 }
 
+/// The class indices held by an integer tensor `[n]`, each checked to be below `classes` (or
+/// `ignore`, which may lie outside).
+fn class_indices(x: FlexTensor, classes: usize, ignore: Option<usize>) -> Vec<usize> {
+    let data = x.into_data().convert::<i64>();
+    let values = data.as_slice::<i64>().expect("converted to i64");
+    values
+        .iter()
+        .map(|&y| {
+            let y = usize::try_from(y).unwrap_or(usize::MAX);
+            assert!(
+                y < classes || Some(y) == ignore,
+                "cross-entropy target {y} outside 0..{classes}"
+            );
+            y
+        })
+        .collect()
+}
+
 fn is_f32(x: &FlexTensor) -> bool {
     x.dtype() == DType::F32
 }
 
 impl LabBackend for Flex {
+    fn fused_cross_entropy_forward(
+        logits: FlexTensor,
+        targets: FlexTensor,
+        smoothing: f32,
+        ignore: Option<usize>,
+    ) -> (FlexTensor, FlexTensor) {
+        if !is_f32(&logits) {
+            return composed::cross_entropy_forward::<Flex>(logits, targets, smoothing, ignore);
+        }
+        let logits = contiguous(logits);
+        let [n, v] = logits.shape().dims();
+        let targets = class_indices(targets, v, ignore);
+        let (loss, lse) = cpu::cross_entropy(slice(&logits), v, &targets, smoothing, ignore);
+        (
+            from_vec(loss, Shape::new([n])),
+            from_vec(lse, Shape::new([n])),
+        )
+    }
+
+    fn fused_cross_entropy_backward(
+        logits: FlexTensor,
+        targets: FlexTensor,
+        lse: FlexTensor,
+        grad: FlexTensor,
+        smoothing: f32,
+        ignore: Option<usize>,
+    ) -> FlexTensor {
+        if !is_f32(&logits) {
+            return composed::cross_entropy_backward::<Flex>(
+                logits, targets, lse, grad, smoothing, ignore,
+            );
+        }
+        let (logits, lse, grad) = (contiguous(logits), contiguous(lse), contiguous(grad));
+        let shape = logits.shape();
+        let v = shape[1];
+        let targets = class_indices(targets, v, ignore);
+        let dx = cpu::cross_entropy_backward(
+            slice(&logits),
+            v,
+            &targets,
+            slice(&lse),
+            slice(&grad),
+            smoothing,
+            ignore,
+        );
+        from_vec(dx, shape)
+    }
+
     fn fused_gelu(x: FlexTensor) -> FlexTensor {
         if !is_f32(&x) {
             return composed::gelu::<Flex>(x);

@@ -27,7 +27,7 @@ pub mod reference;
 use burn::nn::{LayerNorm, Linear};
 use burn::prelude::*;
 use burn::tensor::backend::AutodiffBackend;
-use burn::tensor::ops::FloatTensor;
+use burn::tensor::ops::{FloatTensor, IntTensor};
 use burn::tensor::Bool;
 use composed::{prim, tensor};
 use std::cell::Cell;
@@ -204,6 +204,40 @@ pub trait LabBackend: Backend {
         Option<FloatTensor<Self>>,
     ) {
         composed::linear_backward::<Self>(x, w, dy, bias)
+    }
+
+    /// The label-smoothed cross-entropy of each row of `logits` `[n, v]` against `targets`
+    /// `[n]` (see [`cross_entropy`]) → `[n]`.
+    fn fused_cross_entropy(
+        logits: FloatTensor<Self>,
+        targets: IntTensor<Self>,
+        smoothing: f32,
+        ignore: Option<usize>,
+    ) -> FloatTensor<Self> {
+        Self::fused_cross_entropy_forward(logits, targets, smoothing, ignore).0
+    }
+
+    /// [`Self::fused_cross_entropy`] with each row's log-sum-exp `[n]`, what its backward needs.
+    fn fused_cross_entropy_forward(
+        logits: FloatTensor<Self>,
+        targets: IntTensor<Self>,
+        smoothing: f32,
+        ignore: Option<usize>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        composed::cross_entropy_forward::<Self>(logits, targets, smoothing, ignore)
+    }
+
+    /// The gradient `[n, v]` of the row losses for their gradient `grad` `[n]`:
+    /// `grad · (softmax(row) − (1−ε)·onehot(target) − ε/v)`, zero on ignored rows.
+    fn fused_cross_entropy_backward(
+        logits: FloatTensor<Self>,
+        targets: IntTensor<Self>,
+        lse: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        smoothing: f32,
+        ignore: Option<usize>,
+    ) -> FloatTensor<Self> {
+        composed::cross_entropy_backward::<Self>(logits, targets, lse, grad, smoothing, ignore)
     }
 }
 
@@ -418,4 +452,29 @@ pub fn adamw<B: LabBackend, const D: usize>(
     };
     let back = |x| tensor::<B, 1>(x).reshape(shape.clone());
     (back(p), back(m), back(v))
+}
+
+/// The cross-entropy of each row of `logits` `[n, v]` against its class in `targets` `[n]`,
+/// with label smoothing `ε`: `−(1−ε)·log p_y − ε·mean_j log p_j`, `p = softmax(row)`; rows
+/// whose target is `ignore` (padding) give `0`. → `[n]`.
+///
+/// Fused, the forward pass keeps only each row's log-sum-exp and the backward pass writes
+/// `softmax − target distribution` in one pass over the logits — the `[n, v]` log-probabilities,
+/// one-hot targets and their products are never made (with a large vocabulary, they are most
+/// of a translator's step).
+pub fn cross_entropy<B: LabBackend>(
+    logits: Tensor<B, 2>,
+    targets: Tensor<B, 1, Int>,
+    smoothing: f32,
+    ignore: Option<usize>,
+) -> Tensor<B, 1> {
+    if !fused() {
+        return reference::cross_entropy_forward(logits, targets, smoothing, ignore).0;
+    }
+    tensor(B::fused_cross_entropy(
+        prim(logits),
+        targets.into_primitive(),
+        smoothing,
+        ignore,
+    ))
 }

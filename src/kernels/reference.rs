@@ -82,6 +82,52 @@ pub fn softmax_backward<B: Backend>(p: Tensor<B, 2>, dp: Tensor<B, 2>) -> Tensor
     p * (dp - dot)
 }
 
+/// The label-smoothed cross-entropy of each row of `logits` `[n, v]` against `targets` `[n]`,
+/// `−(1−ε)·log p_y − ε·mean_j log p_j` with `p = softmax(row)`, and `0` for rows whose target
+/// is `ignore`; with each row's log-sum-exp `[n]` (what the backward pass needs).
+pub fn cross_entropy_forward<B: Backend>(
+    logits: Tensor<B, 2>,
+    targets: Tensor<B, 1, Int>,
+    smoothing: f32,
+    ignore: Option<usize>,
+) -> (Tensor<B, 1>, Tensor<B, 1>) {
+    let [n, _] = logits.dims();
+    let log_p = burn::tensor::activation::log_softmax(logits.clone(), 1);
+    let lse = (logits.slice([0..n, 0..1]) - log_p.clone().slice([0..n, 0..1])).reshape([n]);
+    let picked = log_p
+        .clone()
+        .gather(1, targets.clone().reshape([n, 1]))
+        .reshape([n]);
+    let mut loss = picked.mul_scalar(smoothing - 1.0);
+    if smoothing > 0.0 {
+        loss = loss - log_p.mean_dim(1).reshape([n]).mul_scalar(smoothing);
+    }
+    if let Some(ignore) = ignore {
+        loss = loss * targets.not_equal_elem(ignore as i64).float();
+    }
+    (loss, lse)
+}
+
+/// The gradient `[n, v]` of [`cross_entropy_forward`]'s row losses for their gradient `grad`
+/// `[n]`: `grad · (softmax(row) − (1−ε)·onehot(y) − ε/v)`, zero on ignored rows.
+pub fn cross_entropy_backward<B: Backend>(
+    logits: Tensor<B, 2>,
+    targets: Tensor<B, 1, Int>,
+    lse: Tensor<B, 1>,
+    grad: Tensor<B, 1>,
+    smoothing: f32,
+    ignore: Option<usize>,
+) -> Tensor<B, 2> {
+    let [n, v] = logits.dims();
+    let grad = match ignore {
+        Some(ignore) => grad * targets.clone().not_equal_elem(ignore as i64).float(),
+        None => grad,
+    };
+    let p = (logits - lse.reshape([n, 1])).exp();
+    let target = targets.one_hot::<2>(v).float().mul_scalar(1.0 - smoothing);
+    (p - target).sub_scalar(smoothing / v as f32) * grad.reshape([n, 1])
+}
+
 /// The mask of attention scores, `true` = masked out, broadcastable to `[b, h, t, s]`.
 fn score_mask<B: Backend>(
     t: usize,

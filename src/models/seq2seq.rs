@@ -4,7 +4,7 @@
 //! padding mask) → projection to the target vocabulary.
 
 use crate::config::validate_width;
-use crate::kernels::LabBackend;
+use crate::kernels::{self, LabBackend};
 use crate::nn::{
     padding_mask, Activation, AttentionMask, Mixer, PositionEncoding, PositionEncodingConfig,
     PositionKind, TransformerBlockConfig, TransformerStack, TransformerStackConfig,
@@ -15,7 +15,6 @@ use burn::nn::{
     Dropout, DropoutConfig, Embedding, EmbeddingConfig, Initializer, Linear, LinearConfig,
 };
 use burn::prelude::*;
-use burn::tensor::activation::log_softmax;
 use serde::{Deserialize, Serialize};
 
 /// Configuration of [`Seq2Seq`] (the `model` of a `"kind": "seq2seq"` experiment).
@@ -270,21 +269,19 @@ impl<B: LabBackend> Seq2Seq<B> {
         let v = self.tgt_vocab_size();
         let logits = self.forward(batch).logits.reshape([b * t, v]);
         let targets = batch.target_out.clone().reshape([b * t]);
-        let log_probs = log_softmax(logits.clone(), 1); // [b*t, v]
-        let nll = log_probs
+        let per_token = kernels::cross_entropy(
+            logits.clone(),
+            targets.clone(),
+            smoothing,
+            Some(self.pad_id),
+        ); // [b*t], 0 at padding
+        let count = targets
             .clone()
-            .gather(1, targets.clone().reshape([b * t, 1]))
-            .reshape([b * t])
-            .neg();
-        let per_token = if smoothing > 0.0 {
-            let uniform = log_probs.mean_dim(1).reshape([b * t]).neg();
-            nll.mul_scalar(1.0 - smoothing) + uniform.mul_scalar(smoothing)
-        } else {
-            nll
-        };
-        let keep = targets.clone().not_equal_elem(self.pad_id as i64).float(); // [b*t]
-        let count = keep.clone().sum().clamp_min(1.0);
-        let loss = (per_token * keep).sum() / count;
+            .not_equal_elem(self.pad_id as i64)
+            .float()
+            .sum()
+            .clamp_min(1.0);
+        let loss = per_token.sum() / count;
         (loss, logits, targets)
     }
 

@@ -4,14 +4,13 @@
 //! classification token, or the mean) and classify.
 
 use crate::config::validate_width;
-use crate::kernels::LabBackend;
+use crate::kernels::{self, LabBackend};
 use crate::nn::{
     pool, Activation, Mixer, Pooling, PositionEncoding, PositionEncodingConfig, PositionKind,
     TransformerBlockConfig, TransformerStack, TransformerStackConfig,
 };
 use anyhow::{bail, Result};
 use burn::module::{Module, Param};
-use burn::nn::loss::CrossEntropyLossConfig;
 use burn::nn::{Dropout, DropoutConfig, Initializer, Linear, LinearConfig};
 use burn::prelude::*;
 use serde::{Deserialize, Serialize};
@@ -233,9 +232,7 @@ impl<B: LabBackend> VisionTransformer<B> {
         labels: Tensor<B, 1, Int>,
     ) -> (Tensor<B, 1>, Tensor<B, 2>, Tensor<B, 1, Int>) {
         let logits = self.forward(images).logits;
-        let loss = CrossEntropyLossConfig::new()
-            .init(&logits.device())
-            .forward(logits.clone(), labels.clone());
+        let loss = kernels::cross_entropy(logits.clone(), labels.clone(), 0.0, None).mean();
         (loss, logits, labels)
     }
 

@@ -502,3 +502,90 @@ fn fused_adamw_steps_like_burns_adamw_and_shares_its_checkpoints() {
         "{ours_next:?} vs {burns_next:?}"
     );
 }
+
+/// Targets `[n]` in `0..v` from a seeded generator, with every third row set to `ignore`.
+fn targets<B: Backend>(
+    n: usize,
+    v: usize,
+    ignore: Option<usize>,
+    device: &B::Device,
+) -> Tensor<B, 1, Int> {
+    use rand::{rngs::StdRng, RngExt, SeedableRng};
+    let mut rng = StdRng::seed_from_u64(n as u64 * 31 + v as u64);
+    let ys: Vec<i64> = (0..n)
+        .map(|i| match ignore {
+            Some(pad) if i % 3 == 2 => pad as i64,
+            _ => rng.random_range(0..v) as i64,
+        })
+        .collect();
+    Tensor::from_data(TensorData::new(ys, [n]), device)
+}
+
+#[test]
+fn fused_cross_entropy_equals_the_composed_form() {
+    let device = Default::default();
+    // Odd widths, a vocabulary-sized row, label smoothing on and off, ignored (padding) rows,
+    // and an input large enough (> 2^17 elements) to take the multi-core path.
+    for (n, v, smoothing, ignore) in [
+        (7, 3, 0.0, None),
+        (12, 65, 0.0, None),
+        (10, 1000, 0.1, Some(0)),
+        (40, 4000, 0.1, Some(3)),
+        (6, 17, 0.3, Some(16)),
+    ] {
+        let x = random::<Ad, 2>([n, v], 8, &device).mul_scalar(3.0);
+        let y = targets::<Ad>(n, v, ignore, &device);
+        let case = compare([x], |[x]| {
+            kernels::cross_entropy(x, y.clone(), smoothing, ignore).unsqueeze_dim(1)
+        });
+        assert_close(&format!("cross-entropy {n}×{v}, ε {smoothing}"), case, 1e-5);
+    }
+}
+
+#[test]
+fn cross_entropy_matches_hand_computed_values_and_burns_loss() {
+    let device = Default::default();
+    // Row [0, ln 3]: p = [1/4, 3/4]. Target 1: −ln(3/4) = 0.287682; with ε = 0.1:
+    // 0.9·0.287682 + 0.1·(ln 4 + ln(4/3))/2 = 0.342611. The second row is ignored: 0.
+    let x = Tensor::<Ad, 2>::from_floats([[0.0, 3f32.ln()], [5.0, -2.0]], &device);
+    let y = Tensor::<Ad, 1, Int>::from_ints([1, 0], &device);
+    for on in [true, false] {
+        with_fused(on, || {
+            let leaf = x.clone().require_grad();
+            let loss = kernels::cross_entropy(leaf.clone(), y.clone(), 0.1, Some(0));
+            let got: Vec<f32> = loss.clone().into_data().to_vec().unwrap();
+            assert!((got[0] - 0.342_611).abs() < 1e-5, "fused {on}: {got:?}");
+            assert_eq!(got[1], 0.0, "fused {on}: an ignored row costs nothing");
+            let plain: Vec<f32> = kernels::cross_entropy(x.clone(), y.clone(), 0.0, None)
+                .into_data()
+                .to_vec()
+                .unwrap();
+            assert!((plain[0] - 0.287_682).abs() < 1e-5, "fused {on}: {plain:?}");
+            // d/dx of row 0: p − 0.9·onehot − 0.05 = [0.25 − 0.05, 0.75 − 0.9 − 0.05].
+            let grad: Vec<f32> = leaf
+                .grad(&loss.sum().backward())
+                .unwrap()
+                .into_data()
+                .to_vec()
+                .unwrap();
+            let expected = [0.2, -0.2, 0.0, 0.0];
+            for (g, e) in grad.iter().zip(expected) {
+                assert!((g - e).abs() < 1e-6, "fused {on}: gradient {grad:?}");
+            }
+        });
+    }
+    // The mean over rows is burn's CrossEntropyLoss (with its own label smoothing).
+    let x = random::<Ad, 2>([9, 11], 12, &device);
+    let y = targets::<Ad>(9, 11, None, &device);
+    for smoothing in [None, Some(0.2)] {
+        let burns = burn::nn::loss::CrossEntropyLossConfig::new()
+            .with_smoothing(smoothing)
+            .init(&device)
+            .forward(x.clone(), y.clone());
+        let ours = kernels::cross_entropy(x.clone(), y.clone(), smoothing.unwrap_or(0.0), None);
+        assert!(
+            rel_diff(ours.mean(), burns) < 1e-6,
+            "smoothing {smoothing:?}"
+        );
+    }
+}
