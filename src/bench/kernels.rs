@@ -1,6 +1,6 @@
 //! `bench kernels`: each fused operation against the composed ops it replaces, forward +
 //! backward at a language-model experiment's shapes — the per-operation profile of a training
-//! step. A matrix product (one linear layer) and the loss are timed beside them for scale.
+//! step, the loss included.
 
 use super::median;
 use crate::config::LmConfig;
@@ -8,14 +8,12 @@ use crate::kernels::{self, with_fused, LabAutodiff};
 use crate::nn::attention::scaled_dot_product_attention;
 use crate::nn::AttentionMask;
 use anyhow::{anyhow, Result};
-use burn::nn::loss::CrossEntropyLossConfig;
 use burn::nn::{LayerNormConfig, LinearConfig};
 use burn::prelude::*;
 use burn::tensor::Distribution;
 use std::time::Instant;
 
-/// One operation's time, composed and fused (`None` for the reference rows, which have no
-/// fused form).
+/// One operation's time, composed and fused.
 #[derive(Clone, Debug)]
 pub struct KernelTiming {
     /// What was timed.
@@ -27,7 +25,7 @@ pub struct KernelTiming {
     /// Median seconds of forward + backward, composed.
     pub composed: f64,
     /// Median seconds of forward + backward, fused.
-    pub fused: Option<f64>,
+    pub fused: f64,
 }
 
 /// Times forward + backward of `f` (on fresh leaves from `inputs`, output gradient random)
@@ -62,10 +60,10 @@ fn both<B: LabAutodiff, const D: usize, const E: usize>(
     reps: usize,
     device: &B::Device,
     f: &dyn Fn(Vec<Tensor<B, D>>) -> Tensor<B, E>,
-) -> Result<(f64, Option<f64>)> {
+) -> Result<(f64, f64)> {
     let composed = with_fused(false, || time(inputs, reps, device, f))?;
     let fused = with_fused(true, || time(inputs, reps, device, f))?;
-    Ok((composed, Some(fused)))
+    Ok((composed, fused))
 }
 
 /// Times every fused operation at the shapes of `lm` with `batch` sequences.
@@ -124,7 +122,7 @@ pub fn bench_kernels<B: LabAutodiff>(
         shape: format!("[{b}, {h}, {t}, {k}]"),
         per_step: layers,
         composed,
-        fused: Some(fused),
+        fused,
     });
 
     let causal = mask.tensor().expand([b, h, t, t]);
@@ -166,17 +164,16 @@ pub fn bench_kernels<B: LabAutodiff>(
         ),
         device,
     );
-    let loss = CrossEntropyLossConfig::new().init(device);
     let x = [random::<B, _>([n, vocab], device)];
-    let composed = time(&x, reps, device, &|x| {
-        loss.forward(x[0].clone(), targets.clone()).reshape([1, 1])
+    let (composed, fused) = both(&x, reps, device, &|x| {
+        kernels::cross_entropy(x[0].clone(), targets.clone(), 0.0, None).mean()
     })?;
     rows.push(KernelTiming {
-        name: "cross-entropy (reference)",
+        name: "cross-entropy",
         shape: format!("[{n}, {vocab}]"),
         per_step: 1,
         composed,
-        fused: None,
+        fused,
     });
     Ok(rows)
 }
@@ -189,18 +186,16 @@ pub fn render(rows: &[KernelTiming]) -> String {
     );
     let (mut before, mut after) = (0.0, 0.0);
     for r in rows {
-        let fused = r.fused.unwrap_or(r.composed);
         before += r.composed * r.per_step as f64;
-        after += fused * r.per_step as f64;
+        after += r.fused * r.per_step as f64;
         out += &format!(
-            "{:<26} {:<22} {:>5} {:>12.3} {:>12} {:>8}\n",
+            "{:<26} {:<22} {:>5} {:>12.3} {:>12.3} {:>7.2}×\n",
             r.name,
             r.shape,
             r.per_step,
             r.composed * 1e3,
-            r.fused.map_or("—".into(), |f| format!("{:.3}", f * 1e3)),
-            r.fused
-                .map_or("—".into(), |f| format!("{:.1}×", r.composed / f)),
+            r.fused * 1e3,
+            r.composed / r.fused,
         );
     }
     out += &format!(

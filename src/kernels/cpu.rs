@@ -560,12 +560,16 @@ impl Matrix<'_> {
     }
 }
 
-/// Products of at least this many multiply-adds are split across both cores; smaller ones run
-/// on one (for `768 × 128 × 128` one core is faster than two: the split costs more than it
-/// saves).
-const PARALLEL_PRODUCT: usize = 1 << 24;
+/// Products of at least this many multiply-adds are split across the cores, by rows: each
+/// core runs a single-threaded product on its own block of rows. (The `gemm` crate's own
+/// threading loses at these sizes: `768 × 128 × 128` took 262 µs on two cores against 230 µs
+/// on one.)
+const PARALLEL_PRODUCT: usize = 1 << 21;
+/// Fewest rows of one block of a split product.
+const PRODUCT_ROWS: usize = 64;
 
-/// `dst (m × n, row-major) = A·B`, or `+= A·B` when `accumulate`, on one core or both.
+/// `dst (m × n, row-major) = A·B`, or `+= A·B` when `accumulate`, on one core or, when
+/// `parallel` and the product is large enough, on every core by blocks of rows.
 ///
 /// # Safety
 /// `dst` must be valid for `m × n` writes (and reads when `accumulate`) and alias neither
@@ -574,13 +578,34 @@ unsafe fn product(dst: *mut f32, accumulate: bool, a: Matrix, b: Matrix, paralle
     let ([m, k], n) = (a.shape, b.shape[1]);
     assert_eq!(k, b.shape[0], "inner dimensions differ");
     let (a, b) = (a.operand(), b.operand());
-    let parallelism = if parallel && m * n * k >= PARALLEL_PRODUCT {
-        gemm::Parallelism::Rayon(0)
+    let blocks = if parallel && m * n * k >= PARALLEL_PRODUCT {
+        rayon::current_num_threads().min(m / PRODUCT_ROWS)
     } else {
-        gemm::Parallelism::None
+        1
     };
-    // SAFETY: the operands were checked in bounds; `dst` is the caller's promise.
-    unsafe { matmul_with([m, n, k], dst, n, accumulate, a, b, 1.0, parallelism) }
+    if blocks <= 1 {
+        // SAFETY: the operands were checked in bounds; `dst` is the caller's promise.
+        return unsafe { matmul([m, n, k], dst, n, accumulate, a, b, 1.0) };
+    }
+    let rows = m.div_ceil(blocks);
+    let (dst, a_rows) = (SendPtr(dst), SendPtr(a.0.cast_mut()));
+    let b_ptr = SendPtr(b.0.cast_mut());
+    (0..m.div_ceil(rows)).into_par_iter().for_each(|block| {
+        let first = block * rows;
+        let count = rows.min(m - first);
+        // SAFETY: the blocks are disjoint rows of `dst` and of A, all in bounds.
+        unsafe {
+            matmul(
+                [count, n, k],
+                dst.get().add(first * n),
+                n,
+                accumulate,
+                (a_rows.get().add(first * a.1).cast_const(), a.1, a.2),
+                (b_ptr.get().cast_const(), b.1, b.2),
+                1.0,
+            )
+        }
+    });
 }
 
 /// A destination pointer handed to another rayon task.
@@ -762,40 +787,13 @@ type Operand = (*const f32, usize, usize);
 
 /// `dst = scale·A·B` (`accumulate`: `dst += scale·A·B`) for `A` `m × k` and `B` `k × n`, with
 /// `dst` row-major (`ld` apart): one single-threaded call of the `gemm` crate, the product
-/// kernel flex itself uses (the parallelism is across heads).
+/// kernel flex itself uses (the parallelism is across heads or blocks of rows).
 ///
 /// # Safety
 /// Every operand must be valid for its extent, and `dst` not alias them.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 unsafe fn matmul(
-    mnk: [usize; 3],
-    dst: *mut f32,
-    ld: usize,
-    accumulate: bool,
-    a: Operand,
-    b: Operand,
-    scale: f32,
-) {
-    matmul_with(
-        mnk,
-        dst,
-        ld,
-        accumulate,
-        a,
-        b,
-        scale,
-        gemm::Parallelism::None,
-    )
-}
-
-/// [`matmul`] with the given parallelism.
-///
-/// # Safety
-/// As [`matmul`].
-#[allow(clippy::too_many_arguments)]
-#[inline(always)]
-unsafe fn matmul_with(
     [m, n, k]: [usize; 3],
     dst: *mut f32,
     ld: usize,
@@ -803,7 +801,6 @@ unsafe fn matmul_with(
     (a, a_rs, a_cs): Operand,
     (b, b_rs, b_cs): Operand,
     scale: f32,
-    parallelism: gemm::Parallelism,
 ) {
     gemm::gemm(
         m,
@@ -824,7 +821,7 @@ unsafe fn matmul_with(
         false,
         false,
         false,
-        parallelism,
+        gemm::Parallelism::None,
     )
 }
 

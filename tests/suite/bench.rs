@@ -148,7 +148,13 @@ fn bench_kernels_times_each_fused_kernel_against_the_composed_ops() {
         .unwrap();
     assert!(out.status.success(), "{}", stderr(&out));
     let text = String::from_utf8_lossy(&out.stdout);
-    for kernel in ["GELU", "LayerNorm", "causal attention", "masked softmax"] {
+    for kernel in [
+        "GELU",
+        "LayerNorm",
+        "causal attention",
+        "masked softmax",
+        "cross-entropy",
+    ] {
         let row = text
             .lines()
             .find(|l| l.starts_with(kernel))
