@@ -69,6 +69,18 @@ class Gpt(nn.Module):
         return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
 
 
+def adamw(model, implementation="default"):
+    """nanoGPT's AdamW: lr 1e-3, betas 0.9/0.99, weight decay 0.1 on matrices only."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    rest = [p for p in model.parameters() if p.dim() < 2]
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
+        lr=1e-3,
+        betas=(0.9, 0.99),
+        **({} if implementation == "default" else {implementation: True}),
+    )
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--data-dir", required=True, type=Path)
@@ -99,14 +111,7 @@ def main():
     speeds, splits = [], []
     for _ in range(args.runs):
         model = Gpt(len(chars))
-        decay = [p for p in model.parameters() if p.dim() >= 2]
-        rest = [p for p in model.parameters() if p.dim() < 2]
-        opt = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
-            lr=1e-3,
-            betas=(0.9, 0.99),
-            **({} if args.adamw == "default" else {args.adamw: True}),
-        )
+        opt = adamw(model, args.adamw)
         times = []
         for step, (x, y) in enumerate(batches):
             t0 = time.perf_counter()

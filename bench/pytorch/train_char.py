@@ -17,7 +17,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from train_bench import Gpt
+from train_bench import Gpt, adamw
 
 
 def lr_at(step, lr=1e-3, min_lr=1e-4, warmup=100, decay=2000):
@@ -46,13 +46,7 @@ def main():
     batch, context = 12, 64
 
     model = Gpt(len(chars))
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    rest = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
-        lr=1e-3,
-        betas=(0.9, 0.99),
-    )
+    opt = adamw(model)
 
     def windows(data, starts):
         x = torch.stack([data[s : s + context] for s in starts])
