@@ -397,13 +397,19 @@ fn fused_linear_equals_the_composed_product() {
         }
         // A product large enough to be split across the cores by blocks of rows (301 rows:
         // blocks of unequal length), plain and transposed.
-        let big = LinearConfig::new(130, 70).with_bias(bias).init::<Ad>(&device);
+        let big = LinearConfig::new(130, 70)
+            .with_bias(bias)
+            .init::<Ad>(&device);
         let x = random::<Ad, 2>([301, 130], 48, &device);
         let case = compare([x], |[x]| kernels::linear(&big, x));
         assert_close(&format!("split linear (bias {bias})"), case, 1e-5);
         let xt = random::<Ad, 2>([130, 301], 49, &device);
         let case = compare([xt], |[xt]| kernels::linear(&big, xt.transpose()));
-        assert_close(&format!("split linear, transposed (bias {bias})"), case, 1e-5);
+        assert_close(
+            &format!("split linear, transposed (bias {bias})"),
+            case,
+            1e-5,
+        );
         // Several layers side by side are each layer on its own columns.
         let other = LinearConfig::new(29, 5).with_bias(bias).init::<Ad>(&device);
         let x = random::<Ad, 2>([37, 29], 47, &device);
