@@ -19,7 +19,8 @@ use crate::explain;
 use crate::generate::{check_prompt, generate, Sampling};
 use crate::kernels::LabBackend;
 use crate::train::{
-    evaluate, train, TrainRequest, Trained, TrainedClassifier, TrainedTranslator, TrainedVit,
+    evaluate, train, Outcome, TrainRequest, Trained, TrainedClassifier, TrainedTranslator,
+    TrainedVit,
 };
 use crate::translate::{translate_texts, SearchConfig, Truncated};
 use anyhow::{anyhow, bail, Context, Result};
@@ -66,15 +67,58 @@ fn run_train<B: LabBackend>(args: TrainArgs, device: B::Device) -> Result<()> {
     };
     let artifact = request.artifact.clone();
     let report = train::<Autodiff<B>>(request, device)?;
+    let step = |epoch: usize| epoch * report.steps_per_epoch;
+    let dir = artifact.root().display();
+    if report.outcome == Outcome::Interrupted {
+        println!(
+            "stopped after step {} of {}; model.mpk not written. Continue with: \
+             transformer-lab train --artifact-dir {dir} --resume",
+            step(report.epoch),
+            step(report.epochs)
+        );
+        return Ok(());
+    }
+    if report.steps > 0 {
+        println!(
+            "trained {} steps in {:.1} s: {:.0} {}/s (validation and checkpoints included)",
+            report.steps, report.seconds, report.per_second, report.unit
+        );
+    }
+    let how = match report.outcome {
+        Outcome::StoppedEarly => format!(
+            "stopped early at step {} of {} (no better validation loss for {} checks)",
+            step(report.epoch),
+            step(report.epochs),
+            report
+                .best
+                .map_or(0, |(best, _)| report.epoch.saturating_sub(best))
+        ),
+        Outcome::WrittenFromCheckpoint => format!(
+            "all {} steps were already trained; model.mpk written from the last checkpoint",
+            step(report.epochs)
+        ),
+        _ => format!("all {} steps trained", step(report.epochs)),
+    };
+    let loss = report
+        .valid_loss
+        .map(|l| format!(", validation loss {l:.4}"))
+        .unwrap_or_default();
+    let best = match report.best {
+        Some((epoch, best)) if epoch != report.epoch => format!(
+            "; best validation loss {best:.4} at step {} (kept in checkpoint/model-{epoch}.mpk)",
+            step(epoch)
+        ),
+        _ => String::new(),
+    };
     println!(
-        "trained {} steps in {:.1} s: {:.0} {}/s (validation and checkpoints included)",
-        report.steps, report.seconds, report.per_second, report.unit
+        "{how}: model.mpk holds the weights of step {} (checkpoint epoch {}){loss}{best}",
+        step(report.epoch),
+        report.epoch
     );
     println!(
-        "model written to {}; use it with: transformer-lab {} --artifact-dir {}",
-        artifact.model().with_extension("mpk").display(),
+        "model written to {}; use it with: transformer-lab {} --artifact-dir {dir}",
+        artifact.model_file().display(),
         report.use_with,
-        artifact.root().display()
     );
     Ok(())
 }
@@ -517,7 +561,8 @@ fn run_bench_mixers<B: LabBackend>(args: BenchMixersArgs, device: B::Device) -> 
         batch: args.batch,
         runs: args.runs,
         budget_s: args.budget_s,
-        memory_limit: (available_memory().unwrap_or(8 << 30) as f64 * args.memory_share) as usize,
+        memory_limit: (crate::memory::available_memory().unwrap_or(8 << 30) as f64
+            * args.memory_share) as usize,
     };
     let backend = B::name(&device);
     eprintln!(
@@ -546,14 +591,6 @@ fn run_bench_mixers<B: LabBackend>(args: BenchMixersArgs, device: B::Device) -> 
     write_png(&png, &points, &mixers, &title)?;
     println!("wrote {} and {}", csv.display(), png.display());
     Ok(())
-}
-
-/// Bytes of memory available to new allocations (Linux's MemAvailable).
-fn available_memory() -> Option<usize> {
-    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
-    let kib: usize = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kib * 1024)
 }
 
 fn run_attention<B: LabBackend>(args: AttentionArgs, device: B::Device) -> Result<()> {

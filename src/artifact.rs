@@ -23,7 +23,10 @@ use burn::record::{
 };
 use serde::{de::DeserializeOwned, Serialize};
 use std::io::Write;
+#[cfg(unix)]
+use std::os::unix::fs::PermissionsExt as _;
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
 
 /// The recorder for weights, optimizer and scheduler state: named MessagePack, full precision,
 /// written atomically.
@@ -40,59 +43,190 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     // Ordinary file permissions (0644 less the umask), not the temporary file's private 0600.
     let mut builder = tempfile::Builder::new();
     #[cfg(unix)]
-    builder.permissions(std::os::unix::fs::PermissionsExt::from_mode(0o644));
+    builder.permissions(std::fs::Permissions::from_mode(0o644));
     let mut tmp = builder
         .tempfile_in(dir)
         .with_context(|| format!("cannot write in {}", dir.display()))?;
-    tmp.write_all(bytes)?;
-    tmp.as_file().sync_all()?;
+    tmp.write_all(bytes)
+        .and_then(|()| tmp.as_file().sync_all())
+        .with_context(|| format!("cannot write {}", path.display()))?;
     tmp.persist(path)
         .with_context(|| format!("cannot write {}", path.display()))?;
     Ok(())
 }
 
-/// A [`FileRecorder`] that writes through a hidden temporary file and renames it into place.
-///
-/// burn's file recorders truncate the target and write into it; a run killed mid-write would
-/// leave a corrupt checkpoint under the name `--resume` reads. This wrapper makes a checkpoint
-/// file either complete or absent.
-#[derive(Debug, Default, Clone)]
-pub struct AtomicRecorder<R>(R);
+/// What the checkpoint writers share with the training that started them: the first write
+/// that failed (training stops and reports it), and the run that `train --force` moved aside,
+/// removed once the new run's first checkpoint is complete.
+#[derive(Debug, Default)]
+pub struct CheckpointWatch {
+    failure: Mutex<Option<String>>,
+    replaced: Mutex<Option<(ArtifactDir, PathBuf)>>,
+    /// Epoch whose checkpoint fails as if the disk were full (`TRANSFORMER_LAB_FAIL_CHECKPOINT`,
+    /// for testing what a full disk does to a run).
+    fail_epoch: Option<usize>,
+}
 
-impl<B: LabBackend, R: FileRecorder<B>> Recorder<B> for AtomicRecorder<R> {
-    type Settings = R::Settings;
+/// The environment variable that makes epoch N's checkpoint fail with "no space left".
+pub const FAIL_CHECKPOINT_ENV: &str = "TRANSFORMER_LAB_FAIL_CHECKPOINT";
+
+impl CheckpointWatch {
+    /// A watch for a run; `replaced` is the directory holding the run it replaces, if any.
+    pub fn new(replaced: Option<(ArtifactDir, PathBuf)>) -> Self {
+        Self {
+            failure: Mutex::new(None),
+            replaced: Mutex::new(replaced),
+            fail_epoch: std::env::var(FAIL_CHECKPOINT_ENV)
+                .ok()
+                .and_then(|v| v.parse().ok()),
+        }
+    }
+
+    /// Notes the run that this one replaces, kept in `aside` until a checkpoint is complete.
+    pub fn set_replaced(&self, artifact: ArtifactDir, aside: PathBuf) {
+        if let Ok(mut replaced) = self.replaced.lock() {
+            *replaced = Some((artifact, aside));
+        }
+    }
+
+    /// The replaced run still waiting for this run's first checkpoint, if any.
+    pub fn take_replaced(&self) -> Option<(ArtifactDir, PathBuf)> {
+        self.replaced.lock().ok()?.take()
+    }
+
+    /// The first checkpoint write that failed: the file and the OS error.
+    pub fn failure(&self) -> Option<String> {
+        self.failure.lock().ok()?.clone()
+    }
+
+    fn fail(&self, message: String) {
+        if let Ok(mut failure) = self.failure.lock() {
+            failure.get_or_insert(message);
+        }
+    }
+
+    /// After a checkpoint file was written: once an epoch is complete, the replaced run goes.
+    fn written(&self) {
+        let Ok(mut replaced) = self.replaced.lock() else {
+            return;
+        };
+        if let Some((artifact, dir)) = replaced.as_ref() {
+            if artifact.latest_checkpoint().is_some() && std::fs::remove_dir_all(dir).is_ok() {
+                *replaced = None;
+            }
+        }
+    }
+}
+
+/// A [`FileRecorder`] that writes through a hidden temporary file, checks every write (burn's
+/// recorders drop their buffered writer, so a full disk's last error is lost) and renames the
+/// file into place: a file under a name that is read back is complete or absent. With a
+/// [`CheckpointWatch`] it reports failures and completed checkpoints to the training.
+#[derive(Debug, Default, Clone)]
+pub struct AtomicRecorder<R> {
+    inner: R,
+    watch: Option<Arc<CheckpointWatch>>,
+}
+
+impl<R: Default> AtomicRecorder<R> {
+    /// A recorder that reports to `watch`.
+    pub fn watched(watch: Arc<CheckpointWatch>) -> Self {
+        Self {
+            inner: R::default(),
+            watch: Some(watch),
+        }
+    }
+}
+
+/// The epoch of a checkpoint file name such as `model-12`.
+fn checkpoint_epoch(file: &Path) -> Option<usize> {
+    let name = file.file_name()?.to_str()?;
+    name.rsplit_once('-')?.1.parse().ok()
+}
+
+impl<B: LabBackend> Recorder<B> for AtomicRecorder<NamedMpkFileRecorder<FullPrecisionSettings>> {
+    type Settings = FullPrecisionSettings;
     type RecordArgs = PathBuf;
     type RecordOutput = ();
     type LoadArgs = PathBuf;
 
     fn save_item<I: Serialize>(&self, item: I, file: PathBuf) -> Result<(), RecorderError> {
-        let target = file.with_extension(R::file_extension());
-        let name = file
-            .file_name()
-            .and_then(|n| n.to_str())
-            .unwrap_or("record");
-        // A leading dot and no other dot: the inner recorder appends its extension.
-        let partial = file.with_file_name(format!(".{name}-partial-{}", std::process::id()));
-        let written = partial.with_extension(R::file_extension());
-        self.0.save_item(item, partial)?;
-        let io =
-            |err: std::io::Error| RecorderError::Unknown(format!("{}: {err}", target.display()));
-        std::fs::File::open(&written)
-            .and_then(|f| f.sync_all())
-            .map_err(io)?;
-        std::fs::rename(&written, &target).map_err(io)
+        let target = file.with_extension("mpk");
+        let result = (|| -> std::io::Result<()> {
+            let bytes = rmp_serde::to_vec_named(&item).map_err(std::io::Error::other)?;
+            if let Some(watch) = &self.watch {
+                let model = file.file_name().is_some_and(|n| {
+                    n.to_str()
+                        .is_some_and(|n| n.starts_with("model-") || n == "model")
+                });
+                if model
+                    && watch.fail_epoch.is_some()
+                    && watch.fail_epoch == checkpoint_epoch(&file)
+                {
+                    return Err(std::io::Error::from_raw_os_error(28)); // ENOSPC
+                }
+            }
+            let dir = target.parent().unwrap_or(Path::new("."));
+            let name = target
+                .file_name()
+                .and_then(|n| n.to_str())
+                .unwrap_or("record");
+            // A leading dot: never taken for a checkpoint; removed on the next start if a kill
+            // leaves it behind.
+            let prefix = format!(".{name}-partial-");
+            let mut builder = tempfile::Builder::new();
+            builder.prefix(&prefix);
+            #[cfg(unix)]
+            builder.permissions(std::fs::Permissions::from_mode(0o644));
+            let mut tmp = builder.tempfile_in(dir)?;
+            tmp.write_all(&bytes)?;
+            tmp.as_file().sync_all()?;
+            tmp.persist(&target).map_err(|e| e.error)?;
+            Ok(())
+        })();
+        match result {
+            Ok(()) => {
+                if let Some(watch) = &self.watch {
+                    watch.written();
+                }
+                Ok(())
+            }
+            Err(err) => {
+                let message = format!("cannot write {}: {err}", target.display());
+                if let Some(watch) = &self.watch {
+                    watch.fail(message.clone());
+                }
+                Err(RecorderError::Unknown(message))
+            }
+        }
     }
 
     fn load_item<I: DeserializeOwned>(&self, file: &mut PathBuf) -> Result<I, RecorderError> {
-        self.0.load_item(file)
+        <NamedMpkFileRecorder<FullPrecisionSettings> as Recorder<B>>::load_item(&self.inner, file)
     }
 }
 
-impl<B: LabBackend, R: FileRecorder<B>> FileRecorder<B> for AtomicRecorder<R> {
+impl<B: LabBackend> FileRecorder<B>
+    for AtomicRecorder<NamedMpkFileRecorder<FullPrecisionSettings>>
+{
     fn file_extension() -> &'static str {
-        R::file_extension()
+        "mpk"
     }
 }
+
+/// What a run writes in its directory (and `train --force` moves aside).
+const RUN_FILES: [&str; 10] = [
+    "config.json",
+    ".trained-config.json",
+    "tokenizer.json",
+    "tokenizer-source.json",
+    "model.mpk",
+    "experiment.log",
+    "checkpoint",
+    "train",
+    "valid",
+    "confusion.png",
+];
 
 /// Paths inside an artifact directory.
 #[derive(Clone, Debug)]
@@ -137,52 +271,184 @@ impl ArtifactDir {
         self.root.join("checkpoint")
     }
 
-    /// Whether a previous run left anything here.
-    pub fn holds_run(&self) -> bool {
-        self.config().exists() || self.checkpoints().exists() || self.model_file().exists()
+    /// `.trained-config.json`: config.json as training wrote it. Commands compare the two and
+    /// refuse a config.json whose model (or, on resume, anything) was edited since.
+    pub fn trained_config(&self) -> PathBuf {
+        self.root.join(".trained-config.json")
     }
 
-    fn model_file(&self) -> PathBuf {
+    /// `.replaced-run/`: the run that `train --force` moved aside, kept until the new run's
+    /// first checkpoint is complete.
+    pub fn replaced_run(&self) -> PathBuf {
+        self.root.join(".replaced-run")
+    }
+
+    /// `checkpoint/valid-loss.json`: each checkpointed epoch's validation loss.
+    pub fn valid_losses(&self) -> PathBuf {
+        self.checkpoints().join("valid-loss.json")
+    }
+
+    /// Whether a previous run left anything here.
+    pub fn holds_run(&self) -> bool {
+        RUN_FILES.iter().any(|f| {
+            let path = self.root.join(f);
+            match std::fs::read_dir(&path) {
+                Ok(mut entries) => entries.next().is_some(),
+                Err(_) => path.exists(),
+            }
+        })
+    }
+
+    /// `model.mpk`.
+    pub fn model_file(&self) -> PathBuf {
         self.model().with_extension("mpk")
     }
 
-    /// Removes what a previous run wrote (and nothing else the directory may hold).
-    pub fn clear(&self) -> Result<()> {
-        for file in [
-            "config.json",
-            "tokenizer.json",
-            "tokenizer-source.json",
-            "model.mpk",
-            "experiment.log",
-        ] {
-            let path = self.root.join(file);
+    /// Moves what a previous run wrote (and nothing else the directory may hold) into
+    /// [`ArtifactDir::replaced_run`], returning that directory. Renames within one directory:
+    /// nothing is copied, nothing is lost if the process dies half-way.
+    pub fn move_run_aside(&self) -> Result<PathBuf> {
+        let aside = self.replaced_run();
+        if aside.exists() {
+            std::fs::remove_dir_all(&aside)
+                .with_context(|| format!("cannot remove {}", aside.display()))?;
+        }
+        std::fs::create_dir(&aside)
+            .with_context(|| format!("cannot create {}", aside.display()))?;
+        for name in RUN_FILES {
+            let path = self.root.join(name);
             if path.exists() {
-                std::fs::remove_file(&path)
-                    .with_context(|| format!("cannot remove {}", path.display()))?;
+                std::fs::rename(&path, aside.join(name))
+                    .with_context(|| format!("cannot move {} aside", path.display()))?;
             }
         }
-        for dir in ["checkpoint", "train", "valid"] {
-            let path = self.root.join(dir);
-            if path.exists() {
+        Ok(aside)
+    }
+
+    /// Puts back the run that [`ArtifactDir::move_run_aside`] moved, removing what a newer,
+    /// unfinished run wrote in its place.
+    pub fn restore_replaced_run(&self) -> Result<()> {
+        let aside = self.replaced_run();
+        for name in RUN_FILES {
+            let path = self.root.join(name);
+            if path.is_dir() {
                 std::fs::remove_dir_all(&path)
-                    .with_context(|| format!("cannot remove {}", path.display()))?;
+            } else if path.exists() {
+                std::fs::remove_file(&path)
+            } else {
+                Ok(())
             }
+            .with_context(|| format!("cannot remove {}", path.display()))?;
+            let moved = aside.join(name);
+            if moved.exists() {
+                std::fs::rename(&moved, &path)
+                    .with_context(|| format!("cannot restore {}", path.display()))?;
+            }
+        }
+        std::fs::remove_dir_all(&aside)
+            .with_context(|| format!("cannot remove {}", aside.display()))
+    }
+
+    /// Checks that files can be created in the directory and in `checkpoint/` (creating both).
+    pub fn check_writable(&self) -> Result<()> {
+        for dir in [self.root.clone(), self.checkpoints()] {
+            std::fs::create_dir_all(&dir)
+                .with_context(|| format!("cannot create {}", dir.display()))?;
+            tempfile::Builder::new()
+                .prefix(".write-test-")
+                .tempfile_in(&dir)
+                .with_context(|| format!("cannot write in {}", dir.display()))?;
         }
         Ok(())
     }
 
-    /// The newest epoch whose model, optimizer and scheduler checkpoints are all complete.
-    pub fn latest_checkpoint(&self) -> Option<usize> {
-        let entries = std::fs::read_dir(self.checkpoints()).ok()?;
+    /// Every epoch whose model, optimizer and scheduler checkpoints are all present, oldest first.
+    pub fn complete_checkpoints(&self) -> Vec<usize> {
+        let Ok(entries) = std::fs::read_dir(self.checkpoints()) else {
+            return Vec::new();
+        };
         let names: Vec<String> = entries
             .filter_map(|e| e.ok()?.file_name().into_string().ok())
             .collect();
         let has = |kind: &str, epoch: usize| names.contains(&format!("{kind}-{epoch}.mpk"));
-        names
+        let mut epochs: Vec<usize> = names
             .iter()
             .filter_map(|n| n.strip_prefix("model-")?.strip_suffix(".mpk")?.parse().ok())
             .filter(|&e| has("optim", e) && has("scheduler", e))
-            .max()
+            .collect();
+        epochs.sort_unstable();
+        epochs
+    }
+
+    /// The newest epoch whose model, optimizer and scheduler checkpoints are all present.
+    pub fn latest_checkpoint(&self) -> Option<usize> {
+        self.complete_checkpoints().last().copied()
+    }
+
+    /// Removes the half-written files (`.NAME-partial-…`) a killed run left in `checkpoint/` and
+    /// beside `model.mpk`; returns how many.
+    pub fn remove_partial_files(&self) -> usize {
+        let mut removed = 0;
+        for dir in [self.root.clone(), self.checkpoints()] {
+            let Ok(entries) = std::fs::read_dir(&dir) else {
+                continue;
+            };
+            for entry in entries.flatten() {
+                let name = entry.file_name();
+                let name = name.to_string_lossy();
+                let partial = name.starts_with('.') && name.contains("-partial-")
+                    || name.starts_with(".write-test-")
+                    || name.starts_with(".tmp");
+                if partial && entry.path().is_file() && std::fs::remove_file(entry.path()).is_ok() {
+                    removed += 1;
+                }
+            }
+        }
+        removed
+    }
+
+    /// Refuses a `config.json` edited since training wrote it: its `model` section (with
+    /// `everything`, the whole file — what `--resume` needs) must equal `.trained-config.json`'s.
+    /// Artifacts written before that file existed are not checked.
+    pub fn check_config_unchanged(&self, everything: bool) -> Result<()> {
+        let trained = self.trained_config();
+        if !trained.exists() {
+            return Ok(());
+        }
+        let read = |path: &Path| -> Result<serde_json::Value> {
+            let text = std::fs::read_to_string(path)
+                .with_context(|| format!("cannot read {}", path.display()))?;
+            serde_json::from_str(&text).with_context(|| format!("malformed {}", path.display()))
+        };
+        let (now, then) = (read(&self.config())?, read(&trained)?);
+        let scope = if everything { "" } else { "model" };
+        let pick = |v: &serde_json::Value| match scope {
+            "" => v.clone(),
+            key => v.get(key).cloned().unwrap_or_default(),
+        };
+        if let Some((path, edited, original)) = first_difference(&pick(&now), &pick(&then), scope) {
+            bail!(
+                "{} was edited after training: {path} is {edited} there but the run was trained \
+                 with {original}; put it back (the trained config is {})",
+                self.config().display(),
+                trained.display()
+            );
+        }
+        Ok(())
+    }
+
+    /// Deletes epoch `epoch`'s three checkpoint files.
+    pub fn remove_checkpoint(&self, epoch: usize) -> Result<()> {
+        for kind in ["model", "optim", "scheduler"] {
+            let path = self.checkpoints().join(format!("{kind}-{epoch}.mpk"));
+            match std::fs::remove_file(&path) {
+                Err(err) if err.kind() != std::io::ErrorKind::NotFound => {
+                    return Err(err).with_context(|| format!("cannot remove {}", path.display()))
+                }
+                _ => {}
+            }
+        }
+        Ok(())
     }
 
     /// The weights to use for inference: `model.mpk`, else the newest checkpoint's.
@@ -221,14 +487,18 @@ pub fn load_weights<B: LabBackend, M: Module<B>>(
                 first_line(&format!("{err:?}"))
             )
         })?;
+    // burn panics on a record of another structure; catch it without printing its trace.
+    let hook = std::panic::take_hook();
+    std::panic::set_hook(Box::new(|_| {}));
     let loaded =
-        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| model.load_record(record)))
-            .map_err(|_| {
-                anyhow!(
-                    "{} was written by a model with another structure",
-                    path.display()
-                )
-            })?;
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| model.load_record(record)));
+    std::panic::set_hook(hook);
+    let loaded = loaded.map_err(|_| {
+        anyhow!(
+            "{} was written by a model with another structure",
+            path.with_extension("mpk").display()
+        )
+    })?;
     let found = param_shapes(&loaded);
     if found != expected {
         bail!(
@@ -242,6 +512,39 @@ pub fn load_weights<B: LabBackend, M: Module<B>>(
         );
     }
     Ok(loaded)
+}
+
+/// The first place where `a` and `b` differ: its dotted path and both values.
+fn first_difference(
+    a: &serde_json::Value,
+    b: &serde_json::Value,
+    path: &str,
+) -> Option<(String, String, String)> {
+    use serde_json::Value;
+    let join = |key: &str| {
+        if path.is_empty() {
+            key.to_string()
+        } else {
+            format!("{path}.{key}")
+        }
+    };
+    match (a, b) {
+        (Value::Object(x), Value::Object(y)) => {
+            let mut keys: Vec<&String> = x.keys().chain(y.keys()).collect();
+            keys.sort();
+            keys.dedup();
+            keys.into_iter().find_map(|key| {
+                let missing = Value::String("(absent)".into());
+                first_difference(
+                    x.get(key).unwrap_or(&missing),
+                    y.get(key).unwrap_or(&missing),
+                    &join(key),
+                )
+            })
+        }
+        _ if a == b => None,
+        _ => Some((path.to_string(), a.to_string(), b.to_string())),
+    }
 }
 
 fn first_line(text: &str) -> &str {

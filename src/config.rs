@@ -362,8 +362,23 @@ pub struct TrainConfig {
     pub schedule: ScheduleKind,
     /// Label smoothing ε of the cross-entropy (the paper uses 0.1).
     pub label_smoothing: f32,
-    /// Data-loading threads (batches are prepared ahead of the training step).
+    /// Data-loading threads (batches are prepared ahead of the training step; the batches
+    /// are the same whatever the number).
     pub num_workers: usize,
+    /// Checkpoints kept: the last `keep_checkpoints` epochs, plus the best by validation loss.
+    pub keep_checkpoints: usize,
+    /// Stop when the validation loss has not improved for a number of epochs (none: train all
+    /// `steps`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub early_stopping: Option<EarlyStopping>,
+}
+
+/// Early stopping on the validation loss.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EarlyStopping {
+    /// Epochs (validations) without a lower validation loss after which training stops.
+    pub patience: usize,
 }
 
 impl Default for TrainConfig {
@@ -385,6 +400,8 @@ impl Default for TrainConfig {
             schedule: ScheduleKind::Cosine,
             label_smoothing: 0.0,
             num_workers: 1,
+            keep_checkpoints: 2,
+            early_stopping: None,
         }
     }
 }
@@ -444,6 +461,16 @@ impl TrainConfig {
         if !(0.0..1.0).contains(&self.label_smoothing) {
             bail!("train: label_smoothing must be in [0, 1)");
         }
+        if self.keep_checkpoints == 0 {
+            bail!("train: keep_checkpoints must be at least 1 (resuming needs a checkpoint)");
+        }
+        if self
+            .early_stopping
+            .as_ref()
+            .is_some_and(|e| e.patience == 0)
+        {
+            bail!("train: early_stopping.patience must be at least 1");
+        }
         Ok(())
     }
 }
@@ -464,6 +491,20 @@ impl ExperimentConfig {
     /// Parses JSON (not yet validated). A `model` without `kind` is a language model.
     pub fn parse(text: &str) -> Result<Self> {
         let mut value: serde_json::Value = serde_json::from_str(text)?;
+        // Every field has a default, so `{}` (or `[]`, which serde reads as a struct too) would
+        // silently be the default experiment.
+        match value.as_object() {
+            Some(object) if !object.is_empty() => {}
+            _ => bail!(
+                "an experiment is a JSON object with its name, model, data and train sections \
+                 (see experiments/), not {}",
+                if value.is_object() {
+                    "an empty object"
+                } else {
+                    "a JSON array or value"
+                }
+            ),
+        }
         if let Some(model) = value.get_mut("model").and_then(|m| m.as_object_mut()) {
             model.entry("kind").or_insert_with(|| "lm".into());
         }

@@ -44,5 +44,6 @@ pub mod memory;
 pub mod models;
 pub mod nn;
 pub mod plot;
+pub mod stdio;
 pub mod train;
 pub mod translate;

@@ -12,13 +12,18 @@ use transformer_lab::memory::CountingAlloc;
 static ALLOCATOR: CountingAlloc = CountingAlloc;
 
 fn main() -> ExitCode {
+    // clap prints --help and usage errors itself (ignoring a closed pipe) and exits.
     let cli = Cli::parse();
+    // A closed stdout or stderr (`train | head -1`) must not stop the work: see `stdio`.
+    let stdio = transformer_lab::stdio::guard();
     transformer_lab::kernels::set_fused(!cli.no_fused);
-    match dispatch(cli.backend, cli.command) {
+    let code = match dispatch(cli.backend, cli.command) {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {
             eprintln!("error: {err:#}");
             ExitCode::FAILURE
         }
-    }
+    };
+    drop(stdio);
+    code
 }

@@ -66,3 +66,11 @@ pub fn peak_since(base: usize) -> Option<usize> {
         .load(Ordering::Relaxed)
         .then(|| PEAK.load(Ordering::Relaxed).saturating_sub(base))
 }
+
+/// Bytes of memory available to new allocations (Linux's MemAvailable).
+pub fn available_memory() -> Option<usize> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: usize = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}

@@ -12,7 +12,6 @@ use rand::seq::SliceRandom;
 use rand::{RngExt, SeedableRng};
 use std::io::Read;
 use std::path::Path;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 /// Magic number of an IDX file of u8 images (`0x00000803`: u8, 3 dimensions).
@@ -186,15 +185,14 @@ pub struct ImageBatch<B: Backend> {
 }
 
 /// Turns [`ImageItem`]s into an [`ImageBatch`]; with augmentation, shifts each image by a
-/// random whole number of pixels (up to `max_shift` each way, zero fill).
+/// random whole number of pixels (up to `max_shift` each way, zero fill), drawn from the
+/// batcher's seed and the batch's own ([`ImageBatcher::batch_seeded`]).
 #[derive(Clone, Debug)]
 pub struct ImageBatcher {
     rows: usize,
     cols: usize,
     max_shift: usize,
     seed: u64,
-    /// Batches made so far: with the seed, it seeds each batch's shifts.
-    made: Arc<AtomicU64>,
 }
 
 impl ImageBatcher {
@@ -205,7 +203,40 @@ impl ImageBatcher {
             cols,
             max_shift,
             seed,
-            made: Arc::new(AtomicU64::new(0)),
+        }
+    }
+
+    /// The batch of `items`, its shifts drawn from `batch_seed` (with the batcher's seed), so
+    /// the same batch is shifted the same way whenever and on whichever thread it is made.
+    pub fn batch_seeded<B: Backend>(
+        &self,
+        items: Vec<ImageItem>,
+        batch_seed: u64,
+        device: &B::Device,
+    ) -> ImageBatch<B> {
+        let (rows, cols) = (self.rows, self.cols);
+        let mut rng = (self.max_shift > 0).then(|| {
+            StdRng::seed_from_u64(self.seed ^ batch_seed.wrapping_mul(0x9e37_79b9_7f4a_7c15))
+        });
+        let mut values = Vec::with_capacity(items.len() * rows * cols);
+        for item in &items {
+            let pixels = match rng.as_mut() {
+                Some(rng) => {
+                    let m = self.max_shift as i32;
+                    let (dy, dx) = (rng.random_range(-m..=m), rng.random_range(-m..=m));
+                    shift(&item.pixels, rows, cols, dy as isize, dx as isize)
+                }
+                None => item.pixels.clone(),
+            };
+            values.extend(pixels.into_iter().map(normalise_pixel));
+        }
+        let labels: Vec<i64> = items.iter().map(|item| item.label as i64).collect();
+        ImageBatch {
+            images: Tensor::from_data(
+                TensorData::new(values, [items.len(), 1, rows, cols]),
+                device,
+            ),
+            labels: Tensor::from_data(TensorData::new(labels, [items.len()]), device),
         }
     }
 }
@@ -235,30 +266,6 @@ fn shift(pixels: &[u8], rows: usize, cols: usize, dy: isize, dx: isize) -> Vec<u
 
 impl<B: Backend> Batcher<B, ImageItem, ImageBatch<B>> for ImageBatcher {
     fn batch(&self, items: Vec<ImageItem>, device: &B::Device) -> ImageBatch<B> {
-        let (rows, cols) = (self.rows, self.cols);
-        let mut rng = (self.max_shift > 0).then(|| {
-            let n = self.made.fetch_add(1, Ordering::Relaxed);
-            StdRng::seed_from_u64(self.seed ^ n.wrapping_mul(0x9e37_79b9_7f4a_7c15))
-        });
-        let mut values = Vec::with_capacity(items.len() * rows * cols);
-        for item in &items {
-            let pixels = match rng.as_mut() {
-                Some(rng) => {
-                    let m = self.max_shift as i32;
-                    let (dy, dx) = (rng.random_range(-m..=m), rng.random_range(-m..=m));
-                    shift(&item.pixels, rows, cols, dy as isize, dx as isize)
-                }
-                None => item.pixels.clone(),
-            };
-            values.extend(pixels.into_iter().map(normalise_pixel));
-        }
-        let labels: Vec<i64> = items.iter().map(|item| item.label as i64).collect();
-        ImageBatch {
-            images: Tensor::from_data(
-                TensorData::new(values, [items.len(), 1, rows, cols]),
-                device,
-            ),
-            labels: Tensor::from_data(TensorData::new(labels, [items.len()]), device),
-        }
+        self.batch_seeded(items, 0, device)
     }
 }

@@ -1,7 +1,7 @@
 //! Training the classifiers: the Vision Transformer on IDX images and the encoder classifier on
 //! labelled sentences. Both are one cross-entropy step over class scores.
 
-use super::{launch, open_artifact, Session, Throughput, Tokenizers, TrainReport};
+use super::{launch, open_artifact, unseeded, Session, Throughput, Tokenizers, TrainReport};
 use crate::artifact::ArtifactDir;
 use crate::config::ExperimentConfig;
 use crate::data::{
@@ -14,6 +14,7 @@ use anyhow::{Context, Result};
 use burn::data::dataset::Dataset;
 use burn::train::ClassificationOutput;
 use std::path::Path;
+use std::sync::Arc;
 
 supervised_steps!(VisionTransformer, ImageBatch, |model, batch| {
     let (loss, output, targets) = model.loss(batch.images, batch.labels);
@@ -60,8 +61,16 @@ pub(super) fn train_vit<B: LabAutodiff>(
     let (rows, cols) = (train_set.rows, train_set.cols);
     let augmenting = ImageBatcher::new(rows, cols, config.data.augment_shift, config.seed);
     let plain = ImageBatcher::new(rows, cols, 0, config.seed);
-    let (loader_train, loader_valid) =
-        loaders!(config, session, device, augmenting, train_set, plain, valid);
+    let (loader_train, loader_valid) = session.loaders(
+        &config,
+        &device,
+        train_set,
+        Arc::new(move |items, seed, device: &B::Device| {
+            augmenting.batch_seeded(items, seed, device)
+        }),
+        valid,
+        unseeded(plain),
+    );
     launch(
         &config,
         session,
@@ -115,8 +124,14 @@ pub(super) fn train_text<B: LabAutodiff>(
         .set_vocab_sizes(tokenizer.vocab_size(), tokenizer.vocab_size());
     session.begin(&config, Some(&Tokenizers::shared(tokenizer)))?;
     B::seed(&device, config.seed);
-    let (loader_train, loader_valid) =
-        loaders!(config, session, device, SentenceBatcher, train_set, valid);
+    let (loader_train, loader_valid) = session.loaders(
+        &config,
+        &device,
+        train_set,
+        unseeded(SentenceBatcher),
+        valid,
+        unseeded(SentenceBatcher),
+    );
     let model = config.classifier()?.init::<B>(&device);
     launch(
         &config,

@@ -1,6 +1,6 @@
 //! The language model's training: next-token steps, the corpus, and whole-split evaluation.
 
-use super::{launch, open_artifact, Session, Throughput, Tokenizers, TrainReport};
+use super::{launch, open_artifact, unseeded, Session, Throughput, Tokenizers, TrainReport};
 use crate::artifact::ArtifactDir;
 use crate::config::ExperimentConfig;
 use crate::data::{DatasetSpec, LmBatcher, TokenWindows, Tokenizer};
@@ -8,7 +8,6 @@ use crate::kernels::{LabAutodiff, LabBackend};
 use crate::models::{LanguageModel, LmBatch};
 use anyhow::{bail, Context, Result};
 use burn::data::dataloader::DataLoaderBuilder;
-use burn::data::dataset::transform::{SamplerDataset, SamplerDatasetOptions};
 use burn::prelude::*;
 use burn::train::ClassificationOutput;
 use std::path::Path;
@@ -97,34 +96,14 @@ pub(super) fn train<B: LabAutodiff>(
     let train = &config.train;
 
     B::seed(&device, config.seed);
-    // Each epoch draws fresh random windows; a resumed run reseeds past the epochs it skips.
-    let sampler = |tokens: &Arc<Vec<u32>>, batches: usize, seed: u64| {
-        SamplerDataset::new(
-            TokenWindows::new(tokens.clone(), lm.context),
-            SamplerDatasetOptions::default()
-                .with_replacement()
-                .with_fixed_size(batches * train.batch_size)
-                .with_seed(seed),
-        )
-    };
-    let loader_train = DataLoaderBuilder::new(LmBatcher)
-        .batch_size(train.batch_size)
-        .num_workers(train.num_workers)
-        .set_device(device.clone())
-        .build(sampler(
-            &corpus.train,
-            train.steps_per_epoch,
-            config.seed + session.start as u64,
-        ));
-    let loader_valid = DataLoaderBuilder::new(LmBatcher)
-        .batch_size(train.batch_size)
-        .num_workers(train.num_workers)
-        .set_device(device.clone())
-        .build(sampler(
-            &corpus.valid,
-            train.eval_batches,
-            config.seed ^ 0x5eed,
-        ));
+    let (loader_train, loader_valid) = session.loaders(
+        &config,
+        &device,
+        TokenWindows::new(corpus.train.clone(), lm.context),
+        unseeded(LmBatcher),
+        TokenWindows::new(corpus.valid.clone(), lm.context),
+        unseeded(LmBatcher),
+    );
     let model: LanguageModel<B> = lm.init(&device);
     launch(
         &config,

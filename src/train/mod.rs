@@ -30,79 +30,33 @@ macro_rules! supervised_steps {
     };
 }
 
-/// Builds the training loader (a seeded, with-replacement draw of `steps_per_epoch` batches
-/// per epoch, reseeded past the epochs a resumed run skips) and the validation loader (a fixed
-/// seeded sample of `eval_batches` batches).
-macro_rules! loaders {
-    ($config:expr, $session:expr, $device:expr, $batcher:expr, $train:expr, $valid:expr) => {
-        loaders!(
-            $config,
-            $session,
-            $device,
-            $batcher.clone(),
-            $train,
-            $batcher,
-            $valid
-        )
-    };
-    ($config:expr, $session:expr, $device:expr,
-     $train_batcher:expr, $train:expr, $valid_batcher:expr, $valid:expr) => {{
-        let train = &$config.train;
-        let valid_size =
-            (train.eval_batches * train.batch_size).min(burn::data::dataset::Dataset::len(&$valid));
-        let loader_train = burn::data::dataloader::DataLoaderBuilder::new($train_batcher)
-            .batch_size(train.batch_size)
-            .num_workers(train.num_workers)
-            .set_device($device.clone())
-            .build(burn::data::dataset::transform::SamplerDataset::new(
-                $train,
-                burn::data::dataset::transform::SamplerDatasetOptions::default()
-                    .with_replacement()
-                    .with_fixed_size(train.steps_per_epoch * train.batch_size)
-                    .with_seed($config.seed + $session.start as u64),
-            ));
-        let loader_valid = burn::data::dataloader::DataLoaderBuilder::new($valid_batcher)
-            .batch_size(train.batch_size)
-            .num_workers(train.num_workers)
-            .set_device($device.clone())
-            .build(burn::data::dataset::transform::SamplerDataset::new(
-                $valid,
-                burn::data::dataset::transform::SamplerDatasetOptions::default()
-                    .with_fixed_size(valid_size)
-                    .with_seed($config.seed ^ 0x5eed),
-            ));
-        (loader_train, loader_valid)
-    }};
-}
-
+mod checkpoint;
 mod classify;
 mod lm;
+mod loader;
 mod optim;
 mod renderer;
+mod run;
 mod schedule;
 mod seq2seq;
 
+pub use checkpoint::{prune, KeepCheckpoints, Patience, ValidLossLogger, ValidLosses};
 pub use classify::{TrainedClassifier, TrainedVit};
 pub use lm::{evaluate, Corpus, Trained};
+pub use loader::{mix, unseeded, BatchFn, Draw, EpochLoader};
 pub use optim::{clip_global_norm, reference_adamw, LabAdamW, ReferenceOptimizer};
 pub use renderer::{PlainRenderer, Throughput};
+use run::{launch, Session};
 pub use schedule::WarmupSchedule;
 pub use seq2seq::{TrainedTranslator, TranslationData};
 
-use crate::artifact::{ArtifactDir, ArtifactRecorder};
+use crate::artifact::ArtifactDir;
 use crate::config::{ExperimentConfig, ModelConfig};
 use crate::data::Tokenizer;
 use crate::kernels::{LabAutodiff, LabBackend};
-use anyhow::{bail, Context, Result};
-use burn::data::dataloader::DataLoader;
-use burn::module::{AutodiffModule, Module};
-use burn::tensor::backend::AutodiffBackend;
-use burn::train::metric::{AccuracyMetric, LearningRateMetric, LossMetric, PerplexityMetric};
-use burn::train::{ClassificationOutput, InferenceStep, Learner, SupervisedTraining, TrainStep};
-use std::io::IsTerminal;
+use anyhow::{bail, Result};
+use burn::module::Module;
 use std::path::PathBuf;
-use std::sync::Arc;
-use std::time::Instant;
 
 /// Opens what `train` wrote in `artifact`: its config, its tokenizers (checked against the
 /// config; none for an image model) and the model `init` builds from the config, with the
@@ -114,6 +68,7 @@ pub(crate) fn open_artifact<B: LabBackend, M: Module<B>>(
 ) -> Result<(M, Option<Tokenizers>, ExperimentConfig)> {
     let weights = artifact.weights()?;
     let config = ExperimentConfig::load(&artifact.config())?;
+    artifact.check_config_unchanged(false)?;
     let model = init(&config)?;
     let tokenizers = if config.model.reads_text() {
         Some(Tokenizers::open(artifact, &config)?)
@@ -145,6 +100,18 @@ pub struct TrainRequest {
 /// What a finished (or stopped) training reports.
 #[derive(Clone, Debug)]
 pub struct TrainReport {
+    /// How the run ended.
+    pub outcome: Outcome,
+    /// The epoch (checkpoint) whose weights are in `model.mpk`, and the run's epochs.
+    pub epoch: usize,
+    /// The run's epochs.
+    pub epochs: usize,
+    /// Optimizer steps per epoch.
+    pub steps_per_epoch: usize,
+    /// Validation loss of `epoch`, if known.
+    pub valid_loss: Option<f64>,
+    /// The kept checkpoint with the lowest validation loss.
+    pub best: Option<(usize, f64)>,
     /// Optimizer steps run in this invocation.
     pub steps: usize,
     /// Wall time of the Learner, validation and checkpoints included.
@@ -224,16 +191,27 @@ impl Tokenizers {
     }
 }
 
+/// How a training invocation ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Outcome {
+    /// All steps trained; `model.mpk` written.
+    Finished,
+    /// Stopped by early stopping; `model.mpk` written.
+    StoppedEarly,
+    /// Every step was already trained (a run killed before writing `model.mpk`); `model.mpk`
+    /// written from the last checkpoint.
+    WrittenFromCheckpoint,
+    /// Stopped by the user (the dashboard's `q`); no `model.mpk`, `--resume` continues.
+    Interrupted,
+}
+
 /// Runs (or resumes) a training and writes its artifacts.
 pub fn train<B: LabAutodiff>(request: TrainRequest, device: B::Device) -> Result<TrainReport> {
-    let (config, tokenizers, start) = prepare_artifact(&request)?;
-    let session = Session {
-        artifact: request.artifact.clone(),
-        start: start.unwrap_or(0),
-        plain: request.plain,
-    };
+    run::recover_replaced_run(&request.artifact)?;
+    let (config, tokenizers) = run::prepare_artifact(&request)?;
+    let session = Session::new(&request);
     let data_dir = &request.data_dir;
-    match &config.model {
+    let result = match &config.model {
         ModelConfig::Lm(_) => lm::train::<B>(config, tokenizers, &session, data_dir, device),
         ModelConfig::Seq2seq(_) => {
             seq2seq::train::<B>(config, tokenizers, &session, data_dir, device)
@@ -242,193 +220,6 @@ pub fn train<B: LabAutodiff>(request: TrainRequest, device: B::Device) -> Result
             classify::train_text::<B>(config, tokenizers, &session, data_dir, device)
         }
         ModelConfig::Vit(_) => classify::train_vit::<B>(config, &session, data_dir, device),
-    }
-}
-
-/// Where a training writes and where it starts.
-pub(crate) struct Session {
-    artifact: ArtifactDir,
-    /// Epochs already done (0 for a fresh run).
-    start: usize,
-    plain: bool,
-}
-
-impl Session {
-    /// Saves the resolved config and the tokenizers of a fresh run, and refuses to resume a
-    /// run that already finished.
-    fn begin(&self, config: &ExperimentConfig, tokenizers: Option<&Tokenizers>) -> Result<()> {
-        if self.start == 0 {
-            config.save(&self.artifact.config())?;
-            if let Some(tokenizers) = tokenizers {
-                tokenizers.save(&self.artifact)?;
-            }
-        }
-        if self.start >= config.train.epochs() {
-            bail!(
-                "{} already finished all {} steps; use --force to start over",
-                self.artifact.root().display(),
-                config.train.steps
-            );
-        }
-        Ok(())
-    }
-}
-
-/// The training and validation loaders of a model trained through [`launch`].
-pub(crate) type Loaders<B, M> = (
-    Arc<dyn DataLoader<B, <M as TrainStep>::Input>>,
-    Arc<
-        dyn DataLoader<
-            <B as AutodiffBackend>::InnerBackend,
-            <<M as AutodiffModule<B>>::InnerModule as InferenceStep>::Input,
-        >,
-    >,
-);
-
-/// Trains `model` through burn-train's Learner — AdamW with decay on matrices only, global-norm
-/// clipping, the configured warmup schedule, loss/accuracy/perplexity/LR metrics, a checkpoint
-/// per epoch (restored on resume) — and writes the final weights to `model.mpk`.
-///
-/// `pad` is the padding id that accuracy (and perplexity) skip; `perplexity` is for token
-/// predictors, not sentence or image classifiers; `throughput` feeds the speed reports.
-pub(crate) fn launch<B, M>(
-    config: &ExperimentConfig,
-    session: &Session,
-    model: M,
-    loaders: Loaders<B, M>,
-    pad: Option<usize>,
-    perplexity: bool,
-    throughput: Throughput,
-) -> Result<TrainReport>
-where
-    B: LabAutodiff,
-    M: TrainStep<Output = ClassificationOutput<B>>
-        + AutodiffModule<B>
-        + core::fmt::Display
-        + 'static,
-    M::InnerModule: InferenceStep<Output = ClassificationOutput<B::InnerBackend>>,
-{
-    let train = &config.train;
-    let artifact = &session.artifact;
-    let optimizer = reference_adamw::<B, M>(train);
-    let schedule = WarmupSchedule::from_config(train);
-
-    let accuracy = || match pad {
-        Some(pad) => AccuracyMetric::new().with_pad_token(pad),
-        None => AccuracyMetric::new(),
     };
-    let perplexity_metric = || match pad {
-        Some(pad) => PerplexityMetric::new().with_pad_token(pad),
-        None => PerplexityMetric::new(),
-    };
-    let mut training = SupervisedTraining::new(artifact.root(), loaders.0, loaders.1)
-        .metric_train_numeric(LossMetric::new())
-        .metric_valid_numeric(LossMetric::new())
-        .metric_train_numeric(accuracy())
-        .metric_valid_numeric(accuracy());
-    if perplexity {
-        training = training
-            .metric_train_numeric(perplexity_metric())
-            .metric_valid_numeric(perplexity_metric());
-    }
-    let mut training = training
-        .metric_train_numeric(LearningRateMetric::new())
-        .with_file_checkpointer(ArtifactRecorder::default())
-        .num_epochs(train.epochs())
-        .summary();
-    if session.start > 0 {
-        training = training.checkpoint(session.start);
-    }
-    if session.plain || !std::io::stdout().is_terminal() {
-        training = training.renderer(PlainRenderer::new(
-            train.steps_per_epoch,
-            train.steps,
-            throughput,
-        ));
-    }
-    println!(
-        "training {} ({} parameters) for {} steps{}; artifacts in {}",
-        config.name,
-        model.num_params(),
-        train.steps,
-        if session.start > 0 {
-            format!(
-                ", resuming after step {}",
-                session.start * train.steps_per_epoch
-            )
-        } else {
-            String::new()
-        },
-        artifact.root().display()
-    );
-
-    let began = Instant::now();
-    let result = training.launch(Learner::new(model, optimizer, schedule));
-    let seconds = began.elapsed().as_secs_f64();
-    result
-        .model
-        .save_file(artifact.model(), &ArtifactRecorder::default())
-        .with_context(|| format!("cannot write {}", artifact.model().display()))?;
-
-    let finished = artifact.latest_checkpoint().unwrap_or(session.start);
-    let steps = finished.saturating_sub(session.start) * train.steps_per_epoch;
-    Ok(TrainReport {
-        steps,
-        seconds,
-        per_second: (steps * throughput.per_step) as f64 / seconds,
-        unit: throughput.unit,
-        use_with: config.model.command(),
-    })
-}
-
-/// Checks the artifact directory against the request and returns the config to train, the
-/// tokenizers to reuse and the epoch to resume after (`None` for a fresh run).
-fn prepare_artifact(
-    request: &TrainRequest,
-) -> Result<(ExperimentConfig, Option<Tokenizers>, Option<usize>)> {
-    let artifact = &request.artifact;
-    if request.resume {
-        if !artifact.config().exists() {
-            bail!(
-                "--resume: {} holds no run to resume (no config.json)",
-                artifact.root().display()
-            );
-        }
-        let saved = ExperimentConfig::load(&artifact.config())?;
-        if let Some(asked) = &request.config {
-            let mut asked = asked.clone();
-            let (source, target) = saved.model.vocab_sizes();
-            asked.model.set_vocab_sizes(source, target);
-            if asked != saved {
-                bail!(
-                    "--resume: the experiment given differs from the one {} was trained with; \
-                     resume without --experiment, or start a new run elsewhere",
-                    artifact.root().display()
-                );
-            }
-        }
-        let tokenizers = if saved.model.reads_text() {
-            Some(Tokenizers::open(artifact, &saved)?)
-        } else {
-            None
-        };
-        let epoch = artifact.latest_checkpoint().unwrap_or(0);
-        return Ok((saved, tokenizers, Some(epoch)));
-    }
-    if artifact.holds_run() {
-        if !request.force {
-            bail!(
-                "{} already holds a run; pass --resume to continue it or --force to replace it",
-                artifact.root().display()
-            );
-        }
-        artifact.clear()?;
-    }
-    let config = match &request.config {
-        Some(config) => config.clone(),
-        None => ExperimentConfig::parse(crate::cli::DEFAULT_EXPERIMENT)
-            .expect("the default experiment parses (tested)"),
-    };
-    config.validate()?;
-    Ok((config, None, None))
+    session.end(result)
 }

@@ -1,6 +1,6 @@
 //! The translator's training: teacher-forced steps with label smoothing over padded pairs.
 
-use super::{launch, open_artifact, Session, Throughput, Tokenizers, TrainReport};
+use super::{launch, open_artifact, unseeded, Session, Throughput, Tokenizers, TrainReport};
 use crate::artifact::ArtifactDir;
 use crate::config::ExperimentConfig;
 use crate::data::{EncodedPairs, Seq2SeqBatcher, Special, Tokenizer, TranslationCorpus};
@@ -118,13 +118,13 @@ pub(super) fn train<B: LabAutodiff>(
 
     B::seed(&device, config.seed);
     let mean_target = data.train.target_tokens() as f64 / data.train.len() as f64;
-    let (loader_train, loader_valid) = loaders!(
-        config,
-        session,
-        device,
-        Seq2SeqBatcher,
+    let (loader_train, loader_valid) = session.loaders(
+        &config,
+        &device,
         data.train,
-        data.valid
+        unseeded(Seq2SeqBatcher),
+        data.valid,
+        unseeded(Seq2SeqBatcher),
     );
     let model: Seq2Seq<B> = config
         .seq2seq()?

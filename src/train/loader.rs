@@ -1,0 +1,269 @@
+//! Deterministic data loading for training: every epoch's batches — which items, in which
+//! order, and each batch's augmentation — are a pure function of `(seed, epoch)`, whatever the
+//! number of worker threads. A run resumed after epoch `k` therefore sees exactly the batches
+//! the uninterrupted run saw from epoch `k + 1` on.
+//!
+//! burn's own loaders cannot promise this: with replacement sampling the items come from one
+//! random stream shared by all epochs (a resumed run had to reseed it), and with several workers
+//! batches arrive in whichever order the threads finish them.
+
+use burn::data::dataloader::batcher::Batcher;
+use burn::data::dataloader::{DataLoader, DataLoaderIterator, Progress};
+use burn::data::dataset::Dataset;
+use burn::tensor::backend::Backend;
+use burn::tensor::Device;
+use rand::rngs::StdRng;
+use rand::seq::SliceRandom;
+use rand::{RngExt, SeedableRng};
+use std::ops::Range;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::mpsc::{sync_channel, Receiver};
+use std::sync::Arc;
+
+/// Makes one batch from its items; the `u64` seeds whatever randomness the batch has (image
+/// shifts), so it too depends only on `(seed, epoch, batch)`.
+pub type BatchFn<B, I, O> = Arc<dyn Fn(Vec<I>, u64, &Device<B>) -> O + Send + Sync + 'static>;
+
+/// A batch function from a burn [`Batcher`] that has no randomness of its own.
+pub fn unseeded<B, I, O, T>(batcher: T) -> BatchFn<B, I, O>
+where
+    B: Backend,
+    T: Batcher<B, I, O> + 'static,
+{
+    Arc::new(move |items, _seed, device| batcher.batch(items, device))
+}
+
+/// Which items an epoch reads.
+#[derive(Clone, Copy, Debug)]
+pub enum Draw {
+    /// `batches` batches of items drawn uniformly with replacement, fresh every epoch
+    /// (nanoGPT's `get_batch`): training.
+    Replacement {
+        /// Batches per epoch.
+        batches: usize,
+    },
+    /// The same seeded sample of `items` items (without replacement) every epoch: validation.
+    Fixed {
+        /// Items per epoch (at most the dataset's length).
+        items: usize,
+    },
+}
+
+/// splitmix64 of `a` and `b`: independent-looking seeds from a seed and a counter.
+pub fn mix(a: u64, b: u64) -> u64 {
+    let mut z = a ^ b
+        .wrapping_add(0x9e37_79b9_7f4a_7c15)
+        .wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// A [`DataLoader`] whose epochs are reproducible; see the module docs.
+pub struct EpochLoader<B: Backend, I, O> {
+    dataset: Arc<dyn Dataset<I>>,
+    batch: BatchFn<B, I, O>,
+    device: B::Device,
+    draw: Draw,
+    batch_size: usize,
+    workers: usize,
+    seed: u64,
+    /// Epochs begun so far, shared with the copies `to_device` makes (and with the session, which
+    /// sets it to the epoch a resumed run starts after).
+    epoch: Arc<AtomicUsize>,
+    /// Reseed the backend's generator (dropout) at the start of every epoch.
+    reseed_backend: bool,
+    /// The part of each epoch's items this loader serves (`slice`).
+    range: Option<Range<usize>>,
+}
+
+impl<B: Backend, I, O> Clone for EpochLoader<B, I, O> {
+    fn clone(&self) -> Self {
+        Self {
+            dataset: self.dataset.clone(),
+            batch: self.batch.clone(),
+            device: self.device.clone(),
+            draw: self.draw,
+            batch_size: self.batch_size,
+            workers: self.workers,
+            seed: self.seed,
+            epoch: self.epoch.clone(),
+            reseed_backend: self.reseed_backend,
+            range: self.range.clone(),
+        }
+    }
+}
+
+impl<B, I, O> EpochLoader<B, I, O>
+where
+    B: Backend,
+    I: Send + Sync + 'static,
+    O: Send + 'static,
+{
+    /// A loader of `dataset` in batches of `batch_size`, made by `workers` threads (at least 1).
+    /// `epoch` counts the epochs begun; set it to `k` to start after epoch `k`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        dataset: impl Dataset<I> + 'static,
+        batch: BatchFn<B, I, O>,
+        device: B::Device,
+        draw: Draw,
+        batch_size: usize,
+        workers: usize,
+        seed: u64,
+        epoch: Arc<AtomicUsize>,
+    ) -> Self {
+        Self {
+            dataset: Arc::new(dataset),
+            batch,
+            device,
+            draw,
+            batch_size: batch_size.max(1),
+            workers: workers.max(1),
+            seed,
+            epoch,
+            reseed_backend: false,
+            range: None,
+        }
+    }
+
+    /// Also reseeds the backend's random generator (dropout masks) from `(seed, epoch)` when an
+    /// epoch begins, so a resumed run draws the masks the uninterrupted run drew.
+    pub fn reseeding_backend(mut self) -> Self {
+        self.reseed_backend = true;
+        self
+    }
+}
+
+impl<B: Backend, I, O> EpochLoader<B, I, O> {
+    /// The dataset indices of `epoch`'s items, in order.
+    pub fn indices(&self, epoch: usize) -> Vec<usize> {
+        let len = self.dataset.len();
+        let all = match self.draw {
+            Draw::Replacement { batches } => {
+                let mut rng = StdRng::seed_from_u64(mix(self.seed, epoch as u64));
+                (0..batches * self.batch_size)
+                    .map(|_| rng.random_range(0..len.max(1)))
+                    .collect()
+            }
+            Draw::Fixed { items } => {
+                let mut order: Vec<usize> = (0..len).collect();
+                order.shuffle(&mut StdRng::seed_from_u64(mix(self.seed, 0x5eed)));
+                order.truncate(items);
+                order
+            }
+        };
+        match &self.range {
+            Some(range) => all[range.start.min(all.len())..range.end.min(all.len())].to_vec(),
+            None => all,
+        }
+    }
+
+    fn items_per_epoch(&self) -> usize {
+        let all = match self.draw {
+            Draw::Replacement { batches } => batches * self.batch_size,
+            Draw::Fixed { items } => items.min(self.dataset.len()),
+        };
+        match &self.range {
+            Some(range) => range.end.min(all).saturating_sub(range.start),
+            None => all,
+        }
+    }
+}
+
+impl<B, I, O> DataLoader<B, O> for EpochLoader<B, I, O>
+where
+    B: Backend,
+    I: Send + Sync + 'static,
+    O: Send + 'static,
+{
+    fn iter<'a>(&'a self) -> Box<dyn DataLoaderIterator<O> + 'a> {
+        let epoch = self.epoch.fetch_add(1, Ordering::SeqCst) + 1;
+        if self.reseed_backend {
+            B::seed(&self.device, mix(self.seed, (epoch as u64) << 32 | 0xd409));
+        }
+        let indices = Arc::new(self.indices(epoch));
+        let batches = indices.len().div_ceil(self.batch_size);
+        let workers = self.workers.min(batches.max(1));
+        // Worker `w` makes batches w, w + workers, …; the iterator takes them round-robin, so
+        // they come out in order however the threads are scheduled.
+        let receivers = (0..workers)
+            .map(|w| {
+                let (sender, receiver) = sync_channel(2);
+                let (indices, dataset, batch, device) = (
+                    indices.clone(),
+                    self.dataset.clone(),
+                    self.batch.clone(),
+                    self.device.clone(),
+                );
+                let (size, seed) = (self.batch_size, mix(self.seed, epoch as u64));
+                std::thread::Builder::new()
+                    .name(format!("loader-{w}"))
+                    .spawn(move || {
+                        for j in (w..batches).step_by(workers) {
+                            let chunk = &indices[j * size..((j + 1) * size).min(indices.len())];
+                            let items = chunk.iter().filter_map(|&i| dataset.get(i)).collect();
+                            let made = batch(items, mix(seed, j as u64), &device);
+                            if sender.send((made, chunk.len())).is_err() {
+                                return; // the epoch was cut short
+                            }
+                        }
+                    })
+                    .expect("cannot start a data-loading thread");
+                receiver
+            })
+            .collect();
+        Box::new(EpochIter {
+            receivers,
+            next: 0,
+            batches,
+            progress: Progress::new(0, indices.len()),
+        })
+    }
+
+    fn num_items(&self) -> usize {
+        EpochLoader::<B, I, O>::items_per_epoch(self)
+    }
+
+    fn to_device(&self, device: &B::Device) -> Arc<dyn DataLoader<B, O>> {
+        let mut copy = self.clone();
+        copy.device = device.clone();
+        Arc::new(copy)
+    }
+
+    fn slice(&self, start: usize, end: usize) -> Arc<dyn DataLoader<B, O>> {
+        let mut copy = self.clone();
+        let offset = self.range.as_ref().map_or(0, |r| r.start);
+        copy.range = Some(offset + start..offset + end);
+        Arc::new(copy)
+    }
+}
+
+struct EpochIter<O> {
+    receivers: Vec<Receiver<(O, usize)>>,
+    next: usize,
+    batches: usize,
+    progress: Progress,
+}
+
+impl<O> Iterator for EpochIter<O> {
+    type Item = O;
+
+    fn next(&mut self) -> Option<O> {
+        if self.next >= self.batches {
+            return None;
+        }
+        let (batch, items) = self.receivers[self.next % self.receivers.len()]
+            .recv()
+            .ok()?;
+        self.next += 1;
+        self.progress.items_processed += items;
+        Some(batch)
+    }
+}
+
+impl<O> DataLoaderIterator<O> for EpochIter<O> {
+    fn progress(&self) -> Progress {
+        self.progress.clone()
+    }
+}

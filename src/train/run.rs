@@ -1,0 +1,563 @@
+//! One training invocation from start to end: what is checked before anything is touched, how
+//! a previous run is replaced (moved aside, never deleted before the new run has a complete
+//! checkpoint), which checkpoint a resumed run starts from, and the Learner wiring.
+
+use super::checkpoint::{prune, KeepCheckpoints, Patience, ValidLossLogger, ValidLosses};
+use super::loader::{BatchFn, Draw, EpochLoader};
+use super::{
+    reference_adamw, Outcome, PlainRenderer, Throughput, Tokenizers, TrainReport, TrainRequest,
+    WarmupSchedule,
+};
+use crate::artifact::{load_weights, ArtifactDir, ArtifactRecorder, CheckpointWatch};
+use crate::config::{ExperimentConfig, ModelConfig};
+use crate::kernels::LabAutodiff;
+use anyhow::{bail, Result};
+use burn::data::dataloader::DataLoader;
+use burn::data::dataset::Dataset;
+use burn::lr_scheduler::LrScheduler;
+use burn::module::AutodiffModule;
+use burn::optim::Optimizer;
+use burn::record::Recorder;
+use burn::tensor::backend::AutodiffBackend;
+use burn::train::logger::FileMetricLogger;
+use burn::train::metric::{AccuracyMetric, LearningRateMetric, LossMetric, PerplexityMetric};
+use burn::train::{
+    ClassificationOutput, InferenceStep, Interrupter, Learner, SupervisedTraining, TrainStep,
+};
+use std::io::IsTerminal;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+/// The training and validation loaders of a model trained through [`launch`].
+pub(crate) type Loaders<B, M> = (
+    Arc<dyn DataLoader<B, <M as TrainStep>::Input>>,
+    Arc<
+        dyn DataLoader<
+            <B as AutodiffBackend>::InnerBackend,
+            <<M as AutodiffModule<B>>::InnerModule as InferenceStep>::Input,
+        >,
+    >,
+);
+
+/// Where a training writes, and what its parts share while it runs.
+pub(crate) struct Session {
+    pub(super) artifact: ArtifactDir,
+    resume: bool,
+    plain: bool,
+    /// Epochs done: the epoch a resumed run starts after, then counted up by the training
+    /// loader as epochs begin.
+    epoch: Arc<AtomicUsize>,
+    watch: Arc<CheckpointWatch>,
+}
+
+impl Session {
+    pub(super) fn new(request: &TrainRequest) -> Self {
+        Self {
+            artifact: request.artifact.clone(),
+            resume: request.resume,
+            plain: request.plain,
+            epoch: Arc::new(AtomicUsize::new(0)),
+            watch: Arc::new(CheckpointWatch::new(None)),
+        }
+    }
+
+    /// Called once the data and tokenizers are ready, before the first write: checks what is
+    /// left to check (memory, a writable directory), moves a replaced run aside, and saves the
+    /// resolved config and tokenizers of a fresh run.
+    pub(super) fn begin(
+        &self,
+        config: &ExperimentConfig,
+        tokenizers: Option<&Tokenizers>,
+    ) -> Result<()> {
+        check_memory(config)?;
+        let artifact = &self.artifact;
+        let previous = !self.resume && artifact.holds_run();
+        artifact.check_writable()?;
+        let partial = artifact.remove_partial_files();
+        if partial > 0 {
+            println!("removed {partial} half-written file(s) an interrupted run left behind");
+        }
+        if self.resume {
+            return Ok(());
+        }
+        if previous {
+            // Only with --force (checked before): kept until this run has a checkpoint.
+            let aside = artifact.move_run_aside()?;
+            println!(
+                "the previous run in {} is kept in {} until this run's first checkpoint is complete",
+                artifact.root().display(),
+                aside.display()
+            );
+            self.watch.set_replaced(artifact.clone(), aside);
+            artifact.check_writable()?;
+        }
+        config.save(&artifact.config())?;
+        config.save(&artifact.trained_config())?;
+        if let Some(tokenizers) = tokenizers {
+            tokenizers.save(artifact)?;
+        }
+        Ok(())
+    }
+
+    /// The training loader (`steps_per_epoch` batches drawn with replacement, fresh every
+    /// epoch) and the validation loader (the same `eval_batches` batches every epoch), both
+    /// reproducible from the seed and the epoch alone.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn loaders<B, I, O, IV, OV>(
+        &self,
+        config: &ExperimentConfig,
+        device: &B::Device,
+        train_set: impl Dataset<I> + 'static,
+        train_batch: BatchFn<B, I, O>,
+        valid_set: impl Dataset<IV> + 'static,
+        valid_batch: BatchFn<B::InnerBackend, IV, OV>,
+    ) -> (
+        Arc<dyn DataLoader<B, O>>,
+        Arc<dyn DataLoader<B::InnerBackend, OV>>,
+    )
+    where
+        B: AutodiffBackend,
+        I: Send + Sync + 'static,
+        O: Send + 'static,
+        IV: Send + Sync + 'static,
+        OV: Send + 'static,
+    {
+        let train = &config.train;
+        let valid_items = (train.eval_batches * train.batch_size).min(valid_set.len());
+        let loader_train = EpochLoader::new(
+            train_set,
+            train_batch,
+            device.clone(),
+            Draw::Replacement {
+                batches: train.steps_per_epoch,
+            },
+            train.batch_size,
+            train.num_workers,
+            config.seed,
+            self.epoch.clone(),
+        )
+        .reseeding_backend();
+        let loader_valid = EpochLoader::new(
+            valid_set,
+            valid_batch,
+            device.clone(),
+            Draw::Fixed { items: valid_items },
+            train.batch_size,
+            train.num_workers,
+            config.seed ^ 0x5eed,
+            Arc::new(AtomicUsize::new(0)),
+        );
+        (Arc::new(loader_train), Arc::new(loader_valid))
+    }
+
+    /// After training (or its failure): a run moved aside by `--force` comes back if the new
+    /// run never completed a checkpoint.
+    pub(super) fn end(&self, result: Result<TrainReport>) -> Result<TrainReport> {
+        if self.watch.take_replaced().is_some() {
+            if self.artifact.latest_checkpoint().is_some() {
+                let _ = std::fs::remove_dir_all(self.artifact.replaced_run());
+            } else if let Err(err) = self.artifact.restore_replaced_run() {
+                eprintln!("warning: {err:#}");
+            } else {
+                eprintln!(
+                    "the previous run in {} was put back",
+                    self.artifact.root().display()
+                );
+            }
+        }
+        result
+    }
+}
+
+/// A run that `train --force` moved aside and that a kill left there: deleted if the new run
+/// reached a complete checkpoint (only the deletion was interrupted), else put back.
+pub(super) fn recover_replaced_run(artifact: &ArtifactDir) -> Result<()> {
+    if !artifact.replaced_run().exists() {
+        return Ok(());
+    }
+    if artifact.latest_checkpoint().is_some() {
+        std::fs::remove_dir_all(artifact.replaced_run())?;
+    } else {
+        artifact.restore_replaced_run()?;
+        println!(
+            "put back the run in {} that an interrupted `train --force` had moved aside",
+            artifact.root().display()
+        );
+    }
+    Ok(())
+}
+
+/// Checks the artifact directory against the request and returns the config to train and the
+/// tokenizers to reuse. Nothing is written or removed here.
+pub(super) fn prepare_artifact(
+    request: &TrainRequest,
+) -> Result<(ExperimentConfig, Option<Tokenizers>)> {
+    let artifact = &request.artifact;
+    if request.resume {
+        if !artifact.config().exists() {
+            bail!(
+                "--resume: {} holds no run to resume (no config.json)",
+                artifact.root().display()
+            );
+        }
+        artifact.check_config_unchanged(true)?;
+        let saved = ExperimentConfig::load(&artifact.config())?;
+        if let Some(asked) = &request.config {
+            let mut asked = asked.clone();
+            let (source, target) = saved.model.vocab_sizes();
+            asked.model.set_vocab_sizes(source, target);
+            if asked != saved {
+                bail!(
+                    "--resume: the experiment given differs from the one {} was trained with; \
+                     resume without --experiment, or start a new run elsewhere",
+                    artifact.root().display()
+                );
+            }
+        }
+        if artifact.model_file().exists() {
+            bail!(
+                "{} already finished ({} exists); use --force to start over",
+                artifact.root().display(),
+                artifact.model_file().display()
+            );
+        }
+        let tokenizers = if saved.model.reads_text() {
+            Some(Tokenizers::open(artifact, &saved)?)
+        } else {
+            None
+        };
+        return Ok((saved, tokenizers));
+    }
+    if artifact.holds_run() && !request.force {
+        bail!(
+            "{} already holds a run; pass --resume to continue it or --force to replace it",
+            artifact.root().display()
+        );
+    }
+    let config = match &request.config {
+        Some(config) => config.clone(),
+        None => ExperimentConfig::parse(crate::cli::DEFAULT_EXPERIMENT)
+            .expect("the default experiment parses (tested)"),
+    };
+    config.validate()?;
+    Ok((config, None))
+}
+
+/// Refuses a batch whose activations alone would not fit in this machine's free memory (a
+/// lower bound: the step needs more than this).
+fn check_memory(config: &ExperimentConfig) -> Result<()> {
+    let Some(available) = crate::memory::available_memory() else {
+        return Ok(());
+    };
+    let ff = |d: usize, d_ff: usize| if d_ff == 0 { 4 * d } else { d_ff };
+    // Floats kept for the backward pass per example: per layer ~10 values of width d_model and
+    // two of width d_ff per token, and the attention weights (h·t²); plus the logits.
+    let stack = |layers: usize, t: usize, d: usize, d_ff: usize, h: usize| {
+        layers as f64 * (t as f64 * (10 * d + 2 * d_ff) as f64 + (h * t * t) as f64)
+    };
+    let per_example = match &config.model {
+        ModelConfig::Lm(m) => {
+            stack(
+                m.n_layers,
+                m.context,
+                m.d_model,
+                ff(m.d_model, m.d_ff),
+                m.n_heads,
+            ) + (m.context * m.vocab_size) as f64
+        }
+        ModelConfig::Seq2seq(m) => {
+            let (t, d_ff) = (config.data.max_tokens, ff(m.d_model, m.d_ff));
+            stack(m.encoder_layers, t, m.d_model, d_ff, m.n_heads)
+                + 1.5 * stack(m.decoder_layers, t, m.d_model, d_ff, m.n_heads)
+                + (t * m.tgt_vocab_size) as f64
+        }
+        ModelConfig::Classifier(m) => stack(
+            m.n_layers,
+            config.data.max_tokens,
+            m.d_model,
+            ff(m.d_model, m.d_ff),
+            m.n_heads,
+        ),
+        ModelConfig::Vit(m) => stack(
+            m.n_layers,
+            m.n_tokens(),
+            m.d_model,
+            ff(m.d_model, m.d_ff),
+            m.n_heads,
+        ),
+    };
+    let bytes = 4.0 * per_example * config.train.batch_size as f64;
+    if bytes > available as f64 {
+        bail!(
+            "train: batch_size {} needs at least {} of memory for one step's activations; this \
+             machine has {} available: lower batch_size",
+            config.train.batch_size,
+            human_bytes(bytes),
+            human_bytes(available as f64)
+        );
+    }
+    Ok(())
+}
+
+fn human_bytes(bytes: f64) -> String {
+    let units = ["B", "KB", "MB", "GB", "TB", "PB", "EB"];
+    let power = (bytes.max(1.0).log10() / 3.0).floor().min(6.0) as i32;
+    format!(
+        "{:.1} {}",
+        bytes / 1e3f64.powi(power),
+        units[power as usize]
+    )
+}
+
+/// The newest checkpoint whose model, optimizer and scheduler files all load, saying which
+/// newer ones were skipped and why; 0 when the run has no checkpoint yet.
+fn newest_loadable<B, M, O, S>(
+    artifact: &ArtifactDir,
+    model: &M,
+    _optimizer: &O,
+    _schedule: &S,
+    steps_per_epoch: usize,
+    device: &B::Device,
+) -> Result<usize>
+where
+    B: LabAutodiff,
+    M: AutodiffModule<B>,
+    O: Optimizer<M, B>,
+    S: LrScheduler,
+{
+    let epochs = artifact.complete_checkpoints();
+    let mut reasons = Vec::new();
+    for &epoch in epochs.iter().rev() {
+        let file = |kind: &str| artifact.checkpoints().join(format!("{kind}-{epoch}"));
+        let first_line = |e: &dyn std::fmt::Display| {
+            e.to_string().lines().next().unwrap_or_default().to_string()
+        };
+        let check = || -> std::result::Result<(), String> {
+            load_weights(model.clone(), &file("model"), device).map_err(|e| first_line(&e))?;
+            let recorder = ArtifactRecorder::default();
+            quietly(|| {
+                recorder
+                    .load::<O::Record>(file("optim"), device)
+                    .map(|_| ())
+            })
+            .map_err(|e| format!("{}.mpk: {}", file("optim").display(), first_line(&e)))?;
+            quietly(|| {
+                recorder
+                    .load::<S::Record<B>>(file("scheduler"), device)
+                    .map(|_| ())
+            })
+            .map_err(|e| format!("{}.mpk: {}", file("scheduler").display(), first_line(&e)))
+        };
+        match check() {
+            Ok(()) => {
+                for reason in &reasons {
+                    eprintln!("warning: {reason}");
+                }
+                return Ok(epoch);
+            }
+            Err(why) => reasons.push(format!(
+                "skipped the checkpoint of epoch {epoch} (step {}): {why}",
+                epoch * steps_per_epoch
+            )),
+        }
+    }
+    if epochs.is_empty() {
+        return Ok(0);
+    }
+    bail!(
+        "none of the {} checkpoints in {} can be loaded; {}",
+        epochs.len(),
+        artifact.checkpoints().display(),
+        reasons.join("; ")
+    )
+}
+
+/// Runs `load`, turning a panic (a record burn cannot map) into an error without printing it.
+fn quietly<T>(
+    load: impl FnOnce() -> std::result::Result<T, burn::record::RecorderError>,
+) -> std::result::Result<T, String> {
+    let hook = std::panic::take_hook();
+    std::panic::set_hook(Box::new(|_| {}));
+    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(load));
+    std::panic::set_hook(hook);
+    match result {
+        Ok(Ok(value)) => Ok(value),
+        Ok(Err(err)) => Err(err.to_string()),
+        Err(_) => Err("its content does not match this model".into()),
+    }
+}
+
+/// Trains `model` through burn-train's Learner — AdamW with decay on matrices only, global-norm
+/// clipping, the configured warmup schedule, loss/accuracy/perplexity/LR metrics, a checkpoint
+/// per epoch (the newest loadable one restored on resume; the last `keep_checkpoints` and the
+/// best kept), optional early stopping — and writes the final weights to `model.mpk` once
+/// every step is trained.
+///
+/// `pad` is the padding id that accuracy (and perplexity) skip; `perplexity` is for token
+/// predictors, not sentence or image classifiers; `throughput` feeds the speed reports.
+pub(crate) fn launch<B, M>(
+    config: &ExperimentConfig,
+    session: &Session,
+    model: M,
+    loaders: Loaders<B, M>,
+    pad: Option<usize>,
+    perplexity: bool,
+    throughput: Throughput,
+) -> Result<TrainReport>
+where
+    B: LabAutodiff,
+    M: TrainStep<Output = ClassificationOutput<B>>
+        + AutodiffModule<B>
+        + core::fmt::Display
+        + 'static,
+    M::InnerModule: InferenceStep<Output = ClassificationOutput<B::InnerBackend>>,
+{
+    let train = &config.train;
+    let artifact = &session.artifact;
+    let optimizer = reference_adamw::<B, M>(train);
+    let schedule = WarmupSchedule::from_config(train);
+    let epochs = train.epochs();
+    let device = model.devices()[0].clone();
+    let start = if session.resume {
+        newest_loadable(
+            artifact,
+            &model,
+            &optimizer,
+            &schedule,
+            train.steps_per_epoch,
+            &device,
+        )?
+    } else {
+        0
+    };
+    let losses = ValidLosses::load(artifact, start);
+    let patience = train.early_stopping.as_ref().map(|e| e.patience);
+    let stops_early = |epoch: usize| patience.is_some_and(|p| losses.no_improvement(epoch, p));
+    let mut report = TrainReport {
+        outcome: Outcome::Finished,
+        epoch: start,
+        epochs,
+        steps_per_epoch: train.steps_per_epoch,
+        valid_loss: None,
+        best: None,
+        steps: 0,
+        seconds: 0.0,
+        per_second: 0.0,
+        unit: throughput.unit,
+        use_with: config.model.command(),
+    };
+    if start > 0 && (start >= epochs || stops_early(start)) {
+        // Killed between the last checkpoint and model.mpk: finish the job.
+        let checkpoint = artifact.checkpoints().join(format!("model-{start}"));
+        let model = load_weights(model, &checkpoint, &device)?;
+        write_model(artifact, model)?;
+        report.outcome = Outcome::WrittenFromCheckpoint;
+        report.valid_loss = losses.get(start);
+        report.best = prune(artifact, train.keep_checkpoints, &losses)?;
+        return Ok(report);
+    }
+    session.epoch.store(start, Ordering::SeqCst);
+
+    let accuracy = || match pad {
+        Some(pad) => AccuracyMetric::new().with_pad_token(pad),
+        None => AccuracyMetric::new(),
+    };
+    let perplexity_metric = || match pad {
+        Some(pad) => PerplexityMetric::new().with_pad_token(pad),
+        None => PerplexityMetric::new(),
+    };
+    let interrupter = Interrupter::new();
+    let mut training = SupervisedTraining::new(artifact.root(), loaders.0, loaders.1)
+        .with_interrupter(interrupter.clone())
+        .with_metric_logger(FileMetricLogger::new(artifact.root()))
+        .with_metric_logger(ValidLossLogger::new(losses.clone()))
+        .metric_train_numeric(LossMetric::new())
+        .metric_valid_numeric(LossMetric::new())
+        .metric_train_numeric(accuracy())
+        .metric_valid_numeric(accuracy());
+    if perplexity {
+        training = training
+            .metric_train_numeric(perplexity_metric())
+            .metric_valid_numeric(perplexity_metric());
+    }
+    let mut training = training
+        .metric_train_numeric(LearningRateMetric::new())
+        .with_file_checkpointer(ArtifactRecorder::watched(session.watch.clone()))
+        .with_checkpointing_strategy(KeepCheckpoints::new(
+            artifact.clone(),
+            train.keep_checkpoints,
+            losses.clone(),
+        ))
+        .num_epochs(epochs)
+        .summary();
+    if let Some(patience) = patience {
+        training = training.early_stopping(Patience::new(patience, losses.clone()));
+    }
+    if start > 0 {
+        training = training.checkpoint(start);
+    }
+    if session.plain || !std::io::stdout().is_terminal() {
+        training = training.renderer(PlainRenderer::new(
+            train.steps_per_epoch,
+            train.steps,
+            throughput,
+        ));
+    }
+    println!(
+        "training {} ({} parameters) for {} steps{}; artifacts in {}",
+        config.name,
+        model.num_params(),
+        train.steps,
+        if start > 0 {
+            format!(", resuming after step {}", start * train.steps_per_epoch)
+        } else {
+            String::new()
+        },
+        artifact.root().display()
+    );
+
+    let began = Instant::now();
+    let result = training.launch(Learner::new(model, optimizer, schedule));
+    report.seconds = began.elapsed().as_secs_f64();
+    let done = artifact.latest_checkpoint().unwrap_or(start).max(start);
+    report.epoch = done;
+    report.steps = (done - start) * train.steps_per_epoch;
+    report.per_second = (report.steps * throughput.per_step) as f64 / report.seconds;
+    report.valid_loss = losses.get(done);
+    if let Some(failure) = session.watch.failure() {
+        bail!(
+            "{failure}; training stopped{}: free space (or fix the directory) and run \
+             `train --resume --artifact-dir {}`",
+            match artifact.latest_checkpoint() {
+                Some(e) => format!(
+                    ", the checkpoint of step {} is complete",
+                    e * train.steps_per_epoch
+                ),
+                None => String::new(),
+            },
+            artifact.root().display()
+        );
+    }
+    if done < epochs && !stops_early(done) {
+        report.outcome = Outcome::Interrupted;
+        let _ = interrupter.should_stop();
+        return Ok(report);
+    }
+    if done < epochs {
+        report.outcome = Outcome::StoppedEarly;
+    }
+    write_model(artifact, result.model)?;
+    report.best = prune(artifact, train.keep_checkpoints, &losses)?;
+    Ok(report)
+}
+
+fn write_model<B: crate::kernels::LabBackend, M: burn::module::Module<B>>(
+    artifact: &ArtifactDir,
+    model: M,
+) -> Result<()> {
+    use anyhow::Context;
+    model
+        .save_file(artifact.model(), &ArtifactRecorder::default())
+        .with_context(|| format!("cannot write {}", artifact.model_file().display()))
+}
