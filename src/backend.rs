@@ -43,25 +43,41 @@ pub fn cpu_default() -> BackendKind {
     }
 }
 
-/// Whether wgpu sees a real (discrete, integrated or virtual) GPU, not just a CPU adapter.
+/// The adapters of the graphics API burn's wgpu backend runs on (Metal on macOS, else Vulkan).
 #[cfg(feature = "wgpu")]
-pub fn hardware_gpu_present() -> bool {
+fn wgpu_adapters() -> Vec<wgpu::Adapter> {
     use std::future::Future;
     use std::task::{Context, Poll, Waker};
+    let api = if cfg!(target_os = "macos") {
+        wgpu::Backends::METAL
+    } else {
+        wgpu::Backends::VULKAN
+    };
     let instance = wgpu::Instance::new(wgpu::InstanceDescriptor {
-        backends: wgpu::Backends::all(),
+        backends: api,
         ..wgpu::InstanceDescriptor::new_without_display_handle()
     });
     // Enumeration is async in wgpu's API but completes at once on native platforms.
-    let mut adapters = std::pin::pin!(instance.enumerate_adapters(wgpu::Backends::all()));
+    let mut adapters = std::pin::pin!(instance.enumerate_adapters(api));
     let mut cx = Context::from_waker(Waker::noop());
-    let adapters = loop {
+    loop {
         match adapters.as_mut().poll(&mut cx) {
-            Poll::Ready(adapters) => break adapters,
+            Poll::Ready(adapters) => return adapters,
             Poll::Pending => std::thread::yield_now(),
         }
-    };
-    adapters.iter().any(|adapter| {
+    }
+}
+
+/// Whether wgpu finds any adapter (a GPU, or a CPU driver such as lavapipe) to run on.
+#[cfg(feature = "wgpu")]
+pub fn wgpu_adapter_present() -> bool {
+    !wgpu_adapters().is_empty()
+}
+
+/// Whether wgpu sees a real (discrete, integrated or virtual) GPU, not just a CPU adapter.
+#[cfg(feature = "wgpu")]
+pub fn hardware_gpu_present() -> bool {
+    wgpu_adapters().iter().any(|adapter| {
         matches!(
             adapter.get_info().device_type,
             wgpu::DeviceType::DiscreteGpu
@@ -79,7 +95,22 @@ pub fn dispatch(kind: Option<BackendKind>, task: impl BackendTask) -> Result<()>
         #[cfg(feature = "flex")]
         BackendKind::Flex => task.run::<Flex>(Default::default()),
         #[cfg(feature = "wgpu")]
-        BackendKind::Wgpu => task.run::<Gpu>(Default::default()),
+        BackendKind::Wgpu => {
+            if !wgpu_adapter_present() {
+                bail!(
+                    "--backend wgpu: wgpu finds no {} device (no GPU driver installed); install \
+                     one (without a GPU, Mesa's lavapipe: apt-get install mesa-vulkan-drivers \
+                     libvulkan1) or use --backend {}",
+                    if cfg!(target_os = "macos") {
+                        "Metal"
+                    } else {
+                        "Vulkan"
+                    },
+                    format!("{:?}", cpu_default()).to_lowercase()
+                );
+            }
+            task.run::<Gpu>(Default::default())
+        }
         #[allow(unreachable_patterns)]
         other => bail!(
             "this binary was built without the {other:?} backend; rebuild with --features {}",

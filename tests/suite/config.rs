@@ -135,6 +135,16 @@ fn mistakes_are_clear_errors() {
     }
     let missing = ExperimentConfig::load("no/such/file.json".as_ref()).unwrap_err();
     assert!(format!("{missing:#}").contains("cannot read config"));
-    // Defaults fill what a config leaves out.
-    assert_eq!(load_str("{}").unwrap().lm().unwrap().d_model, 128);
+    // Defaults fill what a config leaves out, but an empty one is a mistake, not the default.
+    assert_eq!(
+        load_str(r#"{"name": "x"}"#).unwrap().lm().unwrap().d_model,
+        128
+    );
+    for empty in ["{}", "[]", "3"] {
+        let err = format!("{:#}", load_str(empty).unwrap_err());
+        assert!(
+            err.contains("an experiment is a JSON object"),
+            "{empty}: {err}"
+        );
+    }
 }

@@ -21,6 +21,7 @@ mod lm;
 mod mask;
 mod mixer;
 mod position;
+mod reliability;
 mod seq2seq;
 mod tokenizer;
 mod train;

@@ -1,0 +1,531 @@
+//! A training run is never lost, cut short in silence, or misreported: the real binary under
+//! kills, full disks, read-only directories, corrupt and edited files, closed pipes — and the
+//! promise that makes resuming trustworthy: same seed, same weights; resumed = uninterrupted.
+
+use crate::common::{assert_clean_error, BIN};
+use burn::backend::NdArray;
+use burn::module::{Module, ModuleVisitor, Param};
+use burn::prelude::*;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+use transformer_lab::artifact::{load_weights, ArtifactDir};
+use transformer_lab::config::ExperimentConfig;
+
+/// A temp dir with a corpus and `tiny.json`: a one-layer char LM with dropout (so resuming
+/// must also restore the random stream), 6 epochs of 20 steps.
+struct Run {
+    dir: tempfile::TempDir,
+}
+
+impl Run {
+    fn new() -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let line = "the quick brown fox jumps over the lazy dog.\n";
+        std::fs::write(dir.path().join("corpus.txt"), line.repeat(60)).unwrap();
+        let run = Self { dir };
+        run.experiment("tiny.json", 1, "{}");
+        run
+    }
+
+    /// Writes experiment `name` with `num_workers`, the `"train"` fields of the JSON object
+    /// `extra` replacing the defaults.
+    fn experiment(&self, name: &str, workers: usize, extra: &str) {
+        let mut config: serde_json::Value = serde_json::from_str(&format!(
+            r#"{{"name": "tiny", "seed": 5,
+               "model": {{"d_model": 16, "n_layers": 1, "n_heads": 2, "context": 16, "dropout": 0.1}},
+               "data": {{"text_file": "corpus.txt"}},
+               "train": {{"batch_size": 8, "steps": 120, "steps_per_epoch": 20, "eval_batches": 2,
+                          "warmup_steps": 5, "lr": 0.01, "num_workers": {workers}}}}}"#
+        ))
+        .unwrap();
+        let extra: serde_json::Map<String, serde_json::Value> =
+            serde_json::from_str(extra).unwrap();
+        config["train"].as_object_mut().unwrap().extend(extra);
+        std::fs::write(self.path(name), config.to_string()).unwrap();
+    }
+
+    fn path(&self, name: &str) -> PathBuf {
+        self.dir.path().join(name)
+    }
+
+    fn command(&self, backend: &str, args: &[&str]) -> Command {
+        let mut command = Command::new(BIN);
+        command
+            .args(["--backend", backend])
+            .args(args)
+            .current_dir(self.dir.path())
+            .env("TRANSFORMER_LAB_DATA", self.path("no-data"))
+            .env_remove(transformer_lab::artifact::FAIL_CHECKPOINT_ENV);
+        command
+    }
+
+    fn run(&self, args: &[&str]) -> Output {
+        self.command("ndarray", args).output().unwrap()
+    }
+
+    /// `train -e tiny.json --artifact-dir ART` and its success.
+    fn train(&self, art: &str) -> Output {
+        let out = self.run(&["train", "-e", "tiny.json", "--artifact-dir", art]);
+        assert_success(&out);
+        out
+    }
+
+    fn weights(&self, art: &str) -> Vec<Vec<f32>> {
+        weights(&self.path(art))
+    }
+}
+
+fn assert_success(out: &Output) {
+    assert!(
+        out.status.success(),
+        "exit {:?}\nstdout: {}\nstderr: {}",
+        out.status.code(),
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+fn stdout(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Every float parameter of the language model in `dir/model.mpk`, exactly.
+fn weights(dir: &Path) -> Vec<Vec<f32>> {
+    weights_of(dir, &dir.join("model"))
+}
+
+fn weights_of(dir: &Path, file: &Path) -> Vec<Vec<f32>> {
+    struct Values(Vec<Vec<f32>>);
+    impl ModuleVisitor<NdArray> for Values {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<NdArray, D>>) {
+            self.0.push(param.val().into_data().to_vec().unwrap());
+        }
+    }
+    let config = ExperimentConfig::load(&dir.join("config.json")).unwrap();
+    let device = Default::default();
+    let model = config.lm().unwrap().init::<NdArray>(&device);
+    let model = load_weights(model, file, &device).unwrap();
+    let mut values = Values(Vec::new());
+    model.visit(&mut values);
+    values.0
+}
+
+fn wait_for(path: &Path, child: &mut std::process::Child) {
+    let start = Instant::now();
+    while !path.exists() {
+        assert!(
+            child.try_wait().unwrap().is_none(),
+            "training ended before {} appeared",
+            path.display()
+        );
+        assert!(start.elapsed() < Duration::from_secs(120), "timed out");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+#[test]
+fn same_seed_same_weights_whatever_the_number_of_workers() {
+    let run = Run::new();
+    run.train("one");
+    run.experiment("tiny.json", 2, "{}");
+    run.train("two-a");
+    run.train("two-b");
+    let one = run.weights("one");
+    assert_eq!(run.weights("two-a"), run.weights("two-b"));
+    assert_eq!(
+        one,
+        run.weights("two-a"),
+        "the batches do not depend on num_workers"
+    );
+    // model.mpk is what training ended with.
+    let first = weights_of(&run.path("one"), &run.path("one/checkpoint/model-6"));
+    assert_eq!(one, first, "model.mpk is the last epoch's checkpoint");
+}
+
+/// Kills `train` at random moments (after a checkpoint appears, plus a random delay), resumes
+/// each time, and compares the end with the uninterrupted run: bit-identical weights.
+fn killed_and_resumed_equals_uninterrupted(backend: &str, workers: usize) {
+    let run = Run::new();
+    run.experiment("tiny.json", workers, "{}");
+    let out = run
+        .command(
+            backend,
+            &["train", "-e", "tiny.json", "--artifact-dir", "whole"],
+        )
+        .output()
+        .unwrap();
+    assert_success(&out);
+    let mut args = vec!["train", "-e", "tiny.json", "--artifact-dir", "cut"];
+    let mut seed = 0x2545_f491_4f6c_dd1d_u64 ^ workers as u64;
+    for epoch in [1, 3, 4] {
+        let mut child = run
+            .command(backend, &args)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        wait_for(
+            &run.path(&format!("cut/checkpoint/scheduler-{epoch}.mpk")),
+            &mut child,
+        );
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        std::thread::sleep(Duration::from_millis(seed % 40));
+        child.kill().unwrap(); // SIGKILL, wherever it is: mid-step, mid-checkpoint
+        child.wait().unwrap();
+        args = vec!["train", "--artifact-dir", "cut", "--resume"];
+    }
+    let out = run.command(backend, &args).output().unwrap();
+    assert_success(&out);
+    assert!(
+        stdout(&out).contains("resuming after step"),
+        "{}",
+        stdout(&out)
+    );
+    assert_eq!(
+        run.weights("cut"),
+        run.weights("whole"),
+        "{backend}, {workers} worker(s): the resumed run's weights differ"
+    );
+}
+
+#[test]
+fn a_run_killed_and_resumed_equals_the_uninterrupted_run_on_ndarray() {
+    killed_and_resumed_equals_uninterrupted("ndarray", 1);
+}
+
+#[cfg(feature = "flex")]
+#[test]
+fn a_run_killed_and_resumed_equals_the_uninterrupted_run_on_flex_with_two_workers() {
+    killed_and_resumed_equals_uninterrupted("flex", 2);
+}
+
+#[test]
+fn a_checkpoint_that_cannot_be_written_stops_the_run_with_one_line() {
+    let run = Run::new();
+    run.train("whole");
+    let out = run
+        .command(
+            "ndarray",
+            &["train", "-e", "tiny.json", "--artifact-dir", "full"],
+        )
+        .env(transformer_lab::artifact::FAIL_CHECKPOINT_ENV, "3")
+        .output()
+        .unwrap();
+    assert_clean_error(&out, "full/checkpoint/model-3.mpk");
+    assert_clean_error(&out, "No space left on device");
+    assert!(!stdout(&out).contains("model written"), "{}", stdout(&out));
+    let art = ArtifactDir::new(run.path("full"));
+    assert!(
+        !art.model_file().exists(),
+        "an unfinished run wrote model.mpk"
+    );
+    assert_eq!(art.latest_checkpoint(), Some(2), "epoch 2 stays complete");
+    let leftovers: Vec<_> = std::fs::read_dir(art.checkpoints())
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().into_string().ok())
+        .filter(|n| n.contains("partial"))
+        .collect();
+    assert!(leftovers.is_empty(), "{leftovers:?}");
+    // Space freed: the run continues and ends where the uninterrupted one did.
+    assert_success(&run.run(&["train", "--artifact-dir", "full", "--resume"]));
+    assert_eq!(run.weights("full"), run.weights("whole"));
+}
+
+#[cfg(unix)]
+#[test]
+fn a_read_only_checkpoint_directory_is_one_clear_error() {
+    use std::os::unix::fs::PermissionsExt;
+    use std::os::unix::process::CommandExt;
+    let run = Run::new();
+    let mode = |path: &Path, mode: u32| {
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).unwrap()
+    };
+    mode(run.dir.path(), 0o755);
+    std::fs::create_dir_all(run.path("ro/checkpoint")).unwrap();
+    mode(&run.path("ro"), 0o777);
+    mode(&run.path("ro/checkpoint"), 0o555);
+    let mut command = run.command(
+        "ndarray",
+        &["train", "-e", "tiny.json", "--artifact-dir", "ro"],
+    );
+    // Root writes anywhere: run as nobody, for whom 0555 is read-only.
+    if unsafe { libc::geteuid() } == 0 {
+        command.uid(65534).gid(65534);
+    }
+    let out = command.output().unwrap();
+    assert_clean_error(&out, "ro/checkpoint");
+    assert_clean_error(&out, "Permission denied");
+    assert!(!run.path("ro/model.mpk").exists());
+}
+
+#[test]
+fn force_keeps_the_old_run_until_the_new_one_has_a_checkpoint() {
+    let run = Run::new();
+    run.train("art");
+    let before = run.weights("art");
+    let config = std::fs::read_to_string(run.path("art/config.json")).unwrap();
+    // Fails before training: a missing text file.
+    std::fs::write(
+        run.path("bad.json"),
+        std::fs::read_to_string(run.path("tiny.json"))
+            .unwrap()
+            .replace("corpus.txt", "missing.txt"),
+    )
+    .unwrap();
+    let out = run.run(&[
+        "train",
+        "-e",
+        "bad.json",
+        "--artifact-dir",
+        "art",
+        "--force",
+    ]);
+    assert_clean_error(&out, "missing.txt");
+    // Fails in training, before its first checkpoint: the old run comes back.
+    let out = run
+        .command(
+            "ndarray",
+            &[
+                "train",
+                "-e",
+                "tiny.json",
+                "--artifact-dir",
+                "art",
+                "--force",
+            ],
+        )
+        .env(transformer_lab::artifact::FAIL_CHECKPOINT_ENV, "1")
+        .output()
+        .unwrap();
+    assert_clean_error(&out, "model-1.mpk");
+    // Killed right after moving the old run aside: the next start puts it back.
+    let mut child = run
+        .command(
+            "ndarray",
+            &[
+                "train",
+                "-e",
+                "tiny.json",
+                "--artifact-dir",
+                "art",
+                "--force",
+            ],
+        )
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    wait_for(&run.path("art/.replaced-run"), &mut child);
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let out = run.run(&["train", "--artifact-dir", "art", "--resume"]);
+    assert!(stdout(&out).contains("put back"), "{}", stdout(&out));
+    assert_clean_error(&out, "already finished");
+    assert_eq!(run.weights("art"), before, "the old run survived");
+    assert_eq!(
+        std::fs::read_to_string(run.path("art/config.json")).unwrap(),
+        config
+    );
+    // A --force that works replaces it, and nothing of the old run is left.
+    assert_success(&run.run(&[
+        "train",
+        "-e",
+        "tiny.json",
+        "--artifact-dir",
+        "art",
+        "--force",
+    ]));
+    assert!(!run.path("art/.replaced-run").exists());
+}
+
+#[test]
+fn an_edited_config_is_refused_in_one_line() {
+    let run = Run::new();
+    run.train("art");
+    let edit = |from: &str, to: &str| {
+        let path = run.path("art/config.json");
+        let text = std::fs::read_to_string(&path).unwrap();
+        std::fs::write(&path, text.replace(from, to)).unwrap();
+        text
+    };
+    std::fs::remove_file(run.path("art/model.mpk")).unwrap();
+    let original = edit("\"d_model\": 16", "\"d_model\": 32");
+    assert_clean_error(
+        &run.run(&["train", "--artifact-dir", "art", "--resume"]),
+        "model.d_model is 32 there but the run was trained with 16",
+    );
+    std::fs::write(run.path("art/config.json"), &original).unwrap();
+    assert_success(&run.run(&["train", "--artifact-dir", "art", "--resume"]));
+    // n_heads keeps every shape: only the trained config can tell.
+    edit("\"n_heads\": 2", "\"n_heads\": 4");
+    assert_clean_error(
+        &run.run(&["generate", "--artifact-dir", "art", "--max-new-tokens", "3"]),
+        "model.n_heads",
+    );
+    // An artifact from before .trained-config.json: the weights' shapes still refuse, cleanly.
+    std::fs::write(run.path("art/config.json"), &original).unwrap();
+    std::fs::remove_file(run.path("art/.trained-config.json")).unwrap();
+    edit("\"n_layers\": 1", "\"n_layers\": 2");
+    assert_clean_error(
+        &run.run(&["eval", "--artifact-dir", "art"]),
+        "another structure",
+    );
+}
+
+#[test]
+fn resume_skips_checkpoints_that_cannot_be_loaded() {
+    let run = Run::new();
+    run.train("whole");
+    let resume = |art: &str| run.run(&["train", "--artifact-dir", art, "--resume"]);
+    let copy = |name: &str| {
+        let out = Command::new("cp")
+            .args(["-r", "whole", name])
+            .current_dir(run.dir.path())
+            .output()
+            .unwrap();
+        assert_success(&out);
+        std::fs::remove_file(run.path(&format!("{name}/model.mpk"))).unwrap();
+    };
+    // A truncated newest model: back to epoch 5, and the end is the same.
+    copy("cut");
+    let model = run.path("cut/checkpoint/model-6.mpk");
+    let bytes = std::fs::read(&model).unwrap();
+    std::fs::write(&model, &bytes[..bytes.len() / 2]).unwrap();
+    let out = resume("cut");
+    assert_success(&out);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("skipped the checkpoint of epoch 6"), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+    assert!(
+        stdout(&out).contains("resuming after step 100"),
+        "{}",
+        stdout(&out)
+    );
+    assert_eq!(run.weights("cut"), run.weights("whole"));
+    // Garbage optimizer state and an empty scheduler file: none loads, one line says why.
+    copy("bad");
+    std::fs::write(run.path("bad/checkpoint/optim-6.mpk"), b"garbage").unwrap();
+    std::fs::write(run.path("bad/checkpoint/scheduler-5.mpk"), b"").unwrap();
+    assert_clean_error(&resume("bad"), "none of the 2 checkpoints");
+}
+
+#[test]
+fn resume_after_the_last_checkpoint_writes_the_model() {
+    let run = Run::new();
+    run.train("art");
+    let trained = run.weights("art");
+    std::fs::remove_file(run.path("art/model.mpk")).unwrap();
+    let out = run.run(&["train", "--artifact-dir", "art", "--resume"]);
+    assert_success(&out);
+    assert!(stdout(&out).contains("already trained"), "{}", stdout(&out));
+    assert_eq!(run.weights("art"), trained);
+}
+
+#[test]
+fn checkpoints_keep_the_last_k_and_the_best_and_early_stopping_ends_a_run() {
+    let run = Run::new();
+    let out = run.train("art");
+    let log = stdout(&out);
+    assert!(
+        log.contains("model.mpk holds the weights of step 120 (checkpoint epoch 6)"),
+        "{log}"
+    );
+    let art = ArtifactDir::new(run.path("art"));
+    assert_eq!(art.complete_checkpoints(), vec![5, 6], "{log}");
+    // A lr so high that the loss gets worse: the best epoch is kept beside the last one, and
+    // patience 1 stops the run.
+    run.experiment(
+        "tiny.json",
+        1,
+        r#"{"lr": 1.0, "keep_checkpoints": 1, "early_stopping": {"patience": 1}}"#,
+    );
+    let out = run.train("early");
+    let log = stdout(&out);
+    let art = ArtifactDir::new(run.path("early"));
+    let losses: std::collections::BTreeMap<usize, f64> =
+        serde_json::from_str(&std::fs::read_to_string(art.valid_losses()).unwrap()).unwrap();
+    let last = *losses.keys().last().unwrap();
+    let best = losses
+        .iter()
+        .min_by(|a, b| a.1.total_cmp(b.1))
+        .map(|(e, _)| *e)
+        .unwrap();
+    assert!(last < 6 && last == best + 1, "{losses:?}\n{log}");
+    assert!(log.contains("stopped early"), "{log}");
+    assert_eq!(art.complete_checkpoints(), vec![best, last]);
+    assert!(art.model_file().exists());
+}
+
+#[test]
+fn a_closed_stdout_never_stops_the_work() {
+    use std::io::{BufRead, BufReader};
+    let run = Run::new();
+    let mut child = run
+        .command(
+            "ndarray",
+            &[
+                "train",
+                "-e",
+                "tiny.json",
+                "--artifact-dir",
+                "art",
+                "--plain",
+            ],
+        )
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut first = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut first)
+        .unwrap();
+    // The reader is gone (like `| head -1`): every later line meets a closed pipe.
+    let status = child.wait().unwrap();
+    let mut err = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err).unwrap();
+    assert!(status.success(), "{status}: {err}");
+    assert!(!err.contains("panicked"), "{err}");
+    assert!(run.path("art/model.mpk").exists());
+    for args in [
+        vec!["eval", "--artifact-dir", "art"],
+        vec![
+            "generate",
+            "--artifact-dir",
+            "art",
+            "--max-new-tokens",
+            "200",
+        ],
+    ] {
+        let mut child = run
+            .command("ndarray", &args)
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        drop(child.stdout.take());
+        assert!(child.wait().unwrap().success(), "{args:?}");
+    }
+}
+
+#[test]
+fn empty_experiments_and_impossible_batches_are_refused() {
+    let run = Run::new();
+    for (text, expected) in [("{}", "an empty object"), ("[]", "a JSON array")] {
+        std::fs::write(run.path("e.json"), text).unwrap();
+        assert_clean_error(
+            &run.run(&["train", "-e", "e.json", "--artifact-dir", "e"]),
+            expected,
+        );
+    }
+    run.experiment("huge.json", 1, r#"{"batch_size": 1000000000}"#);
+    assert_clean_error(
+        &run.run(&["train", "-e", "huge.json", "--artifact-dir", "huge"]),
+        "lower batch_size",
+    );
+    assert!(
+        !run.path("huge").exists(),
+        "nothing written for a refused run"
+    );
+}
