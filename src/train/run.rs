@@ -40,6 +40,12 @@ pub(crate) type Loaders<B, M> = (
     >,
 );
 
+/// A training loader and a validation loader (on the inner backend).
+type LoaderPair<B, O, OV> = (
+    Arc<dyn DataLoader<B, O>>,
+    Arc<dyn DataLoader<<B as AutodiffBackend>::InnerBackend, OV>>,
+);
+
 /// Where a training writes, and what its parts share while it runs.
 pub(crate) struct Session {
     pub(super) artifact: ArtifactDir,
@@ -112,10 +118,7 @@ impl Session {
         train_batch: BatchFn<B, I, O>,
         valid_set: impl Dataset<IV> + 'static,
         valid_batch: BatchFn<B::InnerBackend, IV, OV>,
-    ) -> (
-        Arc<dyn DataLoader<B, O>>,
-        Arc<dyn DataLoader<B::InnerBackend, OV>>,
-    )
+    ) -> LoaderPair<B, O, OV>
     where
         B: AutodiffBackend,
         I: Send + Sync + 'static,
