@@ -35,6 +35,7 @@ mod classify;
 mod lm;
 mod loader;
 mod optim;
+mod preflight;
 mod renderer;
 mod run;
 mod schedule;
@@ -207,8 +208,8 @@ pub enum Outcome {
 
 /// Runs (or resumes) a training and writes its artifacts.
 pub fn train<B: LabAutodiff>(request: TrainRequest, device: B::Device) -> Result<TrainReport> {
-    run::recover_replaced_run(&request.artifact)?;
-    let (config, tokenizers) = run::prepare_artifact(&request)?;
+    preflight::recover_replaced_run(&request.artifact)?;
+    let (config, tokenizers) = preflight::prepare_artifact(&request)?;
     let session = Session::new(&request);
     let data_dir = &request.data_dir;
     let result = match &config.model {

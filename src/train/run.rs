@@ -9,7 +9,7 @@ use super::{
     WarmupSchedule,
 };
 use crate::artifact::{load_weights, ArtifactDir, ArtifactRecorder, CheckpointWatch};
-use crate::config::{ExperimentConfig, ModelConfig};
+use crate::config::ExperimentConfig;
 use crate::kernels::LabAutodiff;
 use anyhow::{bail, Result};
 use burn::data::dataloader::DataLoader;
@@ -21,9 +21,7 @@ use burn::record::Recorder;
 use burn::tensor::backend::AutodiffBackend;
 use burn::train::logger::FileMetricLogger;
 use burn::train::metric::{AccuracyMetric, LearningRateMetric, LossMetric, PerplexityMetric};
-use burn::train::{
-    ClassificationOutput, InferenceStep, Interrupter, Learner, SupervisedTraining, TrainStep,
-};
+use burn::train::{ClassificationOutput, InferenceStep, Learner, SupervisedTraining, TrainStep};
 use std::io::IsTerminal;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -76,7 +74,7 @@ impl Session {
         config: &ExperimentConfig,
         tokenizers: Option<&Tokenizers>,
     ) -> Result<()> {
-        check_memory(config)?;
+        super::preflight::check_memory(config)?;
         let artifact = &self.artifact;
         let previous = !self.resume && artifact.holds_run();
         artifact.check_writable()?;
@@ -171,146 +169,6 @@ impl Session {
         }
         result
     }
-}
-
-/// A run that `train --force` moved aside and that a kill left there: deleted if the new run
-/// reached a complete checkpoint (only the deletion was interrupted), else put back.
-pub(super) fn recover_replaced_run(artifact: &ArtifactDir) -> Result<()> {
-    if !artifact.replaced_run().exists() {
-        return Ok(());
-    }
-    if artifact.latest_checkpoint().is_some() {
-        std::fs::remove_dir_all(artifact.replaced_run())?;
-    } else {
-        artifact.restore_replaced_run()?;
-        println!(
-            "put back the run in {} that an interrupted `train --force` had moved aside",
-            artifact.root().display()
-        );
-    }
-    Ok(())
-}
-
-/// Checks the artifact directory against the request and returns the config to train and the
-/// tokenizers to reuse. Nothing is written or removed here.
-pub(super) fn prepare_artifact(
-    request: &TrainRequest,
-) -> Result<(ExperimentConfig, Option<Tokenizers>)> {
-    let artifact = &request.artifact;
-    if request.resume {
-        if !artifact.config().exists() {
-            bail!(
-                "--resume: {} holds no run to resume (no config.json)",
-                artifact.root().display()
-            );
-        }
-        artifact.check_config_unchanged(true)?;
-        let saved = ExperimentConfig::load(&artifact.config())?;
-        if let Some(asked) = &request.config {
-            let mut asked = asked.clone();
-            let (source, target) = saved.model.vocab_sizes();
-            asked.model.set_vocab_sizes(source, target);
-            if asked != saved {
-                bail!(
-                    "--resume: the experiment given differs from the one {} was trained with; \
-                     resume without --experiment, or start a new run elsewhere",
-                    artifact.root().display()
-                );
-            }
-        }
-        if artifact.model_file().exists() {
-            bail!(
-                "{} already finished ({} exists); use --force to start over",
-                artifact.root().display(),
-                artifact.model_file().display()
-            );
-        }
-        let tokenizers = if saved.model.reads_text() {
-            Some(Tokenizers::open(artifact, &saved)?)
-        } else {
-            None
-        };
-        return Ok((saved, tokenizers));
-    }
-    if artifact.holds_run() && !request.force {
-        bail!(
-            "{} already holds a run; pass --resume to continue it or --force to replace it",
-            artifact.root().display()
-        );
-    }
-    let config = match &request.config {
-        Some(config) => config.clone(),
-        None => ExperimentConfig::parse(crate::cli::DEFAULT_EXPERIMENT)
-            .expect("the default experiment parses (tested)"),
-    };
-    config.validate()?;
-    Ok((config, None))
-}
-
-/// Refuses a batch whose activations alone would not fit in this machine's free memory (a
-/// lower bound: the step needs more than this).
-fn check_memory(config: &ExperimentConfig) -> Result<()> {
-    let Some(available) = crate::memory::available_memory() else {
-        return Ok(());
-    };
-    let ff = |d: usize, d_ff: usize| if d_ff == 0 { 4 * d } else { d_ff };
-    // Floats kept for the backward pass per example: per layer ~10 values of width d_model and
-    // two of width d_ff per token, and the attention weights (h·t²); plus the logits.
-    let stack = |layers: usize, t: usize, d: usize, d_ff: usize, h: usize| {
-        layers as f64 * (t as f64 * (10 * d + 2 * d_ff) as f64 + (h * t * t) as f64)
-    };
-    let per_example = match &config.model {
-        ModelConfig::Lm(m) => {
-            stack(
-                m.n_layers,
-                m.context,
-                m.d_model,
-                ff(m.d_model, m.d_ff),
-                m.n_heads,
-            ) + (m.context * m.vocab_size) as f64
-        }
-        ModelConfig::Seq2seq(m) => {
-            let (t, d_ff) = (config.data.max_tokens, ff(m.d_model, m.d_ff));
-            stack(m.encoder_layers, t, m.d_model, d_ff, m.n_heads)
-                + 1.5 * stack(m.decoder_layers, t, m.d_model, d_ff, m.n_heads)
-                + (t * m.tgt_vocab_size) as f64
-        }
-        ModelConfig::Classifier(m) => stack(
-            m.n_layers,
-            config.data.max_tokens,
-            m.d_model,
-            ff(m.d_model, m.d_ff),
-            m.n_heads,
-        ),
-        ModelConfig::Vit(m) => stack(
-            m.n_layers,
-            m.n_tokens(),
-            m.d_model,
-            ff(m.d_model, m.d_ff),
-            m.n_heads,
-        ),
-    };
-    let bytes = 4.0 * per_example * config.train.batch_size as f64;
-    if bytes > available as f64 {
-        bail!(
-            "train: batch_size {} needs at least {} of memory for one step's activations; this \
-             machine has {} available: lower batch_size",
-            config.train.batch_size,
-            human_bytes(bytes),
-            human_bytes(available as f64)
-        );
-    }
-    Ok(())
-}
-
-fn human_bytes(bytes: f64) -> String {
-    let units = ["B", "KB", "MB", "GB", "TB", "PB", "EB"];
-    let power = (bytes.max(1.0).log10() / 3.0).floor().min(6.0) as i32;
-    format!(
-        "{:.1} {}",
-        bytes / 1e3f64.powi(power),
-        units[power as usize]
-    )
 }
 
 /// The newest checkpoint whose model, optimizer and scheduler files all load, saying which
@@ -470,9 +328,7 @@ where
         Some(pad) => PerplexityMetric::new().with_pad_token(pad),
         None => PerplexityMetric::new(),
     };
-    let interrupter = Interrupter::new();
     let mut training = SupervisedTraining::new(artifact.root(), loaders.0, loaders.1)
-        .with_interrupter(interrupter.clone())
         .with_metric_logger(FileMetricLogger::new(artifact.root()))
         .with_metric_logger(ValidLossLogger::new(losses.clone()))
         .metric_train_numeric(LossMetric::new())
@@ -529,22 +385,22 @@ where
     report.per_second = (report.steps * throughput.per_step) as f64 / report.seconds;
     report.valid_loss = losses.get(done);
     if let Some(failure) = session.watch.failure() {
-        bail!(
-            "{failure}; training stopped{}: free space (or fix the directory) and run \
-             `train --resume --artifact-dir {}`",
-            match artifact.latest_checkpoint() {
-                Some(e) => format!(
-                    ", the checkpoint of step {} is complete",
-                    e * train.steps_per_epoch
-                ),
-                None => String::new(),
-            },
-            artifact.root().display()
-        );
+        let next = match artifact.latest_checkpoint() {
+            Some(epoch) => format!(
+                "the checkpoint of step {} is complete: free space (or fix the directory) and \
+                 run `train --resume --artifact-dir {}`",
+                epoch * train.steps_per_epoch,
+                artifact.root().display()
+            ),
+            None => "no checkpoint was complete: free space (or fix the directory) and train \
+                     again"
+                .to_string(),
+        };
+        bail!("{failure}; training stopped, {next}");
     }
     if done < epochs && !stops_early(done) {
+        // Stopped by the user (the dashboard's `q`): nothing is written as if finished.
         report.outcome = Outcome::Interrupted;
-        let _ = interrupter.should_stop();
         return Ok(report);
     }
     if done < epochs {

@@ -1,0 +1,201 @@
+//! Writing an artifact's files: whole or not at all (temporary name, every write checked,
+//! fsync, rename), and the checkpoint writer that tells the training what failed.
+
+use super::ArtifactDir;
+use crate::kernels::LabBackend;
+use anyhow::{Context, Result};
+use burn::record::{
+    FileRecorder, FullPrecisionSettings, NamedMpkFileRecorder, Recorder, RecorderError,
+};
+use serde::{de::DeserializeOwned, Serialize};
+use std::io::Write;
+#[cfg(unix)]
+use std::os::unix::fs::PermissionsExt as _;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+/// The recorder for weights, optimizer and scheduler state: named MessagePack, full precision,
+/// written atomically.
+pub type ArtifactRecorder = AtomicRecorder<NamedMpkFileRecorder<FullPrecisionSettings>>;
+
+/// Writes `bytes` to `path` through a temporary file in the same directory, so `path` holds
+/// either its old content or the whole new content.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    let dir = path
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    // Ordinary file permissions (0644 less the umask), not the temporary file's private 0600.
+    let mut builder = tempfile::Builder::new();
+    #[cfg(unix)]
+    builder.permissions(std::fs::Permissions::from_mode(0o644));
+    let mut tmp = builder
+        .tempfile_in(dir)
+        .with_context(|| format!("cannot write in {}", dir.display()))?;
+    tmp.write_all(bytes)
+        .and_then(|()| tmp.as_file().sync_all())
+        .with_context(|| format!("cannot write {}", path.display()))?;
+    tmp.persist(path)
+        .with_context(|| format!("cannot write {}", path.display()))?;
+    Ok(())
+}
+
+/// What the checkpoint writers share with the training that started them: the first write
+/// that failed (training stops and reports it), and the run that `train --force` moved aside,
+/// removed once the new run's first checkpoint is complete.
+#[derive(Debug, Default)]
+pub struct CheckpointWatch {
+    failure: Mutex<Option<String>>,
+    replaced: Mutex<Option<(ArtifactDir, PathBuf)>>,
+    /// Epoch whose checkpoint fails as if the disk were full (`TRANSFORMER_LAB_FAIL_CHECKPOINT`,
+    /// for testing what a full disk does to a run).
+    fail_epoch: Option<usize>,
+}
+
+/// The environment variable that makes epoch N's checkpoint fail with "no space left".
+pub const FAIL_CHECKPOINT_ENV: &str = "TRANSFORMER_LAB_FAIL_CHECKPOINT";
+
+impl CheckpointWatch {
+    /// A watch for a run; `replaced` is the directory holding the run it replaces, if any.
+    pub fn new(replaced: Option<(ArtifactDir, PathBuf)>) -> Self {
+        Self {
+            failure: Mutex::new(None),
+            replaced: Mutex::new(replaced),
+            fail_epoch: std::env::var(FAIL_CHECKPOINT_ENV)
+                .ok()
+                .and_then(|v| v.parse().ok()),
+        }
+    }
+
+    /// Notes the run that this one replaces, kept in `aside` until a checkpoint is complete.
+    pub fn set_replaced(&self, artifact: ArtifactDir, aside: PathBuf) {
+        if let Ok(mut replaced) = self.replaced.lock() {
+            *replaced = Some((artifact, aside));
+        }
+    }
+
+    /// The replaced run still waiting for this run's first checkpoint, if any.
+    pub fn take_replaced(&self) -> Option<(ArtifactDir, PathBuf)> {
+        self.replaced.lock().ok()?.take()
+    }
+
+    /// The first checkpoint write that failed: the file and the OS error.
+    pub fn failure(&self) -> Option<String> {
+        self.failure.lock().ok()?.clone()
+    }
+
+    fn fail(&self, message: String) {
+        if let Ok(mut failure) = self.failure.lock() {
+            failure.get_or_insert(message);
+        }
+    }
+
+    /// After a checkpoint file was written: once an epoch is complete, the replaced run goes.
+    fn written(&self) {
+        let Ok(mut replaced) = self.replaced.lock() else {
+            return;
+        };
+        if let Some((artifact, dir)) = replaced.as_ref() {
+            if artifact.latest_checkpoint().is_some() && std::fs::remove_dir_all(dir).is_ok() {
+                *replaced = None;
+            }
+        }
+    }
+}
+
+/// A [`FileRecorder`] that writes through a hidden temporary file, checks every write (burn's
+/// recorders drop their buffered writer, so a full disk's last error is lost) and renames the
+/// file into place: a file under a name that is read back is complete or absent. With a
+/// [`CheckpointWatch`] it reports failures and completed checkpoints to the training.
+#[derive(Debug, Default, Clone)]
+pub struct AtomicRecorder<R> {
+    inner: R,
+    watch: Option<Arc<CheckpointWatch>>,
+}
+
+impl<R: Default> AtomicRecorder<R> {
+    /// A recorder that reports to `watch`.
+    pub fn watched(watch: Arc<CheckpointWatch>) -> Self {
+        Self {
+            inner: R::default(),
+            watch: Some(watch),
+        }
+    }
+}
+
+/// The epoch of a checkpoint file name such as `model-12`.
+fn checkpoint_epoch(file: &Path) -> Option<usize> {
+    let name = file.file_name()?.to_str()?;
+    name.rsplit_once('-')?.1.parse().ok()
+}
+
+impl<B: LabBackend> Recorder<B> for AtomicRecorder<NamedMpkFileRecorder<FullPrecisionSettings>> {
+    type Settings = FullPrecisionSettings;
+    type RecordArgs = PathBuf;
+    type RecordOutput = ();
+    type LoadArgs = PathBuf;
+
+    fn save_item<I: Serialize>(&self, item: I, file: PathBuf) -> Result<(), RecorderError> {
+        let target = file.with_extension("mpk");
+        let result = (|| -> std::io::Result<()> {
+            let bytes = rmp_serde::to_vec_named(&item).map_err(std::io::Error::other)?;
+            if let Some(watch) = &self.watch {
+                let model = file.file_name().is_some_and(|n| {
+                    n.to_str()
+                        .is_some_and(|n| n.starts_with("model-") || n == "model")
+                });
+                if model
+                    && watch.fail_epoch.is_some()
+                    && watch.fail_epoch == checkpoint_epoch(&file)
+                {
+                    return Err(std::io::Error::from_raw_os_error(28)); // ENOSPC
+                }
+            }
+            let dir = target.parent().unwrap_or(Path::new("."));
+            let name = target
+                .file_name()
+                .and_then(|n| n.to_str())
+                .unwrap_or("record");
+            // A leading dot: never taken for a checkpoint; removed on the next start if a kill
+            // leaves it behind.
+            let prefix = format!(".{name}-partial-");
+            let mut builder = tempfile::Builder::new();
+            builder.prefix(&prefix);
+            #[cfg(unix)]
+            builder.permissions(std::fs::Permissions::from_mode(0o644));
+            let mut tmp = builder.tempfile_in(dir)?;
+            tmp.write_all(&bytes)?;
+            tmp.as_file().sync_all()?;
+            tmp.persist(&target).map_err(|e| e.error)?;
+            Ok(())
+        })();
+        match result {
+            Ok(()) => {
+                if let Some(watch) = &self.watch {
+                    watch.written();
+                }
+                Ok(())
+            }
+            Err(err) => {
+                let message = format!("cannot write {}: {err}", target.display());
+                if let Some(watch) = &self.watch {
+                    watch.fail(message.clone());
+                }
+                Err(RecorderError::Unknown(message))
+            }
+        }
+    }
+
+    fn load_item<I: DeserializeOwned>(&self, file: &mut PathBuf) -> Result<I, RecorderError> {
+        <NamedMpkFileRecorder<FullPrecisionSettings> as Recorder<B>>::load_item(&self.inner, file)
+    }
+}
+
+impl<B: LabBackend> FileRecorder<B>
+    for AtomicRecorder<NamedMpkFileRecorder<FullPrecisionSettings>>
+{
+    fn file_extension() -> &'static str {
+        "mpk"
+    }
+}
