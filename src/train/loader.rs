@@ -253,9 +253,11 @@ impl<O> Iterator for EpochIter<O> {
         if self.next >= self.batches {
             return None;
         }
+        // A worker only stops early when its batch function panicked: an epoch silently cut
+        // short would train fewer steps than it reports.
         let (batch, items) = self.receivers[self.next % self.receivers.len()]
             .recv()
-            .ok()?;
+            .expect("a data-loading thread failed (see its message above)");
         self.next += 1;
         self.progress.items_processed += items;
         Some(batch)
