@@ -72,14 +72,19 @@ fn a_wrong_magic_number_is_a_clear_error() {
     );
 }
 
-#[test]
-fn augmentation_shifts_pixels_and_keeps_labels() {
+/// The three test images, read back from IDX files, with labels 7, 0, 9.
+fn three_items() -> Vec<transformer_lab::data::ImageItem> {
     let dir = tempfile::tempdir().unwrap();
     let (images, labels) = (dir.path().join("i"), dir.path().join("l"));
     std::fs::write(&images, idx(0x803, &[3, 4, 5], &three_images())).unwrap();
     std::fs::write(&labels, idx(0x801, &[3], &[7, 0, 9])).unwrap();
     let set = ImageSet::read_idx(&images, &labels).unwrap();
-    let items: Vec<_> = (0..3).map(|i| set.get(i).unwrap()).collect();
+    (0..3).map(|i| set.get(i).unwrap()).collect()
+}
+
+#[test]
+fn augmentation_shifts_pixels_and_keeps_labels() {
+    let items = three_items();
     let device = Default::default();
     let plain: ImageBatch<NdArray> = ImageBatcher::new(4, 5, 0, 1).batch(items.clone(), &device);
     let shifted: ImageBatch<NdArray> = ImageBatcher::new(4, 5, 1, 1).batch(items, &device);
@@ -118,12 +123,7 @@ fn augmentation_shifts_pixels_and_keeps_labels() {
 
 #[test]
 fn a_batch_is_shifted_by_its_own_seed_not_by_how_many_came_before() {
-    let dir = tempfile::tempdir().unwrap();
-    let (images, labels) = (dir.path().join("i"), dir.path().join("l"));
-    std::fs::write(&images, idx(0x803, &[3, 4, 5], &three_images())).unwrap();
-    std::fs::write(&labels, idx(0x801, &[3], &[7, 0, 9])).unwrap();
-    let set = ImageSet::read_idx(&images, &labels).unwrap();
-    let items: Vec<_> = (0..3).map(|i| set.get(i).unwrap()).collect();
+    let items = three_items();
     let device = Default::default();
     let pixels = |batcher: &ImageBatcher, seed: u64| -> Vec<f32> {
         let batch: ImageBatch<NdArray> = batcher.batch_seeded(items.clone(), seed, &device);
