@@ -464,7 +464,7 @@ fn run_bench<B: LabBackend>(args: BenchArgs, device: B::Device) -> Result<()> {
     }
     let config = match &args.experiment {
         Some(path) => ExperimentConfig::load(path)?,
-        None => ExperimentConfig::parse(crate::cli::DEFAULT_EXPERIMENT)?,
+        None => ExperimentConfig::parse(crate::config::DEFAULT_EXPERIMENT)?,
     };
     if config.lm().is_err() {
         bail!(
@@ -493,7 +493,7 @@ fn run_bench_kernels<B: LabBackend>(args: BenchKernelsArgs, device: B::Device) -
     }
     let config = match &args.experiment {
         Some(path) => ExperimentConfig::load(path)?,
-        None => ExperimentConfig::parse(crate::cli::DEFAULT_EXPERIMENT)?,
+        None => ExperimentConfig::parse(crate::config::DEFAULT_EXPERIMENT)?,
     };
     let lm = config.lm().map_err(|_| {
         anyhow!(

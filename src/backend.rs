@@ -1,9 +1,19 @@
 //! The one place where a backend is chosen: cargo features decide which are compiled in, the
 //! `--backend` flag picks among them.
 
-use crate::cli::BackendKind;
 use crate::kernels::LabBackend;
 use anyhow::{bail, Result};
+
+/// The compute backends a binary can be built with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum BackendKind {
+    /// CPU, pure Rust (cargo feature `ndarray`).
+    Ndarray,
+    /// CPU, pure Rust: burn's newer flex backend (cargo feature `flex`; the CPU default).
+    Flex,
+    /// GPU through wgpu: Vulkan, Metal or DX12 (cargo feature `wgpu`).
+    Wgpu,
+}
 
 /// The CPU backend.
 #[cfg(feature = "ndarray")]

@@ -1,10 +1,10 @@
 //! Command-line types (clap derive). The doc comments are the `--help` text.
 
-use clap::{Args, Parser, Subcommand, ValueEnum};
+use clap::{Args, Parser, Subcommand};
 use std::path::PathBuf;
 
-/// The default experiment (`experiments/shakespeare-char.json`), compiled in.
-pub const DEFAULT_EXPERIMENT: &str = include_str!("../experiments/shakespeare-char.json");
+pub use crate::backend::BackendKind;
+pub use crate::config::DEFAULT_EXPERIMENT;
 
 /// Build, train, inspect and sample transformer models.
 #[derive(Parser, Debug)]
@@ -20,17 +20,6 @@ pub struct Cli {
     /// What to do.
     #[command(subcommand)]
     pub command: Command,
-}
-
-/// The compute backends a binary can be built with.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum BackendKind {
-    /// CPU, pure Rust (cargo feature `ndarray`).
-    Ndarray,
-    /// CPU, pure Rust: burn's newer flex backend (cargo feature `flex`; the CPU default).
-    Flex,
-    /// GPU through wgpu: Vulkan, Metal or DX12 (cargo feature `wgpu`).
-    Wgpu,
 }
 
 /// The subcommands.

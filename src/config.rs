@@ -12,6 +12,9 @@ use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 use std::path::Path;
 
+/// The default experiment (`experiments/shakespeare-char.json`), compiled in.
+pub const DEFAULT_EXPERIMENT: &str = include_str!("../experiments/shakespeare-char.json");
+
 /// A whole experiment: model, data, training and seed.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]

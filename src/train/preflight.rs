@@ -74,7 +74,7 @@ pub(super) fn prepare_artifact(
     }
     let config = match &request.config {
         Some(config) => config.clone(),
-        None => ExperimentConfig::parse(crate::cli::DEFAULT_EXPERIMENT)
+        None => ExperimentConfig::parse(crate::config::DEFAULT_EXPERIMENT)
             .expect("the default experiment parses (tested)"),
     };
     config.validate()?;
