@@ -162,6 +162,23 @@ impl ArtifactDir {
             .with_context(|| format!("cannot remove {}", aside.display()))
     }
 
+    /// Settles a run that `train --force` moved aside: deleted if the newer run has a complete
+    /// checkpoint (only the deletion is left to do), else put back. Returns whether it was put
+    /// back.
+    pub fn settle_replaced_run(&self) -> Result<bool> {
+        let aside = self.replaced_run();
+        if !aside.exists() {
+            return Ok(false);
+        }
+        if self.latest_checkpoint().is_some() {
+            std::fs::remove_dir_all(&aside)
+                .with_context(|| format!("cannot remove {}", aside.display()))?;
+            return Ok(false);
+        }
+        self.restore_replaced_run()?;
+        Ok(true)
+    }
+
     /// Checks that files can be created in the directory and in `checkpoint/` (creating both).
     pub fn check_writable(&self) -> Result<()> {
         for dir in [self.root.clone(), self.checkpoints()] {
@@ -234,12 +251,12 @@ impl ArtifactDir {
             serde_json::from_str(&text).with_context(|| format!("malformed {}", path.display()))
         };
         let (now, then) = (read(&self.config())?, read(&trained)?);
-        let scope = if everything { "" } else { "model" };
-        let pick = |v: &serde_json::Value| match scope {
-            "" => v.clone(),
-            key => v.get(key).cloned().unwrap_or_default(),
+        let (now, then, scope) = if everything {
+            (now, then, "")
+        } else {
+            (now["model"].clone(), then["model"].clone(), "model")
         };
-        if let Some((path, edited, original)) = first_difference(&pick(&now), &pick(&then), scope) {
+        if let Some((path, edited, original)) = first_difference(&now, &then, scope) {
             bail!(
                 "{} was edited after training: {path} is {edited} there but the run was trained \
                  with {original}; put it back (the trained config is {})",
@@ -300,13 +317,8 @@ pub fn load_weights<B: LabBackend, M: Module<B>>(
                 first_line(&format!("{err:?}"))
             )
         })?;
-    // burn panics on a record of another structure; catch it without printing its trace.
-    let hook = std::panic::take_hook();
-    std::panic::set_hook(Box::new(|_| {}));
-    let loaded =
-        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| model.load_record(record)));
-    std::panic::set_hook(hook);
-    let loaded = loaded.map_err(|_| {
+    // burn panics on a record of another structure.
+    let loaded = catch_silently(|| model.load_record(record)).ok_or_else(|| {
         anyhow!(
             "{} was written by a model with another structure",
             path.with_extension("mpk").display()
@@ -358,6 +370,16 @@ fn first_difference(
         _ if a == b => None,
         _ => Some((path.to_string(), a.to_string(), b.to_string())),
     }
+}
+
+/// Runs `f`; `None` if it panicked, without printing the panic's message and backtrace: burn
+/// panics (rather than erring) on a record whose structure does not match the model.
+pub fn catch_silently<T>(f: impl FnOnce() -> T) -> Option<T> {
+    let hook = std::panic::take_hook();
+    std::panic::set_hook(Box::new(|_| {}));
+    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
+    std::panic::set_hook(hook);
+    result.ok()
 }
 
 fn first_line(text: &str) -> &str {

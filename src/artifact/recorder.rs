@@ -26,25 +26,34 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
         .filter(|p| !p.as_os_str().is_empty())
         .unwrap_or(Path::new("."));
     std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
-    // Ordinary file permissions (0644 less the umask), not the temporary file's private 0600.
+    write_whole(path, bytes).with_context(|| format!("cannot write {}", path.display()))
+}
+
+/// Writes `bytes` to a hidden `.NAME-partial-…` file beside `path` (never read back; removed
+/// on the next start if a kill leaves it), checks every write, syncs it and renames it to `path`.
+fn write_whole(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    let dir = path
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("file");
+    let prefix = format!(".{name}-partial-");
     let mut builder = tempfile::Builder::new();
+    builder.prefix(&prefix);
+    // Ordinary file permissions (0644 less the umask), not the temporary file's private 0600.
     #[cfg(unix)]
     builder.permissions(std::fs::Permissions::from_mode(0o644));
-    let mut tmp = builder
-        .tempfile_in(dir)
-        .with_context(|| format!("cannot write in {}", dir.display()))?;
-    tmp.write_all(bytes)
-        .and_then(|()| tmp.as_file().sync_all())
-        .with_context(|| format!("cannot write {}", path.display()))?;
-    tmp.persist(path)
-        .with_context(|| format!("cannot write {}", path.display()))?;
+    let mut tmp = builder.tempfile_in(dir)?;
+    tmp.write_all(bytes)?;
+    tmp.as_file().sync_all()?;
+    tmp.persist(path).map_err(|e| e.error)?;
     Ok(())
 }
 
 /// What the checkpoint writers share with the training that started them: the first write
 /// that failed (training stops and reports it), and the run that `train --force` moved aside,
 /// removed once the new run's first checkpoint is complete.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct CheckpointWatch {
     failure: Mutex<Option<String>>,
     replaced: Mutex<Option<(ArtifactDir, PathBuf)>>,
@@ -53,15 +62,21 @@ pub struct CheckpointWatch {
     fail_epoch: Option<usize>,
 }
 
+impl Default for CheckpointWatch {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
 /// The environment variable that makes epoch N's checkpoint fail with "no space left".
 pub const FAIL_CHECKPOINT_ENV: &str = "TRANSFORMER_LAB_FAIL_CHECKPOINT";
 
 impl CheckpointWatch {
-    /// A watch for a run; `replaced` is the directory holding the run it replaces, if any.
-    pub fn new(replaced: Option<(ArtifactDir, PathBuf)>) -> Self {
+    /// A watch for a run.
+    pub fn new() -> Self {
         Self {
             failure: Mutex::new(None),
-            replaced: Mutex::new(replaced),
+            replaced: Mutex::new(None),
             fail_epoch: std::env::var(FAIL_CHECKPOINT_ENV)
                 .ok()
                 .and_then(|v| v.parse().ok()),
@@ -152,22 +167,7 @@ impl<B: LabBackend> Recorder<B> for AtomicRecorder<NamedMpkFileRecorder<FullPrec
                     return Err(std::io::Error::from_raw_os_error(28)); // ENOSPC
                 }
             }
-            let dir = target.parent().unwrap_or(Path::new("."));
-            let name = target
-                .file_name()
-                .and_then(|n| n.to_str())
-                .unwrap_or("record");
-            // A leading dot: never taken for a checkpoint; removed on the next start if a kill
-            // leaves it behind.
-            let prefix = format!(".{name}-partial-");
-            let mut builder = tempfile::Builder::new();
-            builder.prefix(&prefix);
-            #[cfg(unix)]
-            builder.permissions(std::fs::Permissions::from_mode(0o644));
-            let mut tmp = builder.tempfile_in(dir)?;
-            tmp.write_all(&bytes)?;
-            tmp.as_file().sync_all()?;
-            tmp.persist(&target).map_err(|e| e.error)?;
+            write_whole(&target, &bytes)?;
             Ok(())
         })();
         match result {

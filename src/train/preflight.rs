@@ -10,13 +10,7 @@ use anyhow::{bail, Result};
 /// A run that `train --force` moved aside and that a kill left there: deleted if the new run
 /// reached a complete checkpoint (only the deletion was interrupted), else put back.
 pub(super) fn recover_replaced_run(artifact: &ArtifactDir) -> Result<()> {
-    if !artifact.replaced_run().exists() {
-        return Ok(());
-    }
-    if artifact.latest_checkpoint().is_some() {
-        std::fs::remove_dir_all(artifact.replaced_run())?;
-    } else {
-        artifact.restore_replaced_run()?;
+    if artifact.settle_replaced_run()? {
         println!(
             "put back the run in {} that an interrupted `train --force` had moved aside",
             artifact.root().display()

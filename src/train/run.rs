@@ -8,7 +8,9 @@ use super::{
     reference_adamw, Outcome, PlainRenderer, Throughput, Tokenizers, TrainReport, TrainRequest,
     WarmupSchedule,
 };
-use crate::artifact::{load_weights, ArtifactDir, ArtifactRecorder, CheckpointWatch};
+use crate::artifact::{
+    catch_silently, load_weights, ArtifactDir, ArtifactRecorder, CheckpointWatch,
+};
 use crate::config::ExperimentConfig;
 use crate::kernels::LabAutodiff;
 use anyhow::{bail, Result};
@@ -62,7 +64,7 @@ impl Session {
             resume: request.resume,
             plain: request.plain,
             epoch: Arc::new(AtomicUsize::new(0)),
-            watch: Arc::new(CheckpointWatch::new(None)),
+            watch: Arc::new(CheckpointWatch::new()),
         }
     }
 
@@ -156,15 +158,13 @@ impl Session {
     /// run never completed a checkpoint.
     pub(super) fn end(&self, result: Result<TrainReport>) -> Result<TrainReport> {
         if self.watch.take_replaced().is_some() {
-            if self.artifact.latest_checkpoint().is_some() {
-                let _ = std::fs::remove_dir_all(self.artifact.replaced_run());
-            } else if let Err(err) = self.artifact.restore_replaced_run() {
-                eprintln!("warning: {err:#}");
-            } else {
-                eprintln!(
+            match self.artifact.settle_replaced_run() {
+                Ok(true) => eprintln!(
                     "the previous run in {} was put back",
                     self.artifact.root().display()
-                );
+                ),
+                Ok(false) => {}
+                Err(err) => eprintln!("warning: {err:#}"),
             }
         }
         result
@@ -238,14 +238,10 @@ where
 fn quietly<T>(
     load: impl FnOnce() -> std::result::Result<T, burn::record::RecorderError>,
 ) -> std::result::Result<T, String> {
-    let hook = std::panic::take_hook();
-    std::panic::set_hook(Box::new(|_| {}));
-    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(load));
-    std::panic::set_hook(hook);
-    match result {
-        Ok(Ok(value)) => Ok(value),
-        Ok(Err(err)) => Err(err.to_string()),
-        Err(_) => Err("its content does not match this model".into()),
+    match catch_silently(load) {
+        Some(Ok(value)) => Ok(value),
+        Some(Err(err)) => Err(err.to_string()),
+        None => Err("its content does not match this model".into()),
     }
 }
 

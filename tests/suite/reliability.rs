@@ -263,6 +263,14 @@ fn a_read_only_checkpoint_directory_is_one_clear_error() {
 
 #[test]
 fn force_keeps_the_old_run_until_the_new_one_has_a_checkpoint() {
+    const FORCE: [&str; 6] = [
+        "train",
+        "-e",
+        "tiny.json",
+        "--artifact-dir",
+        "art",
+        "--force",
+    ];
     let run = Run::new();
     run.train("art");
     let before = run.weights("art");
@@ -286,34 +294,14 @@ fn force_keeps_the_old_run_until_the_new_one_has_a_checkpoint() {
     assert_clean_error(&out, "missing.txt");
     // Fails in training, before its first checkpoint: the old run comes back.
     let out = run
-        .command(
-            "ndarray",
-            &[
-                "train",
-                "-e",
-                "tiny.json",
-                "--artifact-dir",
-                "art",
-                "--force",
-            ],
-        )
+        .command("ndarray", &FORCE)
         .env(transformer_lab::artifact::FAIL_CHECKPOINT_ENV, "1")
         .output()
         .unwrap();
     assert_clean_error(&out, "model-1.mpk");
     // Killed right after moving the old run aside: the next start puts it back.
     let mut child = run
-        .command(
-            "ndarray",
-            &[
-                "train",
-                "-e",
-                "tiny.json",
-                "--artifact-dir",
-                "art",
-                "--force",
-            ],
-        )
+        .command("ndarray", &FORCE)
         .stdout(Stdio::null())
         .spawn()
         .unwrap();
@@ -329,14 +317,7 @@ fn force_keeps_the_old_run_until_the_new_one_has_a_checkpoint() {
         config
     );
     // A --force that works replaces it, and nothing of the old run is left.
-    assert_success(&run.run(&[
-        "train",
-        "-e",
-        "tiny.json",
-        "--artifact-dir",
-        "art",
-        "--force",
-    ]));
+    assert_success(&run.run(&FORCE));
     assert!(!run.path("art/.replaced-run").exists());
 }
 
