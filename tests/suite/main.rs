@@ -20,6 +20,7 @@ mod kernels;
 mod lm;
 mod mask;
 mod mixer;
+mod old_artifacts;
 mod position;
 mod reliability;
 mod seq2seq;
