@@ -1,7 +1,6 @@
 //! The one place where a backend is chosen: cargo features decide which are compiled in, the
 //! `--backend` flag picks among them.
 
-use crate::kernels::LabBackend;
 use anyhow::{bail, Result};
 
 /// The compute backends a binary can be built with.
@@ -26,12 +25,6 @@ pub type Flex = burn::backend::Flex;
 /// The GPU backend.
 #[cfg(feature = "wgpu")]
 pub type Gpu = burn::backend::Wgpu<f32, i32>;
-
-/// Something to run on a backend chosen at run time.
-pub trait BackendTask {
-    /// Runs on backend `B` with device `device`.
-    fn run<B: LabBackend>(self, device: B::Device) -> Result<()>;
-}
 
 /// The backend used when `--backend` is absent: wgpu when it is compiled in and a hardware GPU
 /// is present; otherwise the fastest CPU backend compiled in (flex, then ndarray), which on a
@@ -97,34 +90,33 @@ pub fn hardware_gpu_present() -> bool {
     })
 }
 
-/// Runs `task` on the chosen backend.
-pub fn dispatch(kind: Option<BackendKind>, task: impl BackendTask) -> Result<()> {
-    match kind.unwrap_or_else(default_backend) {
-        #[cfg(feature = "ndarray")]
-        BackendKind::Ndarray => task.run::<Cpu>(Default::default()),
-        #[cfg(feature = "flex")]
-        BackendKind::Flex => task.run::<Flex>(Default::default()),
-        #[cfg(feature = "wgpu")]
-        BackendKind::Wgpu => {
-            if !wgpu_adapter_present() {
-                bail!(
-                    "--backend wgpu: wgpu finds no {} device (no GPU driver installed); install \
-                     one (without a GPU, Mesa's lavapipe: apt-get install mesa-vulkan-drivers \
-                     libvulkan1) or use --backend {}",
-                    if cfg!(target_os = "macos") {
-                        "Metal"
-                    } else {
-                        "Vulkan"
-                    },
-                    format!("{:?}", cpu_default()).to_lowercase()
-                );
-            }
-            task.run::<Gpu>(Default::default())
-        }
-        #[allow(unreachable_patterns)]
-        other => bail!(
-            "this binary was built without the {other:?} backend; rebuild with --features {}",
-            format!("{other:?}").to_lowercase()
-        ),
+/// Fails with one line saying why `kind` cannot run: a backend left out of this build, or wgpu
+/// without any adapter.
+pub fn check_available(kind: BackendKind) -> Result<()> {
+    let compiled = match kind {
+        BackendKind::Ndarray => cfg!(feature = "ndarray"),
+        BackendKind::Flex => cfg!(feature = "flex"),
+        BackendKind::Wgpu => cfg!(feature = "wgpu"),
+    };
+    if !compiled {
+        bail!(
+            "this binary was built without the {kind:?} backend; rebuild with --features {}",
+            format!("{kind:?}").to_lowercase()
+        );
     }
+    #[cfg(feature = "wgpu")]
+    if kind == BackendKind::Wgpu && !wgpu_adapter_present() {
+        bail!(
+            "--backend wgpu: wgpu finds no {} device (no GPU driver installed); install \
+             one (without a GPU, Mesa's lavapipe: apt-get install mesa-vulkan-drivers \
+             libvulkan1) or use --backend {}",
+            if cfg!(target_os = "macos") {
+                "Metal"
+            } else {
+                "Vulkan"
+            },
+            format!("{:?}", cpu_default()).to_lowercase()
+        );
+    }
+    Ok(())
 }

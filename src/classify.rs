@@ -1,36 +1,25 @@
 //! Using trained classifiers: class probabilities for image files and texts, and test-set
 //! accuracy with a confusion matrix.
 
+use crate::artifact::Trained;
 use crate::data::images::normalise_pixel;
-use crate::data::sentiment::{encode_sentence, SENTIMENT_LABELS};
+use crate::data::sentiment::encode_sentence;
 use crate::data::translation::pad_rows;
 use crate::data::{ImageSet, SentimentCorpus};
 use crate::kernels::LabBackend;
-use crate::train::{TrainedClassifier, TrainedVit};
+use crate::models::{TextClassifier, VisionTransformer};
 use anyhow::{bail, Context, Result};
 use burn::prelude::*;
 use burn::tensor::activation::softmax;
 use std::path::Path;
 
-/// The class names of a classification dataset, by index.
-pub fn class_names(dataset: &str) -> Vec<String> {
-    let names: &[&str] = match dataset {
-        "fashion-mnist" => &[
-            "T-shirt/top",
-            "Trouser",
-            "Pullover",
-            "Dress",
-            "Coat",
-            "Sandal",
-            "Shirt",
-            "Sneaker",
-            "Bag",
-            "Ankle boot",
-        ],
-        "mnist" => &["0", "1", "2", "3", "4", "5", "6", "7", "8", "9"],
-        _ => &SENTIMENT_LABELS,
-    };
-    names.iter().map(|s| s.to_string()).collect()
+/// The class names of a classification dataset, by index (its declaration's `classes`).
+pub fn class_names(dataset: &str) -> Result<Vec<String>> {
+    let classes = crate::data::DatasetSpec::find(dataset)?.classes;
+    if classes.is_empty() {
+        bail!("{dataset} declares no classes (datasets/{dataset}.json)");
+    }
+    Ok(classes)
 }
 
 /// A grey image prepared for the model.
@@ -71,7 +60,7 @@ pub fn load_image(path: &Path, size: usize) -> Result<PreparedImage> {
 
 /// Class probabilities of images, `[b, classes]`.
 pub fn image_probabilities<B: LabBackend>(
-    trained: &TrainedVit<B>,
+    trained: &Trained<VisionTransformer<B>>,
     images: &[Vec<u8>],
     size: usize,
     device: &B::Device,
@@ -90,7 +79,7 @@ pub fn image_probabilities<B: LabBackend>(
 
 /// Class probabilities of texts, `[b, classes]`. Empty texts are an error.
 pub fn text_probabilities<B: LabBackend>(
-    trained: &TrainedClassifier<B>,
+    trained: &Trained<TextClassifier<B>>,
     texts: &[String],
     device: &B::Device,
 ) -> Result<Tensor<B, 2>> {
@@ -102,7 +91,7 @@ pub fn text_probabilities<B: LabBackend>(
             if text.trim().is_empty() {
                 bail!("text {} is empty: there is nothing to classify", i + 1);
             }
-            encode_sentence(&trained.tokenizer, text, max_tokens)
+            encode_sentence(trained.tokenizer(), text, max_tokens)
         })
         .collect::<Result<Vec<_>>>()?;
     Ok(softmax(
@@ -162,7 +151,7 @@ fn predictions<B: LabBackend>(scores: Tensor<B, 2>) -> Result<Vec<usize>> {
 
 /// Test-set confusion of a ViT (the official 10,000 test images).
 pub fn evaluate_vit<B: LabBackend>(
-    trained: &TrainedVit<B>,
+    trained: &Trained<VisionTransformer<B>>,
     data_dir: &Path,
     batch_size: usize,
     limit: Option<usize>,
@@ -171,7 +160,7 @@ pub fn evaluate_vit<B: LabBackend>(
     let (_, test) = ImageSet::load(&trained.config.data.dataset, data_dir)?;
     let n = test.len().min(limit.unwrap_or(usize::MAX));
     let size = test.rows;
-    let mut confusion = Confusion::new(class_names(&trained.config.data.dataset));
+    let mut confusion = Confusion::new(class_names(&trained.config.data.dataset)?);
     for start in (0..n).step_by(batch_size) {
         let end = (start + batch_size).min(n);
         let images: Vec<Vec<u8>> = (start..end)
@@ -189,7 +178,7 @@ pub fn evaluate_vit<B: LabBackend>(
 
 /// Test-split confusion of a text classifier (GLUE dev for SST-2).
 pub fn evaluate_classifier<B: LabBackend>(
-    trained: &TrainedClassifier<B>,
+    trained: &Trained<TextClassifier<B>>,
     data_dir: &Path,
     batch_size: usize,
     limit: Option<usize>,
@@ -205,7 +194,7 @@ pub fn evaluate_classifier<B: LabBackend>(
     )?;
     let mut test = corpus.test;
     test.truncate(limit.unwrap_or(usize::MAX));
-    let mut confusion = Confusion::new(class_names(&data.dataset));
+    let mut confusion = Confusion::new(class_names(&data.dataset)?);
     for chunk in test.chunks(batch_size) {
         let texts: Vec<String> = chunk.iter().map(|row| row.text.clone()).collect();
         let truth: Vec<usize> = chunk.iter().map(|row| row.label).collect();
@@ -221,4 +210,33 @@ pub fn top_classes(probabilities: &[f32], k: usize) -> Vec<(usize, f32)> {
     ranked.sort_by(|a, b| b.1.total_cmp(&a.1));
     ranked.truncate(k);
     ranked
+}
+
+/// Prints a classifier's test accuracy on `what` ("test images") and writes its confusion
+/// matrix as a PNG to `output` (default: `confusion.png` in `artifact_dir`).
+pub fn report_confusion(
+    config: &crate::config::ExperimentConfig,
+    confusion: &Confusion,
+    what: &str,
+    seconds: f64,
+    output: Option<&Path>,
+    artifact_dir: &Path,
+) -> Result<()> {
+    let accuracy = 100.0 * confusion.accuracy();
+    println!(
+        "{}: test accuracy {accuracy:.2}% on {} {what} of {} ({seconds:.1} s)",
+        config.name,
+        confusion.total(),
+        config.data.dataset
+    );
+    let path = output.map_or_else(|| artifact_dir.join("confusion.png"), Path::to_path_buf);
+    let title = format!(
+        "{} on {}: {accuracy:.2}% of {}",
+        config.name,
+        config.data.dataset,
+        confusion.total()
+    );
+    crate::plot::confusion_png(&path, &title, &confusion.classes, &confusion.counts)?;
+    println!("confusion matrix written to {}", path.display());
+    Ok(())
 }

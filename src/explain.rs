@@ -163,32 +163,20 @@ pub struct HeadWalkthrough {
 /// Walks through head `head` of layer `layer` of a trained text model (language model,
 /// classifier, or a translator's encoder) on `text`.
 pub fn model_walkthrough<B: LabBackend>(
-    model: &crate::inspect::Inspectable<B>,
+    model: &crate::inspect::TextModel<'_, B>,
     text: &str,
     layer: usize,
     head: usize,
     device: &B::Device,
 ) -> Result<HeadWalkthrough> {
-    use crate::inspect::Inspectable;
-    use crate::nn::AttentionMask;
-    if let Inspectable::Vit(_) = model {
-        bail!("explain walks through a text model's attention; for a ViT use `attention` with an image");
-    }
     let ids = model.encode(text)?;
     let n = ids.len();
-    let rows = [ids.iter().map(|&i| i as u32).collect::<Vec<u32>>()];
-    let tokens = crate::data::translation::pad_rows::<B>(&rows, device);
     // One unpadded sentence needs no padding mask; a language model needs the causal one.
-    let (stack, x0, mask) = match model {
-        Inspectable::Lm(t) => (
-            &t.model.decoder,
-            t.model.embed(tokens),
-            Some(AttentionMask::causal(n, device)),
-        ),
-        Inspectable::Classifier(t) => (&t.model.encoder, t.model.embed(tokens), None),
-        Inspectable::Translator(t) => (&t.model.encoder, t.model.embed_source(tokens), None),
-        Inspectable::Vit(_) => unreachable!("rejected above"),
-    };
+    let (stack, x0, mask) = (
+        model.stack,
+        (model.embed)(model.tokens(&ids, device)),
+        model.mask(n, device),
+    );
     let mixer = stack.blocks[0]
         .self_attention
         .as_ref()

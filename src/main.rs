@@ -2,7 +2,7 @@
 
 use clap::Parser;
 use std::process::ExitCode;
-use transformer_lab::backend::dispatch;
+use transformer_lab::app::dispatch;
 use transformer_lab::cli::Cli;
 use transformer_lab::memory::CountingAlloc;
 

@@ -45,7 +45,7 @@ pub fn render_png(
     image
         .write_to(&mut png, image::ImageFormat::Png)
         .with_context(|| format!("cannot encode {}", path.display()))?;
-    crate::artifact::write_atomic(path, png.get_ref())
+    crate::files::write_atomic(path, png.get_ref())
 }
 
 /// A colour from white (0) to deep blue (1).

@@ -24,6 +24,23 @@ pub struct SearchConfig {
 }
 
 impl SearchConfig {
+    /// The search asked for, `max_len` defaulting to what a model of `model_max_len` positions
+    /// can produce after `<s>`; checked.
+    pub fn resolve(
+        beam_size: usize,
+        length_penalty: f64,
+        max_len: Option<usize>,
+        model_max_len: usize,
+    ) -> Result<Self> {
+        let search = Self {
+            beam_size,
+            length_penalty,
+            max_len: max_len.unwrap_or(model_max_len - 1),
+        };
+        search.validate()?;
+        Ok(search)
+    }
+
     /// Checks the settings.
     pub fn validate(&self) -> Result<()> {
         if self.beam_size == 0 || self.max_len == 0 {
@@ -276,7 +293,7 @@ pub struct Truncated {
 /// translates to an empty string without running the model.
 pub fn translate_texts<B: LabBackend>(
     model: &Seq2Seq<B>,
-    tokenizers: &crate::train::Tokenizers,
+    tokenizers: &crate::artifact::Tokenizers,
     texts: &[String],
     search: &SearchConfig,
     batch_size: usize,
@@ -322,4 +339,16 @@ pub fn translate_texts<B: LabBackend>(
         }
     }
     Ok((out, truncated))
+}
+
+/// Warns (on stderr) about each input [`translate_texts`] cut to the model's `max_tokens`.
+pub fn warn_truncated(truncated: &[Truncated], max_tokens: usize) {
+    for cut in truncated {
+        eprintln!(
+            "warning: input {} has {} tokens; translated its first {} (the model's maximum is {max_tokens} with </s>)",
+            cut.index + 1,
+            cut.tokens,
+            max_tokens - 1
+        );
+    }
 }

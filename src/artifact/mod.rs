@@ -22,10 +22,11 @@ use burn::record::Recorder;
 use std::path::{Path, PathBuf};
 
 mod recorder;
+mod trained;
 
-pub use recorder::{
-    write_atomic, ArtifactRecorder, AtomicRecorder, CheckpointWatch, FAIL_CHECKPOINT_ENV,
-};
+pub use crate::files::write_atomic;
+pub use recorder::{ArtifactRecorder, AtomicRecorder, CheckpointWatch, FAIL_CHECKPOINT_ENV};
+pub use trained::{Tokenizers, Trained};
 
 /// What a run writes in its directory (and `train --force` moves aside).
 const RUN_FILES: [&str; 10] = [

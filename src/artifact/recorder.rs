@@ -2,53 +2,19 @@
 //! fsync, rename), and the checkpoint writer that tells the training what failed.
 
 use super::ArtifactDir;
+use crate::files::write_whole;
 use crate::kernels::LabBackend;
-use anyhow::{Context, Result};
+use anyhow::Result;
 use burn::record::{
     FileRecorder, FullPrecisionSettings, NamedMpkFileRecorder, Recorder, RecorderError,
 };
 use serde::{de::DeserializeOwned, Serialize};
-use std::io::Write;
-#[cfg(unix)]
-use std::os::unix::fs::PermissionsExt as _;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
 /// The recorder for weights, optimizer and scheduler state: named MessagePack, full precision,
 /// written atomically.
 pub type ArtifactRecorder = AtomicRecorder<NamedMpkFileRecorder<FullPrecisionSettings>>;
-
-/// Writes `bytes` to `path` through a temporary file in the same directory, so `path` holds
-/// either its old content or the whole new content.
-pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
-    let dir = path
-        .parent()
-        .filter(|p| !p.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
-    std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
-    write_whole(path, bytes).with_context(|| format!("cannot write {}", path.display()))
-}
-
-/// Writes `bytes` to a hidden `.NAME-partial-…` file beside `path` (never read back; removed
-/// on the next start if a kill leaves it), checks every write, syncs it and renames it to `path`.
-fn write_whole(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
-    let dir = path
-        .parent()
-        .filter(|p| !p.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
-    let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("file");
-    let prefix = format!(".{name}-partial-");
-    let mut builder = tempfile::Builder::new();
-    builder.prefix(&prefix);
-    // Ordinary file permissions (0644 less the umask), not the temporary file's private 0600.
-    #[cfg(unix)]
-    builder.permissions(std::fs::Permissions::from_mode(0o644));
-    let mut tmp = builder.tempfile_in(dir)?;
-    tmp.write_all(bytes)?;
-    tmp.as_file().sync_all()?;
-    tmp.persist(path).map_err(|e| e.error)?;
-    Ok(())
-}
 
 /// What the checkpoint writers share with the training that started them: the first write
 /// that failed (training stops and reports it), and the run that `train --force` moved aside,

@@ -74,8 +74,9 @@ pub fn bench_kernels<B: LabAutodiff>(
     reps: usize,
     device: &B::Device,
 ) -> Result<Vec<KernelTiming>> {
-    let (b, t, d, h) = (batch, lm.context, lm.d_model, lm.n_heads);
-    let d_ff = if lm.d_ff == 0 { 4 * d } else { lm.d_ff };
+    let stack = &lm.stack;
+    let (b, t, d, h) = (batch, lm.context, stack.d_model, stack.n_heads);
+    let d_ff = stack.d_ff();
     let (n, k, layers) = (b * t, d / h, lm.n_layers);
     B::seed(device, 0);
     let mut rows = Vec::new();
@@ -90,7 +91,9 @@ pub fn bench_kernels<B: LabAutodiff>(
         fused,
     });
 
-    let norm = LayerNormConfig::new(d).with_bias(lm.bias).init::<B>(device);
+    let norm = LayerNormConfig::new(d)
+        .with_bias(stack.bias)
+        .init::<B>(device);
     let x = [random::<B, _>([n, d], device)];
     let (composed, fused) = both(&x, reps, device, &|x| {
         kernels::layer_norm(&norm, x[0].clone())
@@ -98,7 +101,7 @@ pub fn bench_kernels<B: LabAutodiff>(
     rows.push(KernelTiming {
         name: "LayerNorm",
         shape: format!("[{n}, {d}]"),
-        per_step: 2 * layers + usize::from(lm.norm_first),
+        per_step: 2 * layers + usize::from(stack.norm_first),
         composed,
         fused,
     });
@@ -142,7 +145,7 @@ pub fn bench_kernels<B: LabAutodiff>(
     });
 
     let linear = LinearConfig::new(d, d_ff)
-        .with_bias(lm.bias)
+        .with_bias(stack.bias)
         .init::<B>(device);
     let x = [random::<B, _>([b, t, d], device)];
     let (composed, fused) = both(&x, reps, device, &|x| {

@@ -1,6 +1,7 @@
 //! Datasets, tokenizers and batchers.
 
 pub mod bpe;
+pub mod config;
 pub mod images;
 pub mod registry;
 pub mod sentiment;
@@ -9,11 +10,14 @@ pub mod tokenizer;
 pub mod translation;
 
 pub use bpe::{BpeTokenizer, Special};
+pub use config::{CopyTaskConfig, DataConfig, TokenizerKind};
 pub use images::{ImageBatch, ImageBatcher, ImageItem, ImageSet};
-pub use registry::{data_dir, DatasetSpec, DATA_DIR_ENV};
+pub use registry::{data_dir, DatasetSpec, Task, DATA_DIR_ENV};
 pub use sentiment::{
     EncodedSentences, Labelled, SentenceBatch, SentenceBatcher, SentenceItem, SentimentCorpus,
 };
-pub use text::{LmBatcher, LmItem, TokenWindows};
+pub use text::{LmBatch, LmBatcher, LmItem, TokenWindows};
 pub use tokenizer::{CharTokenizer, Tokenizer};
-pub use translation::{EncodedPairs, Pair, PairItem, Seq2SeqBatcher, TestItem, TranslationCorpus};
+pub use translation::{
+    EncodedPairs, Pair, PairItem, Seq2SeqBatch, Seq2SeqBatcher, TestItem, TranslationCorpus,
+};

@@ -35,8 +35,41 @@ pub struct DatasetSpec {
     pub licence: String,
     /// File format.
     pub format: String,
+    /// What the dataset is for.
+    pub task: Task,
+    /// Classification: the class names, by label index.
+    #[serde(default)]
+    pub classes: Vec<String>,
+    /// Translation: the two language codes it pairs.
+    #[serde(default)]
+    pub languages: Vec<String>,
     /// The files, relative to the data directory.
     pub files: Vec<DataFile>,
+}
+
+/// What a dataset is for, as its declaration says.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Task {
+    /// Running text, for a language model.
+    Text,
+    /// Sentence pairs, for a translator.
+    Translation,
+    /// Labelled sentences, for a text classifier.
+    SentenceClassification,
+    /// Labelled images, for a vision model.
+    Images,
+}
+
+impl Task {
+    /// The task of `dataset`: its declaration's, or translation for the synthetic copy task;
+    /// `None` for an unknown name.
+    pub fn of(dataset: &str) -> Option<Self> {
+        if dataset == super::translation::COPY_TASK {
+            return Some(Task::Translation);
+        }
+        DatasetSpec::find(dataset).ok().map(|spec| spec.task)
+    }
 }
 
 /// One file of a dataset.

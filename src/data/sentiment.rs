@@ -12,12 +12,6 @@ use rand::SeedableRng;
 use std::path::Path;
 
 /// Label names of the binary sentiment sets, by class index.
-pub const SENTIMENT_LABELS: [&str; 2] = ["negative", "positive"];
-
-/// Whether `dataset` is a sentence-classification set.
-pub fn is_sentiment(dataset: &str) -> bool {
-    matches!(dataset, "sst2" | "uci-sentiment")
-}
 
 /// A labelled sentence.
 #[derive(Clone, Debug, PartialEq)]

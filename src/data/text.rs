@@ -1,11 +1,19 @@
 //! Next-token examples from a token stream: every window of `context + 1` consecutive tokens.
 
 use crate::kernels::LabBackend;
-use crate::models::LmBatch;
 use burn::data::dataloader::batcher::Batcher;
 use burn::data::dataset::Dataset;
 use burn::prelude::*;
 use std::sync::Arc;
+
+/// A batch of next-token examples: `targets[i, j] = inputs[i, j + 1]` in the source text.
+#[derive(Clone, Debug)]
+pub struct LmBatch<B: LabBackend> {
+    /// `[b, t]` token ids.
+    pub inputs: Tensor<B, 2, Int>,
+    /// `[b, t]` the following token of each input position.
+    pub targets: Tensor<B, 2, Int>,
+}
 
 /// One example: `context + 1` consecutive token ids (inputs are the first `context`, targets
 /// the last `context`).

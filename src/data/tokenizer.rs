@@ -2,7 +2,7 @@
 //! byte-level BPE, behind one [`Tokenizer`] type.
 
 use super::bpe::{BpeTokenizer, Special};
-use crate::config::TokenizerKind;
+use super::config::TokenizerKind;
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
@@ -93,7 +93,7 @@ impl CharTokenizer {
     /// Writes `tokenizer.json`.
     pub fn save(&self, path: &Path) -> Result<()> {
         let text = serde_json::to_string_pretty(self)?;
-        crate::artifact::write_atomic(path, text.as_bytes())
+        crate::files::write_atomic(path, text.as_bytes())
     }
 
     /// Reads `tokenizer.json`.
@@ -200,7 +200,7 @@ impl Tokenizer {
             Tokenizer::Char(t) => serde_json::to_string_pretty(t)?,
             Tokenizer::Bpe(t) => t.to_json()?,
         };
-        crate::artifact::write_atomic(path, text.as_bytes())
+        crate::files::write_atomic(path, text.as_bytes())
     }
 
     /// Reads `tokenizer.json`, whichever kind it holds.

@@ -3,11 +3,10 @@
 //! batcher that pads them.
 
 use super::bpe::Special;
+use super::config::{CopyTaskConfig, DataConfig};
 use super::registry::DatasetSpec;
 use super::tokenizer::Tokenizer;
-use crate::config::{CopyTaskConfig, DataConfig};
 use crate::kernels::LabBackend;
-use crate::models::Seq2SeqBatch;
 use anyhow::{bail, Context, Result};
 use burn::data::dataloader::batcher::Batcher;
 use burn::data::dataset::Dataset;
@@ -20,30 +19,20 @@ use std::io::Read;
 use std::path::Path;
 use std::sync::Arc;
 
-/// The translation datasets, with the languages each offers.
-const LANGUAGES: &[(&str, [&str; 2])] = &[
-    ("tatoeba-fra-eng", ["en", "fr"]),
-    ("multi30k", ["de", "en"]),
-];
-
 /// The synthetic copy task's name in configs.
 pub const COPY_TASK: &str = "copy";
 
-/// Whether `dataset` is a translation dataset.
-pub fn is_translation(dataset: &str) -> bool {
-    dataset == COPY_TASK || LANGUAGES.iter().any(|(name, _)| *name == dataset)
-}
-
-/// Checks that `source → target` is a direction the dataset offers.
+/// Checks that `source → target` is a direction the dataset offers (its declaration's
+/// `languages`).
 pub fn check_languages(data: &DataConfig) -> Result<()> {
     if data.dataset == COPY_TASK {
         return Ok(());
     }
-    let (_, languages) = LANGUAGES
-        .iter()
-        .find(|(name, _)| *name == data.dataset)
-        .expect("checked by is_translation");
-    let offered = |code: &str| languages.contains(&code);
+    let languages = DatasetSpec::find(&data.dataset)?.languages;
+    if languages.len() != 2 {
+        bail!("data: {} declares no language pair", data.dataset);
+    }
+    let offered = |code: &str| languages.iter().any(|l| l == code);
     if !offered(&data.source) || !offered(&data.target) || data.source == data.target {
         bail!(
             "data: {} offers {} and {}; source {:?} → target {:?} is not one of its directions",
@@ -55,6 +44,17 @@ pub fn check_languages(data: &DataConfig) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// A batch of translation pairs, padded with `<pad>` (id 0) on the right.
+#[derive(Clone, Debug)]
+pub struct Seq2SeqBatch<B: LabBackend> {
+    /// `[b, s]` source ids.
+    pub source: Tensor<B, 2, Int>,
+    /// `[b, t]` decoder inputs: `<s> y₁ … y_{n}`.
+    pub target_in: Tensor<B, 2, Int>,
+    /// `[b, t]` what each decoder position must predict: `y₁ … y_n </s>`.
+    pub target_out: Tensor<B, 2, Int>,
 }
 
 /// One sentence and its translation.

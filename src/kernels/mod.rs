@@ -326,7 +326,7 @@ pub fn softmax<B: LabBackend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
 }
 
 /// Softmax attention without its weights: `softmax(Q·Kᵀ/√k + mask)·V`, masked scores set to
-/// [`MASKED_SCORE`](crate::nn::attention::MASKED_SCORE) (a fully masked row attends uniformly, as the composed form does).
+/// [`MASKED_SCORE`](reference::MASKED_SCORE) (a fully masked row attends uniformly, as the composed form does).
 ///
 /// # Shapes
 /// `q`: `[b, h, t, k]`, `k`, `v`: `[b, h, s, k]`; `causal` needs `t = s`; `pad`: `[b, s]`,

@@ -1,11 +1,21 @@
 //! The composed forms of the fused operations, written with burn's tensor ops: the defaults of
 //! [`super::LabBackend`] and the references the kernels are tested against.
 
-use crate::nn::attention::MASKED_SCORE;
-use crate::nn::mask::causal_mask;
 use burn::prelude::*;
 use burn::tensor::Bool;
 use std::f32::consts::{FRAC_1_SQRT_2, PI};
+
+/// Score given to masked-out positions before the softmax. Finite, so a fully masked row gives
+/// uniform weights instead of NaN.
+pub const MASKED_SCORE: f32 = -1.0e9;
+
+/// The causal mask: query `i` may attend to keys `j <= i` only.
+///
+/// Returns `[t, t]` with `true` (masked out) strictly above the diagonal.
+pub fn causal_mask<B: Backend>(t: usize, device: &B::Device) -> Tensor<B, 2, Bool> {
+    // `tril_mask(offset 0)` is true where j > i: exactly the future keys.
+    Tensor::<B, 2, Bool>::tril_mask([t, t], 0, device)
+}
 
 /// Exact GELU: `x·Φ(x) = x·(1 + erf(x/√2))/2`.
 pub fn gelu<B: Backend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {

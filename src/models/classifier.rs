@@ -2,12 +2,10 @@
 //! stack with the padding mask → pooling (the `<s>` classification token, or the mean of the
 //! non-padding tokens) → class scores.
 
-use crate::config::validate_width;
 use crate::kernels::{self, LabBackend};
 use crate::nn::{
-    padding_mask, pool, Activation, AttentionMask, Mixer, Pooling, PositionEncoding,
-    PositionEncodingConfig, PositionKind, TransformerBlockConfig, TransformerStack,
-    TransformerStackConfig,
+    padding_mask, pool, Activation, AttentionMask, Pooling, PositionEncoding,
+    PositionEncodingConfig, PositionKind, StackConfig, TransformerStack,
 };
 use anyhow::{bail, Result};
 use burn::module::Module;
@@ -19,35 +17,23 @@ use serde::{Deserialize, Serialize};
 
 /// Configuration of [`TextClassifier`] (the `model` of a `"kind": "classifier"` experiment).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
+#[serde(default)]
 pub struct ClassifierConfig {
     /// Vocabulary size; `0` = from the tokenizer (the saved config has it filled).
     pub vocab_size: usize,
     /// Classes.
     pub n_classes: usize,
-    /// Model width `d_model`.
-    pub d_model: usize,
+    /// Width, heads, feed-forward, dropout, activation, norm placement, biases and mixer.
+    #[serde(flatten)]
+    pub stack: StackConfig,
     /// Encoder blocks.
     pub n_layers: usize,
-    /// Attention heads per block; must divide `d_model`.
-    pub n_heads: usize,
-    /// Feed-forward inner width.
-    pub d_ff: usize,
     /// Longest input in tokens (`<s>` included); longer texts are cut.
     pub max_len: usize,
-    /// Dropout (embeddings, attention weights, FFN, residual branches).
-    pub dropout: f64,
     /// Positions: `learned`, `sinusoidal` or `none`.
     pub position: PositionKind,
     /// What the head reads: `cls` (the `<s>` token) or `mean` (of the non-padding tokens).
     pub pool: Pooling,
-    /// Feed-forward non-linearity.
-    pub activation: Activation,
-    /// Pre-norm (`true`) or post-norm (`false`, the original paper and BERT).
-    pub norm_first: bool,
-    /// Token mixer of the self-attention layers: `{"kind": "full"}` (default), `local`,
-    /// `strided`, `linear` or `hyena` (see `nn::mixer`).
-    pub mixer: Mixer,
 }
 
 impl Default for ClassifierConfig {
@@ -55,17 +41,16 @@ impl Default for ClassifierConfig {
         Self {
             vocab_size: 0,
             n_classes: 2,
-            d_model: 128,
+            stack: StackConfig {
+                d_ff: 256,
+                dropout: 0.1,
+                activation: Activation::Gelu,
+                ..StackConfig::default()
+            },
             n_layers: 2,
-            n_heads: 4,
-            d_ff: 256,
             max_len: 64,
-            dropout: 0.1,
             position: PositionKind::Learned,
             pool: Pooling::Cls,
-            activation: Activation::Gelu,
-            norm_first: true,
-            mixer: Mixer::Full,
         }
     }
 }
@@ -73,14 +58,13 @@ impl Default for ClassifierConfig {
 impl ClassifierConfig {
     /// Checks the relations between fields.
     pub fn validate(&self) -> Result<()> {
-        if self.n_layers == 0 || self.d_ff == 0 || self.max_len < 2 || self.n_classes < 2 {
-            bail!("model: n_layers and d_ff must be at least 1, max_len and n_classes at least 2");
+        if self.n_layers == 0 || self.max_len < 2 || self.n_classes < 2 {
+            bail!("model: n_layers must be at least 1, max_len and n_classes at least 2");
         }
         if self.position == PositionKind::Sincos2d {
             bail!("model: sincos2d positions are for image patches (vit), not text");
         }
-        self.mixer.validate("classifier", false)?;
-        validate_width(self.d_model, self.n_heads, self.dropout)
+        self.stack.validate("classifier", false)
     }
 
     /// Builds the model. `vocab_size` must be resolved and the config validated.
@@ -89,25 +73,20 @@ impl ClassifierConfig {
             self.vocab_size > 0,
             "vocab_size must be resolved before init"
         );
-        let block = TransformerBlockConfig::new(self.d_model, self.n_heads, self.d_ff)
-            .with_dropout(self.dropout)
-            .with_activation(self.activation)
-            .with_norm_first(self.norm_first)
-            .with_residual_init_std(0.02 / ((2 * self.n_layers) as f64).sqrt())
-            .with_mixer(self.mixer.clone())
-            .with_max_len(self.max_len);
+        let (stack, d) = (&self.stack, self.stack.d_model);
         TextClassifier {
-            token_embedding: EmbeddingConfig::new(self.vocab_size, self.d_model)
+            token_embedding: EmbeddingConfig::new(self.vocab_size, d)
                 .with_initializer(Initializer::Normal {
                     mean: 0.0,
                     std: 0.02,
                 })
                 .init(device),
-            position: PositionEncodingConfig::new(self.position, self.max_len, self.d_model)
+            position: PositionEncodingConfig::new(self.position, self.max_len, d).init(device),
+            encoder: stack.encoder(self.n_layers, self.max_len).init(device),
+            head: LinearConfig::new(d, self.n_classes)
+                .with_bias(stack.bias)
                 .init(device),
-            encoder: TransformerStackConfig::encoder(self.n_layers, block).init(device),
-            head: LinearConfig::new(self.d_model, self.n_classes).init(device),
-            dropout: DropoutConfig::new(self.dropout).init(),
+            dropout: DropoutConfig::new(stack.dropout).init(),
             pad_id: crate::data::Special::Pad.id(),
             pooling: self.pool,
         }

@@ -1,16 +1,68 @@
 //! Decoder-only language model (GPT): token embedding + positions → N causal decoder blocks →
 //! final norm → projection to the vocabulary, trained with next-token cross-entropy.
 
-use crate::config::LmConfig;
+pub use crate::data::LmBatch;
 use crate::kernels::{self, LabBackend};
 use crate::nn::{
-    AttentionMask, PositionEncoding, PositionEncodingConfig, StackOutput, TransformerStack,
+    AttentionMask, PositionEncoding, PositionEncodingConfig, PositionKind, StackConfig,
+    StackOutput, TransformerStack,
 };
+use anyhow::{bail, Result};
 use burn::module::Module;
 use burn::nn::{
     Dropout, DropoutConfig, Embedding, EmbeddingConfig, Initializer, Linear, LinearConfig,
 };
 use burn::prelude::*;
+use serde::{Deserialize, Serialize};
+
+/// Configuration of [`LanguageModel`] (the `model` of a `"kind": "lm"` experiment, the default
+/// kind): nanoGPT's small pre-norm GPT.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct LmConfig {
+    /// Vocabulary size; `0` means "take it from the tokenizer" (the saved config has it filled).
+    pub vocab_size: usize,
+    /// Width, heads, feed-forward, dropout, activation, norm placement, biases and mixer.
+    #[serde(flatten)]
+    pub stack: StackConfig,
+    /// Number of decoder blocks.
+    pub n_layers: usize,
+    /// Context length (block size): the longest sequence the model sees.
+    pub context: usize,
+    /// Positional encoding: `learned` or `sinusoidal`.
+    pub position: PositionKind,
+    /// Share the token embedding with the output projection (Press & Wolf 2017).
+    pub tie_weights: bool,
+}
+
+impl Default for LmConfig {
+    fn default() -> Self {
+        Self {
+            vocab_size: 0,
+            stack: StackConfig {
+                bias: false,
+                ..StackConfig::default()
+            },
+            n_layers: 4,
+            context: 64,
+            position: PositionKind::Learned,
+            tie_weights: true,
+        }
+    }
+}
+
+impl LmConfig {
+    /// Checks the relations between fields.
+    pub fn validate(&self) -> Result<()> {
+        if self.n_layers == 0 || self.context == 0 {
+            bail!("model: n_layers and context must be at least 1");
+        }
+        if self.position == PositionKind::Sincos2d {
+            bail!("model: sincos2d positions are for image patches (vit), not text");
+        }
+        self.stack.validate("language model", true)
+    }
+}
 
 /// A decoder-only transformer language model.
 #[derive(Module, Debug)]
@@ -24,15 +76,6 @@ pub struct LanguageModel<B: LabBackend> {
     /// Output projection `[d, v]`, absent when tied to the embedding.
     pub head: Option<Linear<B>>,
     dropout: Dropout,
-}
-
-/// A batch of next-token examples: `targets[i, j] = inputs[i, j + 1]` in the source text.
-#[derive(Clone, Debug)]
-pub struct LmBatch<B: LabBackend> {
-    /// `[b, t]` token ids.
-    pub inputs: Tensor<B, 2, Int>,
-    /// `[b, t]` the following token of each input position.
-    pub targets: Tensor<B, 2, Int>,
 }
 
 /// Logits and the attention weights of every layer.
@@ -55,20 +98,22 @@ impl LmConfig {
             mean: 0.0,
             std: 0.02,
         };
+        let (stack, d) = (&self.stack, self.stack.d_model);
         LanguageModel {
-            token_embedding: EmbeddingConfig::new(self.vocab_size, self.d_model)
+            token_embedding: EmbeddingConfig::new(self.vocab_size, d)
                 .with_initializer(init.clone())
                 .init(device),
-            position: PositionEncodingConfig::new(self.position, self.context, self.d_model)
+            position: PositionEncodingConfig::new(self.position, self.context, d).init(device),
+            decoder: stack
+                .decoder(self.n_layers, self.context, false)
                 .init(device),
-            decoder: self.stack().init(device),
             head: (!self.tie_weights).then(|| {
-                LinearConfig::new(self.d_model, self.vocab_size)
-                    .with_bias(self.bias)
+                LinearConfig::new(d, self.vocab_size)
+                    .with_bias(stack.bias)
                     .with_initializer(init)
                     .init(device)
             }),
-            dropout: DropoutConfig::new(self.dropout).init(),
+            dropout: DropoutConfig::new(stack.dropout).init(),
         }
     }
 }

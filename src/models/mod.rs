@@ -6,6 +6,6 @@ pub mod seq2seq;
 pub mod vit;
 
 pub use classifier::{ClassifierConfig, ClassifierOutput, TextClassifier};
-pub use lm::{LanguageModel, LmBatch, LmOutput};
+pub use lm::{LanguageModel, LmBatch, LmConfig, LmOutput};
 pub use seq2seq::{DecoderOutput, Memory, Seq2Seq, Seq2SeqBatch, Seq2SeqConfig};
 pub use vit::{patchify, unpatchify, VisionTransformer, VitConfig, VitOutput};

@@ -3,11 +3,11 @@
 //! decoder stack (causal mask + cross-attention over the encoder output, with the source
 //! padding mask) → projection to the target vocabulary.
 
-use crate::config::validate_width;
+pub use crate::data::Seq2SeqBatch;
 use crate::kernels::{self, LabBackend};
 use crate::nn::{
-    padding_mask, Activation, AttentionMask, Mixer, PositionEncoding, PositionEncodingConfig,
-    PositionKind, TransformerBlockConfig, TransformerStack, TransformerStackConfig,
+    padding_mask, Activation, AttentionMask, PositionEncoding, PositionEncodingConfig,
+    PositionKind, StackConfig, TransformerStack, TransformerStackConfig,
 };
 use anyhow::{bail, Result};
 use burn::module::Module;
@@ -19,41 +19,27 @@ use serde::{Deserialize, Serialize};
 
 /// Configuration of [`Seq2Seq`] (the `model` of a `"kind": "seq2seq"` experiment).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
+#[serde(default)]
 pub struct Seq2SeqConfig {
     /// Source vocabulary size; `0` = from the tokenizer (the saved config has it filled).
     pub src_vocab_size: usize,
     /// Target vocabulary size; `0` = from the tokenizer.
     pub tgt_vocab_size: usize,
-    /// Model width `d_model`.
-    pub d_model: usize,
-    /// Attention heads per block; must divide `d_model`.
-    pub n_heads: usize,
+    /// Width, heads, feed-forward, dropout, activation, norm placement, biases and mixer.
+    #[serde(flatten)]
+    pub stack: StackConfig,
     /// Encoder blocks.
     pub encoder_layers: usize,
     /// Decoder blocks.
     pub decoder_layers: usize,
-    /// Feed-forward inner width.
-    pub d_ff: usize,
     /// Longest sequence (in tokens, `<s>`/`</s>` included) the positions cover.
     pub max_len: usize,
-    /// Dropout (embeddings, attention weights, FFN, residual branches).
-    pub dropout: f64,
     /// Positional encoding: `sinusoidal` (the paper) or `learned`.
     pub position: PositionKind,
-    /// Feed-forward non-linearity: `relu` (the paper) or `gelu`.
-    pub activation: Activation,
-    /// Pre-norm (`true`) or post-norm (`false`, the paper).
-    pub norm_first: bool,
-    /// Whether linear layers and LayerNorms carry a bias.
-    pub bias: bool,
     /// One embedding table for source and target (needs a shared vocabulary).
     pub share_embeddings: bool,
     /// The target embedding is also the output projection (Press & Wolf 2017).
     pub tie_weights: bool,
-    /// Token mixer of the self-attention layers: `{"kind": "full"}` (default), `local`,
-    /// `strided`, `linear` or `hyena` (see `nn::mixer`).
-    pub mixer: Mixer,
 }
 
 impl Default for Seq2SeqConfig {
@@ -61,20 +47,20 @@ impl Default for Seq2SeqConfig {
         Self {
             src_vocab_size: 0,
             tgt_vocab_size: 0,
-            d_model: 256,
-            n_heads: 8,
+            stack: StackConfig {
+                d_model: 256,
+                n_heads: 8,
+                d_ff: 512,
+                dropout: 0.1,
+                activation: Activation::Relu,
+                ..StackConfig::default()
+            },
             encoder_layers: 3,
             decoder_layers: 3,
-            d_ff: 512,
             max_len: 128,
-            dropout: 0.1,
             position: PositionKind::Sinusoidal,
-            activation: Activation::Relu,
-            norm_first: true,
-            bias: true,
             share_embeddings: true,
             tie_weights: true,
-            mixer: Mixer::Full,
         }
     }
 }
@@ -82,8 +68,8 @@ impl Default for Seq2SeqConfig {
 impl Seq2SeqConfig {
     /// Checks the relations between fields.
     pub fn validate(&self) -> Result<()> {
-        if self.encoder_layers == 0 || self.decoder_layers == 0 || self.d_ff == 0 {
-            bail!("model: encoder_layers, decoder_layers and d_ff must be at least 1");
+        if self.encoder_layers == 0 || self.decoder_layers == 0 {
+            bail!("model: encoder_layers and decoder_layers must be at least 1");
         }
         if self.max_len < 3 {
             bail!("model: max_len must be at least 3 (<s>, a token, </s>)");
@@ -91,19 +77,7 @@ impl Seq2SeqConfig {
         if self.position == PositionKind::Sincos2d {
             bail!("model: sincos2d positions are for image patches (vit), not text");
         }
-        self.mixer.validate("translator's encoder", false)?;
-        validate_width(self.d_model, self.n_heads, self.dropout)
-    }
-
-    fn block(&self, n_layers: usize) -> TransformerBlockConfig {
-        TransformerBlockConfig::new(self.d_model, self.n_heads, self.d_ff)
-            .with_dropout(self.dropout)
-            .with_activation(self.activation)
-            .with_norm_first(self.norm_first)
-            .with_bias(self.bias)
-            .with_residual_init_std(0.02 / ((2 * n_layers) as f64).sqrt())
-            .with_mixer(self.mixer.clone())
-            .with_max_len(self.max_len)
+        self.stack.validate("translator's encoder", false)
     }
 
     /// Builds the model. Vocabulary sizes must be resolved and the config validated.
@@ -121,33 +95,29 @@ impl Seq2SeqConfig {
             "shared embeddings need one vocabulary"
         );
         // N(0, d^-1/2) then ×√d in `embed`: unit-variance inputs, as in the paper's setup.
-        let std = (self.d_model as f64).powf(-0.5);
+        let (stack, d) = (&self.stack, self.stack.d_model);
+        let std = (d as f64).powf(-0.5);
         let embedding = |vocab| {
-            EmbeddingConfig::new(vocab, self.d_model)
+            EmbeddingConfig::new(vocab, d)
                 .with_initializer(Initializer::Normal { mean: 0.0, std })
                 .init(device)
         };
-        let max_layers = self.encoder_layers.max(self.decoder_layers);
+        let block = stack.block(self.encoder_layers.max(self.decoder_layers), self.max_len);
         Seq2Seq {
             src_embedding: embedding(self.src_vocab_size),
             tgt_embedding: (!self.share_embeddings).then(|| embedding(self.tgt_vocab_size)),
-            position: PositionEncodingConfig::new(self.position, self.max_len, self.d_model)
+            position: PositionEncodingConfig::new(self.position, self.max_len, d).init(device),
+            // Both stacks' residual branches start as in one stack of the deeper side's depth.
+            encoder: TransformerStackConfig::encoder(self.encoder_layers, block.clone())
                 .init(device),
-            encoder: TransformerStackConfig::encoder(self.encoder_layers, self.block(max_layers))
-                .init(device),
-            decoder: TransformerStackConfig::decoder(
-                self.decoder_layers,
-                self.block(max_layers),
-                true,
-            )
-            .init(device),
+            decoder: TransformerStackConfig::decoder(self.decoder_layers, block, true).init(device),
             head: (!self.tie_weights).then(|| {
-                LinearConfig::new(self.d_model, self.tgt_vocab_size)
+                LinearConfig::new(d, self.tgt_vocab_size)
                     .with_bias(false)
                     .with_initializer(Initializer::Normal { mean: 0.0, std })
                     .init(device)
             }),
-            dropout: DropoutConfig::new(self.dropout).init(),
+            dropout: DropoutConfig::new(stack.dropout).init(),
             pad_id: crate::data::Special::Pad.id(),
             label_smoothing: 0.0,
         }
@@ -172,17 +142,6 @@ pub struct Seq2Seq<B: LabBackend> {
     dropout: Dropout,
     pad_id: usize,
     label_smoothing: f32,
-}
-
-/// A batch of translation pairs, padded with `<pad>` (id 0) on the right.
-#[derive(Clone, Debug)]
-pub struct Seq2SeqBatch<B: LabBackend> {
-    /// `[b, s]` source ids.
-    pub source: Tensor<B, 2, Int>,
-    /// `[b, t]` decoder inputs: `<s> y₁ … y_{n}`.
-    pub target_in: Tensor<B, 2, Int>,
-    /// `[b, t]` what each decoder position must predict: `y₁ … y_n </s>`.
-    pub target_out: Tensor<B, 2, Int>,
 }
 
 /// The encoder's output and the mask that hides its padding from cross-attention.

@@ -3,11 +3,10 @@
 //! add positions, run the encoder stack (no mask: every token sees every token), pool (the
 //! classification token, or the mean) and classify.
 
-use crate::config::validate_width;
 use crate::kernels::{self, LabBackend};
 use crate::nn::{
-    pool, Activation, Mixer, Pooling, PositionEncoding, PositionEncodingConfig, PositionKind,
-    TransformerBlockConfig, TransformerStack, TransformerStackConfig,
+    pool, Activation, Pooling, PositionEncoding, PositionEncodingConfig, PositionKind, StackConfig,
+    TransformerStack,
 };
 use anyhow::{bail, Result};
 use burn::module::{Module, Param};
@@ -17,7 +16,7 @@ use serde::{Deserialize, Serialize};
 
 /// Configuration of [`VisionTransformer`] (the `model` of a `"kind": "vit"` experiment).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
+#[serde(default)]
 pub struct VitConfig {
     /// Input image height and width in pixels (square images).
     pub image_size: usize,
@@ -27,28 +26,16 @@ pub struct VitConfig {
     pub patch_size: usize,
     /// Classes.
     pub n_classes: usize,
-    /// Model width `d_model`.
-    pub d_model: usize,
+    /// Width, heads, feed-forward, dropout, activation, norm placement, biases and mixer.
+    #[serde(flatten)]
+    pub stack: StackConfig,
     /// Encoder blocks.
     pub n_layers: usize,
-    /// Attention heads per block; must divide `d_model`.
-    pub n_heads: usize,
-    /// Feed-forward inner width.
-    pub d_ff: usize,
-    /// Dropout (embeddings, attention weights, FFN, residual branches).
-    pub dropout: f64,
     /// Positions: `learned` (1-D, the paper's default), `sinusoidal` (1-D), `sincos2d`
     /// (row and column), or `none`.
     pub position: PositionKind,
     /// What the head reads: `cls` (the classification token) or `mean` (of all tokens).
     pub pool: Pooling,
-    /// Feed-forward non-linearity.
-    pub activation: Activation,
-    /// Pre-norm (`true`, as ViT) or post-norm.
-    pub norm_first: bool,
-    /// Token mixer of the self-attention layers: `{"kind": "full"}` (default), `local`,
-    /// `strided`, `linear` or `hyena` (see `nn::mixer`).
-    pub mixer: Mixer,
 }
 
 impl Default for VitConfig {
@@ -58,16 +45,16 @@ impl Default for VitConfig {
             channels: 1,
             patch_size: 4,
             n_classes: 10,
-            d_model: 64,
+            stack: StackConfig {
+                d_model: 64,
+                d_ff: 128,
+                dropout: 0.1,
+                activation: Activation::Gelu,
+                ..StackConfig::default()
+            },
             n_layers: 4,
-            n_heads: 4,
-            d_ff: 128,
-            dropout: 0.1,
             position: PositionKind::Learned,
             pool: Pooling::Cls,
-            activation: Activation::Gelu,
-            norm_first: true,
-            mixer: Mixer::Full,
         }
     }
 }
@@ -82,14 +69,13 @@ impl VitConfig {
                 self.patch_size
             );
         }
-        if self.n_layers == 0 || self.d_ff == 0 || self.channels == 0 || self.n_classes < 2 {
-            bail!("model: n_layers, d_ff and channels must be at least 1, n_classes at least 2");
+        if self.n_layers == 0 || self.channels == 0 || self.n_classes < 2 {
+            bail!("model: n_layers and channels must be at least 1, n_classes at least 2");
         }
-        if self.position == PositionKind::Sincos2d && !self.d_model.is_multiple_of(4) {
+        if self.position == PositionKind::Sincos2d && !self.stack.d_model.is_multiple_of(4) {
             bail!("model: sincos2d positions need d_model divisible by 4");
         }
-        self.mixer.validate("vit", false)?;
-        validate_width(self.d_model, self.n_heads, self.dropout)
+        self.stack.validate("vit", false)
     }
 
     /// Patches per side.
@@ -104,30 +90,26 @@ impl VitConfig {
 
     /// Builds the model (the config must be valid).
     pub fn init<B: LabBackend>(&self, device: &B::Device) -> VisionTransformer<B> {
-        let d = self.d_model;
-        let block = TransformerBlockConfig::new(d, self.n_heads, self.d_ff)
-            .with_dropout(self.dropout)
-            .with_activation(self.activation)
-            .with_norm_first(self.norm_first)
-            .with_residual_init_std(0.02 / ((2 * self.n_layers) as f64).sqrt())
-            .with_mixer(self.mixer.clone())
-            .with_max_len(self.n_tokens());
+        let (stack, d) = (&self.stack, self.stack.d_model);
         let patch_dim = self.channels * self.patch_size * self.patch_size;
         let position = PositionEncodingConfig::new(self.position, self.n_tokens(), d)
             .with_grid(Some([self.grid(), self.grid()]));
         VisionTransformer {
-            patch_embedding: LinearConfig::new(patch_dim, d).init(device),
+            patch_embedding: LinearConfig::new(patch_dim, d)
+                .with_bias(stack.bias)
+                .init(device),
             cls_token: Initializer::Normal {
                 mean: 0.0,
                 std: 0.02,
             }
             .init([1, 1, d], device),
             position: position.init(device),
-            encoder: TransformerStackConfig::encoder(self.n_layers, block).init(device),
+            encoder: stack.encoder(self.n_layers, self.n_tokens()).init(device),
             head: LinearConfig::new(d, self.n_classes)
+                .with_bias(stack.bias)
                 .with_initializer(Initializer::Zeros)
                 .init(device),
-            dropout: DropoutConfig::new(self.dropout).init(),
+            dropout: DropoutConfig::new(stack.dropout).init(),
             patch_size: self.patch_size,
             pooling: self.pool,
         }

@@ -12,9 +12,7 @@ use burn::nn::{Dropout, DropoutConfig, Initializer, Linear, LinearConfig};
 use burn::prelude::*;
 use burn::tensor::Bool;
 
-/// Score given to masked-out positions before the softmax. Finite, so a fully masked row gives
-/// uniform weights instead of NaN.
-pub(crate) const MASKED_SCORE: f32 = -1.0e9;
+pub use crate::kernels::reference::MASKED_SCORE;
 
 /// `softmax(Q·Kᵀ/√d_k + mask)·V`, returning the context and the attention weights.
 ///

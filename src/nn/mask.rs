@@ -10,13 +10,7 @@
 use burn::prelude::*;
 use burn::tensor::Bool;
 
-/// The causal mask: query `i` may attend to keys `j <= i` only.
-///
-/// Returns `[t, t]` with `true` (masked out) strictly above the diagonal.
-pub fn causal_mask<B: Backend>(t: usize, device: &B::Device) -> Tensor<B, 2, Bool> {
-    // `tril_mask(offset 0)` is true where j > i: exactly the future keys.
-    Tensor::<B, 2, Bool>::tril_mask([t, t], 0, device)
-}
+pub use crate::kernels::reference::causal_mask;
 
 /// The padding mask of a batch of token ids: `true` where the token is `pad_id`.
 ///

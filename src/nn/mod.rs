@@ -6,6 +6,7 @@
 
 pub mod attention;
 pub mod block;
+pub mod config;
 pub mod feedforward;
 pub mod fft;
 pub mod hyena;
@@ -22,6 +23,7 @@ pub use attention::{
     MultiHeadAttention, MultiHeadAttentionConfig,
 };
 pub use block::{BlockOutput, TransformerBlock, TransformerBlockConfig};
+pub use config::StackConfig;
 pub use feedforward::{Activation, FeedForward, FeedForwardConfig};
 pub use hyena::{Hyena, HyenaConfig};
 pub use mask::{causal_mask, local_mask, padding_mask, strided_mask, AttentionMask};

@@ -6,7 +6,7 @@
 /// its loss, validation only reports it.
 macro_rules! supervised_steps {
     ($model:ident, $batch:ident, |$m:ident, $b:ident| $output:expr) => {
-        impl<B: LabAutodiff> burn::train::TrainStep for $model<B> {
+        impl<B: $crate::kernels::LabAutodiff> burn::train::TrainStep for $model<B> {
             type Input = $batch<B>;
             type Output = burn::train::ClassificationOutput<B>;
 
@@ -18,7 +18,7 @@ macro_rules! supervised_steps {
             }
         }
 
-        impl<B: LabBackend> burn::train::InferenceStep for $model<B> {
+        impl<B: $crate::kernels::LabBackend> burn::train::InferenceStep for $model<B> {
             type Input = $batch<B>;
             type Output = burn::train::ClassificationOutput<B>;
 
@@ -29,56 +29,28 @@ macro_rules! supervised_steps {
         }
     };
 }
+pub(crate) use supervised_steps;
 
 mod checkpoint;
-mod classify;
-mod lm;
+pub mod config;
 mod loader;
 mod optim;
 mod preflight;
 mod renderer;
 mod run;
 mod schedule;
-mod seq2seq;
 
 pub use checkpoint::{prune, KeepCheckpoints, Patience, ValidLossLogger, ValidLosses};
-pub use classify::{TrainedClassifier, TrainedVit};
-pub use lm::{evaluate, Corpus, Trained};
 pub use loader::{mix, unseeded, BatchFn, Draw, EpochLoader};
 pub use optim::{clip_global_norm, reference_adamw, LabAdamW, ReferenceOptimizer};
 pub use renderer::{PlainRenderer, Throughput};
-use run::{launch, Session};
+pub use run::{launch, Session};
 pub use schedule::WarmupSchedule;
-pub use seq2seq::{TrainedTranslator, TranslationData};
 
-use crate::artifact::ArtifactDir;
-use crate::config::{ExperimentConfig, ModelConfig};
-use crate::data::Tokenizer;
-use crate::kernels::{LabAutodiff, LabBackend};
-use anyhow::{bail, Result};
-use burn::module::Module;
-use std::path::PathBuf;
-
-/// Opens what `train` wrote in `artifact`: its config, its tokenizers (checked against the
-/// config; none for an image model) and the model `init` builds from the config, with the
-/// trained weights loaded.
-pub(crate) fn open_artifact<B: LabBackend, M: Module<B>>(
-    artifact: &ArtifactDir,
-    device: &B::Device,
-    init: impl FnOnce(&ExperimentConfig) -> Result<M>,
-) -> Result<(M, Option<Tokenizers>, ExperimentConfig)> {
-    let weights = artifact.weights()?;
-    let config = ExperimentConfig::load(&artifact.config())?;
-    artifact.check_config_unchanged(false)?;
-    let model = init(&config)?;
-    let tokenizers = if config.model.reads_text() {
-        Some(Tokenizers::open(artifact, &config)?)
-    } else {
-        None
-    };
-    let model = crate::artifact::load_weights(model, &weights, device)?;
-    Ok((model, tokenizers, config))
-}
+use crate::artifact::{ArtifactDir, Tokenizers};
+use crate::config::ExperimentConfig;
+use anyhow::Result;
+use std::path::{Path, PathBuf};
 
 /// What `train` was asked to do.
 #[derive(Clone, Debug)]
@@ -125,73 +97,6 @@ pub struct TrainReport {
     pub use_with: &'static str,
 }
 
-/// The tokenizers of a run: a language model has one (`source` and `target` are the same);
-/// a translator has one per side, or one shared.
-#[derive(Clone, Debug)]
-pub struct Tokenizers {
-    /// Tokenizes the translator's input.
-    pub source: Tokenizer,
-    /// Tokenizes the language model's text, or the translator's output.
-    pub target: Tokenizer,
-    /// Whether both sides use the same tokenizer.
-    pub shared: bool,
-}
-
-impl Tokenizers {
-    /// One tokenizer for everything.
-    pub fn shared(tokenizer: Tokenizer) -> Self {
-        Self {
-            source: tokenizer.clone(),
-            target: tokenizer,
-            shared: true,
-        }
-    }
-
-    /// Writes `tokenizer.json` (and `tokenizer-source.json` when the sides differ).
-    pub fn save(&self, artifact: &ArtifactDir) -> Result<()> {
-        self.target.save(&artifact.tokenizer())?;
-        if !self.shared {
-            self.source.save(&artifact.source_tokenizer())?;
-        }
-        Ok(())
-    }
-
-    /// Reads what [`Tokenizers::save`] wrote.
-    pub fn load(artifact: &ArtifactDir) -> Result<Self> {
-        let target = Tokenizer::load(&artifact.tokenizer())?;
-        if artifact.source_tokenizer().exists() {
-            let source = Tokenizer::load(&artifact.source_tokenizer())?;
-            return Ok(Self {
-                source,
-                target,
-                shared: false,
-            });
-        }
-        Ok(Self::shared(target))
-    }
-
-    /// Reads the tokenizers of `artifact` and checks them against its config.
-    pub fn open(artifact: &ArtifactDir, config: &ExperimentConfig) -> Result<Self> {
-        let tokenizers = Self::load(artifact)?;
-        tokenizers.check(config, artifact)?;
-        Ok(tokenizers)
-    }
-
-    /// Checks the config's vocabulary sizes against the tokenizers'.
-    pub fn check(&self, config: &ExperimentConfig, artifact: &ArtifactDir) -> Result<()> {
-        let expected = (self.source.vocab_size(), self.target.vocab_size());
-        if config.model.vocab_sizes() != expected {
-            bail!(
-                "{}: config.json has vocabulary sizes {:?} but the tokenizers have {:?}",
-                artifact.root().display(),
-                config.model.vocab_sizes(),
-                expected
-            );
-        }
-        Ok(())
-    }
-}
-
 /// How a training invocation ended.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Outcome {
@@ -206,21 +111,21 @@ pub enum Outcome {
     Interrupted,
 }
 
-/// Runs (or resumes) a training and writes its artifacts.
-pub fn train<B: LabAutodiff>(request: TrainRequest, device: B::Device) -> Result<TrainReport> {
+/// Runs (or resumes) a training and writes its artifacts: checks the request before anything
+/// is touched, then `train_kind` (the kind's own training, which begins the [`Session`] once its
+/// data and tokenizers are ready) with the config to train and the tokenizers to reuse.
+pub fn run(
+    request: TrainRequest,
+    train_kind: impl FnOnce(
+        ExperimentConfig,
+        Option<Tokenizers>,
+        &Session,
+        &Path,
+    ) -> Result<TrainReport>,
+) -> Result<TrainReport> {
     preflight::recover_replaced_run(&request.artifact)?;
     let (config, tokenizers) = preflight::prepare_artifact(&request)?;
     let session = Session::new(&request);
-    let data_dir = &request.data_dir;
-    let result = match &config.model {
-        ModelConfig::Lm(_) => lm::train::<B>(config, tokenizers, &session, data_dir, device),
-        ModelConfig::Seq2seq(_) => {
-            seq2seq::train::<B>(config, tokenizers, &session, data_dir, device)
-        }
-        ModelConfig::Classifier(_) => {
-            classify::train_text::<B>(config, tokenizers, &session, data_dir, device)
-        }
-        ModelConfig::Vit(_) => classify::train_vit::<B>(config, &session, data_dir, device),
-    };
+    let result = train_kind(config, tokenizers, &session, &request.data_dir);
     session.end(result)
 }

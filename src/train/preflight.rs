@@ -4,7 +4,7 @@
 
 use super::{Tokenizers, TrainRequest};
 use crate::artifact::ArtifactDir;
-use crate::config::{ExperimentConfig, ModelConfig};
+use crate::config::ExperimentConfig;
 use anyhow::{bail, Result};
 
 /// A run that `train --force` moved aside and that a kill left there: deleted if the new run
@@ -76,47 +76,11 @@ pub(super) fn prepare_artifact(
 }
 
 /// Refuses a batch whose activations alone would not fit in this machine's free memory (a
-/// lower bound: the step needs more than this).
-pub(super) fn check_memory(config: &ExperimentConfig) -> Result<()> {
+/// lower bound: the step needs more than this). `per_example` is the floats one example keeps
+/// (the model kind's estimate).
+pub(super) fn check_memory(config: &ExperimentConfig, per_example: f64) -> Result<()> {
     let Some(available) = crate::memory::available_memory() else {
         return Ok(());
-    };
-    let ff = |d: usize, d_ff: usize| if d_ff == 0 { 4 * d } else { d_ff };
-    // Floats kept for the backward pass per example: per layer ~10 values of width d_model and
-    // two of width d_ff per token, and the attention weights (h·t²); plus the logits.
-    let stack = |layers: usize, t: usize, d: usize, d_ff: usize, h: usize| {
-        layers as f64 * (t as f64 * (10 * d + 2 * d_ff) as f64 + (h * t * t) as f64)
-    };
-    let per_example = match &config.model {
-        ModelConfig::Lm(m) => {
-            stack(
-                m.n_layers,
-                m.context,
-                m.d_model,
-                ff(m.d_model, m.d_ff),
-                m.n_heads,
-            ) + (m.context * m.vocab_size) as f64
-        }
-        ModelConfig::Seq2seq(m) => {
-            let (t, d_ff) = (config.data.max_tokens, ff(m.d_model, m.d_ff));
-            stack(m.encoder_layers, t, m.d_model, d_ff, m.n_heads)
-                + 1.5 * stack(m.decoder_layers, t, m.d_model, d_ff, m.n_heads)
-                + (t * m.tgt_vocab_size) as f64
-        }
-        ModelConfig::Classifier(m) => stack(
-            m.n_layers,
-            config.data.max_tokens,
-            m.d_model,
-            ff(m.d_model, m.d_ff),
-            m.n_heads,
-        ),
-        ModelConfig::Vit(m) => stack(
-            m.n_layers,
-            m.n_tokens(),
-            m.d_model,
-            ff(m.d_model, m.d_ff),
-            m.n_heads,
-        ),
     };
     let bytes = 4.0 * per_example * config.train.batch_size as f64;
     if bytes > available as f64 {

@@ -30,7 +30,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 /// The training and validation loaders of a model trained through [`launch`].
-pub(crate) type Loaders<B, M> = (
+pub type Loaders<B, M> = (
     Arc<dyn DataLoader<B, <M as TrainStep>::Input>>,
     Arc<
         dyn DataLoader<
@@ -47,7 +47,7 @@ type LoaderPair<B, O, OV> = (
 );
 
 /// Where a training writes, and what its parts share while it runs.
-pub(crate) struct Session {
+pub struct Session {
     pub(super) artifact: ArtifactDir,
     resume: bool,
     plain: bool,
@@ -71,12 +71,16 @@ impl Session {
     /// Called once the data and tokenizers are ready, before the first write: checks what is
     /// left to check (memory, a writable directory), moves a replaced run aside, and saves the
     /// resolved config and tokenizers of a fresh run.
-    pub(super) fn begin(
+    ///
+    /// `activation_floats` is what one example keeps for the backward pass (the memory check's
+    /// lower bound, from the model kind).
+    pub fn begin(
         &self,
         config: &ExperimentConfig,
         tokenizers: Option<&Tokenizers>,
+        activation_floats: f64,
     ) -> Result<()> {
-        super::preflight::check_memory(config)?;
+        super::preflight::check_memory(config, activation_floats)?;
         let artifact = &self.artifact;
         let previous = !self.resume && artifact.holds_run();
         artifact.check_writable()?;
@@ -110,7 +114,7 @@ impl Session {
     /// epoch) and the validation loader (the same `eval_batches` batches every epoch), both
     /// reproducible from the seed and the epoch alone.
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn loaders<B, I, O, IV, OV>(
+    pub fn loaders<B, I, O, IV, OV>(
         &self,
         config: &ExperimentConfig,
         device: &B::Device,
@@ -253,7 +257,7 @@ fn quietly<T>(
 ///
 /// `pad` is the padding id that accuracy (and perplexity) skip; `perplexity` is for token
 /// predictors, not sentence or image classifiers; `throughput` feeds the speed reports.
-pub(crate) fn launch<B, M>(
+pub fn launch<B, M>(
     config: &ExperimentConfig,
     session: &Session,
     model: M,

@@ -13,7 +13,7 @@ use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 use transformer_lab::artifact::ArtifactDir;
-use transformer_lab::inspect::{html, Inspectable};
+use transformer_lab::inspect::html;
 
 const CHROMIUM: &str = "/usr/bin/chromium";
 const CHROMEDRIVER: &str = "/usr/bin/chromedriver";
@@ -201,12 +201,12 @@ fn the_attention_page_works_in_a_real_browser() {
     let dir = tempfile::tempdir().unwrap();
     let text = "to be, or not to be: that is the question";
     lm_artifact(dir.path(), text);
-    let model = Inspectable::<NdArray<f32>>::load(
+    let model = transformer_lab::kinds::load::<NdArray<f32>>(
         &ArtifactDir::new(dir.path().join("lm")),
         &Default::default(),
     )
     .unwrap();
-    let maps = model.capture(text, None, &Default::default()).unwrap();
+    let maps = model.attention(text, None, &Default::default()).unwrap();
     let page = dir.path().join("attention.html");
     std::fs::write(&page, html::page(&maps).unwrap()).unwrap();
     let weights = &maps.groups[0].weights;

@@ -7,19 +7,23 @@ use transformer_lab::config::ClassifierConfig;
 use transformer_lab::embed::{cosine, find_word};
 use transformer_lab::models::TextClassifier;
 use transformer_lab::nn::Pooling;
+use transformer_lab::nn::StackConfig;
 
 type B = NdArray<f32>;
 
 fn model(pool: Pooling) -> TextClassifier<B> {
     ClassifierConfig {
+        stack: StackConfig {
+            d_model: 16,
+            n_heads: 2,
+            d_ff: 32,
+            dropout: 0.0,
+            ..ClassifierConfig::default().stack
+        },
         vocab_size: 20,
         n_classes: 3,
-        d_model: 16,
         n_layers: 2,
-        n_heads: 2,
-        d_ff: 32,
         max_len: 12,
-        dropout: 0.0,
         pool,
         ..ClassifierConfig::default()
     }

@@ -6,14 +6,15 @@ use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
 use burn::prelude::*;
 use std::path::Path;
 use std::process::{Command, Output};
+use transformer_lab::artifact::Tokenizers;
 use transformer_lab::artifact::{ArtifactDir, ArtifactRecorder};
 use transformer_lab::config::LmConfig;
 use transformer_lab::config::{ExperimentConfig, TokenizerKind};
 use transformer_lab::data::Tokenizer;
 use transformer_lab::kernels::{LabAutodiff, LabBackend};
 use transformer_lab::models::{LanguageModel, LmBatch};
+use transformer_lab::nn::StackConfig;
 use transformer_lab::train::ReferenceOptimizer;
-use transformer_lab::train::Tokenizers;
 
 /// A tensor of standard-normal values drawn from its own seeded generator. The backend's
 /// `B::seed` is one generator shared by every test thread, so draws from it race with the tests
@@ -38,10 +39,13 @@ pub fn normal<B: Backend, const D: usize>(
 #[allow(dead_code)]
 pub fn small_lm() -> LmConfig {
     LmConfig {
+        stack: StackConfig {
+            d_model: 32,
+            n_heads: 4,
+            ..LmConfig::default().stack
+        },
         vocab_size: 13,
-        d_model: 32,
         n_layers: 2,
-        n_heads: 4,
         context: 16,
         ..LmConfig::default()
     }
@@ -193,7 +197,7 @@ pub fn classifier_artifact(dir: &Path) {
             "data": {"dataset": "uci-sentiment", "tokenizer": "bpe", "bpe_vocab_size": 300,
                      "max_tokens": 16}}"#,
         |c| {
-            c.classifier()
+            c.model_as::<transformer_lab::config::ClassifierConfig>()
                 .unwrap()
                 .init::<NdArray<f32>>(&Default::default())
         },
@@ -207,7 +211,11 @@ pub fn vit_artifact(dir: &Path) {
         dir,
         r#"{"name": "vit", "model": {"kind": "vit", "patch_size": 7, "d_model": 16,
             "n_layers": 1, "n_heads": 2, "d_ff": 32}, "data": {"dataset": "mnist"}}"#,
-        |c| c.vit().unwrap().init::<NdArray<f32>>(&Default::default()),
+        |c| {
+            c.model_as::<transformer_lab::config::VitConfig>()
+                .unwrap()
+                .init::<NdArray<f32>>(&Default::default())
+        },
         None,
     );
 }
@@ -222,7 +230,11 @@ pub fn lm_artifact(dir: &Path, text: &str) {
         "lm",
         r#"{"name": "lm", "model": {"kind": "lm", "d_model": 32, "n_layers": 2, "n_heads": 4,
             "context": 64}, "data": {"dataset": "tinyshakespeare", "tokenizer": "char"}}"#,
-        |c| c.lm().unwrap().init::<NdArray<f32>>(&Default::default()),
+        |c| {
+            c.model_as::<transformer_lab::config::LmConfig>()
+                .unwrap()
+                .init::<NdArray<f32>>(&Default::default())
+        },
         Some(tokenizer),
     );
 }
@@ -244,7 +256,7 @@ pub fn translator_artifact(dir: &Path) {
             "encoder_layers": 1, "decoder_layers": 1, "d_ff": 32, "max_len": 24},
             "data": {"dataset": "copy", "tokenizer": "bpe", "bpe_vocab_size": 300, "max_tokens": 24}}"#,
         |c| {
-            c.seq2seq()
+            c.model_as::<transformer_lab::config::Seq2SeqConfig>()
                 .unwrap()
                 .init::<NdArray<f32>>(&Default::default())
         },

@@ -23,9 +23,9 @@ fn the_default_experiment_is_nanogpts_small_cpu_config() {
         "/experiments/shakespeare-char.json"
     );
     let c = ExperimentConfig::load(path.as_ref()).unwrap();
-    let lm = c.lm().unwrap();
+    let lm = c.model_as::<transformer_lab::config::LmConfig>().unwrap();
     assert_eq!(
-        (lm.n_layers, lm.n_heads, lm.d_model, lm.context),
+        (lm.n_layers, lm.stack.n_heads, lm.stack.d_model, lm.context),
         (4, 4, 128, 64)
     );
     assert_eq!(
@@ -42,7 +42,7 @@ fn the_default_experiment_is_nanogpts_small_cpu_config() {
         ),
         (1e-3, 1e-4, 0.99, 0.1, 1.0)
     );
-    assert_eq!(lm.dropout, 0.0);
+    assert_eq!(lm.stack.dropout, 0.0);
     let built_in = ExperimentConfig::parse(transformer_lab::cli::DEFAULT_EXPERIMENT).unwrap();
     assert_eq!(built_in, c);
 }
@@ -137,7 +137,12 @@ fn mistakes_are_clear_errors() {
     assert!(format!("{missing:#}").contains("cannot read config"));
     // Defaults fill what a config leaves out, but an empty one is a mistake, not the default.
     assert_eq!(
-        load_str(r#"{"name": "x"}"#).unwrap().lm().unwrap().d_model,
+        load_str(r#"{"name": "x"}"#)
+            .unwrap()
+            .model_as::<transformer_lab::config::LmConfig>()
+            .unwrap()
+            .stack
+            .d_model,
         128
     );
     for empty in ["{}", "[]", "3"] {

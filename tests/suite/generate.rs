@@ -7,6 +7,7 @@ use rand::SeedableRng;
 use transformer_lab::config::LmConfig;
 use transformer_lab::generate::{check_prompt, generate, Sampling};
 use transformer_lab::nn::PositionKind;
+use transformer_lab::nn::StackConfig;
 
 type B = NdArray<f32>;
 
@@ -138,10 +139,13 @@ fn candidate_probabilities_are_a_distribution() {
 fn the_same_seed_gives_the_same_text() {
     let device = Default::default();
     let config = LmConfig {
+        stack: StackConfig {
+            d_model: 16,
+            n_heads: 2,
+            ..LmConfig::default().stack
+        },
         vocab_size: 20,
-        d_model: 16,
         n_layers: 1,
-        n_heads: 2,
         context: 8,
         ..LmConfig::default()
     };

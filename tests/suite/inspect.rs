@@ -12,14 +12,15 @@ use std::path::Path;
 use transformer_lab::artifact::ArtifactDir;
 use transformer_lab::explain::model_walkthrough;
 use transformer_lab::inspect::stats::{head_stats, Geometry, Shuffled};
-use transformer_lab::inspect::{AttentionGroup, AttentionMaps, Inspectable};
+use transformer_lab::inspect::{AttentionGroup, AttentionMaps};
+use transformer_lab::kinds::{load_as, AnyTrained};
 
 type B = NdArray<f32>;
 
 const TEXT: &str = "to be, or not to be: that is the question";
 
-fn load(dir: &Path, name: &str) -> Inspectable<B> {
-    Inspectable::load(&ArtifactDir::new(dir.join(name)), &Default::default()).unwrap()
+fn load(dir: &Path, name: &str) -> Box<dyn AnyTrained<B>> {
+    transformer_lab::kinds::load(&ArtifactDir::new(dir.join(name)), &Default::default()).unwrap()
 }
 
 fn assert_rows_sum_to_one(group: &AttentionGroup) {
@@ -57,12 +58,14 @@ fn exported_weights_are_the_weights_of_the_forward_pass() {
     lm_artifact(dir.path(), TEXT);
     let model = load(dir.path(), "lm");
     let device = Default::default();
-    let maps = model.capture(TEXT, None, &device).unwrap();
-    let Inspectable::Lm(trained) = &model else {
-        unreachable!()
-    };
+    let maps = model.attention(TEXT, None, &device).unwrap();
+    let trained = load_as::<transformer_lab::config::LmConfig, B>(
+        &ArtifactDir::new(dir.path().join("lm")),
+        &device,
+    )
+    .unwrap();
     let ids: Vec<i64> = trained
-        .tokenizer
+        .tokenizer()
         .encode(TEXT)
         .unwrap()
         .into_iter()
@@ -109,7 +112,7 @@ fn a_translator_shows_encoder_decoder_and_cross_attention() {
     translator_artifact(dir.path());
     let model = load(dir.path(), "s2s");
     let maps = model
-        .capture("the cat sat", Some("le chat"), &Default::default())
+        .attention("the cat sat", Some("le chat"), &Default::default())
         .unwrap();
     let names: Vec<&str> = maps.groups.iter().map(|g| g.name.as_str()).collect();
     assert_eq!(names, ["encoder", "decoder", "cross"]);
@@ -211,7 +214,7 @@ fn statistics_of_a_real_model_cover_every_head() {
     let model = load(dir.path(), "art");
     let device = Default::default();
     let maps: AttentionMaps = model
-        .capture("money at the bank of the river", None, &device)
+        .attention("money at the bank of the river", None, &device)
         .unwrap();
     let all = model.statistics(&maps, 7, &device).unwrap();
     assert_eq!(all.len(), 1);
@@ -232,7 +235,14 @@ fn explain_walks_through_the_heads_real_weights() {
     let dir = tempfile::tempdir().unwrap();
     lm_artifact(dir.path(), TEXT);
     let model = load(dir.path(), "lm");
-    let w = model_walkthrough(&model, "not to be", 1, 3, &Default::default()).unwrap();
+    let w = model_walkthrough(
+        &model.text_model().unwrap(),
+        "not to be",
+        1,
+        3,
+        &Default::default(),
+    )
+    .unwrap();
     assert!(w.causal);
     assert_eq!(w.tokens.len(), 9);
     assert_eq!(w.steps.q[0].len(), 8, "d_head = 32 / 4");
@@ -355,7 +365,7 @@ fn a_vit_attention_picture_lays_the_class_token_over_the_image() {
     digit.save(dir.path().join("one.png")).unwrap();
     let model = load(dir.path(), "art");
     let maps = model
-        .capture(
+        .attention(
             &dir.path().join("one.png").display().to_string(),
             None,
             &Default::default(),
@@ -409,7 +419,11 @@ fn mixer_lm_artifact(dir: &Path, name: &str, mixer: &str) {
         dir,
         name,
         &config,
-        |c| c.lm().unwrap().init::<B>(&Default::default()),
+        |c| {
+            c.model_as::<transformer_lab::config::LmConfig>()
+                .unwrap()
+                .init::<B>(&Default::default())
+        },
         Some(tokenizer),
     );
 }
@@ -424,7 +438,9 @@ fn sparse_and_linear_mixers_show_their_own_weights_and_hyena_says_it_has_none() 
         ("linear", r#"{"kind": "linear"}"#, None),
     ] {
         mixer_lm_artifact(dir.path(), name, mixer);
-        let maps = load(dir.path(), name).capture(TEXT, None, &device).unwrap();
+        let maps = load(dir.path(), name)
+            .attention(TEXT, None, &device)
+            .unwrap();
         let weights = &maps.groups[0].weights;
         assert_eq!((weights.len(), weights[0].len()), (2, 4));
         for row in weights.iter().flatten().flatten() {

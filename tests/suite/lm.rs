@@ -11,6 +11,7 @@ use transformer_lab::artifact::{load_weights, ArtifactRecorder};
 use transformer_lab::config::LmConfig;
 use transformer_lab::models::LanguageModel;
 use transformer_lab::nn::PositionKind;
+use transformer_lab::nn::StackConfig;
 
 type B = NdArray<f32>;
 type AB = Autodiff<B>;
@@ -26,7 +27,10 @@ fn a_fixed_batch_overfits() {
         (false, PositionKind::Sinusoidal),
     ] {
         let config = LmConfig {
-            norm_first,
+            stack: StackConfig {
+                norm_first,
+                ..config().stack
+            },
             position,
             ..config()
         };
@@ -45,8 +49,11 @@ fn a_fixed_batch_overfits() {
 #[test]
 fn untied_head_trains_too() {
     let config = LmConfig {
+        stack: StackConfig {
+            bias: true,
+            ..config().stack
+        },
         tie_weights: false,
-        bias: true,
         ..config()
     };
     let (first, last) = overfit::<AB>(&config, 60, &Default::default());
@@ -99,7 +106,10 @@ fn weights_of_another_config_are_refused() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("model");
     let wide = LmConfig {
-        d_model: 48,
+        stack: StackConfig {
+            d_model: 48,
+            ..config().stack
+        },
         ..config()
     };
     wide.init::<B>(&device)

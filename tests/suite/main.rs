@@ -17,6 +17,7 @@ mod images;
 mod inspect;
 #[cfg(feature = "flex")]
 mod kernels;
+mod layers;
 mod lm;
 mod mask;
 mod mixer;

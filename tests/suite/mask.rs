@@ -5,6 +5,7 @@ use burn::backend::NdArray;
 use burn::prelude::*;
 use burn::tensor::Distribution;
 use transformer_lab::config::LmConfig;
+use transformer_lab::nn::StackConfig;
 use transformer_lab::nn::{
     causal_mask, padding_mask, AttentionMask, TransformerBlockConfig, TransformerStackConfig,
 };
@@ -39,12 +40,15 @@ fn padding_mask_marks_pad_tokens() {
 
 fn tiny_lm(norm_first: bool) -> LmConfig {
     LmConfig {
+        stack: StackConfig {
+            d_model: 16,
+            n_heads: 4,
+            norm_first,
+            ..LmConfig::default().stack
+        },
         vocab_size: 11,
-        d_model: 16,
         n_layers: 2,
-        n_heads: 4,
         context: 12,
-        norm_first,
         ..LmConfig::default()
     }
 }

@@ -12,6 +12,7 @@ use transformer_lab::nn::linear_attention::{
     linear_attention, linear_attention_weights, LinearState,
 };
 use transformer_lab::nn::sparse::{local_attention, strided_attention};
+use transformer_lab::nn::StackConfig;
 use transformer_lab::nn::{
     causal_mask, local_mask, masked_attention_weights, strided_mask, AttentionMask, HyenaConfig,
     Mixer, TransformerBlockConfig,
@@ -350,12 +351,15 @@ fn hyena_by_direct_convolution_is_exactly_causal() {
 fn lm(mixer: Mixer) -> transformer_lab::models::LanguageModel<B> {
     B::seed(&Default::default(), 3);
     LmConfig {
+        stack: StackConfig {
+            d_model: 16,
+            n_heads: 2,
+            mixer,
+            ..LmConfig::default().stack
+        },
         vocab_size: 11,
-        d_model: 16,
         n_layers: 2,
-        n_heads: 2,
         context: 24,
-        mixer,
         ..LmConfig::default()
     }
     .init(&Default::default())
@@ -461,14 +465,20 @@ fn dense_mixer_weights_reproduce_the_forward_pass() {
 #[test]
 fn hyena_cannot_serve_an_encoder_and_bad_settings_are_refused() {
     let classifier = ClassifierConfig {
+        stack: StackConfig {
+            mixer: hyena(),
+            ..ClassifierConfig::default().stack
+        },
         vocab_size: 10,
-        mixer: hyena(),
         ..ClassifierConfig::default()
     };
     let err = classifier.validate().unwrap_err().to_string();
     assert!(err.contains("hyena is causal"), "{err}");
     let lm = LmConfig {
-        mixer: Mixer::Local { window: 0 },
+        stack: StackConfig {
+            mixer: Mixer::Local { window: 0 },
+            ..LmConfig::default().stack
+        },
         ..LmConfig::default()
     };
     assert!(lm.validate().unwrap_err().to_string().contains("window"));

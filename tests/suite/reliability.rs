@@ -104,7 +104,10 @@ fn weights_of(dir: &Path, file: &Path) -> Vec<Vec<f32>> {
     }
     let config = ExperimentConfig::load(&dir.join("config.json")).unwrap();
     let device = Default::default();
-    let model = config.lm().unwrap().init::<NdArray>(&device);
+    let model = config
+        .model_as::<transformer_lab::config::LmConfig>()
+        .unwrap()
+        .init::<NdArray>(&device);
     let model = load_weights(model, file, &device).unwrap();
     let mut values = Values(Vec::new());
     model.visit(&mut values);

@@ -7,23 +7,28 @@ use burn::prelude::*;
 use transformer_lab::artifact::ArtifactDir;
 use transformer_lab::config::{ExperimentConfig, Seq2SeqConfig};
 use transformer_lab::data::Special;
+use transformer_lab::kinds::{load_as, train};
 use transformer_lab::models::{Seq2Seq, Seq2SeqBatch};
-use transformer_lab::train::{train, TrainRequest, TrainedTranslator};
+use transformer_lab::nn::StackConfig;
+use transformer_lab::train::TrainRequest;
 use transformer_lab::translate::{beam_search, greedy, translate_texts, SearchConfig};
 
 type B = NdArray<f32>;
 
 fn tiny(vocab: usize) -> Seq2SeqConfig {
     Seq2SeqConfig {
+        stack: StackConfig {
+            d_model: 32,
+            n_heads: 4,
+            d_ff: 64,
+            dropout: 0.0,
+            ..Seq2SeqConfig::default().stack
+        },
         src_vocab_size: vocab,
         tgt_vocab_size: vocab,
-        d_model: 32,
-        n_heads: 4,
         encoder_layers: 2,
         decoder_layers: 2,
-        d_ff: 64,
         max_len: 24,
-        dropout: 0.0,
         ..Seq2SeqConfig::default()
     }
 }
@@ -174,12 +179,12 @@ fn the_copy_task_is_solved_exactly_by_greedy_decoding() {
     )
     .unwrap();
     let device = Default::default();
-    let trained = TrainedTranslator::<B>::load(&artifact, &device).unwrap();
+    let trained = load_as::<Seq2SeqConfig, B>(&artifact, &device).unwrap();
     let test = transformer_lab::data::translation::copy_task(&config.data.copy, config.seed).test;
     let sources: Vec<String> = test.iter().take(100).map(|t| t.source.clone()).collect();
     let (out, truncated) = translate_texts(
         &trained.model,
-        &trained.tokenizers,
+        trained.tokenizers(),
         &sources,
         &search(1),
         50,

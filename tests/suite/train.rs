@@ -9,6 +9,7 @@ use burn::optim::GradientsParams;
 use burn::prelude::*;
 use transformer_lab::config::LmConfig;
 use transformer_lab::models::LanguageModel;
+use transformer_lab::nn::StackConfig;
 use transformer_lab::train::{clip_global_norm, WarmupSchedule};
 
 type B = NdArray<f32>;
@@ -86,10 +87,13 @@ fn norm(model: &LanguageModel<AB>, grads: &GradientsParams) -> f64 {
 fn clipping_rescales_all_gradients_together() {
     let device = Default::default();
     let config = LmConfig {
+        stack: StackConfig {
+            d_model: 16,
+            n_heads: 2,
+            ..LmConfig::default().stack
+        },
         vocab_size: 7,
-        d_model: 16,
         n_layers: 1,
-        n_heads: 2,
         context: 8,
         ..LmConfig::default()
     };
@@ -128,10 +132,13 @@ fn weight_decay_shrinks_matrices_but_not_layer_norm_gains() {
     use transformer_lab::train::ReferenceOptimizer;
     let device = Default::default();
     let config = LmConfig {
+        stack: StackConfig {
+            d_model: 8,
+            n_heads: 2,
+            ..LmConfig::default().stack
+        },
         vocab_size: 7,
-        d_model: 8,
         n_layers: 1,
-        n_heads: 2,
         context: 4,
         ..LmConfig::default()
     };

@@ -7,6 +7,7 @@ use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
 use burn::prelude::*;
 use transformer_lab::config::VitConfig;
 use transformer_lab::models::{patchify, unpatchify, VisionTransformer};
+use transformer_lab::nn::StackConfig;
 use transformer_lab::nn::{sincos_2d_table, sinusoid_table, Pooling, PositionKind};
 
 type B = NdArray<f32>;
@@ -14,14 +15,17 @@ type A = Autodiff<B>;
 
 fn tiny(position: PositionKind, pool: Pooling) -> VitConfig {
     VitConfig {
+        stack: StackConfig {
+            d_model: 16,
+            n_heads: 2,
+            d_ff: 32,
+            dropout: 0.0,
+            ..VitConfig::default().stack
+        },
         image_size: 8,
         patch_size: 2,
         n_classes: 3,
-        d_model: 16,
         n_layers: 2,
-        n_heads: 2,
-        d_ff: 32,
-        dropout: 0.0,
         position,
         pool,
         ..VitConfig::default()

@@ -1,0 +1,149 @@
+//! `bench`: training throughput, fused kernels against their composed references, and the
+//! token mixers' cost against length.
+
+use crate::cli::{BenchArgs, BenchCommand, BenchKernelsArgs, BenchMixersArgs};
+use crate::config::{ExperimentConfig, LmConfig};
+use crate::data::data_dir;
+use crate::kernels::LabBackend;
+use anyhow::{anyhow, bail, Context, Result};
+use burn::backend::Autodiff;
+
+pub(super) fn run_bench<B: LabBackend>(args: BenchArgs, device: B::Device) -> Result<()> {
+    let args = match args.what {
+        BenchCommand::Train(args) => args,
+        BenchCommand::Mixers(args) => return run_bench_mixers::<B>(args, device),
+        BenchCommand::Kernels(args) => return run_bench_kernels::<B>(args, device),
+    };
+    if args.steps == 0 || args.runs == 0 {
+        bail!("--steps and --runs must be at least 1");
+    }
+    let config = match &args.experiment {
+        Some(path) => ExperimentConfig::load(path)?,
+        None => ExperimentConfig::parse(crate::config::DEFAULT_EXPERIMENT)?,
+    };
+    if config.model_as::<LmConfig>().is_err() {
+        bail!(
+            "bench train measures language-model experiments; {} is a {} experiment",
+            config.name,
+            config.model.kind()
+        );
+    }
+    let plan = crate::bench::BenchPlan {
+        steps: args.steps,
+        warmup: args.warmup,
+        runs: args.runs,
+    };
+    let data_dir = data_dir(args.data.data_dir.as_deref());
+    let report = crate::bench::bench_lm::<Autodiff<B>>(&config, &data_dir, plan, &device)?;
+    print!(
+        "{}",
+        report.render(&format!("{} on {}", config.name, B::name(&device)))
+    );
+    Ok(())
+}
+
+fn run_bench_kernels<B: LabBackend>(args: BenchKernelsArgs, device: B::Device) -> Result<()> {
+    if args.reps == 0 || args.vocab == 0 {
+        bail!("--reps and --vocab must be at least 1");
+    }
+    let config = match &args.experiment {
+        Some(path) => ExperimentConfig::load(path)?,
+        None => ExperimentConfig::parse(crate::config::DEFAULT_EXPERIMENT)?,
+    };
+    let lm = config.model_as::<LmConfig>().map_err(|_| {
+        anyhow!(
+            "bench kernels uses language-model shapes; {} is a {} experiment",
+            config.name,
+            config.model.kind()
+        )
+    })?;
+    let rows = crate::bench::kernels::bench_kernels::<Autodiff<B>>(
+        lm,
+        config.train.batch_size,
+        args.vocab,
+        args.reps,
+        &device,
+    )?;
+    println!(
+        "{} on {}: forward + backward of each operation, median of {} runs",
+        config.name,
+        B::name(&device),
+        args.reps
+    );
+    print!("{}", crate::bench::kernels::render(&rows));
+    Ok(())
+}
+
+fn run_bench_mixers<B: LabBackend>(args: BenchMixersArgs, device: B::Device) -> Result<()> {
+    use crate::bench::mixers::{bench_mixers, render, to_csv, write_png, MixerPlan};
+    use crate::nn::{HyenaConfig, Mixer};
+    let mixers = args
+        .mixers
+        .iter()
+        .map(|name| {
+            Ok(match name.as_str() {
+                "full" => Mixer::Full,
+                "local" => Mixer::Local {
+                    window: args.window,
+                },
+                "strided" => Mixer::Strided {
+                    stride: args.stride,
+                },
+                "linear" => Mixer::Linear { chunk: args.chunk },
+                "hyena" => Mixer::Hyena(HyenaConfig::default()),
+                other => bail!(
+                    "unknown mixer {other:?}; choose from full, local, strided, linear, hyena"
+                ),
+            })
+        })
+        .collect::<Result<Vec<Mixer>>>()?;
+    for mixer in &mixers {
+        mixer.validate("language model", true)?;
+    }
+    if args.lengths.is_empty() || args.lengths.windows(2).any(|w| w[0] >= w[1]) {
+        bail!("--lengths must be increasing");
+    }
+    if args.runs == 0 || args.d_model == 0 || args.heads == 0 || args.batch == 0 {
+        bail!("--runs, --d-model, --heads and --batch must be at least 1");
+    }
+    if !args.d_model.is_multiple_of(args.heads) {
+        bail!("--d-model must be divisible by --heads");
+    }
+    let plan = MixerPlan {
+        lengths: args.lengths.clone(),
+        d_model: args.d_model,
+        n_heads: args.heads,
+        batch: args.batch,
+        runs: args.runs,
+        budget_s: args.budget_s,
+        memory_limit: (crate::memory::available_memory().unwrap_or(8 << 30) as f64
+            * args.memory_share) as usize,
+    };
+    let backend = B::name(&device);
+    eprintln!(
+        "bench mixers on {backend}: d_model {}, {} heads, batch {}, causal; {} runs per point",
+        plan.d_model, plan.n_heads, plan.batch, plan.runs
+    );
+    let points = bench_mixers::<Autodiff<B>>(&mixers, &plan, &device, |p| {
+        eprintln!(
+            "  {:<8} {:>6} tokens: forward {:>9.2} ms, fwd+bwd {:>9.2} ms",
+            p.mixer,
+            p.length,
+            p.forward_s * 1e3,
+            p.train_s * 1e3
+        );
+    })?;
+    print!("{}", render(&points, &mixers));
+    std::fs::create_dir_all(&args.out)
+        .with_context(|| format!("cannot create {}", args.out.display()))?;
+    let csv = args.out.join("mixers.csv");
+    crate::files::write_atomic(&csv, to_csv(&points).as_bytes())?;
+    let png = args.out.join("mixers.png");
+    let title = format!(
+        "token mixers on {backend}: one causal layer, d_model {}, {} heads (window {}, stride {})",
+        plan.d_model, plan.n_heads, args.window, args.stride
+    );
+    write_png(&png, &points, &mixers, &title)?;
+    println!("wrote {} and {}", csv.display(), png.display());
+    Ok(())
+}

@@ -1,0 +1,64 @@
+//! The subcommands, each generic over the backend: one file per command family, each thin (the
+//! work is in the layers below; a model kind is asked of `kinds`, never matched here).
+
+mod bench;
+mod inspect;
+mod text;
+mod train;
+
+use crate::backend::{check_available, default_backend, BackendKind};
+use crate::cli::Command;
+use crate::kernels::LabBackend;
+use anyhow::{Context, Result};
+use std::io::BufRead;
+
+/// Something to run on a backend chosen at run time.
+pub trait BackendTask {
+    /// Runs on backend `B` with device `device`.
+    fn run<B: LabBackend>(self, device: B::Device) -> Result<()>;
+}
+
+/// Runs `task` on the chosen backend (the default one when `kind` is `None`).
+pub fn dispatch(kind: Option<BackendKind>, task: impl BackendTask) -> Result<()> {
+    let kind = kind.unwrap_or_else(default_backend);
+    check_available(kind)?;
+    match kind {
+        #[cfg(feature = "ndarray")]
+        BackendKind::Ndarray => task.run::<crate::backend::Cpu>(Default::default()),
+        #[cfg(feature = "flex")]
+        BackendKind::Flex => task.run::<crate::backend::Flex>(Default::default()),
+        #[cfg(feature = "wgpu")]
+        BackendKind::Wgpu => task.run::<crate::backend::Gpu>(Default::default()),
+        #[allow(unreachable_patterns)]
+        _ => unreachable!("check_available refuses backends left out of the build"),
+    }
+}
+
+impl BackendTask for Command {
+    fn run<B: LabBackend>(self, device: B::Device) -> Result<()> {
+        match self {
+            Command::Train(args) => train::run_train::<B>(args, device),
+            Command::Generate(args) => text::run_generate::<B>(args, device),
+            Command::Eval(args) => inspect::run_eval::<B>(args, device),
+            Command::Translate(args) => text::run_translate::<B>(args, device),
+            Command::Predict(args) => text::run_predict::<B>(args, device),
+            Command::Classify(args) => text::run_classify::<B>(args, device),
+            Command::Embed(args) => text::run_embed::<B>(args, device),
+            Command::Bench(args) => bench::run_bench::<B>(args, device),
+            Command::Attention(args) => inspect::run_attention::<B>(args, device),
+            Command::Explain(args) => inspect::run_explain::<B>(args, device),
+        }
+    }
+}
+
+/// The texts given as arguments, or else stdin's lines.
+pub(crate) fn texts_or_stdin(texts: Vec<String>) -> Result<Vec<String>> {
+    if !texts.is_empty() {
+        return Ok(texts);
+    }
+    std::io::stdin()
+        .lock()
+        .lines()
+        .collect::<std::io::Result<Vec<String>>>()
+        .context("cannot read stdin as UTF-8 text")
+}

@@ -1,0 +1,190 @@
+//! The commands that use one kind of trained model on the user's input: `generate` (language
+//! model), `translate` (translator), `predict` (ViT), `classify` (text classifier), and `embed`
+//! (any text model).
+
+use super::texts_or_stdin;
+use crate::artifact::ArtifactDir;
+use crate::classify::{
+    class_names, image_probabilities, load_image, text_probabilities, top_classes,
+};
+use crate::cli::{ClassifyArgs, EmbedArgs, GenerateArgs, PredictArgs, TranslateArgs};
+use crate::config::{ClassifierConfig, LmConfig, Seq2SeqConfig, VitConfig};
+use crate::embed::{cosine, word_vectors};
+use crate::generate::{check_prompt, generate, Sampling};
+use crate::kernels::LabBackend;
+use crate::kinds::load_as;
+use crate::translate::{translate_texts, warn_truncated, SearchConfig};
+use anyhow::{bail, Result};
+use std::io::Write;
+
+pub(super) fn run_generate<B: LabBackend>(args: GenerateArgs, device: B::Device) -> Result<()> {
+    let sampling = Sampling {
+        temperature: args.temperature,
+        top_k: args.top_k,
+        top_p: args.top_p,
+        greedy: args.greedy,
+    };
+    sampling.validate()?;
+    let trained = load_as::<LmConfig, B>(&ArtifactDir::new(&args.artifact_dir), &device)?;
+    let tokenizer = trained.tokenizer();
+    let prompt_text = match args.prompt {
+        Some(text) => text,
+        None if tokenizer.encode("\n").is_ok() => "\n".to_string(),
+        None => tokenizer.decode(&[0]),
+    };
+    let prompt = tokenizer.encode(&prompt_text)?;
+    let lm = trained.config.model_as::<LmConfig>()?;
+    check_prompt(prompt.len(), lm.context, lm.position)?;
+    let mut out = std::io::stdout().lock();
+    write!(out, "{prompt_text}")?;
+    out.flush()?;
+    generate(
+        &trained.model,
+        &prompt,
+        args.max_new_tokens,
+        &sampling,
+        args.seed,
+        &device,
+        |token| {
+            write!(out, "{}", tokenizer.decode(&[token]))?;
+            out.flush()?;
+            Ok(())
+        },
+    )?;
+    writeln!(out)?;
+    Ok(())
+}
+
+pub(super) fn run_translate<B: LabBackend>(args: TranslateArgs, device: B::Device) -> Result<()> {
+    let translator = load_as::<Seq2SeqConfig, B>(&ArtifactDir::new(&args.artifact_dir), &device)?;
+    let search = SearchConfig::resolve(
+        args.search.beam,
+        args.search.length_penalty,
+        args.search.max_len,
+        translator.model.max_len(),
+    )?;
+    let texts = texts_or_stdin(args.texts)?;
+    let max_tokens = translator.config.data.max_tokens;
+    let (translations, truncated) = translate_texts(
+        &translator.model,
+        translator.tokenizers(),
+        &texts,
+        &search,
+        args.batch_size,
+        max_tokens,
+        &device,
+    )?;
+    warn_truncated(&truncated, max_tokens);
+    let mut out = std::io::stdout().lock();
+    for line in translations {
+        writeln!(out, "{line}")?;
+    }
+    Ok(())
+}
+
+pub(super) fn run_predict<B: LabBackend>(args: PredictArgs, device: B::Device) -> Result<()> {
+    let trained = load_as::<VitConfig, B>(&ArtifactDir::new(&args.artifact_dir), &device)?;
+    let size = trained.config.model_as::<VitConfig>()?.image_size;
+    let classes = class_names(&trained.config.data.dataset)?;
+    let prepared = args
+        .images
+        .iter()
+        .map(|path| load_image(path, size))
+        .collect::<Result<Vec<_>>>()?;
+    let pixels: Vec<Vec<u8>> = prepared.iter().map(|p| p.pixels.clone()).collect();
+    let probabilities = image_probabilities(&trained, &pixels, size, &device)
+        .into_data()
+        .into_vec::<f32>()
+        .map_err(|e| anyhow::anyhow!("cannot read probabilities: {e:?}"))?;
+    for ((path, image), row) in args
+        .images
+        .iter()
+        .zip(&prepared)
+        .zip(probabilities.chunks(classes.len()))
+    {
+        let top: Vec<String> = top_classes(row, args.top.max(1))
+            .into_iter()
+            .map(|(class, p)| format!("{} {:.1}%", classes[class], 100.0 * p))
+            .collect();
+        let note = if image.inverted {
+            " (inverted: light background)"
+        } else {
+            ""
+        };
+        println!("{}: {}{note}", path.display(), top.join(", "));
+    }
+    Ok(())
+}
+
+pub(super) fn run_classify<B: LabBackend>(args: ClassifyArgs, device: B::Device) -> Result<()> {
+    let trained = load_as::<ClassifierConfig, B>(&ArtifactDir::new(&args.artifact_dir), &device)?;
+    let classes = class_names(&trained.config.data.dataset)?;
+    let texts = texts_or_stdin(args.texts)?;
+    if texts.is_empty() {
+        bail!("no text to classify: give TEXT arguments or lines on stdin");
+    }
+    let probabilities = text_probabilities(&trained, &texts, &device)?
+        .into_data()
+        .into_vec::<f32>()
+        .map_err(|e| anyhow::anyhow!("cannot read probabilities: {e:?}"))?;
+    let mut out = std::io::stdout().lock();
+    for (text, row) in texts.iter().zip(probabilities.chunks(classes.len())) {
+        let (class, p) = top_classes(row, 1)[0];
+        writeln!(out, "{}	{:.3}	{text}", classes[class], p)?;
+    }
+    Ok(())
+}
+
+pub(super) fn run_embed<B: LabBackend>(args: EmbedArgs, device: B::Device) -> Result<()> {
+    let trained = crate::kinds::load::<B>(&ArtifactDir::new(&args.artifact_dir), &device)?;
+    let model = trained.text_model()?;
+    let mut vectors = Vec::new();
+    let mut lacking = Vec::new();
+    for (i, sentence) in args.sentences.iter().enumerate() {
+        match word_vectors(&model, sentence, &args.word, &device)? {
+            Some(v) => vectors.push(v),
+            None => lacking.push(format!("{} {sentence:?}", i + 1)),
+        }
+    }
+    if !lacking.is_empty() {
+        bail!(
+            "the word {:?} is not in sentence {}",
+            args.word,
+            lacking.join(", sentence ")
+        );
+    }
+    let d = vectors[0].contextual.len();
+    let shown = if args.dims == 0 { d } else { args.dims.min(d) };
+    println!(
+        "contextual vector of {:?} (first {shown} of {d} dimensions; mean over its tokens):",
+        args.word
+    );
+    for (i, (sentence, v)) in args.sentences.iter().zip(&vectors).enumerate() {
+        let values: Vec<String> = v.contextual[..shown]
+            .iter()
+            .map(|x| format!("{x:+.3}"))
+            .collect();
+        let more = if shown < d { " …" } else { "" };
+        println!(
+            "  [{}] {sentence}
+      ({} token{}) [{}{more}]",
+            i + 1,
+            v.tokens,
+            if v.tokens == 1 { "" } else { "s" },
+            values.join(", ")
+        );
+    }
+    println!("cosine similarity, contextual (static input embedding in brackets):");
+    for i in 0..vectors.len() {
+        for j in i + 1..vectors.len() {
+            println!(
+                "  [{}] vs [{}]: {:.3}  ({:.3})",
+                i + 1,
+                j + 1,
+                cosine(&vectors[i].contextual, &vectors[j].contextual),
+                cosine(&vectors[i].static_, &vectors[j].static_)
+            );
+        }
+    }
+    Ok(())
+}

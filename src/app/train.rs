@@ -1,0 +1,88 @@
+//! `train`: run or resume an experiment and say how it ended.
+
+use crate::artifact::ArtifactDir;
+use crate::cli::TrainArgs;
+use crate::config::ExperimentConfig;
+use crate::data::data_dir;
+use crate::kernels::LabBackend;
+use crate::train::{Outcome, TrainRequest};
+use anyhow::Result;
+use burn::backend::Autodiff;
+use std::path::PathBuf;
+
+pub(super) fn run_train<B: LabBackend>(args: TrainArgs, device: B::Device) -> Result<()> {
+    let config = args
+        .experiment
+        .as_deref()
+        .map(ExperimentConfig::load)
+        .transpose()?;
+    let artifact_dir = match (&args.artifact_dir, &config) {
+        (Some(dir), _) => dir.clone(),
+        (None, Some(config)) => PathBuf::from("artifacts").join(&config.name),
+        (None, None) => PathBuf::from("artifacts/shakespeare-char"),
+    };
+    let request = TrainRequest {
+        config,
+        artifact: ArtifactDir::new(artifact_dir),
+        data_dir: data_dir(args.data.data_dir.as_deref()),
+        resume: args.resume,
+        force: args.force,
+        plain: args.plain,
+    };
+    let artifact = request.artifact.clone();
+    let report = crate::kinds::train::<Autodiff<B>>(request, device)?;
+    let step = |epoch: usize| epoch * report.steps_per_epoch;
+    let dir = artifact.root().display();
+    if report.outcome == Outcome::Interrupted {
+        println!(
+            "stopped after step {} of {}; model.mpk not written. Continue with: \
+             transformer-lab train --artifact-dir {dir} --resume",
+            step(report.epoch),
+            step(report.epochs)
+        );
+        return Ok(());
+    }
+    if report.steps > 0 {
+        println!(
+            "trained {} steps in {:.1} s: {:.0} {}/s (validation and checkpoints included)",
+            report.steps, report.seconds, report.per_second, report.unit
+        );
+    }
+    let how = match report.outcome {
+        Outcome::StoppedEarly => format!(
+            "stopped early at step {} of {} (no better validation loss for {} checks)",
+            step(report.epoch),
+            step(report.epochs),
+            report
+                .best
+                .map_or(0, |(best, _)| report.epoch.saturating_sub(best))
+        ),
+        Outcome::WrittenFromCheckpoint => format!(
+            "all {} steps were already trained; model.mpk written from the last checkpoint",
+            step(report.epochs)
+        ),
+        _ => format!("all {} steps trained", step(report.epochs)),
+    };
+    let loss = report
+        .valid_loss
+        .map(|l| format!(", validation loss {l:.4}"))
+        .unwrap_or_default();
+    let best = match report.best {
+        Some((epoch, best)) if epoch != report.epoch => format!(
+            "; best validation loss {best:.4} at step {} (kept in checkpoint/model-{epoch}.mpk)",
+            step(epoch)
+        ),
+        _ => String::new(),
+    };
+    println!(
+        "{how}: model.mpk holds the weights of step {} (checkpoint epoch {}){loss}{best}",
+        step(report.epoch),
+        report.epoch
+    );
+    println!(
+        "model written to {}; use it with: transformer-lab {} --artifact-dir {dir}",
+        artifact.model_file().display(),
+        report.use_with,
+    );
+    Ok(())
+}

@@ -1,0 +1,215 @@
+//! The products of linear layers on `64`-row blocks through the `gemm` crate, split across the
+//! cores by rows when large enough.
+
+use super::{multiversion, uninit, written};
+use rayon::prelude::*;
+
+/// A matrix operand: `(pointer, row stride, column stride)` in elements.
+pub(super) type Operand = (*const f32, usize, usize);
+
+/// `dst = scale·A·B` (`accumulate`: `dst += scale·A·B`) for `A` `m × k` and `B` `k × n`, with
+/// `dst` row-major (`ld` apart): one single-threaded call of the `gemm` crate, the product
+/// kernel flex itself uses (the parallelism is across heads or blocks of rows).
+///
+/// # Safety
+/// Every operand must be valid for its extent, and `dst` not alias them.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+pub(super) unsafe fn matmul(
+    [m, n, k]: [usize; 3],
+    dst: *mut f32,
+    ld: usize,
+    accumulate: bool,
+    (a, a_rs, a_cs): Operand,
+    (b, b_rs, b_cs): Operand,
+    scale: f32,
+) {
+    gemm::gemm(
+        m,
+        n,
+        k,
+        dst,
+        1,
+        ld as isize,
+        accumulate,
+        a,
+        a_cs as isize,
+        a_rs as isize,
+        b,
+        b_cs as isize,
+        b_rs as isize,
+        1.0,
+        scale,
+        false,
+        false,
+        false,
+        gemm::Parallelism::None,
+    )
+}
+
+/// A read-only matrix in any layout: element `(r, c)` is at `offset + r·rs + c·cs` of `data`.
+#[derive(Clone, Copy, Debug)]
+pub struct Matrix<'a> {
+    /// The storage the strides index.
+    pub data: &'a [f32],
+    /// Index of element `(0, 0)`.
+    pub offset: usize,
+    /// `[rows, columns]`.
+    pub shape: [usize; 2],
+    /// `[row stride, column stride]`.
+    pub strides: [usize; 2],
+}
+
+impl Matrix<'_> {
+    /// As a product operand, checked to lie inside its storage.
+    fn operand(&self) -> Operand {
+        let [r, c] = self.shape;
+        let [rs, cs] = self.strides;
+        if r > 0 && c > 0 {
+            let last = self.offset + (r - 1) * rs + (c - 1) * cs;
+            assert!(last < self.data.len(), "matrix view out of bounds");
+        }
+        (self.data[self.offset..].as_ptr(), rs, cs)
+    }
+
+    /// The transposed view.
+    fn t(self) -> Self {
+        let ([r, c], [rs, cs]) = (self.shape, self.strides);
+        Self {
+            shape: [c, r],
+            strides: [cs, rs],
+            ..self
+        }
+    }
+}
+
+/// Products of at least this many multiply-adds are split across the cores, by rows: each
+/// core runs a single-threaded product on its own block of rows. (The `gemm` crate's own
+/// threading loses at these sizes: `768 × 128 × 128` took 262 µs on two cores against 230 µs
+/// on one.)
+const PARALLEL_PRODUCT: usize = 1 << 21;
+/// Fewest rows of one block of a split product.
+const PRODUCT_ROWS: usize = 64;
+
+/// `dst (m × n, row-major) = A·B`, or `+= A·B` when `accumulate`, on one core or, when
+/// `parallel` and the product is large enough, on every core by blocks of rows.
+///
+/// # Safety
+/// `dst` must be valid for `m × n` writes (and reads when `accumulate`) and alias neither
+/// operand; without `accumulate` it may be uninitialised.
+unsafe fn product(dst: *mut f32, accumulate: bool, a: Matrix, b: Matrix, parallel: bool) {
+    let ([m, k], n) = (a.shape, b.shape[1]);
+    assert_eq!(k, b.shape[0], "inner dimensions differ");
+    let (a, b) = (a.operand(), b.operand());
+    let blocks = if parallel && m * n * k >= PARALLEL_PRODUCT {
+        rayon::current_num_threads().min(m / PRODUCT_ROWS)
+    } else {
+        1
+    };
+    if blocks <= 1 {
+        // SAFETY: the operands were checked in bounds; `dst` is the caller's promise.
+        return unsafe { matmul([m, n, k], dst, n, accumulate, a, b, 1.0) };
+    }
+    let rows = m.div_ceil(blocks);
+    let (dst, a_rows) = (SendPtr(dst), SendPtr(a.0.cast_mut()));
+    let b_ptr = SendPtr(b.0.cast_mut());
+    (0..m.div_ceil(rows)).into_par_iter().for_each(|block| {
+        let first = block * rows;
+        let count = rows.min(m - first);
+        // SAFETY: the blocks are disjoint rows of `dst` and of A, all in bounds.
+        unsafe {
+            matmul(
+                [count, n, k],
+                dst.get().add(first * n),
+                n,
+                accumulate,
+                (a_rows.get().add(first * a.1).cast_const(), a.1, a.2),
+                (b_ptr.get().cast_const(), b.1, b.2),
+                1.0,
+            )
+        }
+    });
+}
+
+/// A destination pointer handed to another rayon task.
+#[derive(Clone, Copy)]
+struct SendPtr(*mut f32);
+// SAFETY: each pointer is written by one task only, while its buffer lives.
+unsafe impl Send for SendPtr {}
+unsafe impl Sync for SendPtr {}
+
+impl SendPtr {
+    /// The pointer (a method, so closures capture the whole `Send` wrapper).
+    fn get(self) -> *mut f32 {
+        self.0
+    }
+}
+
+/// `y = x·w + b` for `x` `n × i`, `w` `i × o`: the bias is written first and the product
+/// accumulated onto it (one pass over `y`, no separate broadcast add).
+pub fn linear(x: Matrix, w: Matrix, bias: Option<&[f32]>) -> Vec<f32> {
+    let (n, o) = (x.shape[0], w.shape[1]);
+    let mut y = uninit(n * o);
+    match bias {
+        Some(bias) => {
+            assert_eq!(bias.len(), o, "bias width");
+            for _ in 0..n {
+                y.extend_from_slice(bias);
+            }
+            // SAFETY: `y` holds `n × o` initialised elements.
+            unsafe { product(y.as_mut_ptr(), true, x, w, true) };
+        }
+        None => {
+            // SAFETY: `y` has room for `n × o`; the product writes them all without reading.
+            y = unsafe {
+                product(y.as_mut_ptr(), false, x, w, true);
+                written(y, n * o)
+            };
+        }
+    }
+    y
+}
+
+multiversion! {
+    fn column_sums(dy: Matrix, out: &mut [f32]) {
+        let [n, o] = dy.shape;
+        for r in 0..n {
+            let start = dy.offset + r * dy.strides[0];
+            for (acc, &g) in out.iter_mut().zip(&dy.data[start..start + o]) {
+                *acc += g;
+            }
+        }
+    }
+}
+
+/// The gradients `(dx = dy·wᵀ, dw = xᵀ·dy, db = Σ_rows dy)` of [`linear`]. The two products
+/// are independent and of equal size: each runs on its own core (two single-core products are
+/// faster than two split ones at these sizes). `dy` must have unit column stride.
+pub fn linear_backward(
+    x: Matrix,
+    w: Matrix,
+    dy: Matrix,
+    bias: bool,
+) -> (Vec<f32>, Vec<f32>, Option<Vec<f32>>) {
+    let ([n, i], o) = (x.shape, w.shape[1]);
+    assert_eq!(dy.strides[1], 1, "dy rows must be contiguous");
+    let (mut dx, mut dw) = (uninit(n * i), uninit(i * o));
+    let (dx_ptr, dw_ptr) = (SendPtr(dx.as_mut_ptr()), SendPtr(dw.as_mut_ptr()));
+    // With more than two cores each product may split further.
+    let split = rayon::current_num_threads() > 2;
+    let db = rayon::join(
+        // SAFETY: each destination has room for its product, written without reading.
+        || unsafe { product(dx_ptr.get(), false, dy, w.t(), split) },
+        || {
+            unsafe { product(dw_ptr.get(), false, x.t(), dy, split) };
+            bias.then(|| {
+                let mut db = vec![0.0; o];
+                column_sums(dy, &mut db);
+                db
+            })
+        },
+    )
+    .1;
+    // SAFETY: each product wrote all of its destination's elements.
+    unsafe { (written(dx, n * i), written(dw, i * o), db) }
+}

@@ -1,0 +1,169 @@
+//! CPU kernels over `f32` slices: both cores through rayon, loops shaped so the compiler
+//! vectorises them (AVX2 + FMA chosen at run time when the CPU has them).
+//!
+//! Reductions are written with [`LANES`] independent accumulators (a float sum is not
+//! reassociated by the compiler, so a plain `iter().sum()` stays scalar). The attention kernels
+//! work on `64 × 64` tiles whose products go to the `gemm` crate (the kernel flex's own matmul
+//! uses), reading heads in place through their strides.
+
+//!
+//! The kernels come in families, one file each: [`pointwise`] (GELU, AdamW), [`rows`]
+//! (LayerNorm, softmax, cross-entropy), [`linear`] (the tiled products of linear layers) and
+//! [`attention`] (flash-style forward and backward). This file holds what they share: the
+//! AVX2 dispatch, the vectorising reductions and the uninitialised-buffer helpers.
+
+mod attention;
+mod linear;
+mod pointwise;
+mod rows;
+
+pub use attention::{
+    attention_backward, attention_forward, packed_attention_backward, AttentionShape, Heads,
+};
+pub use linear::{linear, linear_backward, Matrix};
+pub use pointwise::{adamw, gelu, gelu_with_derivative};
+pub use rows::{
+    cross_entropy, cross_entropy_backward, layer_norm, layer_norm_backward, softmax,
+    softmax_backward,
+};
+
+/// Accumulator lanes of the vectorised reductions.
+pub(super) const LANES: usize = 16;
+/// Elements per parallel task of the element-wise kernels.
+pub(super) const CHUNK: usize = 1 << 14;
+/// Element-wise and row-wise passes over fewer elements run on the calling thread: handing
+/// work to rayon from outside its pool wakes a worker and blocks on a latch, which costs more
+/// than a pass over a `768 × 128` activation (LayerNorm's) saves by splitting.
+pub(super) const SPLIT: usize = 1 << 17;
+
+/// Defines `pub fn $name` that runs the body compiled for AVX2 + FMA when the CPU has them,
+/// and for the baseline target otherwise.
+macro_rules! multiversion {
+    ($(#[$meta:meta])* $vis:vis fn $name:ident($($arg:ident: $ty:ty),* $(,)?) $(-> $ret:ty)? $body:block) => {
+        $(#[$meta])*
+        #[allow(clippy::too_many_arguments)]
+        $vis fn $name($($arg: $ty),*) $(-> $ret)? {
+            #[inline(always)]
+            #[allow(clippy::too_many_arguments)]
+            fn body($($arg: $ty),*) $(-> $ret)? $body
+            #[cfg(target_arch = "x86_64")]
+            {
+                #[target_feature(enable = "avx2,fma")]
+                #[allow(clippy::too_many_arguments)]
+                unsafe fn avx2($($arg: $ty),*) $(-> $ret)? { body($($arg),*) }
+                if std::arch::is_x86_feature_detected!("avx2")
+                    && std::arch::is_x86_feature_detected!("fma")
+                {
+                    // SAFETY: the CPU has the features `avx2` was compiled for.
+                    return unsafe { avx2($($arg),*) };
+                }
+            }
+            body($($arg),*)
+        }
+    };
+}
+
+pub(super) use multiversion;
+
+/// `e^x` to within 2 ulp, branch-free so it vectorises; exactly 0 below −87.3.
+#[inline(always)]
+pub fn exp(x: f32) -> f32 {
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    const LN2_HI: f32 = 0.693_359_4;
+    const LN2_LO: f32 = -2.121_944_4e-4;
+    const ROUND: f32 = 12_582_912.0; // 1.5·2²³: adding and subtracting it rounds to an integer
+    let underflow = x < -87.3;
+    let x = x.clamp(-87.3, 88.3);
+    let rounded = x * LOG2E + ROUND;
+    let n = rounded - ROUND;
+    // The integer `n` from the bits of `ROUND + n` (its ulp is 1): a float-to-int cast would
+    // saturate and check for NaN element by element, which does not vectorise.
+    let n_int = rounded.to_bits() as i32 - ROUND.to_bits() as i32;
+    let r = x - n * LN2_HI - n * LN2_LO;
+    let mut p = 1.987_569_1e-4;
+    p = p * r + 1.398_199_9e-3;
+    p = p * r + 8.333_452e-3;
+    p = p * r + 4.166_579_6e-2;
+    p = p * r + 1.666_666_5e-1;
+    p = p * r + 0.5;
+    let y = p * r * r + r + 1.0;
+    let scale = f32::from_bits(((n_int + 127) as u32) << 23);
+    if underflow {
+        0.0
+    } else {
+        y * scale
+    }
+}
+
+/// `erf(x)` as a rational function (odd numerator of degree 13 over an even denominator of
+/// degree 8) on `[−4, 4]`, ±1 outside: a few ulp, branch-free.
+#[inline(always)]
+pub fn erf(x: f32) -> f32 {
+    let x = x.clamp(-4.0, 4.0);
+    let x2 = x * x;
+    let mut p = -2.726_142_3e-10;
+    p = p * x2 + 2.770_681_4e-8;
+    p = p * x2 - 2.101_024e-6;
+    p = p * x2 - 5.692_506_4e-5;
+    p = p * x2 - 7.349_906_3e-4;
+    p = p * x2 - 2.954_6e-3;
+    p = p * x2 - 1.609_603_3e-2;
+    let mut q = -1.456_607_2e-5;
+    q = q * x2 - 2.133_740_6e-4;
+    q = q * x2 - 1.682_827e-3;
+    q = q * x2 - 7.373_329_2e-3;
+    q = q * x2 - 1.426_473_9e-2;
+    x * p / q
+}
+
+/// Sum with [`LANES`] accumulators (vectorises).
+#[inline(always)]
+pub(super) fn sum(x: &[f32]) -> f32 {
+    let mut acc = [0.0f32; LANES];
+    let chunks = x.chunks_exact(LANES);
+    let tail: f32 = chunks.remainder().iter().sum();
+    for c in chunks {
+        for l in 0..LANES {
+            acc[l] += c[l];
+        }
+    }
+    acc.iter().sum::<f32>() + tail
+}
+
+/// Inner product with [`LANES`] accumulators (vectorises).
+#[inline(always)]
+pub(super) fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0.0f32; LANES];
+    let (ca, cb) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
+    let tail: f32 = ca
+        .remainder()
+        .iter()
+        .zip(cb.remainder())
+        .map(|(x, y)| x * y)
+        .sum();
+    for (x, y) in ca.zip(cb) {
+        for l in 0..LANES {
+            acc[l] += x[l] * y[l];
+        }
+    }
+    acc.iter().sum::<f32>() + tail
+}
+
+/// Rows per parallel task of the row-wise kernels.
+pub(super) fn rows_per_task(d: usize) -> usize {
+    (CHUNK / d.max(1)).max(1)
+}
+/// A buffer of `n` elements that a kernel fills completely before it is read.
+pub(super) fn uninit(n: usize) -> Vec<f32> {
+    Vec::with_capacity(n)
+}
+
+/// Marks the `n` elements of `buffer` written.
+///
+/// # Safety
+/// All `n` elements must have been written (through raw pointers).
+pub(super) unsafe fn written(mut buffer: Vec<f32>, n: usize) -> Vec<f32> {
+    debug_assert!(buffer.capacity() >= n);
+    buffer.set_len(n);
+    buffer
+}

@@ -1,0 +1,97 @@
+//! Element-wise kernels: exact GELU (with its derivative for training) and the AdamW update.
+
+use super::{erf, exp, multiversion, CHUNK, SPLIT};
+use crate::kernels::AdamWStep;
+use rayon::prelude::*;
+
+const FRAC_1_SQRT_2: f32 = std::f32::consts::FRAC_1_SQRT_2;
+/// `1/√(2π)`.
+const FRAC_1_SQRT_2PI: f32 = 0.398_942_3;
+
+multiversion! {
+    fn gelu_chunk(x: &[f32], y: &mut [f32]) {
+        for (y, &x) in y.iter_mut().zip(x) {
+            *y = 0.5 * x * (1.0 + erf(x * FRAC_1_SQRT_2));
+        }
+    }
+}
+
+multiversion! {
+    fn gelu_with_derivative_chunk(x: &[f32], y: &mut [f32], derivative: &mut [f32]) {
+        for ((y, d), &x) in y.iter_mut().zip(derivative.iter_mut()).zip(x) {
+            let cdf = 0.5 * (1.0 + erf(x * FRAC_1_SQRT_2));
+            let pdf = FRAC_1_SQRT_2PI * exp(-0.5 * x * x);
+            *y = x * cdf;
+            *d = cdf + x * pdf;
+        }
+    }
+}
+
+/// `(GELU(x), GELU'(x))` of every element, for training's forward pass.
+pub fn gelu_with_derivative(x: &[f32]) -> (Vec<f32>, Vec<f32>) {
+    let (mut y, mut derivative) = (vec![0.0; x.len()], vec![0.0; x.len()]);
+    if x.len() < SPLIT {
+        gelu_with_derivative_chunk(x, &mut y, &mut derivative);
+        return (y, derivative);
+    }
+    y.par_chunks_mut(CHUNK)
+        .zip(derivative.par_chunks_mut(CHUNK))
+        .zip(x.par_chunks(CHUNK))
+        .for_each(|((y, d), x)| gelu_with_derivative_chunk(x, y, d));
+    (y, derivative)
+}
+
+/// Exact GELU of every element.
+pub fn gelu(x: &[f32]) -> Vec<f32> {
+    let mut y = vec![0.0; x.len()];
+    if x.len() < SPLIT {
+        gelu_chunk(x, &mut y);
+        return y;
+    }
+    y.par_chunks_mut(CHUNK)
+        .zip(x.par_chunks(CHUNK))
+        .for_each(|(y, x)| gelu_chunk(x, y));
+    y
+}
+
+multiversion! {
+    fn adamw_chunk(
+        param: &mut [f32],
+        grad: &[f32],
+        m: &mut [f32],
+        v: &mut [f32],
+        first: bool,
+        step: AdamWStep,
+    ) {
+        let AdamWStep { lr, beta_1, beta_2, epsilon, weight_decay, time } = step;
+        let (c1, c2) = (1.0 - beta_1.powi(time), 1.0 - beta_2.powi(time));
+        let (b1, b2) = if first { (0.0, 0.0) } else { (beta_1, beta_2) };
+        let keep = 1.0 - lr * weight_decay;
+        for (((p, &g), m), v) in param.iter_mut().zip(grad).zip(m.iter_mut()).zip(v.iter_mut()) {
+            *m = *m * b1 + g * (1.0 - beta_1);
+            *v = *v * b2 + g * g * (1.0 - beta_2);
+            let delta = (*m / c1) / ((*v / c2).sqrt() + epsilon);
+            *p = *p * keep - delta * lr;
+        }
+    }
+}
+
+/// One AdamW step (see [`AdamWStep`]) over `param`, its moments updated in place (`first`:
+/// they hold zeros and this is step 1's initialisation).
+pub fn adamw(
+    param: &mut [f32],
+    grad: &[f32],
+    m: &mut [f32],
+    v: &mut [f32],
+    first: bool,
+    step: AdamWStep,
+) {
+    if param.len() < SPLIT {
+        return adamw_chunk(param, grad, m, v, first, step);
+    }
+    param
+        .par_chunks_mut(CHUNK)
+        .zip(grad.par_chunks(CHUNK))
+        .zip(m.par_chunks_mut(CHUNK).zip(v.par_chunks_mut(CHUNK)))
+        .for_each(|((p, g), (m, v))| adamw_chunk(p, g, m, v, first, step));
+}

@@ -1,0 +1,340 @@
+//! Row-wise kernels: LayerNorm, softmax and the label-smoothed cross-entropy, each forward and
+//! backward.
+
+use super::{dot, exp, multiversion, rows_per_task, sum, uninit, written, LANES, SPLIT};
+use rayon::prelude::*;
+use std::mem::MaybeUninit;
+
+multiversion! {
+    fn layer_norm_rows(
+        x: &[f32],
+        d: usize,
+        gamma: &[f32],
+        beta: Option<&[f32]>,
+        epsilon: f32,
+        y: &mut [f32],
+        mean: &mut [f32],
+        rstd: &mut [f32],
+    ) {
+        for (((x, y), mean), rstd) in x.chunks_exact(d).zip(y.chunks_exact_mut(d)).zip(mean).zip(rstd) {
+            let mu = sum(x) / d as f32;
+            for (y, &x) in y.iter_mut().zip(x) {
+                *y = x - mu;
+            }
+            let r = 1.0 / (dot(y, y) / d as f32 + epsilon).sqrt();
+            match beta {
+                Some(beta) => {
+                    for ((y, &g), &b) in y.iter_mut().zip(gamma).zip(beta) {
+                        *y = *y * r * g + b;
+                    }
+                }
+                None => {
+                    for (y, &g) in y.iter_mut().zip(gamma) {
+                        *y *= r * g;
+                    }
+                }
+            }
+            *mean = mu;
+            *rstd = r;
+        }
+    }
+}
+
+/// LayerNorm of the rows of `x` (`d` wide): `(y, mean, 1/σ)`.
+pub fn layer_norm(
+    x: &[f32],
+    d: usize,
+    gamma: &[f32],
+    beta: Option<&[f32]>,
+    epsilon: f32,
+) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let n = x.len() / d;
+    let (mut y, mut mean, mut rstd) = (vec![0.0; x.len()], vec![0.0; n], vec![0.0; n]);
+    if x.len() < SPLIT {
+        layer_norm_rows(x, d, gamma, beta, epsilon, &mut y, &mut mean, &mut rstd);
+        return (y, mean, rstd);
+    }
+    let rows = rows_per_task(d);
+    y.par_chunks_mut(rows * d)
+        .zip(mean.par_chunks_mut(rows))
+        .zip(rstd.par_chunks_mut(rows))
+        .zip(x.par_chunks(rows * d))
+        .for_each(|(((y, mean), rstd), x)| {
+            layer_norm_rows(x, d, gamma, beta, epsilon, y, mean, rstd)
+        });
+    (y, mean, rstd)
+}
+
+multiversion! {
+    fn layer_norm_backward_rows(
+        x: &[f32],
+        d: usize,
+        gamma: &[f32],
+        mean: &[f32],
+        rstd: &[f32],
+        dy: &[f32],
+        dx: &mut [f32],
+        dgamma: &mut [f32],
+        dbeta: &mut [f32],
+    ) {
+        let rows = x.chunks_exact(d).zip(dy.chunks_exact(d)).zip(dx.chunks_exact_mut(d));
+        for (((x, dy), dx), (&mu, &r)) in rows.zip(mean.iter().zip(rstd)) {
+            // dx temporarily holds x̂; dL/dx̂ = dy·γ.
+            for (xh, &x) in dx.iter_mut().zip(x) {
+                *xh = (x - mu) * r;
+            }
+            let (mut mean_g, mut mean_gx) = (0.0f32, 0.0f32);
+            let mut acc_g = [0.0f32; LANES];
+            let mut acc_gx = [0.0f32; LANES];
+            for (i, ((&xh, &dy), &g)) in dx.iter().zip(dy).zip(gamma).enumerate() {
+                let gi = dy * g;
+                acc_g[i % LANES] += gi;
+                acc_gx[i % LANES] += gi * xh;
+            }
+            for l in 0..LANES {
+                mean_g += acc_g[l];
+                mean_gx += acc_gx[l];
+            }
+            mean_g /= d as f32;
+            mean_gx /= d as f32;
+            for ((((dx, &dy), &g), dg), db) in dx.iter_mut().zip(dy).zip(gamma).zip(dgamma.iter_mut()).zip(dbeta.iter_mut()) {
+                let xh = *dx;
+                *dg += dy * xh;
+                *db += dy;
+                *dx = r * (dy * g - mean_g - xh * mean_gx);
+            }
+        }
+    }
+}
+
+/// LayerNorm's gradients `(dx, dγ, dβ)` from the forward pass's statistics.
+pub fn layer_norm_backward(
+    x: &[f32],
+    d: usize,
+    gamma: &[f32],
+    mean: &[f32],
+    rstd: &[f32],
+    dy: &[f32],
+) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let mut dx = vec![0.0; x.len()];
+    if x.len() < SPLIT {
+        let (mut dgamma, mut dbeta) = (vec![0.0f32; d], vec![0.0f32; d]);
+        layer_norm_backward_rows(
+            x,
+            d,
+            gamma,
+            mean,
+            rstd,
+            dy,
+            &mut dx,
+            &mut dgamma,
+            &mut dbeta,
+        );
+        return (dx, dgamma, dbeta);
+    }
+    let rows = rows_per_task(d);
+    let (dgamma, dbeta) = dx
+        .par_chunks_mut(rows * d)
+        .zip(x.par_chunks(rows * d))
+        .zip(dy.par_chunks(rows * d))
+        .zip(mean.par_chunks(rows).zip(rstd.par_chunks(rows)))
+        .fold(
+            || (vec![0.0f32; d], vec![0.0f32; d]),
+            |(mut dgamma, mut dbeta), (((dx, x), dy), (mean, rstd))| {
+                layer_norm_backward_rows(x, d, gamma, mean, rstd, dy, dx, &mut dgamma, &mut dbeta);
+                (dgamma, dbeta)
+            },
+        )
+        .reduce(
+            || (vec![0.0f32; d], vec![0.0f32; d]),
+            |(mut g1, mut b1), (g2, b2)| {
+                g1.iter_mut().zip(&g2).for_each(|(a, b)| *a += b);
+                b1.iter_mut().zip(&b2).for_each(|(a, b)| *a += b);
+                (g1, b1)
+            },
+        );
+    (dx, dgamma, dbeta)
+}
+
+multiversion! {
+    fn softmax_rows(x: &[f32], s: usize, y: &mut [f32]) {
+        for (x, y) in x.chunks_exact(s).zip(y.chunks_exact_mut(s)) {
+            let max = x.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+            for (y, &x) in y.iter_mut().zip(x) {
+                *y = exp(x - max);
+            }
+            let inv = 1.0 / sum(y);
+            for y in y.iter_mut() {
+                *y *= inv;
+            }
+        }
+    }
+}
+
+/// Softmax of each row (`s` wide).
+pub fn softmax(x: &[f32], s: usize) -> Vec<f32> {
+    let mut y = vec![0.0; x.len()];
+    if x.len() < SPLIT {
+        softmax_rows(x, s, &mut y);
+        return y;
+    }
+    let rows = rows_per_task(s);
+    y.par_chunks_mut(rows * s)
+        .zip(x.par_chunks(rows * s))
+        .for_each(|(y, x)| softmax_rows(x, s, y));
+    y
+}
+
+multiversion! {
+    fn softmax_backward_rows(p: &[f32], dp: &[f32], s: usize, dx: &mut [f32]) {
+        for ((p, dp), dx) in p.chunks_exact(s).zip(dp.chunks_exact(s)).zip(dx.chunks_exact_mut(s)) {
+            let dot = dot(p, dp);
+            for ((dx, &p), &dp) in dx.iter_mut().zip(p).zip(dp) {
+                *dx = p * (dp - dot);
+            }
+        }
+    }
+}
+
+/// `p ⊙ (dp − Σ p·dp)` row by row (`s` wide): the softmax's input gradient.
+pub fn softmax_backward(p: &[f32], dp: &[f32], s: usize) -> Vec<f32> {
+    let mut dx = vec![0.0; p.len()];
+    if p.len() < SPLIT {
+        softmax_backward_rows(p, dp, s, &mut dx);
+        return dx;
+    }
+    let rows = rows_per_task(s);
+    dx.par_chunks_mut(rows * s)
+        .zip(p.par_chunks(rows * s).zip(dp.par_chunks(rows * s)))
+        .for_each(|(dx, (p, dp))| softmax_backward_rows(p, dp, s, dx));
+    dx
+}
+
+/// `Σ e^(x − shift)` with [`LANES`] accumulators (vectorises).
+#[inline(always)]
+fn sum_exp(x: &[f32], shift: f32) -> f32 {
+    let mut acc = [0.0f32; LANES];
+    let chunks = x.chunks_exact(LANES);
+    let tail: f32 = chunks.remainder().iter().map(|&x| exp(x - shift)).sum();
+    for c in chunks {
+        for l in 0..LANES {
+            acc[l] += exp(c[l] - shift);
+        }
+    }
+    acc.iter().sum::<f32>() + tail
+}
+
+/// A row's target, or `None` where the row is ignored.
+#[inline(always)]
+fn target(y: usize, ignore: Option<usize>) -> Option<usize> {
+    (Some(y) != ignore).then_some(y)
+}
+
+multiversion! {
+    fn cross_entropy_rows(
+        x: &[f32],
+        v: usize,
+        targets: &[usize],
+        smoothing: f32,
+        ignore: Option<usize>,
+        loss: &mut [f32],
+        lse: &mut [f32],
+    ) {
+        let rows = x.chunks_exact(v).zip(targets).zip(loss.iter_mut().zip(lse.iter_mut()));
+        for ((x, &y), (loss, lse)) in rows {
+            let max = x.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+            let l = max + sum_exp(x, max).ln();
+            *lse = l;
+            *loss = match target(y, ignore) {
+                Some(y) => l - (1.0 - smoothing) * x[y] - smoothing * sum(x) / v as f32,
+                None => 0.0,
+            };
+        }
+    }
+}
+
+/// The label-smoothed cross-entropy of each row of `x` (`v` wide) against its target,
+/// `lse − (1−ε)·x_y − ε·mean(x)` (`0` for rows whose target is `ignore`), and each row's
+/// log-sum-exp: `(loss, lse)`.
+pub fn cross_entropy(
+    x: &[f32],
+    v: usize,
+    targets: &[usize],
+    smoothing: f32,
+    ignore: Option<usize>,
+) -> (Vec<f32>, Vec<f32>) {
+    let n = targets.len();
+    let (mut loss, mut lse) = (vec![0.0; n], vec![0.0; n]);
+    if x.len() < SPLIT {
+        cross_entropy_rows(x, v, targets, smoothing, ignore, &mut loss, &mut lse);
+        return (loss, lse);
+    }
+    let rows = rows_per_task(v);
+    x.par_chunks(rows * v)
+        .zip(targets.par_chunks(rows))
+        .zip(loss.par_chunks_mut(rows).zip(lse.par_chunks_mut(rows)))
+        .for_each(|((x, t), (loss, lse))| {
+            cross_entropy_rows(x, v, t, smoothing, ignore, loss, lse)
+        });
+    (loss, lse)
+}
+
+multiversion! {
+    fn cross_entropy_backward_rows(
+        x: &[f32],
+        v: usize,
+        targets: &[usize],
+        lse: &[f32],
+        grad: &[f32],
+        smoothing: f32,
+        ignore: Option<usize>,
+        dx: &mut [MaybeUninit<f32>],
+    ) {
+        let uniform = smoothing / v as f32;
+        let rows = x.chunks_exact(v).zip(dx.chunks_exact_mut(v));
+        for (((x, dx), &y), (&lse, &g)) in rows.zip(targets).zip(lse.iter().zip(grad)) {
+            match target(y, ignore) {
+                Some(y) => {
+                    for (dx, &x) in dx.iter_mut().zip(x) {
+                        dx.write(g * (exp(x - lse) - uniform));
+                    }
+                    dx[y].write(g * (exp(x[y] - lse) - uniform - (1.0 - smoothing)));
+                }
+                None => {
+                    for dx in dx.iter_mut() {
+                        dx.write(0.0);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The gradient of [`cross_entropy`]'s row losses for their gradient `grad`:
+/// `grad · (softmax(row) − (1−ε)·onehot(y) − ε/v)`, zero on ignored rows.
+pub fn cross_entropy_backward(
+    x: &[f32],
+    v: usize,
+    targets: &[usize],
+    lse: &[f32],
+    grad: &[f32],
+    smoothing: f32,
+    ignore: Option<usize>,
+) -> Vec<f32> {
+    let mut dx = uninit(x.len());
+    let slots = &mut dx.spare_capacity_mut()[..x.len()];
+    if x.len() < SPLIT {
+        cross_entropy_backward_rows(x, v, targets, lse, grad, smoothing, ignore, slots);
+    } else {
+        let rows = rows_per_task(v);
+        x.par_chunks(rows * v)
+            .zip(slots.par_chunks_mut(rows * v))
+            .zip(targets.par_chunks(rows))
+            .zip(lse.par_chunks(rows).zip(grad.par_chunks(rows)))
+            .for_each(|(((x, dx), t), (lse, g))| {
+                cross_entropy_backward_rows(x, v, t, lse, g, smoothing, ignore, dx)
+            });
+    }
+    // SAFETY: every row of `dx` was written in full above.
+    unsafe { written(dx, x.len()) }
+}

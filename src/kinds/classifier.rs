@@ -1,0 +1,225 @@
+//! The sentence classifier kind: cross-entropy over class scores of labelled sentences, test
+//! accuracy with a confusion matrix, bidirectional self-attention to inspect.
+
+use super::{EvalRequest, ModelKind};
+use crate::artifact::{Tokenizers, Trained};
+use crate::classify::{class_names, evaluate_classifier, report_confusion};
+use crate::config::{
+    ClassifierConfig, DataConfig, ExperimentConfig, ModelConfig, ModelSection, TokenizerKind,
+};
+use crate::data::{
+    EncodedSentences, SentenceBatch, SentenceBatcher, SentimentCorpus, Special, Task, Tokenizer,
+};
+use crate::inspect::{
+    predicted_class, text_statistics, weights_or_dense, AttentionGroup, AttentionMaps, GroupStats,
+    TextModel,
+};
+use crate::kernels::{LabAutodiff, LabBackend};
+use crate::models::TextClassifier;
+use crate::train::{launch, supervised_steps, unseeded, Session, Throughput, TrainReport};
+use anyhow::{bail, Result};
+use burn::data::dataset::Dataset;
+use burn::train::ClassificationOutput;
+use std::path::Path;
+use std::time::Instant;
+
+supervised_steps!(TextClassifier, SentenceBatch, |model, batch| {
+    let (loss, output, targets) = model.loss(batch.tokens, batch.labels);
+    ClassificationOutput {
+        loss,
+        output,
+        targets,
+    }
+});
+
+impl ModelSection for ClassifierConfig {
+    const KIND: &'static str = "classifier";
+    const DESCRIPTION: &'static str = "text classifier";
+    const COMMAND: &'static str = "classify";
+
+    fn validate(&self, data: &DataConfig) -> Result<()> {
+        ClassifierConfig::validate(self)?;
+        if Task::of(&data.dataset) != Some(Task::SentenceClassification) {
+            bail!(
+                "data: a classifier needs a sentence-classification dataset (sst2 or uci-sentiment), not {}",
+                data.dataset
+            );
+        }
+        if data.tokenizer != TokenizerKind::Bpe {
+            bail!("data: a classifier needs the bpe tokenizer (it uses <pad> and <s>)");
+        }
+        if data.max_tokens < 2 || data.max_tokens > self.max_len {
+            bail!(
+                "data: max_tokens ({}) must be in 2..={} (the model's max_len)",
+                data.max_tokens,
+                self.max_len
+            );
+        }
+        Ok(())
+    }
+
+    fn vocab_sizes(&self) -> (usize, usize) {
+        (self.vocab_size, self.vocab_size)
+    }
+
+    fn with_vocab_sizes(&self, _source: usize, target: usize) -> ModelConfig {
+        ModelConfig::Classifier(ClassifierConfig {
+            vocab_size: target,
+            ..self.clone()
+        })
+    }
+}
+
+impl ModelKind for ClassifierConfig {
+    type Model<B: LabBackend> = TextClassifier<B>;
+
+    fn build<B: LabBackend>(&self, device: &B::Device) -> TextClassifier<B> {
+        self.init(device)
+    }
+
+    fn activation_floats(&self, data: &DataConfig) -> f64 {
+        self.stack.activation_floats(self.n_layers, data.max_tokens)
+    }
+
+    fn train<B: LabAutodiff>(
+        &self,
+        mut config: ExperimentConfig,
+        tokenizers: Option<Tokenizers>,
+        session: &Session,
+        data_dir: &Path,
+        device: B::Device,
+    ) -> Result<TrainReport> {
+        let data = &config.data;
+        let corpus = SentimentCorpus::load(
+            &data.dataset,
+            data_dir,
+            data.valid_fraction,
+            data.test_fraction,
+            config.seed,
+        )?;
+        let tokenizer = match tokenizers {
+            Some(tokenizers) => tokenizers.target,
+            None => Tokenizer::fit(
+                data.tokenizer,
+                corpus.train.iter().map(|row| row.text.as_str()),
+                data.bpe_vocab_size,
+            )?,
+        };
+        let train_set = EncodedSentences::encode(&corpus.train, &tokenizer, data.max_tokens)?;
+        let valid = EncodedSentences::encode(&corpus.valid, &tokenizer, data.max_tokens)?;
+        println!(
+            "{}: {} training, {} validation, {} test sentences; vocabulary {}",
+            data.dataset,
+            train_set.len(),
+            valid.len(),
+            corpus.test.len(),
+            tokenizer.vocab_size()
+        );
+        let vocab = tokenizer.vocab_size();
+        config.model.set_vocab_sizes(vocab, vocab);
+        let classifier = config.model_as::<ClassifierConfig>()?.clone();
+        let floats = classifier.activation_floats(&config.data);
+        session.begin(&config, Some(&Tokenizers::shared(tokenizer)), floats)?;
+        B::seed(&device, config.seed);
+        let loaders = session.loaders(
+            &config,
+            &device,
+            train_set,
+            unseeded(SentenceBatcher),
+            valid,
+            unseeded(SentenceBatcher),
+        );
+        let throughput = Throughput {
+            per_step: config.train.batch_size,
+            unit: "sent",
+        };
+        let model = classifier.init::<B>(&device);
+        launch(&config, session, model, loaders, None, false, throughput)
+    }
+
+    fn eval<B: LabBackend>(
+        trained: &Trained<TextClassifier<B>>,
+        request: &EvalRequest,
+        device: &B::Device,
+    ) -> Result<()> {
+        let began = Instant::now();
+        let confusion = evaluate_classifier(
+            trained,
+            &request.data_dir,
+            request.batch_size,
+            request.limit,
+            device,
+        )?;
+        report_confusion(
+            &trained.config,
+            &confusion,
+            "test sentences",
+            began.elapsed().as_secs_f64(),
+            request.output.as_deref(),
+            &request.artifact_dir,
+        )
+    }
+
+    fn attention<B: LabBackend>(
+        trained: &Trained<TextClassifier<B>>,
+        input: &str,
+        _target: Option<&str>,
+        device: &B::Device,
+    ) -> Result<AttentionMaps> {
+        let text = Self::text_model(trained)?;
+        let ids = text.encode(input)?;
+        let mut maps = AttentionMaps::new(&trained.config.name, Self::KIND, input);
+        let (group, class) = self_attention(trained, &text, &ids, device)?;
+        maps.groups = vec![group];
+        maps.output = Some(class);
+        Ok(maps)
+    }
+
+    fn statistics<B: LabBackend>(
+        trained: &Trained<TextClassifier<B>>,
+        maps: &AttentionMaps,
+        seed: u64,
+        device: &B::Device,
+    ) -> Result<Vec<GroupStats>> {
+        let text = Self::text_model(trained)?;
+        let ids = text.encode(&maps.input)?;
+        // `<s>` stays first.
+        text_statistics(maps, &ids, 1..ids.len(), seed, |shuffled| {
+            Ok(vec![self_attention(trained, &text, shuffled, device)?.0])
+        })
+    }
+
+    fn text_model<B: LabBackend>(trained: &Trained<TextClassifier<B>>) -> Result<TextModel<'_, B>> {
+        let model = &trained.model;
+        Ok(TextModel {
+            tokenizer: trained.tokenizer(),
+            first: Some(Special::Bos.id()),
+            last: None,
+            max_len: model.max_len(),
+            causal: false,
+            stack: &model.encoder,
+            table: model.token_embedding.weight.val(),
+            embed: Box::new(|tokens| model.embed(tokens)),
+        })
+    }
+}
+
+/// The self-attention of every layer on `ids` (one unpadded sentence: no mask) and the
+/// predicted class.
+fn self_attention<B: LabBackend>(
+    trained: &Trained<TextClassifier<B>>,
+    text: &TextModel<'_, B>,
+    ids: &[usize],
+    device: &B::Device,
+) -> Result<(AttentionGroup, String)> {
+    let model = &trained.model;
+    let tokens = text.tokens(ids, device);
+    let out = model.forward(tokens.clone());
+    let class = predicted_class(out.logits, &class_names(&trained.config.data.dataset)?);
+    let weights = weights_or_dense(out.attention, || {
+        model.encoder.mixer_weights(model.embed(tokens), None, None)
+    })?;
+    let labels = text.labels(ids);
+    let group = AttentionGroup::from_layers("self", false, &labels, &labels, weights);
+    Ok((group, class))
+}

@@ -1,0 +1,184 @@
+//! The Vision Transformer kind: cross-entropy over class scores of (optionally shifted) images,
+//! test accuracy with a confusion matrix, attention over an image's patches to inspect.
+
+use super::{EvalRequest, ModelKind};
+use crate::artifact::{Tokenizers, Trained};
+use crate::classify::{class_names, evaluate_vit, load_image, report_confusion};
+use crate::config::{DataConfig, ExperimentConfig, ModelConfig, ModelSection, VitConfig};
+use crate::data::{DatasetSpec, ImageBatch, ImageBatcher, ImageSet, Task};
+use crate::inspect::{
+    image_statistics, vit_attention, AttentionMaps, GroupStats, ImageInput, TextModel,
+};
+use crate::kernels::{LabAutodiff, LabBackend};
+use crate::models::VisionTransformer;
+use crate::train::{launch, supervised_steps, unseeded, Session, Throughput, TrainReport};
+use anyhow::{bail, Result};
+use burn::train::ClassificationOutput;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Instant;
+
+supervised_steps!(VisionTransformer, ImageBatch, |model, batch| {
+    let (loss, output, targets) = model.loss(batch.images, batch.labels);
+    ClassificationOutput {
+        loss,
+        output,
+        targets,
+    }
+});
+
+impl ModelSection for VitConfig {
+    const KIND: &'static str = "vit";
+    const DESCRIPTION: &'static str = "vision transformer";
+    const COMMAND: &'static str = "predict";
+
+    fn validate(&self, data: &DataConfig) -> Result<()> {
+        VitConfig::validate(self)?;
+        if Task::of(&data.dataset) != Some(Task::Images) {
+            bail!(
+                "data: a vit needs an image dataset (mnist or fashion-mnist), not {}",
+                data.dataset
+            );
+        }
+        let classes = DatasetSpec::find(&data.dataset)?.classes.len();
+        if self.image_size != 28 || self.channels != 1 || self.n_classes != classes {
+            bail!(
+                "model: {} images are 28×28 grey with {classes} classes: set image_size 28, channels 1, n_classes {classes}",
+                data.dataset
+            );
+        }
+        Ok(())
+    }
+
+    fn vocab_sizes(&self) -> (usize, usize) {
+        (0, 0)
+    }
+
+    fn with_vocab_sizes(&self, _source: usize, _target: usize) -> ModelConfig {
+        ModelConfig::Vit(self.clone())
+    }
+}
+
+impl ModelKind for VitConfig {
+    type Model<B: LabBackend> = VisionTransformer<B>;
+
+    fn build<B: LabBackend>(&self, device: &B::Device) -> VisionTransformer<B> {
+        self.init(device)
+    }
+
+    fn activation_floats(&self, _data: &DataConfig) -> f64 {
+        self.stack.activation_floats(self.n_layers, self.n_tokens())
+    }
+
+    fn train<B: LabAutodiff>(
+        &self,
+        config: ExperimentConfig,
+        _tokenizers: Option<Tokenizers>,
+        session: &Session,
+        data_dir: &Path,
+        device: B::Device,
+    ) -> Result<TrainReport> {
+        let (train_set, test) = ImageSet::load(&config.data.dataset, data_dir)?;
+        let (train_set, valid) = train_set.split(config.data.valid_fraction, config.seed);
+        println!(
+            "{}: {} training, {} validation, {} test images of {}×{}; {} patches of {}×{} per image",
+            config.data.dataset,
+            train_set.len(),
+            valid.len(),
+            test.len(),
+            train_set.rows,
+            train_set.cols,
+            self.n_tokens() - 1,
+            self.patch_size,
+            self.patch_size
+        );
+        session.begin(&config, None, self.activation_floats(&config.data))?;
+        B::seed(&device, config.seed);
+        let (rows, cols) = (train_set.rows, train_set.cols);
+        let augmenting = ImageBatcher::new(rows, cols, config.data.augment_shift, config.seed);
+        let plain = ImageBatcher::new(rows, cols, 0, config.seed);
+        let loaders = session.loaders(
+            &config,
+            &device,
+            train_set,
+            Arc::new(move |items, seed, device: &B::Device| {
+                augmenting.batch_seeded(items, seed, device)
+            }),
+            valid,
+            unseeded(plain),
+        );
+        let throughput = Throughput {
+            per_step: config.train.batch_size,
+            unit: "img",
+        };
+        let model = self.init::<B>(&device);
+        launch(&config, session, model, loaders, None, false, throughput)
+    }
+
+    fn eval<B: LabBackend>(
+        trained: &Trained<VisionTransformer<B>>,
+        request: &EvalRequest,
+        device: &B::Device,
+    ) -> Result<()> {
+        let began = Instant::now();
+        let confusion = evaluate_vit(
+            trained,
+            &request.data_dir,
+            request.batch_size,
+            request.limit,
+            device,
+        )?;
+        report_confusion(
+            &trained.config,
+            &confusion,
+            "test images",
+            began.elapsed().as_secs_f64(),
+            request.output.as_deref(),
+            &request.artifact_dir,
+        )
+    }
+
+    fn attention<B: LabBackend>(
+        trained: &Trained<VisionTransformer<B>>,
+        input: &str,
+        _target: Option<&str>,
+        device: &B::Device,
+    ) -> Result<AttentionMaps> {
+        let vit = trained.config.model_as::<VitConfig>()?;
+        let image = load_image(Path::new(input), vit.image_size)?;
+        let image = ImageInput {
+            size: vit.image_size,
+            patch_size: vit.patch_size,
+            pixels: image.pixels,
+        };
+        let classes = class_names(&trained.config.data.dataset)?;
+        let (group, class) = vit_attention(&trained.model, &classes, &image, None, device)?;
+        let mut maps = AttentionMaps::new(&trained.config.name, Self::KIND, input);
+        maps.output = Some(class);
+        maps.groups.push(group);
+        maps.image = Some(image);
+        Ok(maps)
+    }
+
+    fn statistics<B: LabBackend>(
+        trained: &Trained<VisionTransformer<B>>,
+        maps: &AttentionMaps,
+        seed: u64,
+        device: &B::Device,
+    ) -> Result<Vec<GroupStats>> {
+        let classes = class_names(&trained.config.data.dataset)?;
+        image_statistics(maps, seed, |image, patches| {
+            Ok(vit_attention(&trained.model, &classes, image, Some(patches), device)?.0)
+        })
+    }
+
+    fn text_model<B: LabBackend>(
+        trained: &Trained<VisionTransformer<B>>,
+    ) -> Result<TextModel<'_, B>> {
+        bail!(
+            "{} is a vit model: it reads an image, not text; for a ViT use `attention` with an \
+             image",
+            trained.config.name
+        )
+    }
+}

@@ -1,0 +1,163 @@
+//! The `train` section of an experiment: the optimisation recipe and how a run is kept.
+
+use anyhow::{bail, Result};
+use serde::{Deserialize, Serialize};
+
+/// The learning rate after warmup.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ScheduleKind {
+    /// Cosine decay from `lr` to `min_lr` (nanoGPT, GPT-3).
+    Cosine,
+    /// Inverse square root ("Noam", Vaswani et al. 2017): `lr · min(step/warmup, √(warmup/step))`.
+    Noam,
+}
+
+/// Optimisation: AdamW (weight decay on matrices only), linear warmup then cosine decay,
+/// global-norm gradient clipping — nanoGPT's recipe.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TrainConfig {
+    /// Sequences per batch.
+    pub batch_size: usize,
+    /// Total optimizer steps.
+    pub steps: usize,
+    /// Steps between validations and checkpoints (one Learner "epoch"); must divide `steps`.
+    pub steps_per_epoch: usize,
+    /// Validation batches per evaluation, sampled at random from the validation split.
+    pub eval_batches: usize,
+    /// Peak learning rate.
+    pub lr: f64,
+    /// Learning rate at the end of the cosine decay.
+    pub min_lr: f64,
+    /// Linear warmup steps.
+    pub warmup_steps: usize,
+    /// Step at which the cosine decay reaches `min_lr` (`0` = `steps`).
+    pub decay_steps: usize,
+    /// AdamW β₁.
+    pub beta1: f32,
+    /// AdamW β₂.
+    pub beta2: f32,
+    /// AdamW ε.
+    pub epsilon: f32,
+    /// AdamW decoupled weight decay, applied to matrices (not to LayerNorm gains or biases).
+    pub weight_decay: f32,
+    /// Clip the global gradient norm to this value (`0` = no clipping).
+    pub grad_clip: f32,
+    /// Learning-rate schedule after warmup: `cosine` (to `min_lr` at `decay_steps`) or `noam`
+    /// (`lr · √(warmup/step)`, the paper's inverse square root, peaking at `lr`).
+    pub schedule: ScheduleKind,
+    /// Label smoothing ε of the cross-entropy (the paper uses 0.1).
+    pub label_smoothing: f32,
+    /// Data-loading threads (batches are prepared ahead of the training step; the batches
+    /// are the same whatever the number).
+    pub num_workers: usize,
+    /// Checkpoints kept: the last `keep_checkpoints` epochs, plus the best by validation loss.
+    pub keep_checkpoints: usize,
+    /// Stop when the validation loss has not improved for a number of epochs (none: train all
+    /// `steps`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub early_stopping: Option<EarlyStopping>,
+}
+
+/// Early stopping on the validation loss.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EarlyStopping {
+    /// Epochs (validations) without a lower validation loss after which training stops.
+    pub patience: usize,
+}
+
+impl Default for TrainConfig {
+    fn default() -> Self {
+        Self {
+            batch_size: 12,
+            steps: 2000,
+            steps_per_epoch: 250,
+            eval_batches: 20,
+            lr: 1e-3,
+            min_lr: 1e-4,
+            warmup_steps: 100,
+            decay_steps: 0,
+            beta1: 0.9,
+            beta2: 0.99,
+            epsilon: 1e-8,
+            weight_decay: 0.1,
+            grad_clip: 1.0,
+            schedule: ScheduleKind::Cosine,
+            label_smoothing: 0.0,
+            num_workers: 1,
+            keep_checkpoints: 2,
+            early_stopping: None,
+        }
+    }
+}
+
+impl TrainConfig {
+    /// Number of Learner epochs (`steps / steps_per_epoch`).
+    pub fn epochs(&self) -> usize {
+        self.steps / self.steps_per_epoch
+    }
+
+    /// Step at which the cosine decay ends.
+    pub fn decay_steps(&self) -> usize {
+        if self.decay_steps == 0 {
+            self.steps
+        } else {
+            self.decay_steps
+        }
+    }
+
+    /// Checks the relations between fields.
+    pub fn validate(&self) -> Result<()> {
+        if self.batch_size == 0 || self.steps == 0 || self.steps_per_epoch == 0 {
+            bail!("train: batch_size, steps and steps_per_epoch must all be at least 1");
+        }
+        if !self.steps.is_multiple_of(self.steps_per_epoch) {
+            bail!(
+                "train: steps ({}) must be a multiple of steps_per_epoch ({})",
+                self.steps,
+                self.steps_per_epoch
+            );
+        }
+        if self.eval_batches == 0 {
+            bail!("train: eval_batches must be at least 1");
+        }
+        if !(self.lr > 0.0 && self.lr <= 1.0 && (0.0..=self.lr).contains(&self.min_lr)) {
+            bail!(
+                "train: need 0 < lr <= 1 and 0 <= min_lr <= lr (lr {}, min_lr {})",
+                self.lr,
+                self.min_lr
+            );
+        }
+        if self.warmup_steps >= self.decay_steps() {
+            bail!(
+                "train: warmup_steps ({}) must be below the decay end ({})",
+                self.warmup_steps,
+                self.decay_steps()
+            );
+        }
+        for (name, beta) in [("beta1", self.beta1), ("beta2", self.beta2)] {
+            if !(0.0..1.0).contains(&beta) {
+                bail!("train: {name} must be in [0, 1), got {beta}");
+            }
+        }
+        if self.grad_clip < 0.0 || self.weight_decay < 0.0 {
+            bail!("train: grad_clip and weight_decay must not be negative");
+        }
+        if !(0.0..1.0).contains(&self.label_smoothing) {
+            bail!("train: label_smoothing must be in [0, 1)");
+        }
+        if self.keep_checkpoints == 0 {
+            bail!("train: keep_checkpoints must be at least 1 (resuming needs a checkpoint)");
+        }
+        if self
+            .early_stopping
+            .as_ref()
+            .is_some_and(|e| e.patience == 0)
+        {
+            bail!("train: early_stopping.patience must be at least 1");
+        }
+        Ok(())
+    }
+}
