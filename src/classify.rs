@@ -212,16 +212,19 @@ pub fn top_classes(probabilities: &[f32], k: usize) -> Vec<(usize, f32)> {
     ranked
 }
 
-/// Prints a classifier's test accuracy on `what` ("test images") and writes its confusion
-/// matrix as a PNG to `output` (default: `confusion.png` in `artifact_dir`).
+/// Runs `evaluate` (a classifier's test-set confusion), prints its accuracy on `what` ("test
+/// images") and writes the confusion matrix as a PNG to `output` (default: `confusion.png` in
+/// `artifact_dir`).
 pub fn report_confusion(
     config: &crate::config::ExperimentConfig,
-    confusion: &Confusion,
     what: &str,
-    seconds: f64,
     output: Option<&Path>,
     artifact_dir: &Path,
+    evaluate: impl FnOnce() -> Result<Confusion>,
 ) -> Result<()> {
+    let began = std::time::Instant::now();
+    let confusion = evaluate()?;
+    let seconds = began.elapsed().as_secs_f64();
     let accuracy = 100.0 * confusion.accuracy();
     println!(
         "{}: test accuracy {accuracy:.2}% on {} {what} of {} ({seconds:.1} s)",

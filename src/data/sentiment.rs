@@ -11,8 +11,6 @@ use rand::seq::SliceRandom;
 use rand::SeedableRng;
 use std::path::Path;
 
-/// Label names of the binary sentiment sets, by class index.
-
 /// A labelled sentence.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Labelled {

@@ -19,18 +19,10 @@ use crate::models::TextClassifier;
 use crate::train::{launch, supervised_steps, unseeded, Session, Throughput, TrainReport};
 use anyhow::{bail, Result};
 use burn::data::dataset::Dataset;
-use burn::train::ClassificationOutput;
 use std::path::Path;
-use std::time::Instant;
 
-supervised_steps!(TextClassifier, SentenceBatch, |model, batch| {
-    let (loss, output, targets) = model.loss(batch.tokens, batch.labels);
-    ClassificationOutput {
-        loss,
-        output,
-        targets,
-    }
-});
+supervised_steps!(TextClassifier, SentenceBatch, |model, batch| model
+    .loss(batch.tokens, batch.labels));
 
 impl ModelSection for ClassifierConfig {
     const KIND: &'static str = "classifier";
@@ -142,21 +134,15 @@ impl ModelKind for ClassifierConfig {
         request: &EvalRequest,
         device: &B::Device,
     ) -> Result<()> {
-        let began = Instant::now();
-        let confusion = evaluate_classifier(
-            trained,
-            &request.data_dir,
-            request.batch_size,
-            request.limit,
-            device,
-        )?;
         report_confusion(
             &trained.config,
-            &confusion,
             "test sentences",
-            began.elapsed().as_secs_f64(),
             request.output.as_deref(),
             &request.artifact_dir,
+            || {
+                let (data_dir, limit) = (&request.data_dir, request.limit);
+                evaluate_classifier(trained, data_dir, request.batch_size, limit, device)
+            },
         )
     }
 

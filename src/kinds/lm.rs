@@ -14,18 +14,10 @@ use crate::train::{launch, supervised_steps, unseeded, Session, Throughput, Trai
 use anyhow::{bail, Context, Result};
 use burn::data::dataloader::DataLoaderBuilder;
 use burn::prelude::*;
-use burn::train::ClassificationOutput;
 use std::path::Path;
 use std::sync::Arc;
 
-supervised_steps!(LanguageModel, LmBatch, |model, batch| {
-    let (loss, output, targets) = model.loss(batch);
-    ClassificationOutput {
-        loss,
-        output,
-        targets,
-    }
-});
+supervised_steps!(LanguageModel, LmBatch, |model, batch| model.loss(batch));
 
 impl ModelSection for LmConfig {
     const KIND: &'static str = "lm";

@@ -21,18 +21,11 @@ use crate::train::{launch, supervised_steps, unseeded, Session, Throughput, Trai
 use crate::translate::{greedy, translate_texts, warn_truncated, SearchConfig};
 use anyhow::{bail, Result};
 use burn::data::dataset::Dataset;
-use burn::train::ClassificationOutput;
 use std::path::Path;
 use std::time::Instant;
 
-supervised_steps!(Seq2Seq, Seq2SeqBatch, |model, batch| {
-    let (loss, output, targets) = model.loss(&batch, model.label_smoothing());
-    ClassificationOutput {
-        loss,
-        output,
-        targets,
-    }
-});
+supervised_steps!(Seq2Seq, Seq2SeqBatch, |model, batch| model
+    .loss(&batch, model.label_smoothing()));
 
 impl ModelSection for Seq2SeqConfig {
     const KIND: &'static str = "seq2seq";

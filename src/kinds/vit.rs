@@ -13,19 +13,11 @@ use crate::kernels::{LabAutodiff, LabBackend};
 use crate::models::VisionTransformer;
 use crate::train::{launch, supervised_steps, unseeded, Session, Throughput, TrainReport};
 use anyhow::{bail, Result};
-use burn::train::ClassificationOutput;
 use std::path::Path;
 use std::sync::Arc;
-use std::time::Instant;
 
-supervised_steps!(VisionTransformer, ImageBatch, |model, batch| {
-    let (loss, output, targets) = model.loss(batch.images, batch.labels);
-    ClassificationOutput {
-        loss,
-        output,
-        targets,
-    }
-});
+supervised_steps!(VisionTransformer, ImageBatch, |model, batch| model
+    .loss(batch.images, batch.labels));
 
 impl ModelSection for VitConfig {
     const KIND: &'static str = "vit";
@@ -120,21 +112,15 @@ impl ModelKind for VitConfig {
         request: &EvalRequest,
         device: &B::Device,
     ) -> Result<()> {
-        let began = Instant::now();
-        let confusion = evaluate_vit(
-            trained,
-            &request.data_dir,
-            request.batch_size,
-            request.limit,
-            device,
-        )?;
         report_confusion(
             &trained.config,
-            &confusion,
             "test images",
-            began.elapsed().as_secs_f64(),
             request.output.as_deref(),
             &request.artifact_dir,
+            || {
+                let (data_dir, limit) = (&request.data_dir, request.limit);
+                evaluate_vit(trained, data_dir, request.batch_size, limit, device)
+            },
         )
     }
 

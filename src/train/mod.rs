@@ -1,18 +1,24 @@
-//! Training through burn-train's `Learner`: each model's train/validation steps (in `lm` and
-//! `seq2seq`) and one wiring function, [`launch`], that every model trains through.
+//! Training through burn-train's `Learner`, generic over the model: one wiring function,
+//! [`launch`], that every model kind trains through, with the deterministic loaders, checkpoints,
+//! schedule and optimizer it uses. Each kind's steps are [`supervised_steps!`] in `kinds/`.
 
-/// Implements burn-train's `TrainStep` and `InferenceStep` for a model from one function that
-/// maps a batch to a `ClassificationOutput` (loss, logits, targets): training backpropagates
-/// its loss, validation only reports it.
+/// Implements burn-train's `TrainStep` and `InferenceStep` for a model from one expression that
+/// maps a batch to `(loss, logits, targets)`: training backpropagates the loss, validation only
+/// reports it.
 macro_rules! supervised_steps {
-    ($model:ident, $batch:ident, |$m:ident, $b:ident| $output:expr) => {
+    ($model:ident, $batch:ident, |$m:ident, $b:ident| $loss:expr) => {
         impl<B: $crate::kernels::LabAutodiff> burn::train::TrainStep for $model<B> {
             type Input = $batch<B>;
             type Output = burn::train::ClassificationOutput<B>;
 
             fn step(&self, $b: $batch<B>) -> burn::train::TrainOutput<Self::Output> {
                 let $m = self;
-                let output: Self::Output = $output;
+                let (loss, output, targets) = $loss;
+                let output = burn::train::ClassificationOutput {
+                    loss,
+                    output,
+                    targets,
+                };
                 let grads = output.loss.backward();
                 burn::train::TrainOutput::new(self, grads, output)
             }
@@ -24,7 +30,12 @@ macro_rules! supervised_steps {
 
             fn step(&self, $b: $batch<B>) -> Self::Output {
                 let $m = self;
-                $output
+                let (loss, output, targets) = $loss;
+                burn::train::ClassificationOutput {
+                    loss,
+                    output,
+                    targets,
+                }
             }
         }
     };
