@@ -68,6 +68,33 @@ pub enum Command {
     /// Matrices are written row by row: rows separated by ';', values by ','. Tokens are row
     /// vectors, so Q = X·W_Q. The defaults are the textbook three-token example.
     Explain(ExplainArgs),
+    /// Draw the training curves of several runs on one chart: one metric (validation by
+    /// default), one line per run, labelled by the run's directory name.
+    ///
+    /// Reads each run's metrics.csv (every step's training values and each epoch's validation
+    /// means), or burn's epoch logs (train/epoch-N/*.log) for runs older than metrics.csv.
+    /// Runs of different kinds overlay where they share the metric.
+    Curves(CurvesArgs),
+}
+
+/// `curves` options.
+#[derive(Args, Debug)]
+pub struct CurvesArgs {
+    /// Artifact directories written by `train`.
+    #[arg(required = true, value_name = "DIR")]
+    pub dirs: Vec<PathBuf>,
+    /// The metric: loss, accuracy, perplexity or lr.
+    #[arg(long, default_value = "loss")]
+    pub metric: String,
+    /// Which values: valid (each epoch's validation mean) or train (every step).
+    #[arg(long, default_value = "valid")]
+    pub split: String,
+    /// Where the PNG goes.
+    #[arg(long, value_name = "FILE", default_value = "curves.png")]
+    pub out: PathBuf,
+    /// Also write every run's metrics as one CSV (a leading `run` column).
+    #[arg(long, value_name = "FILE")]
+    pub csv: Option<PathBuf>,
 }
 
 /// Where data comes from.

@@ -34,6 +34,7 @@ pub mod bleu;
 pub mod classify;
 pub mod cli;
 pub mod config;
+pub mod curves;
 pub mod data;
 pub mod embed;
 pub mod explain;

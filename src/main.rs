@@ -2,7 +2,7 @@
 
 use clap::Parser;
 use std::process::ExitCode;
-use transformer_lab::app::dispatch;
+use transformer_lab::app::run;
 use transformer_lab::cli::Cli;
 use transformer_lab::memory::CountingAlloc;
 
@@ -17,7 +17,7 @@ fn main() -> ExitCode {
     // A closed stdout or stderr (`train | head -1`) must not stop the work: see `stdio`.
     let stdio = transformer_lab::stdio::guard();
     transformer_lab::kernels::set_fused(!cli.no_fused);
-    let code = match dispatch(cli.backend, cli.command) {
+    let code = match run(cli.backend, cli.command) {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {
             eprintln!("error: {err:#}");

@@ -122,3 +122,140 @@ pub fn confusion_png(
         Ok(())
     })
 }
+
+/// The colours of successive series (matplotlib's first ten).
+pub const PALETTE: [RGBColor; 10] = [
+    RGBColor(31, 119, 180),
+    RGBColor(255, 127, 14),
+    RGBColor(44, 160, 44),
+    RGBColor(214, 39, 40),
+    RGBColor(148, 103, 189),
+    RGBColor(140, 86, 75),
+    RGBColor(227, 119, 194),
+    RGBColor(127, 127, 127),
+    RGBColor(188, 189, 34),
+    RGBColor(23, 190, 207),
+];
+
+/// One line of a [`Panel`].
+#[derive(Clone, Debug)]
+pub struct Series {
+    /// Its legend entry.
+    pub label: String,
+    /// `(x, y)` points in x order.
+    pub points: Vec<(f64, f64)>,
+    /// Index into [`PALETTE`].
+    pub colour: usize,
+    /// A dense, noisy series (per-step training values): drawn thin and pale, without markers.
+    pub faint: bool,
+}
+
+/// One chart: its axes' labels and its series.
+#[derive(Clone, Debug)]
+pub struct Panel {
+    /// The x axis' label with its unit.
+    pub x_label: String,
+    /// The y axis' label with its unit.
+    pub y_label: String,
+    /// The lines.
+    pub series: Vec<Series>,
+}
+
+/// Draws `panels` (side by side, two to a row) under `title` and writes the PNG to `path`.
+pub fn line_panels_png(path: &Path, title: &str, panels: &[Panel]) -> Result<()> {
+    let columns = panels.len().clamp(1, 2);
+    let rows = panels.len().div_ceil(2).max(1);
+    let size = (700 * columns as u32, 60 + 440 * rows as u32);
+    render_png(path, size, |root| {
+        let err = |e: String| anyhow!("cannot draw {}: {e}", path.display());
+        let (top, body) = root.split_vertically(60);
+        top.draw(&Text::new(
+            title.to_string(),
+            (20, 18),
+            (FONT, 22).into_font().style(FontStyle::Bold),
+        ))
+        .map_err(|e| err(format!("{e:?}")))?;
+        let areas = body.split_evenly((rows, columns));
+        for (area, panel) in areas.iter().zip(panels) {
+            draw_panel(area, panel).map_err(err)?;
+        }
+        Ok(())
+    })
+}
+
+fn draw_panel(
+    area: &DrawingArea<BitMapBackend<'_>, plotters::coord::Shift>,
+    panel: &Panel,
+) -> Result<(), String> {
+    let e = |e: DrawingAreaErrorKind<_>| format!("{e:?}");
+    let points = || panel.series.iter().flat_map(|s| s.points.iter());
+    let (mut x_min, mut x_max, mut y_min, mut y_max) = (
+        f64::INFINITY,
+        f64::NEG_INFINITY,
+        f64::INFINITY,
+        f64::NEG_INFINITY,
+    );
+    for &(x, y) in points().filter(|(x, y)| x.is_finite() && y.is_finite()) {
+        (x_min, x_max) = (x_min.min(x), x_max.max(x));
+        (y_min, y_max) = (y_min.min(y), y_max.max(y));
+    }
+    if !x_min.is_finite() {
+        (x_min, x_max, y_min, y_max) = (0.0, 1.0, 0.0, 1.0);
+    }
+    let pad = ((y_max - y_min) * 0.05).max(1e-9);
+    let mut chart = ChartBuilder::on(area)
+        .margin(15)
+        .x_label_area_size(45)
+        .y_label_area_size(75)
+        .build_cartesian_2d(x_min..x_max.max(x_min + 1.0), (y_min - pad)..(y_max + pad))
+        .map_err(e)?;
+    chart
+        .configure_mesh()
+        .x_desc(panel.x_label.as_str())
+        .y_desc(panel.y_label.as_str())
+        .label_style((FONT, 14))
+        .x_label_formatter(&|v| format!("{v:.0}"))
+        .draw()
+        .map_err(e)?;
+    for series in &panel.series {
+        let colour = PALETTE[series.colour % PALETTE.len()];
+        let style = if series.faint {
+            colour.mix(0.35).stroke_width(1)
+        } else {
+            colour.stroke_width(2)
+        };
+        chart
+            .draw_series(LineSeries::new(series.points.clone(), style))
+            .map_err(e)?
+            .label(series.label.as_str())
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], style));
+        if !series.faint && series.points.len() <= 60 {
+            let markers = series
+                .points
+                .iter()
+                .map(|&p| Circle::new(p, 3, colour.filled()));
+            chart.draw_series(markers).map_err(e)?;
+        }
+    }
+    // The legend goes where the lines end up not being: low when they end high.
+    let ends_high = {
+        let tail: Vec<f64> = points()
+            .filter(|(x, _)| *x >= x_min + 0.66 * (x_max - x_min))
+            .map(|&(_, y)| (y - y_min) / (y_max - y_min).max(1e-12))
+            .collect();
+        !tail.is_empty() && tail.iter().sum::<f64>() / tail.len() as f64 > 0.5
+    };
+    chart
+        .configure_series_labels()
+        .position(if ends_high {
+            SeriesLabelPosition::LowerRight
+        } else {
+            SeriesLabelPosition::UpperRight
+        })
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .label_font((FONT, 14))
+        .draw()
+        .map_err(e)?;
+    Ok(())
+}

@@ -34,6 +34,25 @@ pub fn dispatch(kind: Option<BackendKind>, task: impl BackendTask) -> Result<()>
     }
 }
 
+/// Runs `command`: on the backend `kind` names (the default one when `None`), or on none when
+/// it computes nothing (`curves` reads files and draws).
+pub fn run(kind: Option<BackendKind>, command: Command) -> Result<()> {
+    match command {
+        Command::Curves(args) => run_curves(args),
+        command => dispatch(kind, command),
+    }
+}
+
+fn run_curves(args: crate::cli::CurvesArgs) -> Result<()> {
+    crate::curves::compare(
+        &args.dirs,
+        &args.metric,
+        &args.split,
+        &args.out,
+        args.csv.as_deref(),
+    )
+}
+
 impl BackendTask for Command {
     fn run<B: LabBackend>(self, device: B::Device) -> Result<()> {
         match self {
@@ -47,6 +66,7 @@ impl BackendTask for Command {
             Command::Bench(args) => bench::run_bench::<B>(args, device),
             Command::Attention(args) => inspect::run_attention::<B>(args, device),
             Command::Explain(args) => inspect::run_explain::<B>(args, device),
+            Command::Curves(args) => run_curves(args),
         }
     }
 }

@@ -33,6 +33,14 @@ pub(super) fn run_train<B: LabBackend>(args: TrainArgs, device: B::Device) -> Re
     let report = crate::kinds::train::<Autodiff<B>>(request, device)?;
     let step = |epoch: usize| epoch * report.steps_per_epoch;
     let dir = artifact.root().display();
+    if let Some(failure) = &report.metrics_failure {
+        eprintln!("warning: {failure}; the table stops there");
+    }
+    let config = ExperimentConfig::load(&artifact.config())?;
+    match crate::curves::write_run_curves(&artifact, &config) {
+        Ok(path) => println!("training curves drawn in {}", path.display()),
+        Err(err) => eprintln!("warning: no curves.png: {err:#}"),
+    }
     if report.outcome == Outcome::Interrupted {
         println!(
             "stopped after step {} of {}; model.mpk not written. Continue with: \

@@ -21,6 +21,7 @@ use burn::prelude::*;
 use burn::record::Recorder;
 use std::path::{Path, PathBuf};
 
+pub mod metrics;
 mod recorder;
 mod trained;
 
@@ -29,7 +30,7 @@ pub use recorder::{ArtifactRecorder, AtomicRecorder, CheckpointWatch, FAIL_CHECK
 pub use trained::{Tokenizers, Trained};
 
 /// What a run writes in its directory (and `train --force` moves aside).
-const RUN_FILES: [&str; 10] = [
+const RUN_FILES: [&str; 12] = [
     "config.json",
     ".trained-config.json",
     "tokenizer.json",
@@ -40,6 +41,8 @@ const RUN_FILES: [&str; 10] = [
     "train",
     "valid",
     "confusion.png",
+    "metrics.csv",
+    "curves.png",
 ];
 
 /// Paths inside an artifact directory.
@@ -111,6 +114,16 @@ impl ArtifactDir {
                 Err(_) => path.exists(),
             }
         })
+    }
+
+    /// `metrics.csv`: every logged value of the run (see [`metrics`]).
+    pub fn metrics(&self) -> PathBuf {
+        self.root.join("metrics.csv")
+    }
+
+    /// `curves.png`: the run's loss, learning rate and accuracy against step.
+    pub fn curves(&self) -> PathBuf {
+        self.root.join("curves.png")
     }
 
     /// `model.mpk`.

@@ -45,6 +45,7 @@ pub(crate) use supervised_steps;
 mod checkpoint;
 pub mod config;
 mod loader;
+mod metrics;
 mod optim;
 mod preflight;
 mod renderer;
@@ -106,6 +107,8 @@ pub struct TrainReport {
     pub unit: &'static str,
     /// The command that uses the trained model ("generate", "translate", …).
     pub use_with: &'static str,
+    /// Why `metrics.csv` stopped being written, if it did (a full disk).
+    pub metrics_failure: Option<String>,
 }
 
 /// How a training invocation ended.

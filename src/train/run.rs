@@ -4,6 +4,7 @@
 
 use super::checkpoint::{prune, KeepCheckpoints, Patience, ValidLossLogger, ValidLosses};
 use super::loader::{BatchFn, Draw, EpochLoader};
+use super::metrics::{CsvLogger, EpochCorrected};
 use super::{
     reference_adamw, Outcome, PlainRenderer, Throughput, Tokenizers, TrainReport, TrainRequest,
     WarmupSchedule,
@@ -307,6 +308,7 @@ where
         per_second: 0.0,
         unit: throughput.unit,
         use_with: config.model.command(),
+        metrics_failure: None,
     };
     if start > 0 && (start >= epochs || stops_early(start)) {
         // Killed between the last checkpoint and model.mpk: finish the job.
@@ -319,6 +321,7 @@ where
         return Ok(report);
     }
     session.epoch.store(start, Ordering::SeqCst);
+    let (csv, csv_failure) = CsvLogger::open(artifact, train.steps_per_epoch, start)?;
 
     let accuracy = || match pad {
         Some(pad) => AccuracyMetric::new().with_pad_token(pad),
@@ -329,8 +332,13 @@ where
         None => PerplexityMetric::new(),
     };
     let mut training = SupervisedTraining::new(artifact.root(), loaders.0, loaders.1)
-        .with_metric_logger(FileMetricLogger::new(artifact.root()))
+        .with_metric_logger(EpochCorrected::new(
+            FileMetricLogger::new(artifact.root()),
+            train.steps_per_epoch,
+            start,
+        ))
         .with_metric_logger(ValidLossLogger::new(losses.clone()))
+        .with_metric_logger(csv)
         .metric_train_numeric(LossMetric::new())
         .metric_valid_numeric(LossMetric::new())
         .metric_train_numeric(accuracy())
@@ -384,6 +392,7 @@ where
     report.steps = (done - start) * train.steps_per_epoch;
     report.per_second = (report.steps * throughput.per_step) as f64 / report.seconds;
     report.valid_loss = losses.get(done);
+    report.metrics_failure = csv_failure.lock().unwrap_or_else(|e| e.into_inner()).take();
     if let Some(failure) = session.watch.failure() {
         let next = match artifact.latest_checkpoint() {
             Some(epoch) => format!(

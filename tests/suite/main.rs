@@ -9,6 +9,7 @@ mod cli;
 mod cli_classify;
 mod common;
 mod config;
+mod curves;
 mod data;
 #[cfg(feature = "flex")]
 mod flex_backend;

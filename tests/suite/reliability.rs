@@ -192,6 +192,12 @@ fn killed_and_resumed_equals_uninterrupted(backend: &str, workers: usize) {
         run.weights("whole"),
         "{backend}, {workers} worker(s): the resumed run's weights differ"
     );
+    let table = |art: &str| std::fs::read_to_string(run.path(art).join("metrics.csv")).unwrap();
+    assert_eq!(
+        table("cut"),
+        table("whole"),
+        "{backend}, {workers} worker(s): the resumed run's metrics.csv differs"
+    );
 }
 
 #[test]

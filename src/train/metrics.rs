@@ -1,0 +1,242 @@
+//! `metrics.csv` written as training goes: every training step's loss, accuracy, perplexity
+//! and learning rate, and each epoch's validation means at the epoch's last step.
+
+use crate::artifact::metrics::{keep_epochs, metric_key, parse, to_csv, Row};
+use crate::artifact::ArtifactDir;
+use crate::files::write_atomic;
+use anyhow::{Context, Result};
+use burn::train::logger::MetricLogger;
+use burn::train::metric::store::{EpochSummary, MetricsUpdate, Split};
+use burn::train::metric::{MetricDefinition, MetricId, NumericEntry};
+use std::collections::{BTreeMap, HashMap};
+use std::io::Write;
+use std::sync::{Arc, Mutex};
+
+/// Counts training steps as their metrics are logged. burn 0.21 passes a resumed run's first
+/// epoch to the loggers as epoch 1 (its event store restarts its count), so the step and epoch
+/// of a training update are counted here from the checkpoint the run started after.
+#[derive(Clone, Copy, Debug)]
+pub struct StepCounter {
+    steps_per_epoch: usize,
+    done: usize,
+}
+
+impl StepCounter {
+    /// A counter for a run resuming after checkpoint `start` (0: a fresh run).
+    pub fn new(steps_per_epoch: usize, start: usize) -> Self {
+        Self {
+            steps_per_epoch,
+            done: start * steps_per_epoch,
+        }
+    }
+
+    /// `(step, epoch)` of the next training update, both 1-based.
+    pub fn next(&mut self) -> (usize, usize) {
+        self.done += 1;
+        (self.done, self.epoch())
+    }
+
+    /// The epoch of the last training update counted (its validation follows it).
+    pub fn epoch(&self) -> usize {
+        self.done.saturating_sub(1) / self.steps_per_epoch + 1
+    }
+}
+
+/// burn's file logger (`train/epoch-N/*.log`, `valid/epoch-N/*.log`) with the epoch it is given
+/// corrected: as burn passes it, a resumed run's first epoch overwrote the logs of epoch 1.
+pub struct EpochCorrected<L> {
+    inner: L,
+    steps: StepCounter,
+}
+
+impl<L> EpochCorrected<L> {
+    /// Wraps `inner` for a run resuming after checkpoint `start`.
+    pub fn new(inner: L, steps_per_epoch: usize, start: usize) -> Self {
+        Self {
+            inner,
+            steps: StepCounter::new(steps_per_epoch, start),
+        }
+    }
+}
+
+impl<L: MetricLogger> MetricLogger for EpochCorrected<L> {
+    fn log(&mut self, update: MetricsUpdate, epoch: usize, split: &Split) {
+        let epoch = match split {
+            Split::Train => self.steps.next().1,
+            Split::Valid => self.steps.epoch(),
+            _ => epoch,
+        };
+        self.inner.log(update, epoch, split);
+    }
+
+    fn read_numeric(
+        &mut self,
+        name: &str,
+        epoch: usize,
+        split: &Split,
+    ) -> Result<Vec<NumericEntry>, String> {
+        self.inner.read_numeric(name, epoch, split)
+    }
+
+    fn log_metric_definition(&mut self, definition: MetricDefinition) {
+        self.inner.log_metric_definition(definition);
+    }
+
+    fn log_epoch_summary(&mut self, summary: EpochSummary) {
+        self.inner.log_epoch_summary(summary);
+    }
+}
+
+/// A metric logger appending to `metrics.csv`. A run resumed from checkpoint `E` first drops
+/// the rows after epoch `E` (a killed run may have logged steps it never checkpointed), so the
+/// table of a resumed run is the table of the run it replaced.
+pub struct CsvLogger {
+    out: Option<std::io::BufWriter<std::fs::File>>,
+    steps_per_epoch: usize,
+    names: HashMap<MetricId, String>,
+    steps: StepCounter,
+    /// Validation `(Σ value·count, Σ count)` per metric over the epoch so far.
+    valid: BTreeMap<String, (f64, f64)>,
+    failure: Arc<Mutex<Option<String>>>,
+}
+
+impl CsvLogger {
+    /// Opens `metrics.csv` of `artifact` for a run starting after checkpoint `start` (0 for a
+    /// fresh run), keeping the rows of epochs `1..=start`. The returned slot receives the first
+    /// write that failed (the run goes on; its end reports the table incomplete).
+    pub fn open(
+        artifact: &ArtifactDir,
+        steps_per_epoch: usize,
+        start: usize,
+    ) -> Result<(Self, Arc<Mutex<Option<String>>>)> {
+        let path = artifact.metrics();
+        let kept = match std::fs::read_to_string(&path) {
+            Ok(text) if start > 0 => keep_epochs(parse(&text, &path)?, start),
+            _ => Vec::new(),
+        };
+        write_atomic(&path, to_csv(&kept).as_bytes())?;
+        let file = std::fs::OpenOptions::new()
+            .append(true)
+            .open(&path)
+            .with_context(|| format!("cannot open {} to append", path.display()))?;
+        let failure = Arc::new(Mutex::new(None));
+        let logger = Self {
+            out: Some(std::io::BufWriter::new(file)),
+            steps_per_epoch,
+            names: HashMap::new(),
+            steps: StepCounter::new(steps_per_epoch, start),
+            valid: BTreeMap::new(),
+            failure: failure.clone(),
+        };
+        Ok((logger, failure))
+    }
+
+    fn write(&mut self, row: Row) {
+        let Some(out) = &mut self.out else {
+            return;
+        };
+        if let Err(err) = out.write_all(row.line().as_bytes()) {
+            self.fail(err);
+        }
+    }
+
+    fn flush(&mut self) {
+        if let Some(Err(err)) = self.out.as_mut().map(|out| out.flush()) {
+            self.fail(err);
+        }
+    }
+
+    /// Stops writing after the first failure (a full disk), keeping its message.
+    fn fail(&mut self, err: std::io::Error) {
+        self.out = None;
+        let mut slot = self.failure.lock().unwrap_or_else(|e| e.into_inner());
+        slot.get_or_insert_with(|| format!("metrics.csv: {err}"));
+    }
+
+    fn name(&self, id: &MetricId) -> Option<String> {
+        self.names.get(id).map(|name| metric_key(name))
+    }
+}
+
+/// `(value, count)` of one logged entry.
+fn value_and_count(entry: &NumericEntry) -> (f64, f64) {
+    match entry {
+        NumericEntry::Value(v) => (*v, 1.0),
+        NumericEntry::Aggregated {
+            aggregated_value,
+            count,
+        } => (*aggregated_value, *count as f64),
+    }
+}
+
+impl MetricLogger for CsvLogger {
+    fn log(&mut self, update: MetricsUpdate, _epoch: usize, split: &Split) {
+        match split {
+            Split::Train => {
+                let (step, epoch) = self.steps.next();
+                for metric in update.entries_numeric {
+                    let Some(name) = self.name(&metric.entry.metric_id) else {
+                        continue;
+                    };
+                    let (value, _) = value_and_count(&metric.numeric_entry);
+                    self.write(Row {
+                        step,
+                        epoch,
+                        split: "train".into(),
+                        metric: name,
+                        value,
+                    });
+                }
+            }
+            Split::Valid => {
+                for metric in update.entries_numeric {
+                    let Some(name) = self.name(&metric.entry.metric_id) else {
+                        continue;
+                    };
+                    let (value, count) = value_and_count(&metric.numeric_entry);
+                    let sums = self.valid.entry(name).or_insert((0.0, 0.0));
+                    sums.0 += value * count;
+                    sums.1 += count;
+                }
+            }
+            _ => {}
+        }
+    }
+
+    fn read_numeric(
+        &mut self,
+        _name: &str,
+        _epoch: usize,
+        _split: &Split,
+    ) -> Result<Vec<NumericEntry>, String> {
+        Err("the metrics.csv logger is write-only".into())
+    }
+
+    fn log_metric_definition(&mut self, definition: MetricDefinition) {
+        self.names.insert(definition.metric_id, definition.name);
+    }
+
+    fn log_epoch_summary(&mut self, summary: EpochSummary) {
+        if summary.split == Split::Valid {
+            let epoch = summary.epoch_number;
+            for (metric, (sum, count)) in std::mem::take(&mut self.valid) {
+                if count > 0.0 {
+                    self.write(Row {
+                        step: epoch * self.steps_per_epoch,
+                        epoch,
+                        split: "valid".into(),
+                        metric,
+                        value: sum / count,
+                    });
+                }
+            }
+        }
+        self.flush();
+    }
+}
+
+impl Drop for CsvLogger {
+    fn drop(&mut self) {
+        self.flush();
+    }
+}

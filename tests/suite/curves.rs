@@ -1,0 +1,214 @@
+//! Training curves: `metrics.csv` holds exactly the steps trained, a resume in the middle
+//! included; `curves` overlays one series per run, reads runs older than the CSV from burn's
+//! logs, and refuses what is not a run with one line.
+
+use crate::common::{assert_clean_error, BIN};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use transformer_lab::artifact::metrics::{self, Row};
+use transformer_lab::artifact::ArtifactDir;
+use transformer_lab::curves::{overlay, Run};
+
+/// A temp dir with a corpus and a tiny char LM of 3 epochs × 10 steps.
+struct Sandbox {
+    dir: tempfile::TempDir,
+}
+
+impl Sandbox {
+    fn new() -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let line = "the quick brown fox jumps over the lazy dog.\n";
+        std::fs::write(dir.path().join("corpus.txt"), line.repeat(60)).unwrap();
+        std::fs::write(
+            dir.path().join("tiny.json"),
+            r#"{"name": "tiny", "seed": 3,
+               "model": {"d_model": 16, "n_layers": 1, "n_heads": 2, "context": 16},
+               "data": {"text_file": "corpus.txt"},
+               "train": {"batch_size": 8, "steps": 30, "steps_per_epoch": 10, "eval_batches": 2,
+                         "warmup_steps": 3, "lr": 0.01}}"#,
+        )
+        .unwrap();
+        Self { dir }
+    }
+
+    fn path(&self, name: &str) -> PathBuf {
+        self.dir.path().join(name)
+    }
+
+    fn run(&self, args: &[&str], fail_checkpoint: Option<&str>) -> Output {
+        let mut command = Command::new(BIN);
+        command
+            .args(["--backend", "ndarray"])
+            .args(args)
+            .current_dir(self.dir.path())
+            .env("TRANSFORMER_LAB_DATA", self.path("no-data"))
+            .env_remove(transformer_lab::artifact::FAIL_CHECKPOINT_ENV);
+        if let Some(epoch) = fail_checkpoint {
+            command.env(transformer_lab::artifact::FAIL_CHECKPOINT_ENV, epoch);
+        }
+        command.output().unwrap()
+    }
+
+    fn train(&self, art: &str) {
+        let out = self.run(&["train", "-e", "tiny.json", "--artifact-dir", art], None);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+
+    fn rows(&self, art: &str) -> Vec<Row> {
+        metrics::read(&ArtifactDir::new(self.path(art)), 10).unwrap()
+    }
+}
+
+fn steps(rows: &[Row], split: &str, metric: &str) -> Vec<usize> {
+    rows.iter()
+        .filter(|r| r.split == split && r.metric == metric)
+        .map(|r| r.step)
+        .collect()
+}
+
+#[test]
+fn the_table_holds_exactly_the_steps_trained_across_a_resume() {
+    let sandbox = Sandbox::new();
+    sandbox.train("whole");
+    // Epoch 2's checkpoint fails after its steps were logged: the resumed run trains them again.
+    let cut = sandbox.run(
+        &["train", "-e", "tiny.json", "--artifact-dir", "cut"],
+        Some("2"),
+    );
+    assert!(!cut.status.success());
+    let logged = *steps(&sandbox.rows("cut"), "train", "loss").last().unwrap();
+    assert!(
+        logged >= 20,
+        "the failed epoch's steps were logged ({logged})"
+    );
+    let resumed = sandbox.run(&["train", "--artifact-dir", "cut", "--resume"], None);
+    assert!(
+        resumed.status.success(),
+        "{}",
+        String::from_utf8_lossy(&resumed.stderr)
+    );
+
+    let rows = sandbox.rows("cut");
+    for metric in ["loss", "accuracy", "perplexity", "lr"] {
+        assert_eq!(
+            steps(&rows, "train", metric),
+            (1..=30).collect::<Vec<_>>(),
+            "{metric}"
+        );
+    }
+    for metric in ["loss", "accuracy", "perplexity"] {
+        assert_eq!(steps(&rows, "valid", metric), vec![10, 20, 30], "{metric}");
+    }
+    assert!(rows.iter().all(|r| r.epoch == (r.step - 1) / 10 + 1));
+    let table = |art: &str| std::fs::read_to_string(sandbox.path(art).join("metrics.csv")).unwrap();
+    assert_eq!(
+        table("cut"),
+        table("whole"),
+        "resumed = uninterrupted, byte for byte"
+    );
+    // The table's last validation loss is the one the run reported.
+    let last_valid = rows
+        .iter()
+        .rfind(|r| r.split == "valid" && r.metric == "loss")
+        .unwrap();
+    let reported = format!("validation loss {:.4}", last_valid.value);
+    assert!(String::from_utf8_lossy(&resumed.stdout).contains(&reported));
+    for art in ["whole", "cut"] {
+        let png = image::open(sandbox.path(art).join("curves.png")).unwrap();
+        assert!(
+            png.width() >= 1000 && png.height() >= 800,
+            "{art}: two rows of two panels"
+        );
+    }
+}
+
+#[test]
+fn the_overlay_has_one_series_per_run() {
+    let sandbox = Sandbox::new();
+    sandbox.train("a");
+    sandbox.train("b");
+    let runs: Vec<Run> = ["a", "b"]
+        .iter()
+        .map(|art| Run::load(&sandbox.path(art)).unwrap())
+        .collect();
+    let panel = overlay(&runs, "loss", "valid").unwrap();
+    let labels: Vec<&str> = panel.series.iter().map(|s| s.label.as_str()).collect();
+    assert_eq!(labels, ["a", "b"]);
+    assert!(panel.series.iter().all(|s| s.points.len() == 3));
+    let lr = overlay(&runs, "lr", "valid").unwrap();
+    assert_eq!(
+        lr.series[0].points.len(),
+        30,
+        "lr is a training series whatever --split"
+    );
+
+    let out = sandbox.run(
+        &[
+            "curves", "a", "b", "--metric", "accuracy", "--out", "both.png", "--csv", "both.csv",
+        ],
+        None,
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(image::open(sandbox.path("both.png")).is_ok());
+    let merged = std::fs::read_to_string(sandbox.path("both.csv")).unwrap();
+    let rows = merged.lines().count() - 1;
+    assert_eq!(rows, 2 * (30 * 4 + 3 * 3), "every row of both runs");
+    assert!(merged
+        .lines()
+        .skip(1)
+        .all(|l| l.starts_with("a,") || l.starts_with("b,")));
+}
+
+#[test]
+fn a_run_older_than_the_table_is_read_from_burns_epoch_logs() {
+    let dir = tempfile::tempdir().unwrap();
+    let art = dir.path().join("old");
+    let write = |path: &str, text: &str| {
+        let path = art.join(path);
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        std::fs::write(path, text).unwrap();
+    };
+    write("train/epoch-1/Loss.log", "3.0,1\n2.5,1\n");
+    write("train/epoch-2/Loss.log", "2.0,1\n1.5,1\n");
+    write("train/epoch-1/Learning_Rate.log", "0.001,1\n0.002,1\n");
+    // Validation batches are averaged by their counts: (1.0·3 + 2.0·1) / 4.
+    write("valid/epoch-1/Loss.log", "1.0,3\n2.0,1\n");
+    let rows = metrics::read(&ArtifactDir::new(&art), 2).unwrap();
+    assert_eq!(
+        metrics::series(&rows, "loss", "train"),
+        [(1.0, 3.0), (2.0, 2.5), (3.0, 2.0), (4.0, 1.5)]
+    );
+    assert_eq!(
+        metrics::series(&rows, "lr", "train"),
+        [(1.0, 0.001), (2.0, 0.002)]
+    );
+    assert_eq!(metrics::series(&rows, "loss", "valid"), [(2.0, 1.25)]);
+}
+
+#[test]
+fn what_is_not_a_run_is_one_clear_error() {
+    let sandbox = Sandbox::new();
+    sandbox.train("a");
+    let curves = |dirs: &[&str]| {
+        let mut args = vec!["curves"];
+        args.extend_from_slice(dirs);
+        sandbox.run(&args, None)
+    };
+    assert_clean_error(&curves(&["a", "missing"]), "missing does not exist");
+    std::fs::create_dir(sandbox.path("empty")).unwrap();
+    assert_clean_error(&curves(&["a", "empty"]), "not an artifact directory");
+    assert_clean_error(&curves(&["a", "--metric", "bleu"]), "has no bleu");
+    assert_clean_error(&curves(&["a", "--split", "test"]), "--split");
+    assert!(
+        !Path::new(&sandbox.path("curves.png")).exists(),
+        "nothing drawn on an error"
+    );
+}
