@@ -2,10 +2,13 @@
 //!
 //! The one transformer implementation lives in [`nn`]; [`models`] wraps it into complete models
 //! (embedding + stack + head); [`data`] turns real datasets into batches; [`train`] wires a model
-//! into burn-train's `Learner`; [`generate`] samples from a trained language model and
-//! [`translate`] decodes a trained translator (greedy or beam search), scored by [`bleu`];
-//! [`classify`] runs the image and text classifiers, [`embed`] reads contextual word vectors,
-//! and [`plot`] draws result pictures.
+//! into burn-train's `Learner`; [`artifact`] keeps a run on disk and loads it back as a
+//! `Trained<M>`; [`kinds`] is the one place each model kind is described (how it trains,
+//! evaluates and shows its attention) and [`config`] the one list of kinds. [`generate`] samples
+//! from a trained language model and [`translate`] decodes a trained translator (greedy or beam
+//! search), scored by [`bleu`]; [`classify`] runs the image and text classifiers, [`embed`]
+//! reads contextual word vectors, [`inspect`] and [`explain`] show attention, [`curves`] and
+//! [`plot`] draw result pictures. ARCHITECTURE.md maps the layers.
 //!
 //! # Shapes
 //!

@@ -1,7 +1,7 @@
 //! `metrics.csv` written as training goes: every training step's loss, accuracy, perplexity
 //! and learning rate, and each epoch's validation means at the epoch's last step.
 
-use crate::artifact::metrics::{keep_epochs, metric_key, parse, to_csv, Row};
+use crate::artifact::metrics::{self, keep_epochs, metric_key, to_csv, Row};
 use crate::artifact::ArtifactDir;
 use crate::files::write_atomic;
 use anyhow::{Context, Result};
@@ -102,17 +102,18 @@ pub struct CsvLogger {
 
 impl CsvLogger {
     /// Opens `metrics.csv` of `artifact` for a run starting after checkpoint `start` (0 for a
-    /// fresh run), keeping the rows of epochs `1..=start`. The returned slot receives the first
-    /// write that failed (the run goes on; its end reports the table incomplete).
+    /// fresh run), keeping the rows of epochs `1..=start` (taken from burn's epoch logs when a
+    /// run older than the table is resumed). The returned slot receives the first write that
+    /// failed (the run goes on; its end reports the table incomplete).
     pub fn open(
         artifact: &ArtifactDir,
         steps_per_epoch: usize,
         start: usize,
     ) -> Result<(Self, Arc<Mutex<Option<String>>>)> {
         let path = artifact.metrics();
-        let kept = match std::fs::read_to_string(&path) {
-            Ok(text) if start > 0 => keep_epochs(parse(&text, &path)?, start),
-            _ => Vec::new(),
+        let kept = match start {
+            0 => Vec::new(),
+            _ => keep_epochs(metrics::read(artifact, steps_per_epoch)?, start),
         };
         write_atomic(&path, to_csv(&kept).as_bytes())?;
         let file = std::fs::OpenOptions::new()

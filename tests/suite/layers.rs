@@ -24,6 +24,7 @@ const LAYERS: &[(&str, usize)] = &[
     ("embed", 8),
     ("inspect", 8),
     ("explain", 8),
+    ("curves", 8),
     ("kinds", 9),
     ("bench", 10),
     ("cli", 11),
