@@ -35,11 +35,12 @@ impl Run {
         if rows.is_empty() {
             bail!("{} has no logged metrics yet", dir.display());
         }
+        // The name given (`runs/hyena`), else the directory's own (`.`).
         let name = dir
-            .canonicalize()
-            .ok()
-            .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
-            .unwrap_or_else(|| dir.display().to_string());
+            .file_name()
+            .map(PathBuf::from)
+            .or_else(|| dir.canonicalize().ok()?.file_name().map(PathBuf::from))
+            .map_or_else(|| dir.display().to_string(), |n| n.display().to_string());
         Ok(Self { name, rows })
     }
 }
@@ -158,7 +159,10 @@ pub fn compare(
         .collect::<Result<Vec<_>>>()?;
     let panel = overlay(&runs, metric, split)?;
     let names: Vec<&str> = runs.iter().map(|r| r.name.as_str()).collect();
-    let title = format!("{metric}: {}", names.join(" vs "));
+    let title = match names.join(" vs ") {
+        short if short.len() <= 60 => format!("{}: {short}", panel.y_label),
+        _ => format!("{} of {} runs", panel.y_label, runs.len()),
+    };
     line_panels_png(out, &title, &[panel]).context("cannot draw the curves")?;
     println!("curves of {} runs written to {}", runs.len(), out.display());
     if let Some(csv) = csv {

@@ -165,7 +165,10 @@ pub struct Panel {
 pub fn line_panels_png(path: &Path, title: &str, panels: &[Panel]) -> Result<()> {
     let columns = panels.len().clamp(1, 2);
     let rows = panels.len().div_ceil(2).max(1);
-    let size = (700 * columns as u32, 60 + 440 * rows as u32);
+    let size = match panels.len() {
+        1 => (1000, 620),
+        _ => (700 * columns as u32, 60 + 440 * rows as u32),
+    };
     render_png(path, size, |root| {
         let err = |e: String| anyhow!("cannot draw {}: {e}", path.display());
         let (top, body) = root.split_vertically(60);

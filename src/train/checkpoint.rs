@@ -9,11 +9,9 @@
 
 use crate::artifact::{write_atomic, ArtifactDir};
 use burn::train::checkpoint::{CheckpointingAction, CheckpointingStrategy};
-use burn::train::logger::MetricLogger;
-use burn::train::metric::store::{EpochSummary, EventStoreClient, MetricsUpdate, Split};
-use burn::train::metric::{MetricDefinition, MetricId, NumericEntry};
+use burn::train::metric::store::EventStoreClient;
 use burn::train::EarlyStoppingStrategy;
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
@@ -50,7 +48,7 @@ impl ValidLosses {
         write_atomic(&artifact.valid_losses(), text.as_bytes())
     }
 
-    fn set(&self, epoch: usize, loss: f64) {
+    pub(super) fn set(&self, epoch: usize, loss: f64) {
         self.lock().insert(epoch, loss);
         self.0 .1.notify_all();
     }
@@ -89,69 +87,6 @@ impl ValidLosses {
             Some((best, _)) => epoch - best >= patience,
             None => false,
         }
-    }
-}
-
-/// A metric logger that takes the mean validation loss of each epoch when the epoch's end
-/// reaches it (after all of the epoch's values, in order).
-pub struct ValidLossLogger {
-    losses: ValidLosses,
-    names: HashMap<MetricId, String>,
-    sum: f64,
-    count: f64,
-}
-
-impl ValidLossLogger {
-    /// A logger filling `losses`.
-    pub fn new(losses: ValidLosses) -> Self {
-        Self {
-            losses,
-            names: HashMap::new(),
-            sum: 0.0,
-            count: 0.0,
-        }
-    }
-}
-
-impl MetricLogger for ValidLossLogger {
-    fn log(&mut self, update: MetricsUpdate, _epoch: usize, split: &Split) {
-        if *split != Split::Valid {
-            return;
-        }
-        for metric in update.entries_numeric {
-            if self.names.get(&metric.entry.metric_id).map(String::as_str) != Some("Loss") {
-                continue;
-            }
-            let (value, count) = match metric.numeric_entry {
-                NumericEntry::Value(v) => (v, 1.0),
-                NumericEntry::Aggregated {
-                    aggregated_value,
-                    count,
-                } => (aggregated_value, count as f64),
-            };
-            self.sum += value * count;
-            self.count += count;
-        }
-    }
-
-    fn read_numeric(
-        &mut self,
-        _name: &str,
-        _epoch: usize,
-        _split: &Split,
-    ) -> Result<Vec<NumericEntry>, String> {
-        Err("the validation-loss logger keeps no history".into())
-    }
-
-    fn log_metric_definition(&mut self, definition: MetricDefinition) {
-        self.names.insert(definition.metric_id, definition.name);
-    }
-
-    fn log_epoch_summary(&mut self, summary: EpochSummary) {
-        if summary.split == Split::Valid && self.count > 0.0 {
-            self.losses.set(summary.epoch_number, self.sum / self.count);
-        }
-        (self.sum, self.count) = (0.0, 0.0);
     }
 }
 

@@ -1,6 +1,7 @@
 //! `metrics.csv` written as training goes: every training step's loss, accuracy, perplexity
 //! and learning rate, and each epoch's validation means at the epoch's last step.
 
+use super::checkpoint::ValidLosses;
 use crate::artifact::metrics::{self, keep_epochs, metric_key, to_csv, Row};
 use crate::artifact::ArtifactDir;
 use crate::files::write_atomic;
@@ -89,8 +90,11 @@ impl<L: MetricLogger> MetricLogger for EpochCorrected<L> {
 
 /// A metric logger appending to `metrics.csv`. A run resumed from checkpoint `E` first drops
 /// the rows after epoch `E` (a killed run may have logged steps it never checkpointed), so the
-/// table of a resumed run is the table of the run it replaced.
+/// table of a resumed run is the table of the run it replaced. Each epoch's mean validation loss
+/// also goes to the [`ValidLosses`] that keep the best checkpoint and stop early — when the
+/// epoch's end reaches the logger, after all of the epoch's values, in order.
 pub struct CsvLogger {
+    losses: ValidLosses,
     out: Option<std::io::BufWriter<std::fs::File>>,
     steps_per_epoch: usize,
     names: HashMap<MetricId, String>,
@@ -109,6 +113,7 @@ impl CsvLogger {
         artifact: &ArtifactDir,
         steps_per_epoch: usize,
         start: usize,
+        losses: ValidLosses,
     ) -> Result<(Self, Arc<Mutex<Option<String>>>)> {
         let path = artifact.metrics();
         let kept = match start {
@@ -122,6 +127,7 @@ impl CsvLogger {
             .with_context(|| format!("cannot open {} to append", path.display()))?;
         let failure = Arc::new(Mutex::new(None));
         let logger = Self {
+            losses,
             out: Some(std::io::BufWriter::new(file)),
             steps_per_epoch,
             names: HashMap::new(),
@@ -221,6 +227,9 @@ impl MetricLogger for CsvLogger {
         if summary.split == Split::Valid {
             let epoch = summary.epoch_number;
             for (metric, (sum, count)) in std::mem::take(&mut self.valid) {
+                if count > 0.0 && metric == "loss" {
+                    self.losses.set(epoch, sum / count);
+                }
                 if count > 0.0 {
                     self.write(Row {
                         step: epoch * self.steps_per_epoch,

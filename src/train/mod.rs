@@ -52,7 +52,7 @@ mod renderer;
 mod run;
 mod schedule;
 
-pub use checkpoint::{prune, KeepCheckpoints, Patience, ValidLossLogger, ValidLosses};
+pub use checkpoint::{prune, KeepCheckpoints, Patience, ValidLosses};
 pub use loader::{mix, unseeded, BatchFn, Draw, EpochLoader};
 pub use optim::{clip_global_norm, reference_adamw, LabAdamW, ReferenceOptimizer};
 pub use renderer::{PlainRenderer, Throughput};

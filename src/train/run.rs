@@ -2,7 +2,7 @@
 //! a previous run is replaced (moved aside, never deleted before the new run has a complete
 //! checkpoint), which checkpoint a resumed run starts from, and the Learner wiring.
 
-use super::checkpoint::{prune, KeepCheckpoints, Patience, ValidLossLogger, ValidLosses};
+use super::checkpoint::{prune, KeepCheckpoints, Patience, ValidLosses};
 use super::loader::{BatchFn, Draw, EpochLoader};
 use super::metrics::{CsvLogger, EpochCorrected};
 use super::{
@@ -321,7 +321,8 @@ where
         return Ok(report);
     }
     session.epoch.store(start, Ordering::SeqCst);
-    let (csv, csv_failure) = CsvLogger::open(artifact, train.steps_per_epoch, start)?;
+    let (csv, csv_failure) =
+        CsvLogger::open(artifact, train.steps_per_epoch, start, losses.clone())?;
 
     let accuracy = || match pad {
         Some(pad) => AccuracyMetric::new().with_pad_token(pad),
@@ -337,7 +338,6 @@ where
             train.steps_per_epoch,
             start,
         ))
-        .with_metric_logger(ValidLossLogger::new(losses.clone()))
         .with_metric_logger(csv)
         .metric_train_numeric(LossMetric::new())
         .metric_valid_numeric(LossMetric::new())
