@@ -156,6 +156,13 @@ pub struct GenerateArgs {
     /// Random seed: the same seed gives the same text.
     #[arg(long, default_value_t = 1337)]
     pub seed: u64,
+    /// Run the whole window again for every token instead of decoding from the key–value
+    /// cache: the model then always sees exactly the last `context` tokens at positions
+    /// 0..context. With the cache (the default, several times faster) the output is the same
+    /// up to the context length; past it, the cache is refilled from the last context/2
+    /// tokens whenever it is full, so the model sees between context/2 and context tokens.
+    #[arg(long)]
+    pub no_cache: bool,
 }
 
 /// `eval` options.
@@ -273,6 +280,40 @@ pub enum BenchCommand {
     /// replaces, forward + backward at an experiment's shapes, with a linear layer and the loss
     /// beside them for scale: the per-operation profile of a training step.
     Kernels(BenchKernelsArgs),
+    /// Time greedy generation of a language model — an experiment's shape with random weights,
+    /// or a trained artifact — with the key–value cache and recomputing every window: prefill,
+    /// per-token time and tokens/s at each batch size.
+    Generate(BenchGenerateArgs),
+}
+
+/// `bench generate` options.
+#[derive(Args, Debug)]
+pub struct BenchGenerateArgs {
+    /// Language-model experiment whose shape to build with random weights. Default: the
+    /// built-in shakespeare-char.
+    #[arg(long, short, value_name = "FILE", conflicts_with = "artifact_dir")]
+    pub experiment: Option<PathBuf>,
+    /// A trained language model to time instead.
+    #[arg(long, value_name = "DIR")]
+    pub artifact_dir: Option<PathBuf>,
+    /// Vocabulary size of the random model (65 = Tiny Shakespeare's characters).
+    #[arg(long, default_value_t = 65)]
+    pub vocab: usize,
+    /// Prompt tokens per sequence.
+    #[arg(long, default_value_t = 1)]
+    pub prompt_len: usize,
+    /// Tokens generated per sequence.
+    #[arg(long, default_value_t = 255)]
+    pub tokens: usize,
+    /// Batch sizes, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "1,8")]
+    pub batch: Vec<usize>,
+    /// Measure only the cached path (the recomputing one is slow at long contexts).
+    #[arg(long)]
+    pub cached_only: bool,
+    /// Timed runs per point (after one warm-up); medians are reported.
+    #[arg(long, default_value_t = 3)]
+    pub runs: usize,
 }
 
 /// `bench kernels` options.

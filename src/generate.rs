@@ -3,7 +3,7 @@
 
 use crate::kernels::LabBackend;
 use crate::models::LanguageModel;
-use crate::nn::PositionKind;
+use crate::nn::{KvCache, PositionKind};
 use anyhow::{bail, Result};
 use burn::prelude::*;
 use burn::tensor::activation::softmax;
@@ -123,42 +123,145 @@ pub fn check_prompt(len: usize, context: usize, position: PositionKind) -> Resul
     Ok(())
 }
 
+/// How `generate` runs the model for each new token.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Decoding {
+    /// Each layer keeps the keys and values of the tokens it has seen, so a new token costs
+    /// one row of attention. Past the context the cache is refilled from the last `context/2`
+    /// tokens whenever it is full: the model then sees between `context/2` and `context`
+    /// tokens of history, at their positions from the refill. (Models whose mixer is not full
+    /// attention recompute instead.)
+    Cached,
+    /// The whole window is run again for every token: the model always sees exactly the last
+    /// `context` tokens at positions `0..context` (nanoGPT's sliding window).
+    Recompute,
+}
+
 /// Extends `prompt` by `max_new_tokens` tokens, calling `emit` with each as it is chosen.
 ///
-/// The model sees at most its last `context` tokens (a sliding window, as in nanoGPT).
+/// Up to the context length both [`Decoding`]s give the same logits (tested); past it, see
+/// [`Decoding`].
+#[allow(clippy::too_many_arguments)]
 pub fn generate<B: LabBackend>(
     model: &LanguageModel<B>,
     prompt: &[usize],
     max_new_tokens: usize,
     sampling: &Sampling,
     seed: u64,
+    decoding: Decoding,
     device: &B::Device,
     mut emit: impl FnMut(usize) -> Result<()>,
 ) -> Result<Vec<usize>> {
-    let context = model.context();
-    let vocab = model.vocab_size();
     let mut rng = StdRng::seed_from_u64(seed);
-    let mut tokens = prompt.to_vec();
+    let mut decoder = Decoder::new(model, vec![prompt.to_vec()], decoding, device);
     for _ in 0..max_new_tokens {
-        let window = &tokens[tokens.len().saturating_sub(context)..];
-        let t = window.len();
-        let ids: Vec<i64> = window.iter().map(|&id| id as i64).collect();
-        let input = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [1, t]), device);
-        let logits = model
-            .forward(input)
-            .logits
-            .slice([0..1, t - 1..t])
-            .reshape([vocab]); // [v]
-        let logits: Vec<f32> = logits
+        let logits: Vec<f32> = decoder
+            .next_logits()
             .into_data()
             .convert::<f32>()
             .to_vec()
             .expect("f32 logits");
         let next = sampling.sample(&logits, &mut rng);
-        tokens.push(next);
+        decoder.push(&[next]);
         emit(next)?;
     }
-    Ok(tokens)
+    Ok(decoder.tokens.swap_remove(0))
+}
+
+/// Autoregressive decoding of a batch of sequences of one length: [`Decoder::next_logits`]
+/// runs the model on what is new since the last call, [`Decoder::push`] appends one token to
+/// every sequence.
+pub struct Decoder<'a, B: LabBackend> {
+    model: &'a LanguageModel<B>,
+    /// The sequences so far, prompt included.
+    pub tokens: Vec<Vec<usize>>,
+    cache: Option<KvCache<B>>,
+    /// The cache holds positions `start..start + cache.len()` of every sequence.
+    start: usize,
+    device: B::Device,
+}
+
+impl<'a, B: LabBackend> Decoder<'a, B> {
+    /// A decoder that continues `prompts` (non-empty, all of one length). A model whose mixer
+    /// has no incremental form (Hyena) recomputes whatever `decoding` asks.
+    ///
+    /// # Panics
+    /// If the prompts are empty or of different lengths.
+    pub fn new(
+        model: &'a LanguageModel<B>,
+        prompts: Vec<Vec<usize>>,
+        decoding: Decoding,
+        device: &B::Device,
+    ) -> Self {
+        let len = prompts[0].len();
+        assert!(
+            len > 0 && prompts.iter().all(|p| p.len() == len),
+            "prompts must be non-empty and of one length"
+        );
+        let cached = decoding == Decoding::Cached && model.caches();
+        Self {
+            model,
+            start: len.saturating_sub(model.context()),
+            tokens: prompts,
+            cache: cached.then(|| model.new_cache()),
+            device: device.clone(),
+        }
+    }
+
+    /// The logits of the next token of every sequence, `[b, v]`.
+    pub fn next_logits(&mut self) -> Tensor<B, 2> {
+        let (b, vocab, context) = (
+            self.tokens.len(),
+            self.model.vocab_size(),
+            self.model.context(),
+        );
+        let len = self.tokens[0].len();
+        let Some(cache) = self.cache.as_mut() else {
+            let window = len.saturating_sub(context)..len;
+            let t = window.len();
+            let logits = self
+                .model
+                .forward(ids(&self.tokens, window, &self.device))
+                .logits;
+            return logits.slice([0..b, t - 1..t]).reshape([b, vocab]);
+        };
+        if len - self.start > context {
+            // Full: start again from the last context/2 tokens.
+            *cache = self.model.new_cache();
+            self.start = len - (context / 2).max(1);
+        }
+        let new = self.start + cache.len()..len;
+        let n = new.len();
+        self.model
+            .forward_cached(ids(&self.tokens, new, &self.device), cache)
+            .slice([0..b, n - 1..n])
+            .reshape([b, vocab])
+    }
+
+    /// The cache (`None` when recomputing).
+    pub fn cache(&self) -> Option<&KvCache<B>> {
+        self.cache.as_ref()
+    }
+
+    /// Appends `next[i]` to sequence `i`.
+    pub fn push(&mut self, next: &[usize]) {
+        for (tokens, &token) in self.tokens.iter_mut().zip(next) {
+            tokens.push(token);
+        }
+    }
+}
+
+/// Positions `range` of every sequence as a `[b, range.len()]` id tensor.
+fn ids<B: LabBackend>(
+    tokens: &[Vec<usize>],
+    range: std::ops::Range<usize>,
+    device: &B::Device,
+) -> Tensor<B, 2, Int> {
+    let ids: Vec<i64> = tokens
+        .iter()
+        .flat_map(|row| row[range.clone()].iter().map(|&id| id as i64))
+        .collect();
+    Tensor::from_data(TensorData::new(ids, [tokens.len(), range.len()]), device)
 }
 
 /// The next-token distribution of the model after `tokens`, `[v]` probabilities (for tests

@@ -1,10 +1,13 @@
 //! `bench`: training throughput, fused kernels against their composed references, and the
 //! token mixers' cost against length.
 
-use crate::cli::{BenchArgs, BenchCommand, BenchKernelsArgs, BenchMixersArgs};
+use crate::artifact::ArtifactDir;
+use crate::cli::{BenchArgs, BenchCommand, BenchGenerateArgs, BenchKernelsArgs, BenchMixersArgs};
 use crate::config::{ExperimentConfig, LmConfig};
 use crate::data::data_dir;
+use crate::generate::Decoding;
 use crate::kernels::LabBackend;
+use crate::kinds::load_as;
 use anyhow::{anyhow, bail, Context, Result};
 use burn::backend::Autodiff;
 
@@ -13,6 +16,7 @@ pub(super) fn run_bench<B: LabBackend>(args: BenchArgs, device: B::Device) -> Re
         BenchCommand::Train(args) => args,
         BenchCommand::Mixers(args) => return run_bench_mixers::<B>(args, device),
         BenchCommand::Kernels(args) => return run_bench_kernels::<B>(args, device),
+        BenchCommand::Generate(args) => return run_bench_generate::<B>(args, device),
     };
     if args.steps == 0 || args.runs == 0 {
         bail!("--steps and --runs must be at least 1");
@@ -145,5 +149,65 @@ fn run_bench_mixers<B: LabBackend>(args: BenchMixersArgs, device: B::Device) -> 
     );
     write_png(&png, &points, &mixers, &title)?;
     println!("wrote {} and {}", csv.display(), png.display());
+    Ok(())
+}
+
+fn run_bench_generate<B: LabBackend>(args: BenchGenerateArgs, device: B::Device) -> Result<()> {
+    use crate::bench::generate::{bench_generate, render, GeneratePlan};
+    let (name, model) = match &args.artifact_dir {
+        Some(dir) => {
+            let trained = load_as::<LmConfig, B>(&ArtifactDir::new(dir), &device)?;
+            (dir.display().to_string(), trained.model)
+        }
+        None => {
+            let config = match &args.experiment {
+                Some(path) => ExperimentConfig::load(path)?,
+                None => ExperimentConfig::parse(crate::config::DEFAULT_EXPERIMENT)?,
+            };
+            let mut lm = config
+                .model_as::<LmConfig>()
+                .map_err(|_| {
+                    anyhow!(
+                        "bench generate times language models; {} is a {} experiment",
+                        config.name,
+                        config.model.kind()
+                    )
+                })?
+                .clone();
+            if args.vocab == 0 {
+                bail!("--vocab must be at least 1");
+            }
+            lm.vocab_size = args.vocab;
+            (
+                format!("{} (random weights)", config.name),
+                lm.init::<B>(&device),
+            )
+        }
+    };
+    let plan = GeneratePlan {
+        prompt_len: args.prompt_len,
+        new_tokens: args.tokens,
+        batches: args.batch.clone(),
+        decodings: if args.cached_only {
+            vec![Decoding::Cached]
+        } else {
+            vec![Decoding::Cached, Decoding::Recompute]
+        },
+        runs: args.runs,
+    };
+    eprintln!(
+        "bench generate: {name} on {}: {} prompt token(s), {} new, greedy; median of {} runs",
+        B::name(&device),
+        plan.prompt_len,
+        plan.new_tokens,
+        plan.runs
+    );
+    let timings = bench_generate(&model, &plan, &device, |t| {
+        eprintln!(
+            "  {:?} batch {}: {:.1} tokens/s",
+            t.decoding, t.batch, t.tokens_per_s
+        )
+    })?;
+    print!("{}", render(&timings));
     Ok(())
 }

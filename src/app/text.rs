@@ -10,7 +10,7 @@ use crate::classify::{
 use crate::cli::{ClassifyArgs, EmbedArgs, GenerateArgs, PredictArgs, TranslateArgs};
 use crate::config::{ClassifierConfig, LmConfig, Seq2SeqConfig, VitConfig};
 use crate::embed::{cosine, word_vectors};
-use crate::generate::{check_prompt, generate, Sampling};
+use crate::generate::{check_prompt, generate, Decoding, Sampling};
 use crate::kernels::LabBackend;
 use crate::kinds::load_as;
 use crate::translate::{translate_texts, warn_truncated, SearchConfig};
@@ -44,6 +44,11 @@ pub(super) fn run_generate<B: LabBackend>(args: GenerateArgs, device: B::Device)
         args.max_new_tokens,
         &sampling,
         args.seed,
+        if args.no_cache {
+            Decoding::Recompute
+        } else {
+            Decoding::Cached
+        },
         &device,
         |token| {
             write!(out, "{}", tokenizer.decode(&[token]))?;

@@ -7,6 +7,7 @@
 //! corpus and built before timing starts, so data loading is not measured. The backend is
 //! synchronised after each phase, so on an asynchronous backend (wgpu) each phase is timed whole.
 
+pub mod generate;
 pub mod kernels;
 pub mod mixers;
 

@@ -4,7 +4,7 @@
 pub use crate::data::LmBatch;
 use crate::kernels::{self, LabBackend};
 use crate::nn::{
-    AttentionMask, PositionEncoding, PositionEncodingConfig, PositionKind, StackConfig,
+    AttentionMask, KvCache, PositionEncoding, PositionEncodingConfig, PositionKind, StackConfig,
     StackOutput, TransformerStack,
 };
 use anyhow::{bail, Result};
@@ -148,6 +148,38 @@ impl<B: LabBackend> LanguageModel<B> {
     pub fn embed(&self, tokens: Tensor<B, 2, Int>) -> Tensor<B, 3> {
         let x = self.token_embedding.forward(tokens); // [b, t, d]
         self.dropout.forward(self.position.forward(x))
+    }
+
+    /// Logits of `n` new tokens that follow the positions in `cache` (which they extend): the
+    /// last `n` rows of [`Self::forward`] on the whole sequence, at the cost of the new rows.
+    /// Needs [`Self::caches`]; the whole sequence must fit in the context (learned positions).
+    ///
+    /// # Shapes
+    /// `tokens`: `[b, n]` → logits `[b, n, v]`.
+    pub fn forward_cached(
+        &self,
+        tokens: Tensor<B, 2, Int>,
+        cache: &mut KvCache<B>,
+    ) -> Tensor<B, 3> {
+        let [b, n] = tokens.dims();
+        let x = self.token_embedding.forward(tokens); // [b, n, d]
+        let x = self
+            .dropout
+            .forward(self.position.forward_from(x, cache.len()));
+        let x = self.decoder.forward_cached(x, cache); // [b, n, d]
+        self.project(x.reshape([b * n, self.d_model()]))
+            .reshape([b, n, self.vocab_size()])
+    }
+
+    /// An empty key–value cache for [`Self::forward_cached`].
+    pub fn new_cache(&self) -> KvCache<B> {
+        self.decoder.new_cache(None)
+    }
+
+    /// Whether the model decodes from a cache: every attention mixer does; Hyena recomputes
+    /// its window.
+    pub fn caches(&self) -> bool {
+        self.decoder.caches()
     }
 
     /// Projection to the vocabulary, `[n, d]` → `[n, v]`.

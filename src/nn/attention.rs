@@ -1,8 +1,11 @@
 //! Scaled dot-product attention and multi-head attention ("Attention Is All You Need", §3.2).
 
+use super::cache::{CrossMemory, LayerCache};
 use super::linear;
 use super::linear_attention::{linear_attention, linear_attention_weights};
-use super::mask::{local_mask, strided_mask, AttentionMask};
+use super::mask::{
+    local_allows, local_mask, pattern_rows, strided_allows, strided_mask, AttentionMask,
+};
 use super::mixer::Mixer;
 use super::sparse::{local_attention, strided_attention};
 use crate::kernels::reference::{merge_heads, split_packed};
@@ -204,6 +207,76 @@ impl<B: LabBackend> MultiHeadAttention<B> {
             context: linear(&self.output, context),
             weights: None,
         }
+    }
+
+    /// Self-attention of `n` new positions `x` (`[b, n, d]`) that follow the positions in
+    /// `cache`, updating it: the last `n` rows of [`Self::forward_self`] on the whole sequence
+    /// with a causal mask, at the cost of the new rows. Every attention mixer has its
+    /// incremental form (see [`super::cache`]).
+    ///
+    /// # Shapes
+    /// `x`: `[b, n, d]` → `[b, n, d]`.
+    pub fn forward_cached(&self, x: Tensor<B, 3>, cache: &mut LayerCache<B>) -> Tensor<B, 3> {
+        let past = cache.len();
+        let (q, k, v) = self.project(x.clone(), x); // [b, h, n, k]
+        let [b, h, n, d_head] = q.dims();
+        let device = q.device();
+        let context = match &self.mixer {
+            Mixer::Linear { .. } => {
+                let state = cache.linear_state(b, h, d_head, &device);
+                let context = state.extend(q, k, v);
+                cache.advance(n);
+                context
+            }
+            mixer => {
+                let keep = match mixer {
+                    Mixer::Local { window } => Some(*window),
+                    _ => None,
+                };
+                let (k, v, first) = cache.append(k, v, keep); // [b, h, s, k]
+                let s = k.dims()[2];
+                // New query i sits at position past + i; cached key j at first + j.
+                let allows = |i: usize, j: usize| {
+                    let (i, j) = (past + i, first + j);
+                    match mixer {
+                        Mixer::Local { window } => local_allows(i, j, *window, true),
+                        Mixer::Strided { stride } => strided_allows(i, j, *stride, true),
+                        _ => j <= i,
+                    }
+                };
+                let mask = ((0..n).any(|i| (0..s).any(|j| !allows(i, j)))).then(|| {
+                    pattern_rows::<B>(n, s, allows, &device).unsqueeze::<4>() // [1, 1, n, s]
+                });
+                masked_attention_weights(q, k, mask).matmul(v) // [b, h, n, k]
+            }
+        };
+        linear(&self.output, merge_heads(context)) // [b, n, d]
+    }
+
+    /// The keys and values of `memory` (`[b, s, d]`, with its key-padding mask) as this
+    /// cross-attention layer reads them: computed once, read by [`Self::forward_memory`] at
+    /// every decoding step.
+    pub fn memory(&self, memory: Tensor<B, 3>, mask: Option<&AttentionMask<B>>) -> CrossMemory<B> {
+        let k = self.split_heads(linear(&self.key, memory.clone()));
+        let v = self.split_heads(linear(&self.value, memory));
+        CrossMemory {
+            k,
+            v,
+            mask: mask.map(AttentionMask::tensor),
+        }
+    }
+
+    /// Cross-attention from `query` (`[b, n, d]`) to a memory projected by [`Self::memory`]:
+    /// the same context as [`Self::forward`] on the memory's states.
+    pub fn forward_memory(&self, query: Tensor<B, 3>, memory: &CrossMemory<B>) -> Tensor<B, 3> {
+        let q = self.split_heads(linear(&self.query, query)); // [b, h, n, k]
+        let weights = masked_attention_weights(q, memory.k.clone(), memory.mask.clone());
+        linear(&self.output, merge_heads(weights.matmul(memory.v.clone()))) // [b, n, d]
+    }
+
+    /// Whether this layer can decode from a [`LayerCache`]: every attention mixer can.
+    pub fn caches(&self) -> bool {
+        self.mixer.is_attention()
     }
 
     /// Whether this layer's attention runs as the fused kernel: full softmax attention in

@@ -5,6 +5,7 @@
 //! Pre-norm (GPT-2 and most modern models): `x = x + Sublayer(LN(x))`.
 
 use super::attention::{MultiHeadAttention, MultiHeadAttentionConfig};
+use super::cache::{CrossMemory, LayerCache};
 use super::feedforward::{Activation, FeedForward, FeedForwardConfig};
 use super::hyena::Hyena;
 use super::mask::AttentionMask;
@@ -172,6 +173,54 @@ impl<B: LabBackend> TransformerBlock<B> {
             self_weights,
             cross_weights,
         }
+    }
+
+    /// [`Self::forward`] of `n` new positions of a causal decoder that follow the positions in
+    /// `cache` (see [`MultiHeadAttention::forward_cached`]), reading the encoder memory through
+    /// `cross` when the block has cross-attention. Needs [`Self::caches`].
+    ///
+    /// # Shapes
+    /// `x`: `[b, n, d]` → `[b, n, d]`.
+    ///
+    /// # Panics
+    /// If `cross` is given to a block built without cross-attention, or vice versa.
+    pub fn forward_cached(
+        &self,
+        x: Tensor<B, 3>,
+        cache: &mut LayerCache<B>,
+        cross: Option<&CrossMemory<B>>,
+    ) -> Tensor<B, 3> {
+        let x = self.residual(x, &self.norm_self, |h| {
+            self.attention().forward_cached(h, cache)
+        });
+        let x = match (&self.cross_attention, &self.norm_cross, cross) {
+            (Some(attention), Some(norm), Some(memory)) => {
+                self.residual(x, norm, |h| attention.forward_memory(h, memory))
+            }
+            (None, None, None) => x,
+            _ => panic!("cross memory must be given exactly to blocks built with cross_attention"),
+        };
+        self.residual(x, &self.norm_ff, |h| self.feedforward.forward(h))
+    }
+
+    /// The encoder memory's keys and values as this block's cross-attention reads them
+    /// (`None` without cross-attention).
+    pub fn cross_memory(
+        &self,
+        memory: &Tensor<B, 3>,
+        mask: Option<&AttentionMask<B>>,
+    ) -> Option<CrossMemory<B>> {
+        self.cross_attention
+            .as_ref()
+            .map(|attention| attention.memory(memory.clone(), mask))
+    }
+
+    /// Whether the block can decode from a cache: its self-attention is an attention mixer
+    /// (Hyena recomputes).
+    pub fn caches(&self) -> bool {
+        self.self_attention
+            .as_ref()
+            .is_some_and(MultiHeadAttention::caches)
     }
 
     /// Pre-norm: `x + Dropout(f(LN(x)))`; post-norm: `LN(x + Dropout(f(x)))`.

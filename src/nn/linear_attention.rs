@@ -149,6 +149,28 @@ impl<B: LabBackend> LinearState<B> {
         }
     }
 
+    /// Adds the keys and values of `n` new positions and attends from their queries, each
+    /// over the positions before it and itself: the causal form's rows for those positions.
+    ///
+    /// # Shapes
+    /// `q`, `k`, `v`: `[b, h, n, k]` → context `[b, h, n, k]`.
+    pub fn extend(&mut self, q: Tensor<B, 4>, k: Tensor<B, 4>, v: Tensor<B, 4>) -> Tensor<B, 4> {
+        let n = q.dims()[2];
+        if n == 1 {
+            return self.step(q, k, v);
+        }
+        let (phi_q, phi_k) = (feature_map(q), feature_map(k));
+        let later = Tensor::<B, 2, Bool>::tril_mask([n, n], 0, &phi_q.device()) // true where j > i
+            .unsqueeze::<4>();
+        let scores = phi_q.clone().matmul(phi_k.clone().swap_dims(2, 3)); // [b, h, n, n]
+        let scores = scores.clone().mask_fill(later.expand(scores.dims()), 0.0);
+        let numerator = scores.clone().matmul(v.clone()) + phi_q.clone().matmul(self.kv.clone());
+        let denominator = scores.sum_dim(3) + phi_q.matmul(self.z.clone()); // [b, h, n, 1]
+        self.kv = self.kv.clone() + phi_k.clone().swap_dims(2, 3).matmul(v); // [b, h, k, k]
+        self.z = self.z.clone() + phi_k.sum_dim(2).swap_dims(2, 3); // [b, h, k, 1]
+        numerator / denominator.add_scalar(EPS)
+    }
+
     /// Adds one token's key and value and attends from its query: `O(k²)` time and memory,
     /// independent of how many tokens came before.
     ///

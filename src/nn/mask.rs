@@ -49,11 +49,21 @@ pub fn pattern_mask<B: Backend>(
     allows: impl Fn(usize, usize) -> bool,
     device: &B::Device,
 ) -> Tensor<B, 2, Bool> {
+    pattern_rows(t, t, allows, device)
+}
+
+/// The dense `[t, s]` mask of a pattern between `t` queries and `s` keys, `true` = masked out.
+pub fn pattern_rows<B: Backend>(
+    t: usize,
+    s: usize,
+    allows: impl Fn(usize, usize) -> bool,
+    device: &B::Device,
+) -> Tensor<B, 2, Bool> {
     let masked: Vec<bool> = (0..t)
-        .flat_map(|i| (0..t).map(move |j| (i, j)))
+        .flat_map(|i| (0..s).map(move |j| (i, j)))
         .map(|(i, j)| !allows(i, j))
         .collect();
-    Tensor::from_data(TensorData::new(masked, [t, t]), device)
+    Tensor::from_data(TensorData::new(masked, [t, s]), device)
 }
 
 /// [`local_allows`] as a dense `[t, t]` mask, `true` = masked out.

@@ -6,6 +6,7 @@
 
 pub mod attention;
 pub mod block;
+pub mod cache;
 pub mod config;
 pub mod feedforward;
 pub mod fft;
@@ -23,6 +24,7 @@ pub use attention::{
     MultiHeadAttention, MultiHeadAttentionConfig,
 };
 pub use block::{BlockOutput, TransformerBlock, TransformerBlockConfig};
+pub use cache::{CrossMemory, KvCache, LayerCache};
 pub use config::StackConfig;
 pub use feedforward::{Activation, FeedForward, FeedForwardConfig};
 pub use hyena::{Hyena, HyenaConfig};

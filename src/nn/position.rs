@@ -96,6 +96,19 @@ impl<B: Backend> PositionEncoding<B> {
         }
     }
 
+    /// `x + PE[start..start + t]`: positions of tokens that follow `start` earlier ones.
+    ///
+    /// # Shapes
+    /// `x`: `[b, t, d]` → `[b, t, d]`.
+    ///
+    /// # Panics
+    /// If `start + t` exceeds `max_len`.
+    pub fn forward_from(&self, x: Tensor<B, 3>, start: usize) -> Tensor<B, 3> {
+        let [_, t, _] = x.dims();
+        let table = self.encodings(start + t).narrow(0, start, t); // [t, d]
+        x + table.unsqueeze::<3>()
+    }
+
     /// `x + PE[0..t]`.
     ///
     /// # Shapes

@@ -2,6 +2,7 @@
 //! by their blocks (cross-attention or not) and by the mask the caller passes (causal or not).
 
 use super::block::{TransformerBlock, TransformerBlockConfig};
+use super::cache::KvCache;
 use super::mask::AttentionMask;
 use crate::kernels::{layer_norm, LabBackend};
 use burn::module::Module;
@@ -95,6 +96,51 @@ impl<B: LabBackend> TransformerStack<B> {
             self_attention,
             cross_attention,
         }
+    }
+
+    /// [`Self::forward`] of `n` new positions of a causal decoder that follow the positions in
+    /// `cache`, every layer attending over its own cache (and reading `cache.cross` when it has
+    /// cross-attention). Needs [`Self::caches`].
+    ///
+    /// # Shapes
+    /// `x`: `[b, n, d]` → `[b, n, d]`.
+    pub fn forward_cached(&self, x: Tensor<B, 3>, cache: &mut KvCache<B>) -> Tensor<B, 3> {
+        let mut x = x;
+        let mut cross = cache.cross.iter();
+        for (block, layer) in self.blocks.iter().zip(&mut cache.layers) {
+            let memory = if block.cross_attention.is_some() {
+                cross.next()
+            } else {
+                None
+            };
+            x = block.forward_cached(x, layer, memory);
+        }
+        match &self.final_norm {
+            Some(norm) => layer_norm(norm, x),
+            None => x,
+        }
+    }
+
+    /// An empty decoding cache; a decoder with cross-attention reads `memory` (the encoder's
+    /// states `[b, s, d]` and their key-padding mask), projected here once for every layer.
+    pub fn new_cache(
+        &self,
+        memory: Option<(&Tensor<B, 3>, Option<&AttentionMask<B>>)>,
+    ) -> KvCache<B> {
+        let cross = match memory {
+            Some((states, mask)) => self
+                .blocks
+                .iter()
+                .filter_map(|block| block.cross_memory(states, mask))
+                .collect(),
+            None => Vec::new(),
+        };
+        KvCache::with_memory(self.blocks.len(), cross)
+    }
+
+    /// Whether every layer can decode from a key–value cache.
+    pub fn caches(&self) -> bool {
+        self.blocks.iter().all(TransformerBlock::caches)
     }
 
     /// What layer `layer`'s self-attention reads (after the layers before it, and its own

@@ -307,3 +307,62 @@ pub fn logit_difference_from_ndarray<B: LabBackend>(device: &B::Device) -> f32 {
         .map(|(x, y)| (x - y).abs())
         .fold(0.0, f32::max)
 }
+
+/// The largest difference, over every attention mixer × position kind × norm placement,
+/// between a language model's logits decoded from its cache (a 4-token prefill, then one token
+/// at a time up to the context) and the rows of one uncached pass over the whole sequence;
+/// with the configuration where it occurs.
+#[allow(dead_code)]
+pub fn cached_logit_difference<B: LabBackend>(device: &B::Device) -> (f32, String) {
+    use transformer_lab::nn::{Mixer, PositionKind};
+    let (b, t, vocab) = (2, 12, 11);
+    let ids: Vec<i64> = (0..b * t)
+        .map(|i| ((i * 7 + i / 5) % vocab) as i64)
+        .collect();
+    let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [b, t]), device);
+    let mut worst = (0.0f32, String::new());
+    for mixer in [
+        Mixer::Full,
+        Mixer::Local { window: 3 },
+        Mixer::Strided { stride: 3 },
+        Mixer::Linear { chunk: 4 },
+    ] {
+        for position in [PositionKind::Learned, PositionKind::Sinusoidal] {
+            for norm_first in [true, false] {
+                let name = format!("{} {position:?} norm_first={norm_first}", mixer.name());
+                let model = LmConfig {
+                    stack: StackConfig {
+                        d_model: 16,
+                        n_heads: 2,
+                        norm_first,
+                        mixer: mixer.clone(),
+                        ..LmConfig::default().stack
+                    },
+                    vocab_size: vocab,
+                    n_layers: 2,
+                    context: t,
+                    position,
+                    ..LmConfig::default()
+                }
+                .init::<B>(device);
+                assert!(model.caches(), "{name} decodes from a cache");
+                let whole = model.forward(tokens.clone()).logits; // [b, t, v]
+                let mut cache = model.new_cache();
+                let mut rows =
+                    vec![model.forward_cached(tokens.clone().slice([0..b, 0..4]), &mut cache)];
+                for i in 4..t {
+                    rows.push(
+                        model.forward_cached(tokens.clone().slice([0..b, i..i + 1]), &mut cache),
+                    );
+                }
+                assert_eq!(cache.len(), t);
+                let cached = Tensor::cat(rows, 1);
+                let diff: f32 = (cached - whole).abs().max().into_scalar().elem();
+                if diff.is_nan() || diff >= worst.0 {
+                    worst = (diff, name);
+                }
+            }
+        }
+    }
+    worst
+}

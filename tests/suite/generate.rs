@@ -5,7 +5,7 @@ use burn::backend::NdArray;
 use rand::rngs::StdRng;
 use rand::SeedableRng;
 use transformer_lab::config::LmConfig;
-use transformer_lab::generate::{check_prompt, generate, Sampling};
+use transformer_lab::generate::{check_prompt, generate, Decoding, Sampling};
 use transformer_lab::nn::PositionKind;
 use transformer_lab::nn::StackConfig;
 
@@ -151,17 +151,37 @@ fn the_same_seed_gives_the_same_text() {
     };
     let model = config.init::<B>(&device);
     let sampling = Sampling::default();
-    let run =
-        |seed| generate(&model, &[1, 2, 3], 30, &sampling, seed, &device, |_| Ok(())).unwrap();
+    let run = |seed| {
+        generate(
+            &model,
+            &[1, 2, 3],
+            30,
+            &sampling,
+            seed,
+            Decoding::Cached,
+            &device,
+            |_| Ok(()),
+        )
+        .unwrap()
+    };
     let a = run(11);
     assert_eq!(a.len(), 33, "prompt + 30 new tokens, past the context of 8");
     assert_eq!(a, run(11));
     assert_ne!(a, run(12));
     let mut streamed = Vec::new();
-    generate(&model, &[1, 2, 3], 30, &sampling, 11, &device, |t| {
-        streamed.push(t);
-        Ok(())
-    })
+    generate(
+        &model,
+        &[1, 2, 3],
+        30,
+        &sampling,
+        11,
+        Decoding::Cached,
+        &device,
+        |t| {
+            streamed.push(t);
+            Ok(())
+        },
+    )
     .unwrap();
     assert_eq!(streamed, a[3..]);
 }

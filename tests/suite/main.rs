@@ -4,6 +4,7 @@ mod attention;
 mod bench;
 mod bleu;
 mod browser;
+mod cache;
 mod classifier;
 mod cli;
 mod cli_classify;

@@ -6,7 +6,7 @@ use burn::backend::{Autodiff, NdArray};
 use burn::prelude::*;
 use burn::tensor::Tolerance;
 use transformer_lab::config::{ClassifierConfig, LmConfig};
-use transformer_lab::generate::{generate, next_token_probs, Sampling};
+use transformer_lab::generate::{generate, next_token_probs, Decoding, Sampling};
 use transformer_lab::nn::fft::{direct_conv, fft, fft_conv, toeplitz_conv};
 use transformer_lab::nn::linear_attention::{
     linear_attention, linear_attention_weights, LinearState,
@@ -390,7 +390,17 @@ fn every_causal_mixer_generates_its_most_likely_tokens_greedily() {
     };
     for mixer in causal_mixers() {
         let model = lm(mixer.clone());
-        let tokens = generate(&model, &[1, 2, 3], 30, &greedy, 0, &device, |_| Ok(())).unwrap();
+        let tokens = generate(
+            &model,
+            &[1, 2, 3],
+            30,
+            &greedy,
+            0,
+            Decoding::Recompute,
+            &device,
+            |_| Ok(()),
+        )
+        .unwrap();
         assert_eq!(tokens.len(), 33, "{}", mixer.name());
         // Each generated token is the argmax after the (last `context`) tokens before it.
         for i in 3..33usize {

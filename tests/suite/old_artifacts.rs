@@ -41,17 +41,26 @@ fn expected(artifact: &str, name: &str) -> String {
 
 #[test]
 fn an_old_language_model_generates_the_same_greedy_text() {
-    let text = run(&[
-        "generate",
-        "--artifact-dir",
-        "lm",
-        "--greedy",
-        "--prompt",
-        "the quick ",
-        "--max-new-tokens",
-        "60",
-    ]);
-    assert_eq!(text, expected("lm", "generate"));
+    let generate = |extra: &[&str]| {
+        let args = [
+            &["generate", "--artifact-dir", "lm", "--greedy"],
+            &["--prompt", "the quick ", "--max-new-tokens", "60"],
+            extra,
+        ];
+        run(&args.concat())
+    };
+    // The earlier version recomputed the sliding window for every token.
+    let expected = expected("lm", "generate");
+    assert_eq!(generate(&["--no-cache"]), expected);
+    // With the cache the text is the same as long as it fits the context (24 characters: the
+    // 10 of the prompt and 15 new ones), and goes on from a refilled cache after that.
+    let cached = generate(&[]);
+    let within: String = expected.chars().take(10 + 15).collect();
+    assert!(
+        cached.starts_with(&within),
+        "{cached:?} does not start with {within:?}"
+    );
+    assert_eq!(cached.chars().count(), expected.chars().count());
 }
 
 #[test]

@@ -5,7 +5,9 @@ use crate::common;
 
 use burn::backend::{Autodiff, Wgpu};
 
-use common::{logit_difference_from_ndarray, overfit, small_lm, tiny_text_experiment};
+use common::{
+    cached_logit_difference, logit_difference_from_ndarray, overfit, small_lm, tiny_text_experiment,
+};
 use transformer_lab::config::LmConfig;
 
 type Gpu = Wgpu<f32, i32>;
@@ -35,6 +37,18 @@ fn wgpu_logits_equal_ndarray_logits() {
     }
     let worst = logit_difference_from_ndarray::<Gpu>(&Default::default());
     assert!(worst < 1e-4, "wgpu and ndarray logits differ by {worst}");
+}
+
+#[test]
+fn cached_decoding_gives_the_uncached_logits_on_wgpu() {
+    if !wgpu_runs() {
+        return;
+    }
+    let (worst, at) = cached_logit_difference::<Gpu>(&Default::default());
+    assert!(
+        worst < 1e-5,
+        "cached and uncached logits differ by {worst} ({at})"
+    );
 }
 
 #[test]

@@ -1,0 +1,124 @@
+//! Incremental decoding: the cache gives the logits of the uncached pass at every step up to
+//! the context, for every mixer that has an incremental form; past the context it refills
+//! from the last `context/2` tokens, and a model without one (Hyena) recomputes.
+
+use crate::common::cached_logit_difference;
+use burn::backend::NdArray;
+use transformer_lab::config::LmConfig;
+use transformer_lab::generate::{generate, next_token_probs, Decoder, Decoding, Sampling};
+use transformer_lab::nn::{HyenaConfig, Mixer, StackConfig};
+
+type B = NdArray<f32>;
+
+#[test]
+fn cached_decoding_gives_the_uncached_logits_on_ndarray() {
+    let (worst, at) = cached_logit_difference::<B>(&Default::default());
+    assert!(
+        worst < 1e-5,
+        "cached and uncached logits differ by {worst} ({at})"
+    );
+}
+
+#[cfg(feature = "flex")]
+#[test]
+fn cached_decoding_gives_the_uncached_logits_on_flex() {
+    let (worst, at) = cached_logit_difference::<burn::backend::Flex>(&Default::default());
+    assert!(
+        worst < 1e-5,
+        "cached and uncached logits differ by {worst} ({at})"
+    );
+}
+
+fn lm(mixer: Mixer, context: usize) -> transformer_lab::models::LanguageModel<B> {
+    LmConfig {
+        stack: StackConfig {
+            d_model: 16,
+            n_heads: 2,
+            mixer,
+            ..LmConfig::default().stack
+        },
+        vocab_size: 11,
+        n_layers: 2,
+        context,
+        ..LmConfig::default()
+    }
+    .init(&Default::default())
+}
+
+fn argmax(probs: &[f32]) -> usize {
+    (0..probs.len())
+        .max_by(|&a, &b| probs[a].total_cmp(&probs[b]).then(b.cmp(&a)))
+        .unwrap()
+}
+
+fn greedy() -> Sampling {
+    Sampling {
+        greedy: true,
+        ..Sampling::default()
+    }
+}
+
+#[test]
+fn past_the_context_the_cache_refills_from_the_last_half_context() {
+    let device = Default::default();
+    let context = 8;
+    let model = lm(Mixer::Full, context);
+    let prompt = [1, 2, 3];
+    let run = |decoding| {
+        generate(&model, &prompt, 30, &greedy(), 0, decoding, &device, |_| {
+            Ok(())
+        })
+        .unwrap()
+    };
+    let (cached, recomputed) = (run(Decoding::Cached), run(Decoding::Recompute));
+    // Within the context both see the same tokens at the same positions.
+    assert_eq!(cached[..=context], recomputed[..=context]);
+    // Past it, each token is the argmax after the tokens since the last refill, which happens
+    // when the cache would exceed the context and keeps the last context/2 tokens.
+    let mut start = 0;
+    for i in prompt.len()..cached.len() {
+        if i - start > context {
+            start = i - context / 2;
+        }
+        let probs = next_token_probs(&model, &cached[start..i], &device);
+        assert_eq!(cached[i], argmax(&probs), "token {i} (window from {start})");
+    }
+    // The recomputing path slides: always the last `context` tokens.
+    for i in prompt.len()..recomputed.len() {
+        let probs = next_token_probs(&model, &recomputed[i.saturating_sub(context)..i], &device);
+        assert_eq!(recomputed[i], argmax(&probs), "token {i}");
+    }
+}
+
+#[test]
+fn hyena_recomputes_its_window_and_local_attention_keeps_only_its_window() {
+    let device = Default::default();
+    let hyena = lm(Mixer::Hyena(HyenaConfig::default()), 8);
+    assert!(!hyena.caches());
+    let run = |model, decoding| {
+        generate(model, &[4, 5], 12, &greedy(), 0, decoding, &device, |_| {
+            Ok(())
+        })
+        .unwrap()
+    };
+    assert_eq!(
+        run(&hyena, Decoding::Cached),
+        run(&hyena, Decoding::Recompute)
+    );
+
+    // A local layer's cache holds at most `window` positions, whatever the length.
+    let local = lm(Mixer::Local { window: 3 }, 16);
+    let mut decoder = Decoder::new(
+        &local,
+        vec![vec![1, 2, 3, 4, 5], vec![5, 4, 3, 2, 1]],
+        Decoding::Cached,
+        &device,
+    );
+    for _ in 0..6 {
+        let logits = decoder.next_logits();
+        assert_eq!(logits.dims(), [2, 11]);
+        decoder.push(&[7, 8]);
+    }
+    assert_eq!(decoder.tokens[1].len(), 11);
+    assert_eq!(decoder.cache().unwrap().layers[0].kept(), 3);
+}
