@@ -158,9 +158,11 @@ pub struct GenerateArgs {
     pub seed: u64,
     /// Run the whole window again for every token instead of decoding from the key–value
     /// cache: the model then always sees exactly the last `context` tokens at positions
-    /// 0..context. With the cache (the default, several times faster) the output is the same
-    /// up to the context length; past it, the cache is refilled from the last context/2
-    /// tokens whenever it is full, so the model sees between context/2 and context tokens.
+    /// 0..context (nanoGPT's sliding window). With the cache (the default, ~10× faster) the
+    /// output is the same up to the context length. Past it, a model with rope or alibi
+    /// positions rolls its cache (the same last `context` tokens); one with learned or
+    /// sinusoidal positions refills the cache from the last context/2 tokens whenever it is
+    /// full, so it sees between context/2 and context tokens.
     #[arg(long)]
     pub no_cache: bool,
 }
@@ -182,6 +184,11 @@ pub struct EvalArgs {
     /// ARTIFACT_DIR/confusion.png).
     #[arg(long, value_name = "FILE")]
     pub output: Option<PathBuf>,
+    /// Language models: evaluate on windows of N tokens instead of the model's context. Above
+    /// the context only models with rope or alibi positions can run (length extrapolation);
+    /// learned and sinusoidal tables end at the context.
+    #[arg(long, value_name = "N")]
+    pub context: Option<usize>,
     #[command(flatten)]
     pub search: SearchArgs,
     #[command(flatten)]
@@ -200,6 +207,10 @@ pub struct SearchArgs {
     /// Most tokens to generate per sentence. Default: the model's maximum length.
     #[arg(long, value_name = "N")]
     pub max_len: Option<usize>,
+    /// Re-run the decoder over the whole prefix at every step instead of decoding from the
+    /// key–value cache (the same translations, slower; for comparison).
+    #[arg(long)]
+    pub no_cache: bool,
 }
 
 /// `translate` options.

@@ -126,11 +126,13 @@ pub fn check_prompt(len: usize, context: usize, position: PositionKind) -> Resul
 /// How `generate` runs the model for each new token.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Decoding {
-    /// Each layer keeps the keys and values of the tokens it has seen, so a new token costs
-    /// one row of attention. Past the context the cache is refilled from the last `context/2`
-    /// tokens whenever it is full: the model then sees between `context/2` and `context`
-    /// tokens of history, at their positions from the refill. (Models whose mixer is not full
-    /// attention recompute instead.)
+    /// Each layer keeps what it needs of the tokens it has seen (keys and values, or linear
+    /// attention's running sums), so a new token costs one row of attention. Past the context:
+    /// with relative positions (RoPE, ALiBi) and full or local attention the cache rolls — the
+    /// model sees exactly the last `context` tokens, as when recomputing; with absolute
+    /// positions (learned, sinusoidal) it is refilled from the last `context/2` tokens
+    /// whenever it is full, so the model sees between `context/2` and `context` tokens at
+    /// their positions from the refill. (Hyena has no incremental form and recomputes.)
     Cached,
     /// The whole window is run again for every token: the model always sees exactly the last
     /// `context` tokens at positions `0..context` (nanoGPT's sliding window).
@@ -225,7 +227,7 @@ impl<'a, B: LabBackend> Decoder<'a, B> {
                 .logits;
             return logits.slice([0..b, t - 1..t]).reshape([b, vocab]);
         };
-        if len - self.start > context {
+        if len - self.start > context && !cache.rolls() {
             // Full: start again from the last context/2 tokens.
             *cache = self.model.new_cache();
             self.start = len - (context / 2).max(1);

@@ -1,13 +1,16 @@
 //! Decoding a translator: batched greedy search and batched beam search with a length
 //! penalty, written once over [`Seq2Seq::encode`] / [`Seq2Seq::decode`].
 //!
-//! Each step re-runs the decoder over the prefix (no key/value cache): sentences are short,
-//! and the step's only host round trip is the few ids per row that steer the search.
+//! Each step runs the decoder on the rows' newest tokens only: the decoder layers keep the
+//! keys and values of the prefix and of the encoder memory ([`crate::nn::KvCache`]), and
+//! beam search reorders that cache as beams survive. `cached: false` re-runs the whole prefix
+//! instead (the same translations; kept to compare). The step's only host round trip is the
+//! few ids per row that steer the search.
 
 use crate::data::Special;
 use crate::kernels::LabBackend;
 use crate::models::{Memory, Seq2Seq};
-use crate::nn::AttentionMask;
+use crate::nn::{AttentionMask, KvCache};
 use anyhow::{bail, Result};
 use burn::prelude::*;
 use burn::tensor::activation::log_softmax;
@@ -21,6 +24,8 @@ pub struct SearchConfig {
     pub length_penalty: f64,
     /// Most tokens generated per sentence (`</s>` included).
     pub max_len: usize,
+    /// Decode from the key–value cache (the default) or re-run the whole prefix every step.
+    pub cached: bool,
 }
 
 impl SearchConfig {
@@ -36,6 +41,7 @@ impl SearchConfig {
             beam_size,
             length_penalty,
             max_len: max_len.unwrap_or(model_max_len - 1),
+            cached: true,
         };
         search.validate()?;
         Ok(search)
@@ -80,12 +86,13 @@ pub fn greedy<B: LabBackend>(
     let memory = model.encode(source);
     let b = memory.states.dims()[0];
     let device = memory.states.device();
+    let mut cache = (search.cached && model.caches()).then(|| model.new_cache(&memory));
     let mut rows: Vec<Vec<usize>> = vec![vec![Special::Bos.id()]; b];
     let mut log_probs = vec![0.0f64; b];
     let mut done = vec![false; b];
     let max_len = search.max_len.min(model.max_len() - 1);
     for _ in 0..max_len {
-        let last = last_log_probs(model, &memory, &rows, &device); // [b, v]
+        let last = last_log_probs(model, &memory, cache.as_mut(), &rows, &device); // [b, v]
         let (best, ids) = last.max_dim_with_indices(1); // [b, 1]
         let best: Vec<f32> = best.into_data().to_vec().expect("f32 log-probs");
         let ids: Vec<i64> = ids.into_data().convert::<i64>().to_vec().expect("ids");
@@ -134,9 +141,12 @@ pub fn beam_search<B: LabBackend>(
         mask: repeat_mask(&memory.mask, k),
         attention: Vec::new(),
     };
+    let mut cache = (search.cached && model.caches()).then(|| model.new_cache(&memory));
     // Only the first beam of each sentence is live at the start, so the k beams do not all
     // extend the same prefix.
     let mut beams: Vec<Vec<(Vec<usize>, f64)>> = vec![vec![(vec![Special::Bos.id()], 0.0)]; b];
+    // The row of the previous step each beam extends (where its cache is).
+    let mut parents: Vec<Vec<usize>> = (0..b).map(|i| vec![i * k]).collect();
     let mut finished: Vec<Vec<Hypothesis>> = vec![Vec::new(); b];
     let mut done = vec![false; b];
     let max_len = search.max_len.min(model.max_len() - 1);
@@ -160,7 +170,14 @@ pub fn beam_search<B: LabBackend>(
             }
         }
         let v = model.tgt_vocab_size();
-        let last = last_log_probs(model, &memory, &rows, &device); // [b*k, v]
+        if let Some(cache) = cache.as_mut().filter(|_| step > 1) {
+            // Row i·k + j continues beam j of sentence i; placeholders take any row.
+            let order: Vec<usize> = (0..b * k)
+                .map(|row| parents[row / k].get(row % k).copied().unwrap_or(row))
+                .collect();
+            cache.select(&order, &device);
+        }
+        let last = last_log_probs(model, &memory, cache.as_mut(), &rows, &device); // [b*k, v]
         let scores = Tensor::<B, 1>::from_floats(scores.as_slice(), &device).reshape([b * k, 1]);
         let total = (last + scores).reshape([b, k * v]); // [b, k*v]
         let (top, index) = total.topk_with_indices(2 * k, 1); // [b, 2k]
@@ -172,6 +189,7 @@ pub fn beam_search<B: LabBackend>(
                 continue;
             }
             let mut next = Vec::with_capacity(k);
+            parents[i].clear();
             for c in 0..2 * k {
                 let log_prob = top[i * 2 * k + c] as f64;
                 if log_prob == f64::NEG_INFINITY || next.len() == k {
@@ -185,6 +203,7 @@ pub fn beam_search<B: LabBackend>(
                     finished[i].push(finish(prefix, log_prob, search));
                 } else {
                     next.push((prefix, log_prob));
+                    parents[i].push(i * k + beam);
                 }
             }
             if step == max_len {
@@ -230,17 +249,28 @@ fn can_stop(
 }
 
 /// Log-probabilities of the next token after each row's last token, `[rows, v]`.
+///
+/// With a cache (which holds every row's prefix but its last token) only the last tokens run.
 fn last_log_probs<B: LabBackend>(
     model: &Seq2Seq<B>,
     memory: &Memory<B>,
+    cache: Option<&mut KvCache<B>>,
     rows: &[Vec<usize>],
     device: &B::Device,
 ) -> Tensor<B, 2> {
     let t = rows[0].len();
-    let ids: Vec<i64> = rows.iter().flatten().map(|&id| id as i64).collect();
-    let target_in = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [rows.len(), t]), device);
-    let logits = model.decode(memory, target_in).logits; // [n, t, v]
-    let [n, _, v] = logits.dims();
+    let new = cache.as_ref().map_or(0, |cache| cache.len())..t;
+    let ids: Vec<i64> = rows
+        .iter()
+        .flat_map(|row| row[new.clone()].iter().map(|&id| id as i64))
+        .collect();
+    let target =
+        Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [rows.len(), new.len()]), device);
+    let logits = match cache {
+        Some(cache) => model.decode_cached(target, cache), // [n, new, v]
+        None => model.decode(memory, target).logits,       // [n, t, v]
+    };
+    let [n, t, v] = logits.dims();
     let last = logits.slice([0..n, t - 1..t, 0..v]).reshape([n, v]);
     // <pad>, <s> and <unk> are never a next token: only words and </s> compete.
     let mut never = vec![false; v];

@@ -25,6 +25,8 @@ pub(super) fn run_eval<B: LabBackend>(args: EvalArgs, device: B::Device) -> Resu
         beam: args.search.beam,
         length_penalty: args.search.length_penalty,
         max_len: args.search.max_len,
+        cached: !args.search.no_cache,
+        context: args.context,
     };
     trained.eval(&request, &device)
 }

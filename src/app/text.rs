@@ -68,6 +68,10 @@ pub(super) fn run_translate<B: LabBackend>(args: TranslateArgs, device: B::Devic
         args.search.max_len,
         translator.model.max_len(),
     )?;
+    let search = SearchConfig {
+        cached: !args.search.no_cache,
+        ..search
+    };
     let texts = texts_or_stdin(args.texts)?;
     let max_tokens = translator.config.data.max_tokens;
     let (translations, truncated) = translate_texts(

@@ -106,10 +106,17 @@ impl ModelKind for LmConfig {
         request: &EvalRequest,
         device: &B::Device,
     ) -> Result<()> {
-        let (loss, perplexity, tokens) =
-            evaluate_lm(trained, &request.data_dir, request.batch_size, device)?;
+        let context = request.context.unwrap_or(trained.model.context());
+        let (loss, perplexity, tokens) = evaluate_lm(
+            trained,
+            &request.data_dir,
+            request.batch_size,
+            context,
+            device,
+        )?;
         println!(
-            "{}: validation loss {loss:.4}, perplexity {perplexity:.3} over {tokens} tokens",
+            "{}: validation loss {loss:.4}, perplexity {perplexity:.3} over {tokens} tokens \
+             (windows of {context})",
             trained.config.name
         );
         Ok(())
@@ -240,10 +247,26 @@ pub fn evaluate_lm<B: LabBackend>(
     trained: &Trained<LanguageModel<B>>,
     data_dir: &Path,
     batch_size: usize,
+    context: usize,
     device: &B::Device,
 ) -> Result<(f64, f64, usize)> {
+    let model = &trained.model;
+    if context == 0 {
+        bail!("--context must be at least 1");
+    }
+    if context > model.context() && !model.any_length() {
+        let position = trained.config.model_as::<LmConfig>()?.position;
+        bail!(
+            "--context {context} is longer than the model's context {} and its {} positions end \
+             there; use at most {}, or a model with rope or alibi positions",
+            model.context(),
+            serde_json::to_value(position)?
+                .as_str()
+                .unwrap_or("absolute"),
+            model.context()
+        );
+    }
     let corpus = Corpus::load(&trained.config, data_dir, Some(trained.tokenizer().clone()))?;
-    let context = trained.config.model_as::<LmConfig>()?.context;
     let windows = TokenWindows::non_overlapping(corpus.valid, context);
     let loader = DataLoaderBuilder::<B, _, _>::new(LmBatcher)
         .batch_size(batch_size)

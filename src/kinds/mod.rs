@@ -95,6 +95,10 @@ pub struct EvalRequest {
     pub length_penalty: f64,
     /// Translators: most tokens per output (default: the model's maximum length).
     pub max_len: Option<usize>,
+    /// Translators: decode from the key–value cache (else re-run each prefix).
+    pub cached: bool,
+    /// Language models: tokens per evaluation window (default: the model's context).
+    pub context: Option<usize>,
 }
 
 /// A trained model of whichever kind an artifact holds.

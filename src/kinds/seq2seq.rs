@@ -146,6 +146,10 @@ impl ModelKind for Seq2SeqConfig {
             request.max_len,
             trained.model.max_len(),
         )?;
+        let search = SearchConfig {
+            cached: request.cached,
+            ..search
+        };
         let config = &trained.config;
         let mut test = TranslationCorpus::load(&config.data, &request.data_dir, config.seed)?.test;
         test.truncate(request.limit.unwrap_or(usize::MAX));
@@ -266,6 +270,7 @@ fn attentions<B: LabBackend>(
                 beam_size: 1,
                 length_penalty: 0.0,
                 max_len: model.max_len() - 1,
+                cached: true,
             };
             let ids = greedy(model, tokens.clone(), &search).remove(0).tokens;
             tokenizers.target.decode(&ids)

@@ -64,7 +64,8 @@ impl ClassifierConfig {
         if self.position == PositionKind::Sincos2d {
             bail!("model: sincos2d positions are for image patches (vit), not text");
         }
-        self.stack.validate("classifier", false)
+        self.stack.validate("classifier", false)?;
+        self.stack.validate_position(self.position)
     }
 
     /// Builds the model. `vocab_size` must be resolved and the config validated.
@@ -82,7 +83,10 @@ impl ClassifierConfig {
                 })
                 .init(device),
             position: PositionEncodingConfig::new(self.position, self.max_len, d).init(device),
-            encoder: stack.encoder(self.n_layers, self.max_len).init(device),
+            encoder: stack
+                .encoder(self.n_layers, self.max_len)
+                .with_relative(self.position.relative())
+                .init(device),
             head: LinearConfig::new(d, self.n_classes)
                 .with_bias(stack.bias)
                 .init(device),

@@ -4,8 +4,8 @@
 pub use crate::data::LmBatch;
 use crate::kernels::{self, LabBackend};
 use crate::nn::{
-    AttentionMask, KvCache, PositionEncoding, PositionEncodingConfig, PositionKind, StackConfig,
-    StackOutput, TransformerStack,
+    AttentionMask, KvCache, Mixer, PositionEncoding, PositionEncodingConfig, PositionKind,
+    StackConfig, StackOutput, TransformerStack,
 };
 use anyhow::{bail, Result};
 use burn::module::Module;
@@ -60,7 +60,8 @@ impl LmConfig {
         if self.position == PositionKind::Sincos2d {
             bail!("model: sincos2d positions are for image patches (vit), not text");
         }
-        self.stack.validate("language model", true)
+        self.stack.validate("language model", true)?;
+        self.stack.validate_position(self.position)
     }
 }
 
@@ -106,6 +107,7 @@ impl LmConfig {
             position: PositionEncodingConfig::new(self.position, self.context, d).init(device),
             decoder: stack
                 .decoder(self.n_layers, self.context, false)
+                .with_relative(self.position.relative())
                 .init(device),
             head: (!self.tie_weights).then(|| {
                 LinearConfig::new(d, self.vocab_size)
@@ -172,8 +174,31 @@ impl<B: LabBackend> LanguageModel<B> {
     }
 
     /// An empty key–value cache for [`Self::forward_cached`].
+    ///
+    /// With relative positions (RoPE, ALiBi) and full or local attention the cache rolls: each
+    /// token sees the last `context` tokens, exactly the sliding window of the uncached model.
     pub fn new_cache(&self) -> KvCache<B> {
-        self.decoder.new_cache(None)
+        let cache = self.decoder.new_cache(None);
+        if self.rolls() {
+            cache.rolling(self.context())
+        } else {
+            cache
+        }
+    }
+
+    /// Whether [`Self::new_cache`] rolls.
+    pub fn rolls(&self) -> bool {
+        self.position.any_length()
+            && self.decoder.blocks.iter().all(|block| {
+                block.self_attention.as_ref().is_some_and(|attention| {
+                    matches!(attention.mixer(), Mixer::Full | Mixer::Local { .. })
+                })
+            })
+    }
+
+    /// Whether the model runs on sequences longer than its context (relative positions).
+    pub fn any_length(&self) -> bool {
+        self.position.any_length()
     }
 
     /// Whether the model decodes from a cache: every attention mixer does; Hyena recomputes

@@ -6,7 +6,7 @@
 pub use crate::data::Seq2SeqBatch;
 use crate::kernels::{self, LabBackend};
 use crate::nn::{
-    padding_mask, Activation, AttentionMask, PositionEncoding, PositionEncodingConfig,
+    padding_mask, Activation, AttentionMask, KvCache, PositionEncoding, PositionEncodingConfig,
     PositionKind, StackConfig, TransformerStack, TransformerStackConfig,
 };
 use anyhow::{bail, Result};
@@ -77,7 +77,8 @@ impl Seq2SeqConfig {
         if self.position == PositionKind::Sincos2d {
             bail!("model: sincos2d positions are for image patches (vit), not text");
         }
-        self.stack.validate("translator's encoder", false)
+        self.stack.validate("translator's encoder", false)?;
+        self.stack.validate_position(self.position)
     }
 
     /// Builds the model. Vocabulary sizes must be resolved and the config validated.
@@ -102,7 +103,9 @@ impl Seq2SeqConfig {
                 .with_initializer(Initializer::Normal { mean: 0.0, std })
                 .init(device)
         };
-        let block = stack.block(self.encoder_layers.max(self.decoder_layers), self.max_len);
+        let block = stack
+            .block(self.encoder_layers.max(self.decoder_layers), self.max_len)
+            .with_relative(self.position.relative());
         Seq2Seq {
             src_embedding: embedding(self.src_vocab_size),
             tgt_embedding: (!self.share_embeddings).then(|| embedding(self.tgt_vocab_size)),
@@ -187,25 +190,57 @@ impl<B: LabBackend> Seq2Seq<B> {
     /// # Shapes
     /// `target_in`: `[b, t]` → logits `[b, t, v_tgt]`.
     pub fn decode(&self, memory: &Memory<B>, target_in: Tensor<B, 2, Int>) -> DecoderOutput<B> {
-        let [b, t] = target_in.dims();
-        let d = self.d_model();
+        let t = target_in.dims()[1];
         let x = self.embed(self.target_embedding(), target_in); // [b, t, d]
         let causal = AttentionMask::causal(t, &x.device());
         let out =
             self.decoder
                 .forward(x, Some(&causal), Some((&memory.states, Some(&memory.mask))));
-        let logits = match &self.head {
-            Some(head) => head.forward(out.x.reshape([b * t, d])),
-            None => out
-                .x
-                .reshape([b * t, d])
-                .matmul(self.target_embedding().weight.val().transpose()), // [b*t, v]
-        };
         DecoderOutput {
-            logits: logits.reshape([b, t, self.tgt_vocab_size()]),
+            logits: self.project(out.x),
             self_attention: out.self_attention,
             cross_attention: out.cross_attention,
         }
+    }
+
+    /// An empty decoding cache for sentences whose encoding is `memory`: every decoder layer's
+    /// cross-attention keys and values are projected here, once.
+    pub fn new_cache(&self, memory: &Memory<B>) -> KvCache<B> {
+        self.decoder
+            .new_cache(Some((&memory.states, Some(&memory.mask))))
+    }
+
+    /// Logits of `n` new target tokens that follow the positions in `cache` (which they
+    /// extend): the last `n` rows of [`Self::decode`] over the whole prefix, at the cost of the
+    /// new rows. Needs [`Self::caches`].
+    ///
+    /// # Shapes
+    /// `target_new`: `[b, n]` → logits `[b, n, v_tgt]`.
+    pub fn decode_cached(
+        &self,
+        target_new: Tensor<B, 2, Int>,
+        cache: &mut KvCache<B>,
+    ) -> Tensor<B, 3> {
+        let x = self.embed_from(self.target_embedding(), target_new, cache.len()); // [b, n, d]
+        self.project(self.decoder.forward_cached(x, cache))
+    }
+
+    /// Whether the decoder decodes from a cache (every attention mixer does; Hyena
+    /// recomputes).
+    pub fn caches(&self) -> bool {
+        self.decoder.caches()
+    }
+
+    /// The output projection, `[b, t, d]` → `[b, t, v_tgt]`.
+    fn project(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
+        let [b, t, d] = x.dims();
+        let logits = match &self.head {
+            Some(head) => head.forward(x.reshape([b * t, d])),
+            None => x
+                .reshape([b * t, d])
+                .matmul(self.target_embedding().weight.val().transpose()), // [b*t, v]
+        };
+        logits.reshape([b, t, self.tgt_vocab_size()])
     }
 
     /// Teacher-forced logits of a batch, `[b, t, v_tgt]`.
@@ -268,9 +303,19 @@ impl<B: LabBackend> Seq2Seq<B> {
     }
 
     fn embed(&self, table: &Embedding<B>, tokens: Tensor<B, 2, Int>) -> Tensor<B, 3> {
+        self.embed_from(table, tokens, 0)
+    }
+
+    /// Scaled embeddings of tokens at positions `start..`, with their positions added.
+    fn embed_from(
+        &self,
+        table: &Embedding<B>,
+        tokens: Tensor<B, 2, Int>,
+        start: usize,
+    ) -> Tensor<B, 3> {
         let scale = (self.d_model() as f64).sqrt();
         let x = table.forward(tokens).mul_scalar(scale);
-        self.dropout.forward(self.position.forward(x))
+        self.dropout.forward(self.position.forward_from(x, start))
     }
 
     fn target_embedding(&self) -> &Embedding<B> {

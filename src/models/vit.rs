@@ -75,7 +75,8 @@ impl VitConfig {
         if self.position == PositionKind::Sincos2d && !self.stack.d_model.is_multiple_of(4) {
             bail!("model: sincos2d positions need d_model divisible by 4");
         }
-        self.stack.validate("vit", false)
+        self.stack.validate("vit", false)?;
+        self.stack.validate_position(self.position)
     }
 
     /// Patches per side.
@@ -104,7 +105,10 @@ impl VitConfig {
             }
             .init([1, 1, d], device),
             position: position.init(device),
-            encoder: stack.encoder(self.n_layers, self.n_tokens()).init(device),
+            encoder: stack
+                .encoder(self.n_layers, self.n_tokens())
+                .with_relative(self.position.relative())
+                .init(device),
             head: LinearConfig::new(d, self.n_classes)
                 .with_bias(stack.bias)
                 .with_initializer(Initializer::Zeros)

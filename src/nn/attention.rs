@@ -7,6 +7,7 @@ use super::mask::{
     local_allows, local_mask, pattern_rows, strided_allows, strided_mask, AttentionMask,
 };
 use super::mixer::Mixer;
+use super::relative::{alibi_bias, rope, RelativePosition};
 use super::sparse::{local_attention, strided_attention};
 use crate::kernels::reference::{merge_heads, split_packed};
 use crate::kernels::{self, softmax, LabBackend};
@@ -55,9 +56,24 @@ pub fn masked_attention_weights<B: LabBackend>(
     k: Tensor<B, 4>,
     mask: Option<Tensor<B, 4, Bool>>,
 ) -> Tensor<B, 4> {
+    biased_attention_weights(q, k, mask, None)
+}
+
+/// [`masked_attention_weights`] with `bias` (broadcastable to `[b, h, t, s]`, ALiBi's) added
+/// to the scaled scores before the mask and the softmax.
+pub fn biased_attention_weights<B: LabBackend>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    mask: Option<Tensor<B, 4, Bool>>,
+    bias: Option<Tensor<B, 4>>,
+) -> Tensor<B, 4> {
     let [b, h, t, d_head] = q.dims();
     let s = k.dims()[2];
     let scores = q.matmul(k.transpose()).div_scalar((d_head as f32).sqrt()); // [b, h, t, s]
+    let scores = match bias {
+        Some(bias) => scores + bias,
+        None => scores,
+    };
     let scores = match mask {
         Some(mask) => scores.mask_fill(mask.expand([b, h, t, s]), MASKED_SCORE),
         None => scores,
@@ -89,6 +105,10 @@ pub struct MultiHeadAttentionConfig {
     /// (sparse and linear mixers need self-attention; see [`Mixer`]).
     #[config(default = "Mixer::Full")]
     pub mixer: Mixer,
+    /// Relative positions inside attention: rotary queries and keys, or ALiBi's biases
+    /// (self-attention only; see [`super::relative`]).
+    #[config(default = "RelativePosition::None")]
+    pub relative: RelativePosition,
 }
 
 /// Multi-head attention: `MultiHead(Q,K,V) = Concat(head_1..head_h)·W^O`,
@@ -110,6 +130,7 @@ pub struct MultiHeadAttention<B: LabBackend> {
     dropout: Dropout,
     n_heads: usize,
     mixer: Mixer,
+    relative: RelativePosition,
 }
 
 /// What an attention layer returns: the projected context and the weights of every head.
@@ -154,6 +175,7 @@ impl MultiHeadAttentionConfig {
             dropout: DropoutConfig::new(self.dropout).init(),
             n_heads: self.n_heads,
             mixer: self.mixer.clone(),
+            relative: self.relative,
         }
     }
 }
@@ -196,8 +218,9 @@ impl<B: LabBackend> MultiHeadAttention<B> {
         mask: Option<&AttentionMask<B>>,
     ) -> AttentionOutput<B> {
         let qkv = kernels::linear_parts(&[&self.query, &self.key, &self.value], x); // [b, t, 3d]
-        if !self.uses_attention_kernel(&qkv.device()) {
+        if self.relative != RelativePosition::None || !self.uses_attention_kernel(&qkv.device()) {
             let (q, k, v) = split_packed(qkv, self.n_heads); // views, [b, h, t, k]
+            let (q, k) = self.rotate(q, k, 0);
             return self.output(self.attend(q, k, v, mask));
         }
         let causal = mask.is_some_and(AttentionMask::is_causal);
@@ -219,6 +242,7 @@ impl<B: LabBackend> MultiHeadAttention<B> {
     pub fn forward_cached(&self, x: Tensor<B, 3>, cache: &mut LayerCache<B>) -> Tensor<B, 3> {
         let past = cache.len();
         let (q, k, v) = self.project(x.clone(), x); // [b, h, n, k]
+        let (q, k) = self.rotate(q, k, past);
         let [b, h, n, d_head] = q.dims();
         let device = q.device();
         let context = match &self.mixer {
@@ -229,25 +253,30 @@ impl<B: LabBackend> MultiHeadAttention<B> {
                 context
             }
             mixer => {
+                // A rolling cache (relative positions) sees the last `window` positions.
+                let rolling = cache.window();
                 let keep = match mixer {
                     Mixer::Local { window } => Some(*window),
                     _ => None,
                 };
+                let keep = keep.into_iter().chain(rolling).min();
                 let (k, v, first) = cache.append(k, v, keep); // [b, h, s, k]
                 let s = k.dims()[2];
                 // New query i sits at position past + i; cached key j at first + j.
                 let allows = |i: usize, j: usize| {
                     let (i, j) = (past + i, first + j);
-                    match mixer {
+                    let pattern = match mixer {
                         Mixer::Local { window } => local_allows(i, j, *window, true),
                         Mixer::Strided { stride } => strided_allows(i, j, *stride, true),
                         _ => j <= i,
-                    }
+                    };
+                    pattern && rolling.is_none_or(|w| local_allows(i, j, w, true))
                 };
                 let mask = ((0..n).any(|i| (0..s).any(|j| !allows(i, j)))).then(|| {
                     pattern_rows::<B>(n, s, allows, &device).unsqueeze::<4>() // [1, 1, n, s]
                 });
-                masked_attention_weights(q, k, mask).matmul(v) // [b, h, n, k]
+                let bias = self.bias(past..past + n, first..first + s, &device);
+                biased_attention_weights(q, k, mask, bias).matmul(v) // [b, h, n, k]
             }
         };
         linear(&self.output, merge_heads(context)) // [b, n, d]
@@ -279,11 +308,42 @@ impl<B: LabBackend> MultiHeadAttention<B> {
         self.mixer.is_attention()
     }
 
+    /// Queries and keys of positions `start..` rotated when the layer uses RoPE.
+    fn rotate(
+        &self,
+        q: Tensor<B, 4>,
+        k: Tensor<B, 4>,
+        start: usize,
+    ) -> (Tensor<B, 4>, Tensor<B, 4>) {
+        match self.relative {
+            RelativePosition::Rope => (rope(q, start), rope(k, start)),
+            _ => (q, k),
+        }
+    }
+
+    /// ALiBi's biases `[1, h, t, s]` for queries at positions `queries` and keys at `keys`,
+    /// when the layer uses ALiBi.
+    fn bias(
+        &self,
+        queries: std::ops::Range<usize>,
+        keys: std::ops::Range<usize>,
+        device: &B::Device,
+    ) -> Option<Tensor<B, 4>> {
+        (self.relative == RelativePosition::Alibi)
+            .then(|| alibi_bias(self.n_heads, queries, keys, device))
+    }
+
+    /// How this layer sees positions.
+    pub fn relative(&self) -> RelativePosition {
+        self.relative
+    }
+
     /// Whether this layer's attention runs as the fused kernel: full softmax attention in
     /// training (autodiff on) with fused kernels and no attention dropout. Elsewhere (inference,
     /// inspection) the composed form runs, whose weights come for free.
     fn uses_attention_kernel(&self, device: &B::Device) -> bool {
         matches!(self.mixer, Mixer::Full)
+            && self.relative != RelativePosition::Alibi
             && kernels::fused()
             && B::ad_enabled(device)
             && self.dropout.prob == 0.0
@@ -321,7 +381,10 @@ impl<B: LabBackend> MultiHeadAttention<B> {
                 kernels::attention(q, k, v, causal, pad)
             }
             Mixer::Full => {
-                let weights = attention_weights(q, k, mask); // [b, h, t, s]
+                let (t, s) = (q.dims()[2], k.dims()[2]);
+                let bias = self.bias(0..t, 0..s, &q.device());
+                let mask = mask.map(AttentionMask::tensor);
+                let weights = biased_attention_weights(q, k, mask, bias); // [b, h, t, s]
                 let context = self.dropout.forward(weights.clone()).matmul(v); // [b, h, t, k]
                 return (context, Some(weights));
             }
@@ -344,7 +407,8 @@ impl<B: LabBackend> MultiHeadAttention<B> {
         mask: Option<&AttentionMask<B>>,
     ) -> Tensor<B, 4> {
         let (q, k, _) = self.project(query, memory);
-        let t = q.dims()[2];
+        let (q, k) = self.rotate(q, k, 0);
+        let (t, s) = (q.dims()[2], k.dims()[2]);
         let device = q.device();
         let causal = mask.is_some_and(AttentionMask::is_causal);
         let pattern = match &self.mixer {
@@ -363,7 +427,10 @@ impl<B: LabBackend> MultiHeadAttention<B> {
         };
         match &self.mixer {
             Mixer::Linear { .. } => linear_attention_weights(q, k, dense),
-            _ => masked_attention_weights(q, k, dense),
+            _ => {
+                let bias = self.bias(0..t, 0..s, &device);
+                biased_attention_weights(q, k, dense, bias)
+            }
         }
     }
 

@@ -10,6 +10,7 @@ use super::feedforward::{Activation, FeedForward, FeedForwardConfig};
 use super::hyena::Hyena;
 use super::mask::AttentionMask;
 use super::mixer::Mixer;
+use super::relative::RelativePosition;
 use crate::kernels::{layer_norm, LabBackend};
 use burn::module::Module;
 use burn::nn::{Dropout, DropoutConfig, Initializer, LayerNorm, LayerNormConfig};
@@ -51,6 +52,9 @@ pub struct TransformerBlockConfig {
     /// Longest sequence the block will see (the Hyena filters are laid out over it).
     #[config(default = 1024)]
     pub max_len: usize,
+    /// Relative positions in the self-attention (RoPE or ALiBi); cross-attention has none.
+    #[config(default = "RelativePosition::None")]
+    pub relative: RelativePosition,
 }
 
 /// One transformer layer. See the module docs for the residual/LayerNorm arrangement.
@@ -90,12 +94,13 @@ impl TransformerBlockConfig {
             mean: 0.0,
             std: self.residual_init_std,
         };
-        let attention = |mixer: Mixer| {
+        let attention = |mixer: Mixer, relative| {
             MultiHeadAttentionConfig::new(self.d_model, self.n_heads)
                 .with_dropout(self.dropout)
                 .with_bias(self.bias)
                 .with_output_initializer(residual_init.clone())
                 .with_mixer(mixer)
+                .with_relative(relative)
                 .init(device)
         };
         let (self_attention, hyena) = match &self.mixer {
@@ -103,7 +108,7 @@ impl TransformerBlockConfig {
                 None,
                 Some(hyena.init(self.d_model, self.max_len, residual_init.clone(), device)),
             ),
-            mixer => (Some(attention(mixer.clone())), None),
+            mixer => (Some(attention(mixer.clone(), self.relative)), None),
         };
         let norm = || {
             LayerNormConfig::new(self.d_model)
@@ -114,7 +119,9 @@ impl TransformerBlockConfig {
             self_attention,
             hyena,
             norm_self: norm(),
-            cross_attention: self.cross_attention.then(|| attention(Mixer::Full)),
+            cross_attention: self
+                .cross_attention
+                .then(|| attention(Mixer::Full, RelativePosition::None)),
             norm_cross: self.cross_attention.then(norm),
             feedforward: FeedForwardConfig::new(self.d_model, self.d_ff)
                 .with_activation(self.activation)

@@ -37,6 +37,9 @@ pub struct LayerCache<B: LabBackend> {
     linear: Option<LinearState<B>>,
     /// Positions seen so far.
     seen: usize,
+    /// A rolling cache's span: each query sees at most this many positions, itself included
+    /// (`None`: all it has seen).
+    window: Option<usize>,
 }
 
 impl<B: LabBackend> Default for LayerCache<B> {
@@ -45,6 +48,7 @@ impl<B: LabBackend> Default for LayerCache<B> {
             kv: None,
             linear: None,
             seen: 0,
+            window: None,
         }
     }
 }
@@ -103,6 +107,11 @@ impl<B: LabBackend> LayerCache<B> {
         self.seen
     }
 
+    /// A rolling cache's span (see [`KvCache::rolling`]).
+    pub fn window(&self) -> Option<usize> {
+        self.window
+    }
+
     /// Positions whose keys and values are kept (a local layer keeps its window).
     pub fn kept(&self) -> usize {
         self.kv.as_ref().map_or(0, |(k, _)| k.dims()[2])
@@ -148,6 +157,21 @@ impl<B: LabBackend> KvCache<B> {
             layers: (0..n_layers).map(|_| LayerCache::default()).collect(),
             cross,
         }
+    }
+
+    /// The cache made rolling: each query sees the last `window` positions, itself included,
+    /// and older keys are dropped — with relative positions (RoPE, ALiBi), exactly what the
+    /// model computes on a sliding window of `window` tokens, at one row's cost per token.
+    pub fn rolling(mut self, window: usize) -> Self {
+        for layer in &mut self.layers {
+            layer.window = Some(window);
+        }
+        self
+    }
+
+    /// Whether the cache rolls (see [`Self::rolling`]).
+    pub fn rolls(&self) -> bool {
+        self.layers.first().is_some_and(|l| l.window.is_some())
     }
 
     /// Positions cached (the same in every layer).

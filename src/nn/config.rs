@@ -6,6 +6,7 @@
 use super::block::TransformerBlockConfig;
 use super::feedforward::Activation;
 use super::mixer::Mixer;
+use super::position::PositionKind;
 use super::stack::TransformerStackConfig;
 use anyhow::{bail, Result};
 use serde::{Deserialize, Serialize};
@@ -79,6 +80,27 @@ impl StackConfig {
             bail!("model: dropout must be in [0, 1), got {}", self.dropout);
         }
         self.mixer.validate(model, causal)
+    }
+
+    /// Checks that the mixer can carry `position`: RoPE rotates the queries and keys of any
+    /// attention mixer (pairs of channels: an even head width); ALiBi's biases need the full
+    /// softmax scores; Hyena has no attention to carry either.
+    pub fn validate_position(&self, position: PositionKind) -> Result<()> {
+        let name = match position {
+            PositionKind::Rope => "rope",
+            PositionKind::Alibi => "alibi",
+            _ => return Ok(()),
+        };
+        if !self.mixer.is_attention() {
+            bail!("model: {name} positions live inside attention, and the hyena mixer has none; use learned or sinusoidal");
+        }
+        if position == PositionKind::Alibi && self.mixer != Mixer::Full {
+            bail!("model: alibi positions bias the full attention scores; use mixer full, or rope with mixer {}", self.mixer.name());
+        }
+        if position == PositionKind::Rope && !self.d_head().is_multiple_of(2) {
+            bail!("model: rope rotates pairs of channels and needs an even head width; d_model / n_heads is {}", self.d_head());
+        }
+        Ok(())
     }
 
     /// Floats `n_layers` blocks keep per example of `t` tokens for the backward pass: per

@@ -16,6 +16,7 @@ pub mod mask;
 pub mod mixer;
 pub mod pool;
 pub mod position;
+pub mod relative;
 pub mod sparse;
 pub mod stack;
 
@@ -34,6 +35,7 @@ pub use pool::{pool, Pooling};
 pub use position::{
     sincos_2d_table, sinusoid_table, PositionEncoding, PositionEncodingConfig, PositionKind,
 };
+pub use relative::{alibi_slopes, rope, RelativePosition};
 pub use stack::{StackOutput, TransformerStack, TransformerStackConfig};
 
 /// `layer` on the last dimension as one flat product (see [`crate::kernels::linear`]).

@@ -1,6 +1,7 @@
 //! Positional encodings, chosen by config: fixed sinusoids (1-D, or 2-D for image patches), a
-//! learned table, or none.
+//! learned table, none, or relative positions applied inside attention ([`super::relative`]).
 
+use super::relative::RelativePosition;
 use burn::module::{Module, Param};
 use burn::nn::{Embedding, EmbeddingConfig, Initializer};
 use burn::prelude::*;
@@ -20,6 +21,30 @@ pub enum PositionKind {
     Sincos2d,
     /// No position information: the model sees a set, not a sequence (for ablations).
     None,
+    /// Rotary embeddings: queries and keys rotated by their position inside every
+    /// self-attention layer (Su et al. 2021); nothing added to the embeddings.
+    Rope,
+    /// Attention with linear biases: each head penalises a key by its distance to the query
+    /// (Press et al. 2022); nothing added to the embeddings.
+    Alibi,
+}
+
+impl PositionKind {
+    /// The relative positions self-attention applies for this kind (none for the kinds added
+    /// to the embeddings).
+    pub fn relative(self) -> RelativePosition {
+        match self {
+            PositionKind::Rope => RelativePosition::Rope,
+            PositionKind::Alibi => RelativePosition::Alibi,
+            _ => RelativePosition::None,
+        }
+    }
+
+    /// Whether a model with these positions runs on sequences of any length (relative
+    /// positions) rather than at most the table it was built with.
+    pub fn any_length(self) -> bool {
+        self.relative() != RelativePosition::None
+    }
 }
 
 /// Configuration of [`PositionEncoding`].
@@ -47,6 +72,9 @@ pub enum PositionEncoding<B: Backend> {
     Sinusoidal(FixedTable<B>),
     /// A learned table.
     Learned(Embedding<B>),
+    /// Nothing added: positions live inside attention (RoPE, ALiBi). The table, `[max_len, 1]`
+    /// zeros, only records the length the model was built for (a module variant needs a field).
+    Relative(FixedTable<B>),
 }
 
 /// A fixed table, held as a constant (no gradient).
@@ -72,6 +100,9 @@ impl PositionEncodingConfig {
                 fixed(Tensor::cat(vec![leading, grid], 0))
             }
             PositionKind::None => fixed(Tensor::zeros([self.max_len, self.d_model], device)),
+            PositionKind::Rope | PositionKind::Alibi => PositionEncoding::Relative(FixedTable {
+                table: Tensor::zeros([self.max_len, 1], device),
+            }),
             PositionKind::Learned => PositionEncoding::Learned(
                 EmbeddingConfig::new(self.max_len, self.d_model)
                     .with_initializer(Initializer::Normal {
@@ -85,14 +116,16 @@ impl PositionEncodingConfig {
 }
 
 impl<B: Backend> PositionEncoding<B> {
-    /// The encodings of positions `0..t`, `[t, d]`.
+    /// The encodings of positions `0..t`, `[t, d]` (`None` for relative positions, which add
+    /// nothing).
     ///
     /// # Panics
     /// If `t` exceeds `max_len` (callers check prompt lengths first).
-    pub fn encodings(&self, t: usize) -> Tensor<B, 2> {
+    pub fn encodings(&self, t: usize) -> Option<Tensor<B, 2>> {
         match self {
-            PositionEncoding::Sinusoidal(s) => s.table.clone().narrow(0, 0, t),
-            PositionEncoding::Learned(e) => e.weight.val().narrow(0, 0, t),
+            PositionEncoding::Sinusoidal(s) => Some(s.table.clone().narrow(0, 0, t)),
+            PositionEncoding::Learned(e) => Some(e.weight.val().narrow(0, 0, t)),
+            PositionEncoding::Relative(_) => None,
         }
     }
 
@@ -105,8 +138,10 @@ impl<B: Backend> PositionEncoding<B> {
     /// If `start + t` exceeds `max_len`.
     pub fn forward_from(&self, x: Tensor<B, 3>, start: usize) -> Tensor<B, 3> {
         let [_, t, _] = x.dims();
-        let table = self.encodings(start + t).narrow(0, start, t); // [t, d]
-        x + table.unsqueeze::<3>()
+        match self.encodings(start + t) {
+            Some(table) => x + table.narrow(0, start, t).unsqueeze::<3>(), // [1, t, d] over b
+            None => x,
+        }
     }
 
     /// `x + PE[0..t]`.
@@ -114,8 +149,7 @@ impl<B: Backend> PositionEncoding<B> {
     /// # Shapes
     /// `x`: `[b, t, d]` → `[b, t, d]`.
     pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
-        let [_, t, _] = x.dims();
-        x + self.encodings(t).unsqueeze::<3>() // [1, t, d] broadcast over b
+        self.forward_from(x, 0)
     }
 
     /// Longest sequence this encoding covers.
@@ -123,14 +157,21 @@ impl<B: Backend> PositionEncoding<B> {
         match self {
             PositionEncoding::Sinusoidal(s) => s.table.dims()[0],
             PositionEncoding::Learned(e) => e.weight.dims()[0],
+            PositionEncoding::Relative(r) => r.table.dims()[0],
         }
+    }
+
+    /// Whether positions are relative (RoPE, ALiBi): the model then runs on sequences of any
+    /// length, [`Self::max_len`] being the length it was built for.
+    pub fn any_length(&self) -> bool {
+        matches!(self, PositionEncoding::Relative(_))
     }
 
     /// The learned table, if any (for weight inspection and tests).
     pub fn learned_table(&self) -> Option<&Param<Tensor<B, 2>>> {
         match self {
             PositionEncoding::Learned(e) => Some(&e.weight),
-            PositionEncoding::Sinusoidal(_) => None,
+            PositionEncoding::Sinusoidal(_) | PositionEncoding::Relative(_) => None,
         }
     }
 }

@@ -4,6 +4,7 @@
 use super::block::{TransformerBlock, TransformerBlockConfig};
 use super::cache::KvCache;
 use super::mask::AttentionMask;
+use super::relative::RelativePosition;
 use crate::kernels::{layer_norm, LabBackend};
 use burn::module::Module;
 use burn::nn::{LayerNorm, LayerNormConfig};
@@ -28,6 +29,12 @@ impl TransformerStackConfig {
     /// encoder's output when `cross_attention` (callers pass a causal mask).
     pub fn decoder(n_layers: usize, block: TransformerBlockConfig, cross_attention: bool) -> Self {
         Self::new(n_layers, block.with_cross_attention(cross_attention))
+    }
+
+    /// The stack with relative positions (RoPE or ALiBi) in every self-attention layer.
+    pub fn with_relative(mut self, relative: RelativePosition) -> Self {
+        self.block.relative = relative;
+        self
     }
 
     /// Builds the stack. Pre-norm stacks end with a LayerNorm (their blocks' outputs are

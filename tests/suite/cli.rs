@@ -141,6 +141,17 @@ fn train_generate_eval_end_to_end() {
         "{}",
         stdout(&eval)
     );
+    // Shorter windows are fine; a learned table refuses windows past its end, in one line.
+    let short = sb.run(&["eval", "--artifact-dir", "art", "--context", "4"]);
+    assert!(
+        stdout(&short).contains("(windows of 4)"),
+        "{}",
+        stdout(&short)
+    );
+    assert_error(
+        &sb.run(&["eval", "--artifact-dir", "art", "--context", "100000"]),
+        "learned positions end there",
+    );
 }
 
 #[test]

@@ -109,6 +109,58 @@ fn search(beam_size: usize) -> SearchConfig {
         beam_size,
         length_penalty: 0.6,
         max_len: 12,
+        cached: true,
+    }
+}
+
+#[test]
+fn the_cached_decoder_gives_the_logits_of_the_whole_prefix() {
+    let sources = ids(&[&[5, 6, 7, 8, 2], &[9, 10, 2, 0, 0]]);
+    let targets = ids(&[&[1, 5, 9, 12, 4, 7, 7], &[1, 13, 3, 8, 8, 11, 6]]);
+    for seed in [4, 5] {
+        let m = model(seed);
+        let memory = m.encode(sources.clone());
+        let whole = m.decode(&memory, targets.clone()).logits; // [2, 7, v]
+        let mut cache = m.new_cache(&memory);
+        let mut rows = vec![m.decode_cached(targets.clone().slice([0..2, 0..3]), &mut cache)];
+        for i in 3..7 {
+            rows.push(m.decode_cached(targets.clone().slice([0..2, i..i + 1]), &mut cache));
+        }
+        let diff = max_abs_diff(Tensor::cat(rows, 1), whole);
+        assert!(diff < 1e-5, "seed {seed}: cached logits differ by {diff}");
+    }
+}
+
+#[test]
+fn greedy_and_beam_search_translate_the_same_with_and_without_the_cache() {
+    let sources = ids(&[
+        &[5, 6, 7, 8, 2],
+        &[9, 10, 2, 0, 0],
+        &[11, 12, 13, 2, 0],
+        &[4, 4, 4, 4, 2],
+    ]);
+    for seed in [4, 5, 6] {
+        let m = model(seed);
+        for k in [1, 4] {
+            let decode = |cached| {
+                let search = SearchConfig {
+                    cached,
+                    ..search(k)
+                };
+                if k == 1 {
+                    greedy(&m, sources.clone(), &search)
+                } else {
+                    beam_search(&m, sources.clone(), &search)
+                }
+            };
+            for (c, r) in decode(true).iter().zip(&decode(false)) {
+                assert_eq!(c.tokens, r.tokens, "seed {seed}, beam {k}");
+                assert!(
+                    (c.score - r.score).abs() < 1e-4,
+                    "seed {seed}, beam {k}: {c:?} vs {r:?}"
+                );
+            }
+        }
     }
 }
 
