@@ -4,9 +4,8 @@
 
 use crate::common::cached_logit_difference;
 use burn::backend::NdArray;
-use transformer_lab::config::LmConfig;
 use transformer_lab::generate::{generate, next_token_probs, Decoder, Decoding, Sampling};
-use transformer_lab::nn::{HyenaConfig, Mixer, StackConfig};
+use transformer_lab::nn::{HyenaConfig, Mixer};
 
 type B = NdArray<f32>;
 
@@ -30,19 +29,7 @@ fn cached_decoding_gives_the_uncached_logits_on_flex() {
 }
 
 fn lm(mixer: Mixer, context: usize) -> transformer_lab::models::LanguageModel<B> {
-    LmConfig {
-        stack: StackConfig {
-            d_model: 16,
-            n_heads: 2,
-            mixer,
-            ..LmConfig::default().stack
-        },
-        vocab_size: 11,
-        n_layers: 2,
-        context,
-        ..LmConfig::default()
-    }
-    .init(&Default::default())
+    crate::common::mixer_lm(mixer, context)
 }
 
 fn argmax(probs: &[f32]) -> usize {

@@ -374,3 +374,21 @@ pub fn cached_logit_difference<B: LabBackend>(device: &B::Device) -> (f32, Strin
     }
     worst
 }
+
+/// A two-layer language model of width 16 and vocabulary 11 with `mixer` and `context`.
+#[allow(dead_code)]
+pub fn mixer_lm(mixer: transformer_lab::nn::Mixer, context: usize) -> LanguageModel<NdArray<f32>> {
+    LmConfig {
+        stack: StackConfig {
+            d_model: 16,
+            n_heads: 2,
+            mixer,
+            ..LmConfig::default().stack
+        },
+        vocab_size: 11,
+        n_layers: 2,
+        context,
+        ..LmConfig::default()
+    }
+    .init(&Default::default())
+}

@@ -350,19 +350,7 @@ fn hyena_by_direct_convolution_is_exactly_causal() {
 
 fn lm(mixer: Mixer) -> transformer_lab::models::LanguageModel<B> {
     B::seed(&Default::default(), 3);
-    LmConfig {
-        stack: StackConfig {
-            d_model: 16,
-            n_heads: 2,
-            mixer,
-            ..LmConfig::default().stack
-        },
-        vocab_size: 11,
-        n_layers: 2,
-        context: 24,
-        ..LmConfig::default()
-    }
-    .init(&Default::default())
+    crate::common::mixer_lm(mixer, 24)
 }
 
 #[test]

@@ -131,14 +131,19 @@ fn the_cached_decoder_gives_the_logits_of_the_whole_prefix() {
     }
 }
 
-#[test]
-fn greedy_and_beam_search_translate_the_same_with_and_without_the_cache() {
-    let sources = ids(&[
+/// Four padded source sentences.
+fn four_sources() -> Tensor<B, 2, Int> {
+    ids(&[
         &[5, 6, 7, 8, 2],
         &[9, 10, 2, 0, 0],
         &[11, 12, 13, 2, 0],
         &[4, 4, 4, 4, 2],
-    ]);
+    ])
+}
+
+#[test]
+fn greedy_and_beam_search_translate_the_same_with_and_without_the_cache() {
+    let sources = four_sources();
     for seed in [4, 5, 6] {
         let m = model(seed);
         for k in [1, 4] {
@@ -166,12 +171,7 @@ fn greedy_and_beam_search_translate_the_same_with_and_without_the_cache() {
 
 #[test]
 fn beam_size_one_is_greedy_and_wider_beams_never_score_lower() {
-    let sources = ids(&[
-        &[5, 6, 7, 8, 2],
-        &[9, 10, 2, 0, 0],
-        &[11, 12, 13, 2, 0],
-        &[4, 4, 4, 4, 2],
-    ]);
+    let sources = four_sources();
     for seed in [4, 5, 6] {
         let m = model(seed);
         let greedy = greedy(&m, sources.clone(), &search(1));
