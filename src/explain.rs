@@ -186,6 +186,18 @@ pub fn model_walkthrough<B: LabBackend>(
             "explain walks through full softmax attention, but this model's mixer is {mixer};              `attention` shows what its layers do"
         );
     }
+    let relative = stack.blocks[0].attention().relative();
+    if relative != crate::nn::RelativePosition::None {
+        bail!(
+            "explain walks through attention whose positions were added to the embeddings, but \
+             this model's {} positions live inside attention; `attention` shows its weights",
+            if relative == crate::nn::RelativePosition::Rope {
+                "rope"
+            } else {
+                "alibi"
+            }
+        );
+    }
     let heads = stack.blocks[0].attention().n_heads();
     crate::inspect::check_head("this model", (stack.n_layers(), heads), layer, head)?;
     let x = stack.self_attention_input(x0.clone(), mask.as_ref(), None, layer); // [1, n, d]

@@ -460,3 +460,40 @@ fn sparse_and_linear_mixers_show_their_own_weights_and_hyena_says_it_has_none() 
     let out = run(dir.path(), &["attention", "--artifact-dir", "hyena", TEXT]);
     assert_clean_error(&out, "no attention weights to show");
 }
+
+#[test]
+fn explain_refuses_positions_that_live_inside_attention() {
+    let dir = tempfile::tempdir().unwrap();
+    let tokenizer = transformer_lab::data::Tokenizer::fit(
+        transformer_lab::config::TokenizerKind::Char,
+        std::iter::once(TEXT),
+        0,
+    )
+    .unwrap();
+    crate::common::write_artifact_at(
+        dir.path(),
+        "rope",
+        r#"{"name": "rope", "model": {"kind": "lm", "d_model": 32, "n_layers": 1, "n_heads": 4,
+            "context": 16, "position": "rope"}, "data": {"dataset": "tinyshakespeare", "tokenizer": "char"}}"#,
+        |c| {
+            c.model_as::<transformer_lab::config::LmConfig>()
+                .unwrap()
+                .init::<burn::backend::NdArray<f32>>(&Default::default())
+        },
+        Some(tokenizer),
+    );
+    let model = load(dir.path(), "rope");
+    let err = model_walkthrough(
+        &model.text_model().unwrap(),
+        "to be",
+        0,
+        0,
+        &Default::default(),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        err.contains("rope positions live inside attention"),
+        "{err}"
+    );
+}
