@@ -202,11 +202,13 @@ fn run_bench_generate<B: LabBackend>(args: BenchGenerateArgs, device: B::Device)
         plan.new_tokens,
         plan.runs
     );
-    let timings = bench_generate(&model, &plan, &device, |t| {
-        eprintln!(
-            "  {:?} batch {}: {:.1} tokens/s",
-            t.decoding, t.batch, t.tokens_per_s
-        )
+    let timings = crate::nn::without_weights(|| {
+        bench_generate(&model, &plan, &device, |t| {
+            eprintln!(
+                "  {:?} batch {}: {:.1} tokens/s",
+                t.decoding, t.batch, t.tokens_per_s
+            )
+        })
     })?;
     print!("{}", render(&timings));
     Ok(())

@@ -9,6 +9,7 @@ mod train;
 use crate::backend::{check_available, default_backend, BackendKind};
 use crate::cli::Command;
 use crate::kernels::LabBackend;
+use crate::nn::without_weights;
 use anyhow::{Context, Result};
 use std::io::BufRead;
 
@@ -57,11 +58,12 @@ impl BackendTask for Command {
     fn run<B: LabBackend>(self, device: B::Device) -> Result<()> {
         match self {
             Command::Train(args) => train::run_train::<B>(args, device),
-            Command::Generate(args) => text::run_generate::<B>(args, device),
-            Command::Eval(args) => inspect::run_eval::<B>(args, device),
-            Command::Translate(args) => text::run_translate::<B>(args, device),
-            Command::Predict(args) => text::run_predict::<B>(args, device),
-            Command::Classify(args) => text::run_classify::<B>(args, device),
+            // These read logits only: attention runs as the fused kernel.
+            Command::Generate(args) => without_weights(|| text::run_generate::<B>(args, device)),
+            Command::Eval(args) => without_weights(|| inspect::run_eval::<B>(args, device)),
+            Command::Translate(args) => without_weights(|| text::run_translate::<B>(args, device)),
+            Command::Predict(args) => without_weights(|| text::run_predict::<B>(args, device)),
+            Command::Classify(args) => without_weights(|| text::run_classify::<B>(args, device)),
             Command::Embed(args) => text::run_embed::<B>(args, device),
             Command::Bench(args) => bench::run_bench::<B>(args, device),
             Command::Attention(args) => inspect::run_attention::<B>(args, device),

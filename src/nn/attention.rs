@@ -15,8 +15,29 @@ use burn::module::Module;
 use burn::nn::{Dropout, DropoutConfig, Initializer, Linear, LinearConfig};
 use burn::prelude::*;
 use burn::tensor::Bool;
+use std::cell::Cell;
 
 pub use crate::kernels::reference::MASKED_SCORE;
+
+thread_local! {
+    static WEIGHTS_WANTED: Cell<bool> = const { Cell::new(true) };
+}
+
+/// Runs `f` on this thread with inference passes free not to return attention weights: full
+/// attention then runs as the fused kernel (as in training), and the models' outputs carry
+/// no weights. For work that reads only logits or states — `eval`, `generate`, `translate`,
+/// `classify`, `predict`; inspection keeps the default, where the weights come with the pass.
+pub fn without_weights<R>(f: impl FnOnce() -> R) -> R {
+    let before = WEIGHTS_WANTED.with(|c| c.replace(false));
+    struct Restore(bool);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            WEIGHTS_WANTED.with(|c| c.set(self.0));
+        }
+    }
+    let _restore = Restore(before);
+    f()
+}
 
 /// `softmax(Q·Kᵀ/√d_k + mask)·V`, returning the context and the attention weights.
 ///
@@ -338,15 +359,20 @@ impl<B: LabBackend> MultiHeadAttention<B> {
         self.relative
     }
 
-    /// Whether this layer's attention runs as the fused kernel: full softmax attention in
-    /// training (autodiff on) with fused kernels and no attention dropout. Elsewhere (inference,
-    /// inspection) the composed form runs, whose weights come for free.
+    /// Whether this layer's attention runs as the fused kernel, which never builds the
+    /// weights: full softmax attention without ALiBi's bias, with fused kernels on, in training
+    /// without attention dropout, or at inference inside [`without_weights`]. Elsewhere
+    /// (inspection) the composed form runs, whose weights come for free.
     fn uses_attention_kernel(&self, device: &B::Device) -> bool {
+        let training = B::ad_enabled(device);
         matches!(self.mixer, Mixer::Full)
             && self.relative != RelativePosition::Alibi
             && kernels::fused()
-            && B::ad_enabled(device)
-            && self.dropout.prob == 0.0
+            && if training {
+                self.dropout.prob == 0.0
+            } else {
+                !WEIGHTS_WANTED.with(Cell::get)
+            }
     }
 
     /// The heads' queries, keys and values for `query` attending to `memory`, before attention:

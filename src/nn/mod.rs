@@ -21,8 +21,8 @@ pub mod sparse;
 pub mod stack;
 
 pub use attention::{
-    attention_weights, masked_attention_weights, scaled_dot_product_attention, AttentionOutput,
-    MultiHeadAttention, MultiHeadAttentionConfig,
+    attention_weights, masked_attention_weights, scaled_dot_product_attention, without_weights,
+    AttentionOutput, MultiHeadAttention, MultiHeadAttentionConfig,
 };
 pub use block::{BlockOutput, TransformerBlock, TransformerBlockConfig};
 pub use cache::{CrossMemory, KvCache, LayerCache};

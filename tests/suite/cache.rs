@@ -4,6 +4,7 @@
 
 use crate::common::cached_logit_difference;
 use burn::backend::NdArray;
+use burn::prelude::*;
 use transformer_lab::generate::{generate, next_token_probs, Decoder, Decoding, Sampling};
 use transformer_lab::nn::{HyenaConfig, Mixer};
 
@@ -108,4 +109,64 @@ fn hyena_recomputes_its_window_and_local_attention_keeps_only_its_window() {
     }
     assert_eq!(decoder.tokens[1].len(), 11);
     assert_eq!(decoder.cache().unwrap().layers[0].kept(), 3);
+}
+
+/// The largest difference between a language model's logits with the weights returned (the
+/// composed attention) and without (the fused kernel), and whether each path returned them.
+fn fused_inference_difference<Bk: transformer_lab::kernels::LabBackend>() -> f32 {
+    use transformer_lab::nn::{without_weights, PositionKind};
+    let device = Default::default();
+    let mut worst = 0.0f32;
+    for position in [PositionKind::Learned, PositionKind::Rope] {
+        let model = transformer_lab::config::LmConfig {
+            stack: transformer_lab::nn::StackConfig {
+                d_model: 16,
+                n_heads: 2,
+                ..transformer_lab::config::LmConfig::default().stack
+            },
+            vocab_size: 11,
+            n_layers: 2,
+            context: 12,
+            position,
+            ..transformer_lab::config::LmConfig::default()
+        }
+        .init::<Bk>(&device);
+        let ids: Vec<i64> = (0..24).map(|i| (i * 7 % 11) as i64).collect();
+        let tokens = Tensor::<Bk, 2, Int>::from_data(TensorData::new(ids, [2, 12]), &device);
+        let composed = model.forward(tokens.clone());
+        let fused = without_weights(|| model.forward(tokens));
+        assert_eq!(
+            composed.attention.len(),
+            2,
+            "inspection gets every layer's weights"
+        );
+        assert!(
+            fused.attention.is_empty(),
+            "the fused kernel builds no weights"
+        );
+        let diff: f32 = (composed.logits - fused.logits)
+            .abs()
+            .max()
+            .into_scalar()
+            .elem();
+        worst = worst.max(diff);
+    }
+    worst
+}
+
+#[test]
+fn inference_without_weights_runs_the_fused_kernel_and_gives_the_same_logits() {
+    let worst = fused_inference_difference::<B>();
+    assert!(
+        worst < 1e-5,
+        "ndarray: fused and composed logits differ by {worst}"
+    );
+    #[cfg(feature = "flex")]
+    {
+        let worst = fused_inference_difference::<burn::backend::Flex>();
+        assert!(
+            worst < 1e-5,
+            "flex: fused and composed logits differ by {worst}"
+        );
+    }
 }
