@@ -254,7 +254,7 @@ impl<'a, B: LabBackend> Decoder<'a, B> {
 }
 
 /// Positions `range` of every sequence as a `[b, range.len()]` id tensor.
-fn ids<B: LabBackend>(
+pub fn ids<B: LabBackend>(
     tokens: &[Vec<usize>],
     range: std::ops::Range<usize>,
     device: &B::Device,

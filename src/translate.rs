@@ -260,12 +260,7 @@ fn last_log_probs<B: LabBackend>(
 ) -> Tensor<B, 2> {
     let t = rows[0].len();
     let new = cache.as_ref().map_or(0, |cache| cache.len())..t;
-    let ids: Vec<i64> = rows
-        .iter()
-        .flat_map(|row| row[new.clone()].iter().map(|&id| id as i64))
-        .collect();
-    let target =
-        Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [rows.len(), new.len()]), device);
+    let target = crate::generate::ids::<B>(rows, new, device);
     let logits = match cache {
         Some(cache) => model.decode_cached(target, cache), // [n, new, v]
         None => model.decode(memory, target).logits,       // [n, t, v]

@@ -5,6 +5,7 @@
 //! Decoding is greedy (the argmax taken on the host, as `generate` does), so every run
 //! produces the same tokens; the backend is synchronised by reading each step's logits.
 
+use super::median;
 use crate::generate::{Decoder, Decoding};
 use crate::kernels::LabBackend;
 use crate::models::LanguageModel;
@@ -73,11 +74,8 @@ pub fn bench_generate<B: LabBackend>(
                 .map(|_| run(model, &prompts, plan.new_tokens, decoding, device))
                 .collect::<Result<_>>()?;
             runs.remove(0); // warm-up
-            let median = |f: fn(&(f64, f64, f64)) -> f64| {
-                let mut v: Vec<f64> = runs.iter().map(f).collect();
-                v.sort_by(f64::total_cmp);
-                v[v.len() / 2]
-            };
+            let median =
+                |f: fn(&(f64, f64, f64)) -> f64| median(&runs.iter().map(f).collect::<Vec<f64>>());
             let total_s = median(|r| r.2);
             let timing = GenerateTiming {
                 decoding,
@@ -129,9 +127,11 @@ fn run<B: LabBackend>(
     }
     let total = start.elapsed().as_secs_f64();
     let prefill = steps[0];
-    let mut later = steps[1..].to_vec();
-    later.sort_by(f64::total_cmp);
-    let per_token = later.get(later.len() / 2).copied().unwrap_or(prefill);
+    let per_token = if steps.len() > 1 {
+        median(&steps[1..])
+    } else {
+        prefill
+    };
     Ok((prefill, per_token, total))
 }
 

@@ -148,8 +148,13 @@ impl<B: LabBackend> LanguageModel<B> {
 
     /// Token embedding + positions (+ dropout): the decoder's input, `[b, t]` → `[b, t, d]`.
     pub fn embed(&self, tokens: Tensor<B, 2, Int>) -> Tensor<B, 3> {
+        self.embed_from(tokens, 0)
+    }
+
+    /// [`Self::embed`] of tokens at positions `start..`.
+    fn embed_from(&self, tokens: Tensor<B, 2, Int>, start: usize) -> Tensor<B, 3> {
         let x = self.token_embedding.forward(tokens); // [b, t, d]
-        self.dropout.forward(self.position.forward(x))
+        self.dropout.forward(self.position.forward_from(x, start))
     }
 
     /// Logits of `n` new tokens that follow the positions in `cache` (which they extend): the
@@ -164,10 +169,7 @@ impl<B: LabBackend> LanguageModel<B> {
         cache: &mut KvCache<B>,
     ) -> Tensor<B, 3> {
         let [b, n] = tokens.dims();
-        let x = self.token_embedding.forward(tokens); // [b, n, d]
-        let x = self
-            .dropout
-            .forward(self.position.forward_from(x, cache.len()));
+        let x = self.embed_from(tokens, cache.len()); // [b, n, d]
         let x = self.decoder.forward_cached(x, cache); // [b, n, d]
         self.project(x.reshape([b * n, self.d_model()]))
             .reshape([b, n, self.vocab_size()])
