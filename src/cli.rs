@@ -407,8 +407,20 @@ pub struct BenchTrainArgs {
     /// Runs, each from a fresh model; the median is reported.
     #[arg(long, default_value_t = 3)]
     pub runs: usize,
+    /// Group variable-length batches by length (`on`) or not (`off`), whatever the experiment's
+    /// `train.batch_by_length` says.
+    #[arg(long, value_name = "on|off", value_parser = parse_on_off)]
+    pub by_length: Option<bool>,
     #[command(flatten)]
     pub data: DataArgs,
+}
+
+fn parse_on_off(text: &str) -> Result<bool, String> {
+    match text {
+        "on" => Ok(true),
+        "off" => Ok(false),
+        _ => Err(format!("expected on or off, not {text:?}")),
+    }
 }
 
 /// `attention` options.

@@ -21,27 +21,24 @@ pub(super) fn run_bench<B: LabBackend>(args: BenchArgs, device: B::Device) -> Re
     if args.steps == 0 || args.runs == 0 {
         bail!("--steps and --runs must be at least 1");
     }
-    let config = match &args.experiment {
+    let mut config = match &args.experiment {
         Some(path) => ExperimentConfig::load(path)?,
         None => ExperimentConfig::parse(crate::config::DEFAULT_EXPERIMENT)?,
     };
-    if config.model_as::<LmConfig>().is_err() {
-        bail!(
-            "bench train measures language-model experiments; {} is a {} experiment",
-            config.name,
-            config.model.kind()
-        );
+    if let Some(on) = args.by_length {
+        config.train.batch_by_length = on;
     }
+    let name = config.name.clone();
     let plan = crate::bench::BenchPlan {
         steps: args.steps,
         warmup: args.warmup,
         runs: args.runs,
     };
     let data_dir = data_dir(args.data.data_dir.as_deref());
-    let report = crate::bench::bench_lm::<Autodiff<B>>(&config, &data_dir, plan, &device)?;
+    let report = crate::kinds::bench::<Autodiff<B>>(config, &data_dir, plan, &device)?;
     print!(
         "{}",
-        report.render(&format!("{} on {}", config.name, B::name(&device)))
+        report.render(&format!("{name} on {}", B::name(&device)))
     );
     Ok(())
 }

@@ -117,7 +117,7 @@ pub fn bench_kernels<B: LabAutodiff>(
     })?;
     let fused = with_fused(true, || {
         time(&qkv, reps, device, &|x| {
-            kernels::attention(x[0].clone(), x[1].clone(), x[2].clone(), true, None)
+            kernels::attention(x[0].clone(), x[1].clone(), x[2].clone(), true, None, None)
         })
     })?;
     rows.push(KernelTiming {

@@ -144,6 +144,13 @@ impl EncodedSentences {
     }
 }
 
+impl EncodedSentences {
+    /// Each sentence's length in tokens (`<s>` included).
+    pub fn lengths(&self) -> Vec<usize> {
+        self.items.iter().map(|item| item.tokens.len()).collect()
+    }
+}
+
 impl Dataset<SentenceItem> for EncodedSentences {
     fn get(&self, index: usize) -> Option<SentenceItem> {
         self.items.get(index).cloned()

@@ -322,6 +322,23 @@ impl EncodedPairs {
         ))
     }
 
+    /// Each pair's `(source, target)` positions in a batch (target with `<s>`).
+    pub fn lengths(&self) -> Vec<(usize, usize)> {
+        self.items
+            .iter()
+            .map(|p| (p.source.len(), p.target.len() + 1))
+            .collect()
+    }
+
+    /// The key batches are grouped by (`train.batch_by_length`): the longer side, ties broken by
+    /// the other, so both sides of a batch are of similar lengths.
+    pub fn length_keys(&self) -> Vec<usize> {
+        self.lengths()
+            .into_iter()
+            .map(|(s, t)| s.max(t) * 1024 + s.min(t))
+            .collect()
+    }
+
     /// Target tokens (with `</s>`) over all pairs: the tokens a pass of training predicts.
     pub fn target_tokens(&self) -> usize {
         self.items.iter().map(|p| p.target.len() + 1).sum()

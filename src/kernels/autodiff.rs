@@ -1,7 +1,7 @@
 //! The fused operations on `Autodiff<B>`: one graph node each, whose backward pass is the inner
 //! backend's fused backward (a kernel on flex, the composed form elsewhere).
 
-use super::LabBackend;
+use super::{DropoutMask, LabBackend};
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::autodiff::grads::Gradients;
@@ -21,6 +21,20 @@ impl<B: LabBackend> Backward<B, 1> for Gelu {
         let derivative = ops.state;
         unary::<B, _>(ops.parents, ops.node, grads, |grad| {
             B::float_mul(grad, derivative)
+        });
+    }
+}
+
+#[derive(Debug)]
+struct Dropout;
+
+impl<B: LabBackend> Backward<B, 1> for Dropout {
+    type State = DropoutMask; // drawn again: y = x⊙M, so dx = dy⊙M
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let mask = ops.state;
+        unary::<B, _>(ops.parents, ops.node, grads, |grad| {
+            B::fused_dropout(grad, mask)
         });
     }
 }
@@ -78,6 +92,7 @@ struct AttentionState<B: LabBackend> {
     lse: FloatTensor<B>,
     causal: bool,
     pad: Option<FloatTensor<B>>,
+    dropout: Option<DropoutMask>,
 }
 
 impl<B: LabBackend> Backward<B, 3> for Attention {
@@ -92,9 +107,10 @@ impl<B: LabBackend> Backward<B, 3> for Attention {
             lse,
             causal,
             pad,
+            dropout,
         } = ops.state;
         let d_o = grads.consume::<B>(&ops.node);
-        let (dq, dk, dv) = B::fused_attention_backward(q, k, v, o, lse, d_o, causal, pad);
+        let (dq, dk, dv) = B::fused_attention_backward(q, k, v, o, lse, d_o, causal, pad, dropout);
         for (parent, grad) in ops.parents.into_iter().zip([dq, dk, dv]) {
             if let Some(node) = parent {
                 grads.register::<B>(node.id, grad);
@@ -115,6 +131,7 @@ struct PackedAttentionState<B: LabBackend> {
     heads: usize,
     causal: bool,
     pad: Option<FloatTensor<B>>,
+    dropout: Option<DropoutMask>,
 }
 
 impl<B: LabBackend> Backward<B, 1> for PackedAttention {
@@ -128,9 +145,10 @@ impl<B: LabBackend> Backward<B, 1> for PackedAttention {
             heads,
             causal,
             pad,
+            dropout,
         } = ops.state;
         unary::<B, _>(ops.parents, ops.node, grads, |d_o| {
-            B::fused_packed_attention_backward(qkv, o, lse, d_o, heads, causal, pad)
+            B::fused_packed_attention_backward(qkv, o, lse, d_o, heads, causal, pad, dropout)
         });
     }
 }
@@ -244,10 +262,12 @@ impl<B: LabBackend, C: CheckpointStrategy> LabBackend for Autodiff<B, C> {
         heads: usize,
         causal: bool,
         pad: Option<FloatTensor<Self>>,
+        dropout: Option<DropoutMask>,
     ) -> FloatTensor<Self> {
         let pad = pad.map(|pad| pad.primitive);
+        let qkv_inner = qkv.primitive.clone();
         let (o, lse) =
-            B::fused_packed_attention_forward(qkv.primitive.clone(), heads, causal, pad.clone());
+            B::fused_packed_attention_forward(qkv_inner, heads, causal, pad.clone(), dropout);
         match PackedAttention
             .prepare::<C>([qkv.node])
             .compute_bound()
@@ -261,6 +281,7 @@ impl<B: LabBackend, C: CheckpointStrategy> LabBackend for Autodiff<B, C> {
                     heads,
                     causal,
                     pad,
+                    dropout,
                 };
                 prep.finish(state, o)
             }
@@ -320,6 +341,7 @@ impl<B: LabBackend, C: CheckpointStrategy> LabBackend for Autodiff<B, C> {
         v: FloatTensor<Self>,
         causal: bool,
         pad: Option<FloatTensor<Self>>,
+        dropout: Option<DropoutMask>,
     ) -> FloatTensor<Self> {
         let pad = pad.map(|pad| pad.primitive);
         let (o, lse) = B::fused_attention_forward(
@@ -328,6 +350,7 @@ impl<B: LabBackend, C: CheckpointStrategy> LabBackend for Autodiff<B, C> {
             v.primitive.clone(),
             causal,
             pad.clone(),
+            dropout,
         );
         let nodes = [q.node, k.node, v.node];
         match Attention.prepare::<C>(nodes).compute_bound().stateful() {
@@ -340,10 +363,19 @@ impl<B: LabBackend, C: CheckpointStrategy> LabBackend for Autodiff<B, C> {
                     lse,
                     causal,
                     pad,
+                    dropout,
                 };
                 prep.finish(state, o)
             }
             OpsKind::UnTracked(prep) => prep.finish(o),
+        }
+    }
+
+    fn fused_dropout(x: FloatTensor<Self>, mask: DropoutMask) -> FloatTensor<Self> {
+        let y = B::fused_dropout(x.primitive, mask);
+        match Dropout.prepare::<C>([x.node]).compute_bound().stateful() {
+            OpsKind::Tracked(prep) => prep.finish(mask, y),
+            OpsKind::UnTracked(prep) => prep.finish(y),
         }
     }
 }

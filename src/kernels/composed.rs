@@ -2,7 +2,7 @@
 //! methods, and what a kernel-backed backend falls back to for inputs its kernels do not take
 //! (flex, for dtypes other than `f32`).
 
-use super::{reference, AdamWStep, LabBackend};
+use super::{reference, AdamWStep, DropoutMask, LabBackend};
 use burn::prelude::*;
 use burn::tensor::ops::{FloatTensor, IntTensor};
 use burn::tensor::TensorPrimitive;
@@ -85,6 +85,7 @@ pub fn attention_forward<B: Backend>(
     v: FloatTensor<B>,
     causal: bool,
     pad: Option<FloatTensor<B>>,
+    dropout: Option<DropoutMask>,
 ) -> (FloatTensor<B>, FloatTensor<B>) {
     let (o, lse) = reference::attention_forward(
         tensor::<B, 4>(q),
@@ -92,6 +93,7 @@ pub fn attention_forward<B: Backend>(
         tensor(v),
         causal,
         pad.map(tensor),
+        dropout,
     );
     (prim(o), prim(lse))
 }
@@ -107,6 +109,7 @@ pub fn attention_backward<B: Backend>(
     d_o: FloatTensor<B>,
     causal: bool,
     pad: Option<FloatTensor<B>>,
+    dropout: Option<DropoutMask>,
 ) -> (FloatTensor<B>, FloatTensor<B>, FloatTensor<B>) {
     let (dq, dk, dv) = reference::attention_backward(
         tensor::<B, 4>(q),
@@ -117,8 +120,16 @@ pub fn attention_backward<B: Backend>(
         tensor(d_o),
         causal,
         pad.map(tensor),
+        dropout,
     );
     (prim(dq), prim(dk), prim(dv))
+}
+
+/// See [`super::LabBackend::fused_dropout`]: the mask made on the host, one product.
+pub fn dropout<B: Backend>(x: FloatTensor<B>, mask: DropoutMask) -> FloatTensor<B> {
+    let x = tensor::<B, 1>(x);
+    let multipliers = reference::dropout_multipliers::<B, 1>(mask, x.shape(), &x.device());
+    prim(x * multipliers)
 }
 
 /// See [`super::LabBackend::fused_linear`].
@@ -152,9 +163,10 @@ pub fn packed_attention_forward<B: LabBackend>(
     heads: usize,
     causal: bool,
     pad: Option<FloatTensor<B>>,
+    dropout: Option<DropoutMask>,
 ) -> (FloatTensor<B>, FloatTensor<B>) {
     let (q, k, v) = reference::split_packed(tensor::<B, 3>(qkv), heads);
-    let (o, lse) = B::fused_attention_forward(prim(q), prim(k), prim(v), causal, pad);
+    let (o, lse) = B::fused_attention_forward(prim(q), prim(k), prim(v), causal, pad, dropout);
     (prim(reference::merge_heads(tensor::<B, 4>(o))), lse)
 }
 
@@ -168,6 +180,7 @@ pub fn packed_attention_backward<B: LabBackend>(
     heads: usize,
     causal: bool,
     pad: Option<FloatTensor<B>>,
+    dropout: Option<DropoutMask>,
 ) -> FloatTensor<B> {
     let (q, k, v) = reference::split_packed(tensor::<B, 3>(qkv), heads);
     let [b, t, d] = tensor::<B, 3>(o.clone()).dims();
@@ -185,6 +198,7 @@ pub fn packed_attention_backward<B: LabBackend>(
         prim(to_heads(d_o)),
         causal,
         pad,
+        dropout,
     );
     let merged = [dq, dk, dv].map(|g| reference::merge_heads(tensor::<B, 4>(g)));
     prim(Tensor::cat(merged.to_vec(), 2))

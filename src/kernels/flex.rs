@@ -3,7 +3,7 @@
 //! path.
 
 use super::cpu::{self, AttentionShape, Heads, Matrix};
-use super::{composed, AdamWStep, LabBackend};
+use super::{composed, AdamWStep, DropoutMask, LabBackend};
 use burn::backend::flex::{FlexTensor, Layout};
 use burn::backend::Flex;
 use burn::prelude::*;
@@ -253,9 +253,10 @@ impl LabBackend for Flex {
         v: FlexTensor,
         causal: bool,
         pad: Option<FlexTensor>,
+        dropout: Option<DropoutMask>,
     ) -> (FlexTensor, FlexTensor) {
         if !is_f32(&q) {
-            return composed::attention_forward::<Flex>(q, k, v, causal, pad);
+            return composed::attention_forward::<Flex>(q, k, v, causal, pad, dropout);
         }
         let shape = attention_shape(&q, &k);
         let [q, k, v] = [q, k, v].map(rows);
@@ -267,12 +268,22 @@ impl LabBackend for Flex {
             heads(&v),
             causal,
             pad.as_ref().map(slice),
+            dropout,
         );
         let AttentionShape { b, h, t, .. } = shape;
         (
             interleaved(o, shape, t),
             from_vec(lse, Shape::new([b, h, t])),
         )
+    }
+
+    fn fused_dropout(x: FlexTensor, mask: DropoutMask) -> FlexTensor {
+        if !is_f32(&x) {
+            return composed::dropout::<Flex>(x, mask);
+        }
+        let x = contiguous(x);
+        let shape = x.shape();
+        from_vec(cpu::dropout(slice(&x), mask), shape)
     }
 
     fn fused_adamw(
@@ -358,10 +369,11 @@ impl LabBackend for Flex {
         heads: usize,
         causal: bool,
         pad: Option<FlexTensor>,
+        dropout: Option<DropoutMask>,
     ) -> FlexTensor {
         if !is_f32(&qkv) {
             return composed::packed_attention_backward::<Flex>(
-                qkv, o, lse, d_o, heads, causal, pad,
+                qkv, o, lse, d_o, heads, causal, pad, dropout,
             );
         }
         let [qkv, o, lse, d_o] = [qkv, o, lse, d_o].map(contiguous);
@@ -383,6 +395,7 @@ impl LabBackend for Flex {
             slice(&d_o),
             causal,
             pad.as_ref().map(slice),
+            dropout,
         );
         from_vec(dqkv, qkv.shape())
     }
@@ -396,9 +409,12 @@ impl LabBackend for Flex {
         d_o: FlexTensor,
         causal: bool,
         pad: Option<FlexTensor>,
+        dropout: Option<DropoutMask>,
     ) -> (FlexTensor, FlexTensor, FlexTensor) {
         if !is_f32(&q) {
-            return composed::attention_backward::<Flex>(q, k, v, o, lse, d_o, causal, pad);
+            return composed::attention_backward::<Flex>(
+                q, k, v, o, lse, d_o, causal, pad, dropout,
+            );
         }
         let shape = attention_shape(&q, &k);
         let [q, k, v, o, d_o] = [q, k, v, o, d_o].map(rows);
@@ -413,6 +429,7 @@ impl LabBackend for Flex {
             heads(&d_o),
             causal,
             pad.as_ref().map(slice),
+            dropout,
         );
         (
             interleaved(dq, shape, shape.t),

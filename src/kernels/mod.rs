@@ -20,6 +20,7 @@
 mod autodiff;
 mod composed;
 pub mod cpu;
+pub mod dropout;
 #[cfg(feature = "flex")]
 mod flex;
 pub mod reference;
@@ -30,6 +31,7 @@ use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::ops::{FloatTensor, IntTensor};
 use burn::tensor::Bool;
 use composed::{prim, tensor};
+pub use dropout::DropoutMask;
 use std::cell::Cell;
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -95,15 +97,24 @@ pub trait LabBackend: Backend {
         composed::softmax_backward::<Self>(p, dp)
     }
 
-    /// Attention `softmax(Q·Kᵀ/√k + mask)·V` without its weights.
+    /// `x` with each element multiplied by its multiplier in `mask` (`0` or `1/(1−p)`): dropout,
+    /// and its own backward pass (the same mask applied to the gradient).
+    fn fused_dropout(x: FloatTensor<Self>, mask: DropoutMask) -> FloatTensor<Self> {
+        composed::dropout::<Self>(x, mask)
+    }
+
+    /// Attention `softmax(Q·Kᵀ/√k + mask)·V` without its weights; with `dropout`, the weights
+    /// are multiplied by that mask (element `((b·h + head)·t + i)·s + j`) before the product
+    /// with V.
     fn fused_attention(
         q: FloatTensor<Self>,
         k: FloatTensor<Self>,
         v: FloatTensor<Self>,
         causal: bool,
         pad: Option<FloatTensor<Self>>,
+        dropout: Option<DropoutMask>,
     ) -> FloatTensor<Self> {
-        Self::fused_attention_forward(q, k, v, causal, pad).0
+        Self::fused_attention_forward(q, k, v, causal, pad, dropout).0
     }
 
     /// [`Self::fused_packed_attention_forward`] without its log-sum-exp (the differentiable
@@ -113,8 +124,9 @@ pub trait LabBackend: Backend {
         heads: usize,
         causal: bool,
         pad: Option<FloatTensor<Self>>,
+        dropout: Option<DropoutMask>,
     ) -> FloatTensor<Self> {
-        Self::fused_packed_attention_forward(qkv, heads, causal, pad).0
+        Self::fused_packed_attention_forward(qkv, heads, causal, pad, dropout).0
     }
 
     /// Attention returning `(output [b, h, t, k], log-sum-exp of each row's scores [b, h, t])`.
@@ -124,8 +136,9 @@ pub trait LabBackend: Backend {
         v: FloatTensor<Self>,
         causal: bool,
         pad: Option<FloatTensor<Self>>,
+        dropout: Option<DropoutMask>,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        composed::attention_forward::<Self>(q, k, v, causal, pad)
+        composed::attention_forward::<Self>(q, k, v, causal, pad, dropout)
     }
 
     /// The gradients `(dq, dk, dv)` of attention for the output gradient `d_o`, from the
@@ -140,8 +153,9 @@ pub trait LabBackend: Backend {
         d_o: FloatTensor<Self>,
         causal: bool,
         pad: Option<FloatTensor<Self>>,
+        dropout: Option<DropoutMask>,
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
-        composed::attention_backward::<Self>(q, k, v, o, lse, d_o, causal, pad)
+        composed::attention_backward::<Self>(q, k, v, o, lse, d_o, causal, pad, dropout)
     }
 
     /// Self-attention on packed projections: `qkv` `[b, t, 3·d]` holds Q, K and V side by side
@@ -152,8 +166,9 @@ pub trait LabBackend: Backend {
         heads: usize,
         causal: bool,
         pad: Option<FloatTensor<Self>>,
+        dropout: Option<DropoutMask>,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        composed::packed_attention_forward::<Self>(qkv, heads, causal, pad)
+        composed::packed_attention_forward::<Self>(qkv, heads, causal, pad, dropout)
     }
 
     /// The gradient `[b, t, 3·d]` of packed self-attention for the output gradient `d_o`
@@ -167,8 +182,9 @@ pub trait LabBackend: Backend {
         heads: usize,
         causal: bool,
         pad: Option<FloatTensor<Self>>,
+        dropout: Option<DropoutMask>,
     ) -> FloatTensor<Self> {
-        composed::packed_attention_backward::<Self>(qkv, o, lse, d_o, heads, causal, pad)
+        composed::packed_attention_backward::<Self>(qkv, o, lse, d_o, heads, causal, pad, dropout)
     }
 
     /// One AdamW step of a parameter `[n]` (any shape, flattened): `(parameter, first
@@ -337,11 +353,12 @@ pub fn attention<B: LabBackend>(
     v: Tensor<B, 4>,
     causal: bool,
     pad: Option<&Tensor<B, 2, Bool>>,
+    dropout: Option<DropoutMask>,
 ) -> Tensor<B, 4> {
     debug_assert!(!causal || q.dims()[2] == k.dims()[2]);
     let pad = pad.map(|pad| pad.clone().float());
     if !fused() {
-        return reference::attention_forward(q, k, v, causal, pad).0;
+        return reference::attention_forward(q, k, v, causal, pad, dropout).0;
     }
     tensor(B::fused_attention(
         prim(q),
@@ -349,7 +366,39 @@ pub fn attention<B: LabBackend>(
         prim(v),
         causal,
         pad.map(prim),
+        dropout,
     ))
+}
+
+/// Dropout of probability `prob` in training (`B` tracks gradients), the identity elsewhere:
+/// with fused kernels on, a fresh mask of the counter-based stream ([`dropout::next_mask`])
+/// applied in one pass, its backward pass drawing the same mask again (nothing stored); with
+/// them off, burn's `Dropout`.
+pub fn dropout<B: LabBackend, const D: usize>(
+    module: &burn::nn::Dropout,
+    x: Tensor<B, D>,
+) -> Tensor<B, D> {
+    if !B::ad_enabled(&x.device()) || module.prob == 0.0 {
+        return x;
+    }
+    if !fused() {
+        return module.forward(x);
+    }
+    let shape = x.shape();
+    let mask = dropout::next_mask(module.prob);
+    tensor::<B, 1>(B::fused_dropout(prim(x.reshape([-1])), mask)).reshape(shape)
+}
+
+/// A fresh mask for attention dropout of probability `prob` in training, none elsewhere.
+pub fn attention_dropout<B: LabBackend>(prob: f64, device: &B::Device) -> Option<DropoutMask> {
+    (B::ad_enabled(device) && prob > 0.0).then(|| dropout::next_mask(prob))
+}
+
+/// Reseeds the backend's generator and the stream of dropout masks: what every run does before
+/// it draws its first random number, and each epoch of training.
+pub fn seed<B: Backend>(device: &B::Device, seed: u64) {
+    B::seed(device, seed);
+    dropout::reseed(seed);
 }
 
 /// `layer` applied to the last dimension of `x`, as one `[n, d_in]·[d_in, d_out]` product over
@@ -400,17 +449,20 @@ pub fn packed_self_attention<B: LabBackend>(
     heads: usize,
     causal: bool,
     pad: Option<&Tensor<B, 2, Bool>>,
+    dropout: Option<DropoutMask>,
 ) -> Tensor<B, 3> {
     let pad = pad.map(|pad| pad.clone().float());
     if !fused() {
         let (q, k, v) = reference::split_packed(qkv, heads);
-        return reference::merge_heads(reference::attention_forward(q, k, v, causal, pad).0);
+        let o = reference::attention_forward(q, k, v, causal, pad, dropout).0;
+        return reference::merge_heads(o);
     }
     tensor(B::fused_packed_attention(
         prim(qkv),
         heads,
         causal,
         pad.map(prim),
+        dropout,
     ))
 }
 

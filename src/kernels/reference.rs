@@ -1,6 +1,7 @@
 //! The composed forms of the fused operations, written with burn's tensor ops: the defaults of
 //! [`super::LabBackend`] and the references the kernels are tested against.
 
+use super::DropoutMask;
 use burn::prelude::*;
 use burn::tensor::Bool;
 use std::f32::consts::{FRAC_1_SQRT_2, PI};
@@ -183,6 +184,7 @@ pub fn attention_forward<B: Backend>(
     v: Tensor<B, 4>,
     causal: bool,
     pad: Option<Tensor<B, 2>>,
+    dropout: Option<DropoutMask>,
 ) -> (Tensor<B, 4>, Tensor<B, 3>) {
     let (t, s) = (q.dims()[2], k.dims()[2]);
     let mask = score_mask(t, s, causal, pad, &q.device());
@@ -193,7 +195,23 @@ pub fn attention_forward<B: Backend>(
     let lse = sum.clone().log() + max;
     // Divided by the sum rather than `exp(scores − lse)`: a fully masked row's lse is
     // −10⁹ + ln s, which rounds to −10⁹ in f32.
-    ((exp / sum).matmul(v), lse.squeeze_dim(3))
+    let p = exp / sum;
+    let p = match dropout {
+        Some(mask) => p.clone() * dropout_multipliers(mask, p.shape(), &p.device()),
+        None => p,
+    };
+    (p.matmul(v), lse.squeeze_dim(3))
+}
+
+/// The multipliers (`0` or `1/(1−p)`) of `mask` as a tensor of `shape`, element `e` (row-major)
+/// the mask's element `e`.
+pub fn dropout_multipliers<B: Backend, const D: usize>(
+    mask: DropoutMask,
+    shape: Shape,
+    device: &B::Device,
+) -> Tensor<B, D> {
+    let multipliers = mask.multipliers(shape.num_elements());
+    Tensor::from_data(TensorData::new(multipliers, shape), device)
 }
 
 /// Attention's gradients `(dq, dk, dv)` for the output gradient `d_o`, composed (the
@@ -208,6 +226,7 @@ pub fn attention_backward<B: Backend>(
     d_o: Tensor<B, 4>,
     causal: bool,
     pad: Option<Tensor<B, 2>>,
+    dropout: Option<DropoutMask>,
 ) -> (Tensor<B, 4>, Tensor<B, 4>, Tensor<B, 4>) {
     let [b, h, t, d_head] = q.dims();
     let s = k.dims()[2];
@@ -216,8 +235,19 @@ pub fn attention_backward<B: Backend>(
     // P by a softmax, not `exp(scores − lse)`: exact on fully masked rows too (see
     // attention_forward).
     let p = burn::tensor::activation::softmax(scores(q.clone(), k.clone(), mask.as_ref()), 3);
-    let dv = p.clone().transpose().matmul(d_o.clone());
+    // With dropout M: O = (P⊙M)·V, so dV = (P⊙M)ᵀ·dO and dP = (dO·Vᵀ)⊙M; D = Σ_j P⊙dP is
+    // still rowsum(dO⊙O).
+    let multipliers = dropout.map(|mask| dropout_multipliers::<B, 4>(mask, p.shape(), &p.device()));
+    let dropped = match &multipliers {
+        Some(m) => p.clone() * m.clone(),
+        None => p.clone(),
+    };
+    let dv = dropped.transpose().matmul(d_o.clone());
     let dp = d_o.clone().matmul(v.transpose());
+    let dp = match multipliers {
+        Some(m) => dp * m,
+        None => dp,
+    };
     let delta = (d_o * o).sum_dim(3); // [b, h, t, 1]
     let ds = p * (dp - delta);
     // Masked scores are constants: no gradient reaches q or k through them.

@@ -16,10 +16,14 @@ use crate::inspect::{
 };
 use crate::kernels::{LabAutodiff, LabBackend};
 use crate::models::TextClassifier;
-use crate::train::{launch, supervised_steps, unseeded, Session, Throughput, TrainReport};
+use crate::train::speed::{bench_training, padding_note, BenchPlan, BenchReport};
+use crate::train::{
+    launch, supervised_steps, train_loader, unseeded, Session, Throughput, TrainReport,
+};
 use anyhow::{bail, Result};
 use burn::data::dataset::Dataset;
 use std::path::Path;
+use std::sync::Arc;
 
 supervised_steps!(TextClassifier, SentenceBatch, |model, batch| model
     .loss(batch.tokens, batch.labels));
@@ -81,24 +85,8 @@ impl ModelKind for ClassifierConfig {
         data_dir: &Path,
         device: B::Device,
     ) -> Result<TrainReport> {
+        let (corpus, tokenizer, train_set, valid) = sentences(&config, data_dir, tokenizers)?;
         let data = &config.data;
-        let corpus = SentimentCorpus::load(
-            &data.dataset,
-            data_dir,
-            data.valid_fraction,
-            data.test_fraction,
-            config.seed,
-        )?;
-        let tokenizer = match tokenizers {
-            Some(tokenizers) => tokenizers.target,
-            None => Tokenizer::fit(
-                data.tokenizer,
-                corpus.train.iter().map(|row| row.text.as_str()),
-                data.bpe_vocab_size,
-            )?,
-        };
-        let train_set = EncodedSentences::encode(&corpus.train, &tokenizer, data.max_tokens)?;
-        let valid = EncodedSentences::encode(&corpus.valid, &tokenizer, data.max_tokens)?;
         println!(
             "{}: {} training, {} validation, {} test sentences; vocabulary {}",
             data.dataset,
@@ -111,8 +99,9 @@ impl ModelKind for ClassifierConfig {
         config.model.set_vocab_sizes(vocab, vocab);
         let classifier = config.model_as::<ClassifierConfig>()?.clone();
         let floats = classifier.activation_floats(&config.data);
+        let lengths = train_set.lengths();
         session.begin(&config, Some(&Tokenizers::shared(tokenizer)), floats)?;
-        B::seed(&device, config.seed);
+        crate::kernels::seed::<B>(&device, config.seed);
         let loaders = session.loaders(
             &config,
             &device,
@@ -120,6 +109,7 @@ impl ModelKind for ClassifierConfig {
             unseeded(SentenceBatcher),
             valid,
             unseeded(SentenceBatcher),
+            Some(lengths),
         );
         let throughput = Throughput {
             per_step: config.train.batch_size,
@@ -127,6 +117,47 @@ impl ModelKind for ClassifierConfig {
         };
         let model = classifier.init::<B>(&device);
         launch(&config, session, model, loaders, None, false, throughput)
+    }
+
+    fn bench<B: LabAutodiff>(
+        &self,
+        mut config: ExperimentConfig,
+        data_dir: &Path,
+        plan: BenchPlan,
+        device: &B::Device,
+    ) -> Result<BenchReport> {
+        let (_, tokenizer, train_set, _) = sentences(&config, data_dir, None)?;
+        let vocab = tokenizer.vocab_size();
+        config.model.set_vocab_sizes(vocab, vocab);
+        let classifier = config.model_as::<ClassifierConfig>()?.clone();
+        let lengths = train_set.lengths();
+        let padding = padding_note(&config, &[("tokens", lengths.clone())], &lengths);
+        let batcher = unseeded(SentenceBatcher);
+        let loader = train_loader(
+            &config,
+            device,
+            train_set,
+            batcher,
+            Arc::default(),
+            Some(lengths),
+        );
+        let sentences = |_: &SentenceBatch<B>| config.train.batch_size;
+        let init = || classifier.init::<B>(device);
+        let loss = |model: &TextClassifier<B>, batch: SentenceBatch<B>| {
+            model.loss(batch.tokens, batch.labels).0
+        };
+        let mut report = bench_training(
+            &config,
+            plan,
+            &loader,
+            "sentences",
+            sentences,
+            init,
+            loss,
+            device,
+        )?;
+        report.notes.push(padding);
+        Ok(report)
     }
 
     fn eval<B: LabBackend>(
@@ -208,4 +239,37 @@ fn self_attention<B: LabBackend>(
     let labels = text.labels(ids);
     let group = AttentionGroup::from_layers("self", false, &labels, &labels, weights);
     Ok((group, class))
+}
+
+/// The sentiment corpus of `config`, its tokenizer (fitted on the training split unless a
+/// resumed run brings its own) and the tokenized training and validation splits.
+fn sentences(
+    config: &ExperimentConfig,
+    data_dir: &Path,
+    tokenizers: Option<Tokenizers>,
+) -> Result<(
+    SentimentCorpus,
+    Tokenizer,
+    EncodedSentences,
+    EncodedSentences,
+)> {
+    let data = &config.data;
+    let corpus = SentimentCorpus::load(
+        &data.dataset,
+        data_dir,
+        data.valid_fraction,
+        data.test_fraction,
+        config.seed,
+    )?;
+    let tokenizer = match tokenizers {
+        Some(tokenizers) => tokenizers.target,
+        None => Tokenizer::fit(
+            data.tokenizer,
+            corpus.train.iter().map(|row| row.text.as_str()),
+            data.bpe_vocab_size,
+        )?,
+    };
+    let train_set = EncodedSentences::encode(&corpus.train, &tokenizer, data.max_tokens)?;
+    let valid = EncodedSentences::encode(&corpus.valid, &tokenizer, data.max_tokens)?;
+    Ok((corpus, tokenizer, train_set, valid))
 }

@@ -10,7 +10,10 @@ use crate::inspect::{
 };
 use crate::kernels::{LabAutodiff, LabBackend};
 use crate::models::LanguageModel;
-use crate::train::{launch, supervised_steps, unseeded, Session, Throughput, TrainReport};
+use crate::train::speed::{bench_training, BenchPlan, BenchReport};
+use crate::train::{
+    launch, supervised_steps, train_loader, unseeded, Session, Throughput, TrainReport,
+};
 use anyhow::{bail, Context, Result};
 use burn::data::dataloader::DataLoaderBuilder;
 use burn::prelude::*;
@@ -84,7 +87,7 @@ impl ModelKind for LmConfig {
             Some(&tokenizers),
             lm.activation_floats(&config.data),
         )?;
-        B::seed(&device, config.seed);
+        crate::kernels::seed::<B>(&device, config.seed);
         let loaders = session.loaders(
             &config,
             &device,
@@ -92,6 +95,7 @@ impl ModelKind for LmConfig {
             unseeded(LmBatcher),
             TokenWindows::new(corpus.valid.clone(), lm.context),
             unseeded(LmBatcher),
+            None,
         );
         let throughput = Throughput {
             per_step: config.train.batch_size * lm.context,
@@ -99,6 +103,32 @@ impl ModelKind for LmConfig {
         };
         let model: LanguageModel<B> = lm.init(&device);
         launch(&config, session, model, loaders, None, true, throughput)
+    }
+
+    fn bench<B: LabAutodiff>(
+        &self,
+        mut config: ExperimentConfig,
+        data_dir: &Path,
+        plan: BenchPlan,
+        device: &B::Device,
+    ) -> Result<BenchReport> {
+        let corpus = Corpus::load(&config, data_dir, None)?;
+        let vocab = corpus.tokenizer.vocab_size();
+        config.model.set_vocab_sizes(vocab, vocab);
+        let lm = config.model_as::<LmConfig>()?.clone();
+        let windows = TokenWindows::new(corpus.train.clone(), lm.context);
+        let loader = train_loader(
+            &config,
+            device,
+            windows,
+            unseeded(LmBatcher),
+            Arc::default(),
+            None,
+        );
+        let tokens = |_: &LmBatch<B>| config.train.batch_size * lm.context;
+        let init = || lm.init::<B>(device);
+        let loss = |model: &LanguageModel<B>, batch| model.loss(batch).0;
+        bench_training(&config, plan, &loader, "tokens", tokens, init, loss, device)
     }
 
     fn eval<B: LabBackend>(

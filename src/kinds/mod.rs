@@ -19,6 +19,7 @@ use crate::artifact::{ArtifactDir, Tokenizers, Trained};
 use crate::config::{DataConfig, ExperimentConfig, ModelSection, Visit};
 use crate::inspect::{AttentionMaps, GroupStats, TextModel};
 use crate::kernels::{LabAutodiff, LabBackend};
+use crate::train::speed::{BenchPlan, BenchReport};
 use crate::train::{Session, TrainReport, TrainRequest};
 use anyhow::{bail, Result};
 use burn::module::Module;
@@ -74,6 +75,16 @@ pub trait ModelKind: ModelSection {
 
     /// The model as a reader of one text (for `explain` and `embed`), or why it is not one.
     fn text_model<B: LabBackend>(trained: &Trained<Self::Model<B>>) -> Result<TextModel<'_, B>>;
+
+    /// `bench train`: `plan`'s training steps of a fresh model on batches of the real training
+    /// data, drawn as `train` draws them, timed phase by phase.
+    fn bench<B: LabAutodiff>(
+        &self,
+        config: ExperimentConfig,
+        data_dir: &Path,
+        plan: BenchPlan,
+        device: &B::Device,
+    ) -> Result<BenchReport>;
 }
 
 /// What `eval` was asked.
@@ -229,5 +240,35 @@ impl<K: ModelKind, B: LabAutodiff> Visit<'_, K> for Train<'_, B> {
             self.data_dir,
             self.device,
         )
+    }
+}
+
+/// `bench train` of `config`, whatever its kind (see [`ModelKind::bench`]).
+pub fn bench<B: LabAutodiff>(
+    config: ExperimentConfig,
+    data_dir: &Path,
+    plan: BenchPlan,
+    device: &B::Device,
+) -> Result<BenchReport> {
+    let model = config.model.clone();
+    model.visit(Bench::<B> {
+        config,
+        data_dir,
+        plan,
+        device,
+    })
+}
+
+struct Bench<'x, B: LabAutodiff> {
+    config: ExperimentConfig,
+    data_dir: &'x Path,
+    plan: BenchPlan,
+    device: &'x B::Device,
+}
+
+impl<K: ModelKind, B: LabAutodiff> Visit<'_, K> for Bench<'_, B> {
+    type Output = Result<BenchReport>;
+    fn visit(self, section: &K) -> Self::Output {
+        section.bench::<B>(self.config, self.data_dir, self.plan, self.device)
     }
 }

@@ -17,11 +17,16 @@ use crate::inspect::{
 use crate::kernels::{LabAutodiff, LabBackend};
 use crate::models::Seq2Seq;
 use crate::nn::AttentionMask;
-use crate::train::{launch, supervised_steps, unseeded, Session, Throughput, TrainReport};
+use crate::train::speed::{bench_training, padding_note, BenchPlan, BenchReport};
+use crate::train::{
+    launch, supervised_steps, train_loader, unseeded, Session, Throughput, TrainReport,
+};
 use crate::translate::{greedy, translate_texts, warn_truncated, SearchConfig};
 use anyhow::{bail, Result};
 use burn::data::dataset::Dataset;
+use burn::prelude::*;
 use std::path::Path;
+use std::sync::Arc;
 use std::time::Instant;
 
 supervised_steps!(Seq2Seq, Seq2SeqBatch, |model, batch| model
@@ -114,8 +119,9 @@ impl ModelKind for Seq2SeqConfig {
             data.tokenizers.source.vocab_size(),
             data.tokenizers.target.vocab_size(),
         );
-        B::seed(&device, config.seed);
+        crate::kernels::seed::<B>(&device, config.seed);
         let mean_target = data.train.target_tokens() as f64 / data.train.len() as f64;
+        let keys = data.train.length_keys();
         let loaders = session.loaders(
             &config,
             &device,
@@ -123,6 +129,7 @@ impl ModelKind for Seq2SeqConfig {
             unseeded(Seq2SeqBatcher),
             data.valid,
             unseeded(Seq2SeqBatcher),
+            Some(keys),
         );
         let throughput = Throughput {
             per_step: (train.batch_size as f64 * mean_target).round() as usize,
@@ -133,6 +140,55 @@ impl ModelKind for Seq2SeqConfig {
             .with_label_smoothing(train.label_smoothing);
         let pad = Some(Special::Pad.id());
         launch(&config, session, model, loaders, pad, true, throughput)
+    }
+
+    fn bench<B: LabAutodiff>(
+        &self,
+        mut config: ExperimentConfig,
+        data_dir: &Path,
+        plan: BenchPlan,
+        device: &B::Device,
+    ) -> Result<BenchReport> {
+        let data = TranslationData::load(&config, data_dir, None)?;
+        let tokenizers = &data.tokenizers;
+        let (source, target) = (
+            tokenizers.source.vocab_size(),
+            tokenizers.target.vocab_size(),
+        );
+        config.model.set_vocab_sizes(source, target);
+        let s2s = config.model_as::<Seq2SeqConfig>()?.clone();
+        let (sources, targets) = data.train.lengths().into_iter().unzip();
+        let keys = data.train.length_keys();
+        let padding = padding_note(&config, &[("source", sources), ("target", targets)], &keys);
+        let batcher = unseeded(Seq2SeqBatcher);
+        let loader = train_loader(
+            &config,
+            device,
+            data.train,
+            batcher,
+            Arc::default(),
+            Some(keys),
+        );
+        let pad = Special::Pad.id() as i64;
+        let tokens = |batch: &Seq2SeqBatch<B>| {
+            let real = batch.target_out.clone().not_equal_elem(pad).int().sum();
+            real.into_scalar().elem::<i64>() as usize
+        };
+        let smoothing = config.train.label_smoothing;
+        let init = || s2s.init::<B>(device).with_label_smoothing(smoothing);
+        let loss = |model: &Seq2Seq<B>, batch| model.loss(&batch, smoothing).0;
+        let mut report = bench_training(
+            &config,
+            plan,
+            &loader,
+            "target tokens",
+            tokens,
+            init,
+            loss,
+            device,
+        )?;
+        report.notes.push(padding);
+        Ok(report)
     }
 
     fn eval<B: LabBackend>(

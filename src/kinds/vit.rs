@@ -11,7 +11,10 @@ use crate::inspect::{
 };
 use crate::kernels::{LabAutodiff, LabBackend};
 use crate::models::VisionTransformer;
-use crate::train::{launch, supervised_steps, unseeded, Session, Throughput, TrainReport};
+use crate::train::speed::{bench_training, BenchPlan, BenchReport};
+use crate::train::{
+    launch, supervised_steps, train_loader, unseeded, Session, Throughput, TrainReport,
+};
 use anyhow::{bail, Result};
 use std::path::Path;
 use std::sync::Arc;
@@ -85,7 +88,7 @@ impl ModelKind for VitConfig {
             self.patch_size
         );
         session.begin(&config, None, self.activation_floats(&config.data))?;
-        B::seed(&device, config.seed);
+        crate::kernels::seed::<B>(&device, config.seed);
         let (rows, cols) = (train_set.rows, train_set.cols);
         let augmenting = ImageBatcher::new(rows, cols, config.data.augment_shift, config.seed);
         let plain = ImageBatcher::new(rows, cols, 0, config.seed);
@@ -98,6 +101,7 @@ impl ModelKind for VitConfig {
             }),
             valid,
             unseeded(plain),
+            None,
         );
         let throughput = Throughput {
             per_step: config.train.batch_size,
@@ -105,6 +109,29 @@ impl ModelKind for VitConfig {
         };
         let model = self.init::<B>(&device);
         launch(&config, session, model, loaders, None, false, throughput)
+    }
+
+    fn bench<B: LabAutodiff>(
+        &self,
+        config: ExperimentConfig,
+        data_dir: &Path,
+        plan: BenchPlan,
+        device: &B::Device,
+    ) -> Result<BenchReport> {
+        let (train_set, _) = ImageSet::load(&config.data.dataset, data_dir)?;
+        let (train_set, _) = train_set.split(config.data.valid_fraction, config.seed);
+        let (rows, cols) = (train_set.rows, train_set.cols);
+        let augmenting = ImageBatcher::new(rows, cols, config.data.augment_shift, config.seed);
+        let batcher = Arc::new(move |items, seed, device: &B::Device| {
+            augmenting.batch_seeded(items, seed, device)
+        });
+        let loader = train_loader(&config, device, train_set, batcher, Arc::default(), None);
+        let images = |batch: &ImageBatch<B>| batch.images.dims()[0];
+        let init = || self.init::<B>(device);
+        let loss = |model: &VisionTransformer<B>, batch: ImageBatch<B>| {
+            model.loss(batch.images, batch.labels).0
+        };
+        bench_training(&config, plan, &loader, "images", images, init, loss, device)
     }
 
     fn eval<B: LabBackend>(

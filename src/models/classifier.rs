@@ -146,7 +146,7 @@ impl<B: LabBackend> TextClassifier<B> {
     /// Token embedding + positions (+ dropout): the encoder's input, `[b, n]` → `[b, n, d]`.
     pub fn embed(&self, tokens: Tensor<B, 2, Int>) -> Tensor<B, 3> {
         let x = self.token_embedding.forward(tokens); // [b, n, d]
-        self.dropout.forward(self.position.forward(x))
+        crate::kernels::dropout(&self.dropout, self.position.forward(x))
     }
 
     /// Mean cross-entropy of a batch, with the logits and labels it was computed from.

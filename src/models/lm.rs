@@ -154,7 +154,7 @@ impl<B: LabBackend> LanguageModel<B> {
     /// [`Self::embed`] of tokens at positions `start..`.
     fn embed_from(&self, tokens: Tensor<B, 2, Int>, start: usize) -> Tensor<B, 3> {
         let x = self.token_embedding.forward(tokens); // [b, t, d]
-        self.dropout.forward(self.position.forward_from(x, start))
+        crate::kernels::dropout(&self.dropout, self.position.forward_from(x, start))
     }
 
     /// Logits of `n` new tokens that follow the positions in `cache` (which they extend): the

@@ -315,7 +315,7 @@ impl<B: LabBackend> Seq2Seq<B> {
     ) -> Tensor<B, 3> {
         let scale = (self.d_model() as f64).sqrt();
         let x = table.forward(tokens).mul_scalar(scale);
-        self.dropout.forward(self.position.forward_from(x, start))
+        crate::kernels::dropout(&self.dropout, self.position.forward_from(x, start))
     }
 
     fn target_embedding(&self) -> &Embedding<B> {

@@ -208,7 +208,7 @@ impl<B: LabBackend> VisionTransformer<B> {
         let d = x.dims()[2];
         let cls = self.cls_token.val().expand([b, 1, d]); // [b, 1, d]
         let x = Tensor::cat(vec![cls, x], 1); // [b, n + 1, d]
-        self.dropout.forward(self.position.forward(x))
+        crate::kernels::dropout(&self.dropout, self.position.forward(x))
     }
 
     /// Mean cross-entropy of a batch, with the logits and labels it was computed from.

@@ -246,7 +246,8 @@ impl<B: LabBackend> MultiHeadAttention<B> {
         }
         let causal = mask.is_some_and(AttentionMask::is_causal);
         let pad = mask.and_then(AttentionMask::pad);
-        let context = kernels::packed_self_attention(qkv, self.n_heads, causal, pad); // [b, t, d]
+        let dropout = kernels::attention_dropout::<B>(self.dropout.prob, &qkv.device());
+        let context = kernels::packed_self_attention(qkv, self.n_heads, causal, pad, dropout); // [b, t, d]
         AttentionOutput {
             context: linear(&self.output, context),
             weights: None,
@@ -361,18 +362,13 @@ impl<B: LabBackend> MultiHeadAttention<B> {
 
     /// Whether this layer's attention runs as the fused kernel, which never builds the
     /// weights: full softmax attention without ALiBi's bias, with fused kernels on, in training
-    /// without attention dropout, or at inference inside [`without_weights`]. Elsewhere
-    /// (inspection) the composed form runs, whose weights come for free.
+    /// (attention dropout drawn inside the kernel) or at inference inside [`without_weights`].
+    /// Elsewhere (inspection) the composed form runs, whose weights come for free.
     fn uses_attention_kernel(&self, device: &B::Device) -> bool {
-        let training = B::ad_enabled(device);
         matches!(self.mixer, Mixer::Full)
             && self.relative != RelativePosition::Alibi
             && kernels::fused()
-            && if training {
-                self.dropout.prob == 0.0
-            } else {
-                !WEIGHTS_WANTED.with(Cell::get)
-            }
+            && (B::ad_enabled(device) || !WEIGHTS_WANTED.with(Cell::get))
     }
 
     /// The heads' queries, keys and values for `query` attending to `memory`, before attention:
@@ -404,14 +400,15 @@ impl<B: LabBackend> MultiHeadAttention<B> {
         let context = match &self.mixer {
             // The fused kernel never builds the `t × s` weights.
             Mixer::Full if self.uses_attention_kernel(&q.device()) => {
-                kernels::attention(q, k, v, causal, pad)
+                let dropout = kernels::attention_dropout::<B>(self.dropout.prob, &q.device());
+                kernels::attention(q, k, v, causal, pad, dropout)
             }
             Mixer::Full => {
                 let (t, s) = (q.dims()[2], k.dims()[2]);
                 let bias = self.bias(0..t, 0..s, &q.device());
                 let mask = mask.map(AttentionMask::tensor);
                 let weights = biased_attention_weights(q, k, mask, bias); // [b, h, t, s]
-                let context = self.dropout.forward(weights.clone()).matmul(v); // [b, h, t, k]
+                let context = crate::kernels::dropout(&self.dropout, weights.clone()).matmul(v); // [b, h, t, k]
                 return (context, Some(weights));
             }
             Mixer::Local { window } => local_attention(q, k, v, *window, causal, pad, dropout),

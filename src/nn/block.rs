@@ -239,10 +239,10 @@ impl<B: LabBackend> TransformerBlock<B> {
     ) -> Tensor<B, 3> {
         if self.norm_first {
             let h = sublayer(layer_norm(norm, x.clone()));
-            x + self.dropout.forward(h)
+            x + crate::kernels::dropout(&self.dropout, h)
         } else {
             let h = sublayer(x.clone());
-            layer_norm(norm, x + self.dropout.forward(h))
+            layer_norm(norm, x + crate::kernels::dropout(&self.dropout, h))
         }
     }
 

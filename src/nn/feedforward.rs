@@ -80,6 +80,9 @@ impl<B: LabBackend> FeedForward<B> {
             Activation::Relu => relu(h),
             Activation::Gelu => gelu(h),
         };
-        linear(&self.linear_outer, self.dropout.forward(h))
+        linear(
+            &self.linear_outer,
+            crate::kernels::dropout(&self.dropout, h),
+        )
     }
 }

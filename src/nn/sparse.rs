@@ -165,7 +165,7 @@ fn block_softmax<B: LabBackend>(
     let shape = scores.dims();
     let weights = softmax(scores.mask_fill(mask.expand(shape), MASKED_SCORE));
     match dropout {
-        Some(dropout) => dropout.forward(weights),
+        Some(dropout) => crate::kernels::dropout(dropout, weights),
         None => weights,
     }
 }

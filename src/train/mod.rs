@@ -51,12 +51,15 @@ mod preflight;
 mod renderer;
 mod run;
 mod schedule;
+pub mod speed;
 
 pub use checkpoint::{prune, KeepCheckpoints, Patience, ValidLosses};
-pub use loader::{mix, unseeded, BatchFn, Draw, EpochLoader};
+pub use loader::{
+    mix, padding_fraction, replacement_indices, unseeded, BatchFn, Draw, EpochLoader,
+};
 pub use optim::{clip_global_norm, reference_adamw, LabAdamW, ReferenceOptimizer};
 pub use renderer::{PlainRenderer, Throughput};
-pub use run::{launch, Session};
+pub use run::{launch, train_loader, Session};
 pub use schedule::WarmupSchedule;
 
 use crate::artifact::{ArtifactDir, Tokenizers};

@@ -21,7 +21,7 @@ use burn::lr_scheduler::LrScheduler;
 use burn::module::AutodiffModule;
 use burn::optim::Optimizer;
 use burn::record::Recorder;
-use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::train::logger::FileMetricLogger;
 use burn::train::metric::{AccuracyMetric, LearningRateMetric, LossMetric, PerplexityMetric};
 use burn::train::{ClassificationOutput, InferenceStep, Learner, SupervisedTraining, TrainStep};
@@ -123,6 +123,7 @@ impl Session {
         train_batch: BatchFn<B, I, O>,
         valid_set: impl Dataset<IV> + 'static,
         valid_batch: BatchFn<B::InnerBackend, IV, OV>,
+        lengths: Option<Vec<usize>>,
     ) -> LoaderPair<B, O, OV>
     where
         B: AutodiffBackend,
@@ -133,19 +134,14 @@ impl Session {
     {
         let train = &config.train;
         let valid_items = (train.eval_batches * train.batch_size).min(valid_set.len());
-        let loader_train = EpochLoader::new(
+        let loader_train = train_loader(
+            config,
+            device,
             train_set,
             train_batch,
-            device.clone(),
-            Draw::Replacement {
-                batches: train.steps_per_epoch,
-            },
-            train.batch_size,
-            train.num_workers,
-            config.seed,
             self.epoch.clone(),
-        )
-        .reseeding_backend();
+            lengths,
+        );
         let loader_valid = EpochLoader::new(
             valid_set,
             valid_batch,
@@ -428,4 +424,40 @@ fn write_model<B: crate::kernels::LabBackend, M: burn::module::Module<B>>(
     model
         .save_file(artifact.model(), &ArtifactRecorder::default())
         .with_context(|| format!("cannot write {}", artifact.model_file().display()))
+}
+
+/// The training loader of `config`: `steps_per_epoch` batches drawn with replacement, fresh
+/// every epoch, grouped by length when the config asks and `lengths` are given, the backend's
+/// generator reseeded as each epoch begins. `epoch` counts the epochs begun.
+pub fn train_loader<B, I, O>(
+    config: &ExperimentConfig,
+    device: &B::Device,
+    train_set: impl Dataset<I> + 'static,
+    train_batch: BatchFn<B, I, O>,
+    epoch: Arc<AtomicUsize>,
+    lengths: Option<Vec<usize>>,
+) -> EpochLoader<B, I, O>
+where
+    B: Backend,
+    I: Send + Sync + 'static,
+    O: Send + 'static,
+{
+    let train = &config.train;
+    let loader = EpochLoader::new(
+        train_set,
+        train_batch,
+        device.clone(),
+        Draw::Replacement {
+            batches: train.steps_per_epoch,
+        },
+        train.batch_size,
+        train.num_workers,
+        config.seed,
+        epoch,
+    )
+    .reseeding_backend();
+    match lengths {
+        Some(lengths) if train.batch_by_length => loader.by_length(lengths),
+        _ => loader,
+    }
 }

@@ -11,7 +11,8 @@ use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
 use burn::prelude::*;
 use burn::record::{BinBytesRecorder, FullPrecisionSettings, Recorder};
 use burn::tensor::Bool;
-use transformer_lab::kernels::{self, cpu, with_fused, AdamWStep, LabAutodiff};
+use transformer_lab::kernels::dropout::{next_mask, philox, reseed};
+use transformer_lab::kernels::{self, cpu, with_fused, AdamWStep, DropoutMask, LabAutodiff};
 use transformer_lab::models::LanguageModel;
 use transformer_lab::nn::{AttentionMask, MultiHeadAttentionConfig};
 use transformer_lab::train::{LabAdamW, ReferenceOptimizer};
@@ -248,6 +249,7 @@ fn attention_case<B: LabAutodiff>(
     [b, h, t, s, k]: [usize; 5],
     causal: bool,
     padded: &[usize],
+    dropout: Option<DropoutMask>,
     device: &B::Device,
 ) -> (f32, [f32; 3]) {
     let q = random::<B, 4>([b, h, t, k], 11, device);
@@ -255,7 +257,7 @@ fn attention_case<B: LabAutodiff>(
     let v = random::<B, 4>([b, h, s, k], 13, device);
     let pad = padding::<B>(b, s, padded, device);
     compare([q, kk, v], |[q, k, v]| {
-        kernels::attention(q, k, v, causal, pad.as_ref())
+        kernels::attention(q, k, v, causal, pad.as_ref(), dropout)
     })
 }
 
@@ -285,17 +287,25 @@ fn fused_attention_equals_the_composed_form() {
         ),
         ([1, 1, 1, 1, 1], true, &[], "one position"),
     ];
-    for &(shape, causal, padded, what) in cases {
-        assert_close(
-            what,
-            attention_case::<Ad>(shape, causal, padded, &device),
-            2e-5,
-        );
+    // Without dropout, and with the weights dropped by one mask: the kernel draws it tile by
+    // tile (again in the backward pass), the composed form multiplies the whole [b, h, t, s].
+    let mask = DropoutMask::new(0.3, 77);
+    for dropout in [None, Some(mask)] {
+        for &(shape, causal, padded, what) in cases {
+            assert_close(
+                &format!("{what}, dropout {dropout:?}"),
+                attention_case::<Ad>(shape, causal, padded, dropout, &device),
+                2e-5,
+            );
+        }
     }
     // The composed defaults (ndarray) behind the same autodiff node.
     let device = Default::default();
-    let case = attention_case::<Autodiff<NdArray>>([2, 2, 9, 9, 5], true, &[0, 3], &device);
-    assert_close("ndarray defaults", case, 2e-5);
+    for dropout in [None, Some(mask)] {
+        let shape = [2, 2, 9, 9, 5];
+        let case = attention_case::<Autodiff<NdArray>>(shape, true, &[0, 3], dropout, &device);
+        assert_close("ndarray defaults", case, 2e-5);
+    }
 }
 
 #[test]
@@ -346,13 +356,16 @@ fn packed_self_attention_equals_the_composed_form() {
         ),
         ([1, 1, 1, 1], true, &[], "one position"),
     ];
-    for &([b, t, h, k], causal, padded, what) in cases {
+    let cases = cases
+        .iter()
+        .flat_map(|&case| [(case, None), (case, Some(DropoutMask::new(0.2, 5)))]);
+    for (([b, t, h, k], causal, padded, what), dropout) in cases {
         let qkv = random::<Ad, 3>([b, t, 3 * h * k], 31, &device);
         let pad = padding::<Ad>(b, t, padded, &device);
         let case = compare([qkv], |[qkv]| {
-            kernels::packed_self_attention(qkv, h, causal, pad.as_ref())
+            kernels::packed_self_attention(qkv, h, causal, pad.as_ref(), dropout)
         });
-        assert_close(what, case, 2e-5);
+        assert_close(&format!("{what}, dropout {dropout:?}"), case, 2e-5);
     }
 }
 
@@ -603,4 +616,69 @@ fn cross_entropy_matches_hand_computed_values_and_burns_loss() {
             "smoothing {smoothing:?}"
         );
     }
+}
+
+#[test]
+fn philox_gives_the_reference_implementations_known_answers() {
+    // Random123's known-answer vectors for Philox4x32-10.
+    assert_eq!(
+        philox([0; 4], [0; 2]),
+        [0x6627_e8d5, 0xe169_c58d, 0xbc57_ac4c, 0x9b00_dbd8]
+    );
+    assert_eq!(
+        philox([u32::MAX; 4], [u32::MAX; 2]),
+        [0x408f_276d, 0x41c8_3b0e, 0xa20b_c7c6, 0x6d54_51fd]
+    );
+    assert_eq!(
+        philox(
+            [0x243f_6a88, 0x85a3_08d3, 0x1319_8a2e, 0x0370_7344],
+            [0xa409_3822, 0x299f_31d0]
+        ),
+        [0xd16c_fe09, 0x94fd_cceb, 0x5001_e420, 0x2412_6ea1]
+    );
+}
+
+#[test]
+fn a_dropout_mask_is_a_function_of_its_seed_and_position() {
+    let mask = DropoutMask::new(0.3, 12345);
+    let whole = mask.multipliers(10_007);
+    // Any window drawn on its own (as a kernel tile is) is the same part of the mask.
+    for (start, len) in [(0, 1), (3, 9), (1001, 333), (9_999, 8)] {
+        let mut part = vec![0.0; len];
+        mask.fill(start as u64, &mut part);
+        assert_eq!(part, whole[start..start + len], "window at {start}");
+    }
+    let scale = 1.0 / 0.7f32;
+    assert!(whole.iter().all(|&m| m == 0.0 || m == scale));
+    let dropped = whole.iter().filter(|&&m| m == 0.0).count() as f64 / whole.len() as f64;
+    assert!((dropped - 0.3).abs() < 0.015, "dropped {dropped}");
+    assert_ne!(DropoutMask::new(0.3, 12346).multipliers(64), whole[..64]);
+    // The stream of masks restarts with its seed.
+    reseed(9);
+    let first = [next_mask(0.1), next_mask(0.1)];
+    reseed(9);
+    assert_eq!(first, [next_mask(0.1), next_mask(0.1)]);
+    assert_ne!(first[0], first[1]);
+}
+
+#[test]
+fn fused_dropout_multiplies_values_and_gradients_by_its_mask() {
+    fn case<B: LabAutodiff>(device: &B::Device) {
+        let mask = DropoutMask::new(0.25, 4242);
+        let n = 3 * 70_001; // several chunks of the flex kernel
+        let x = random::<B, 1>([n], 3, device).require_grad();
+        let y = Tensor::<B, 1>::from_primitive(burn::tensor::TensorPrimitive::Float(
+            B::fused_dropout(x.clone().into_primitive().tensor(), mask),
+        ));
+        let w = random::<B, 1>([n], 4, device);
+        let grads = (y.clone() * w.clone()).sum().backward();
+        let m = Tensor::<B, 1>::from_data(TensorData::new(mask.multipliers(n), [n]), device);
+        assert!(rel_diff(y, x.clone() * m.clone()) < 1e-6, "values");
+        assert!(
+            rel_diff(x.grad(&grads).unwrap(), (w * m).inner()) < 1e-6,
+            "gradients"
+        );
+    }
+    case::<Ad>(&Default::default());
+    case::<Autodiff<NdArray>>(&Default::default());
 }

@@ -429,7 +429,7 @@ fn checkpoints_keep_the_last_k_and_the_best_and_early_stopping_ends_a_run() {
     run.experiment(
         "tiny.json",
         1,
-        r#"{"lr": 1.0, "keep_checkpoints": 1, "early_stopping": {"patience": 1}}"#,
+        r#"{"lr": 1.0, "min_lr": 1.0, "grad_clip": 0.0, "keep_checkpoints": 1, "early_stopping": {"patience": 1}}"#,
     );
     let out = run.train("early");
     let log = stdout(&out);

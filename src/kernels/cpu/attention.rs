@@ -5,6 +5,7 @@
 use super::linear::{matmul, Operand};
 use super::{dot, exp, multiversion, sum, uninit, written};
 use crate::kernels::reference::MASKED_SCORE;
+use crate::kernels::DropoutMask;
 use rayon::prelude::*;
 
 /// Queries and keys per tile of the attention kernels.
@@ -133,12 +134,16 @@ multiversion! {
         v: Heads,
         causal: bool,
         pad: Option<&[f32]>,
+        dropout: Option<DropoutMask>,
         b: usize,
         h: usize,
         o: Out,
         lse: &mut [f32],
     ) {
         let AttentionShape { t, s, k: kw, .. } = shape;
+        // Element (i, j) of this head's dropout mask.
+        let first = ((b * shape.h + h) * t) as u64 * s as u64;
+        let mut keep = vec![0.0f32; TILE];
         let scale = 1.0 / (kw as f32).sqrt();
         let mut scores = vec![0.0f32; TILE * TILE];
         let mut acc = vec![0.0f32; TILE * kw];
@@ -174,6 +179,12 @@ multiversion! {
                     }
                     denom[ii] += sum(row);
                     max[ii] = new_max;
+                    // Dropout after the softmax's sum: the normaliser counts every weight.
+                    if let Some(mask) = dropout {
+                        let keep = &mut keep[..n];
+                        mask.fill(first + ((i0 + ii) * s + j0) as u64, keep);
+                        row.iter_mut().zip(keep.iter()).for_each(|(x, &m)| *x *= m);
+                    }
                 }
                 // SAFETY: as above; `acc` is local.
                 unsafe {
@@ -201,6 +212,7 @@ pub fn attention_forward(
     v: Heads,
     causal: bool,
     pad: Option<&[f32]>,
+    dropout: Option<DropoutMask>,
 ) -> (Vec<f32>, Vec<f32>) {
     let AttentionShape { b, h, t, s, k: kw } = shape;
     let mut o = uninit(b * t * h * kw);
@@ -212,7 +224,7 @@ pub fn attention_forward(
     lse.par_chunks_mut(t).enumerate().for_each(|(head, lse)| {
         let (bi, hi) = (head / h, head % h);
         let pad = pad.map(|pad| &pad[bi * s..(bi + 1) * s]);
-        attention_head(shape, q, k, v, causal, pad, bi, hi, out, lse);
+        attention_head(shape, q, k, v, causal, pad, dropout, bi, hi, out, lse);
     });
     // SAFETY: every row of every head was written.
     (unsafe { written(o, b * t * h * kw) }, lse)
@@ -229,11 +241,18 @@ multiversion! {
         d_o: Heads,
         causal: bool,
         pad: Option<&[f32]>,
+        dropout: Option<DropoutMask>,
         b: usize,
         h: usize,
         grads: [Out; 3],
     ) {
         let AttentionShape { t, s, k: kw, .. } = shape;
+        let first = ((b * shape.h + h) * t) as u64 * s as u64;
+        // The dropout multipliers of a tile and the dropped weights P⊙M.
+        let (mut keep, mut dropped) = match dropout {
+            Some(_) => (vec![0.0f32; TILE * TILE], vec![0.0f32; TILE * TILE]),
+            None => (Vec::new(), Vec::new()),
+        };
         let scale = 1.0 / (kw as f32).sqrt();
         let [dq_out, dk_out, dv_out] = grads;
         let delta: Vec<f32> = (0..t)
@@ -267,13 +286,30 @@ multiversion! {
                         row.fill(1.0 / s as f32);
                     }
                 }
+                // With dropout M the output read P⊙M: dV = (P⊙M)ᵀ·dO and dP = (dO·Vᵀ)⊙M.
+                let weights = match dropout {
+                    Some(mask) => {
+                        let (keep, dropped) = (&mut keep[..m * n], &mut dropped[..m * n]);
+                        for (ii, row) in keep.chunks_exact_mut(n).enumerate() {
+                            mask.fill(first + ((i0 + ii) * s + j0) as u64, row);
+                        }
+                        for ((x, &pj), &mj) in dropped.iter_mut().zip(p.iter()).zip(keep.iter()) {
+                            *x = pj * mj;
+                        }
+                        &dropped[..m * n]
+                    }
+                    None => &p[..],
+                };
                 unsafe {
                     // dV += Pᵀ·dO; dP = dO·Vᵀ.
-                    let pt = (p.as_ptr(), 1, n);
+                    let pt = (weights.as_ptr(), 1, n);
                     let dv_tile = dv[j0 * kw..].as_mut_ptr();
                     matmul([n, kw, m], dv_tile, kw, true, pt, d_o.rows(b, h, i0), 1.0);
                     let (dor, vt) = (d_o.rows(b, h, i0), v.rows_transposed(b, h, j0));
                     matmul([m, n, kw], ds.as_mut_ptr(), n, false, dor, vt, 1.0);
+                }
+                if dropout.is_some() {
+                    ds.iter_mut().zip(&keep[..m * n]).for_each(|(x, &mj)| *x *= mj);
                 }
                 // dS = P ⊙ (dP − D)·scale; a masked score is a constant: no gradient.
                 for (ii, (ds_row, p_row)) in ds.chunks_exact_mut(n).zip(p.chunks_exact(n)).enumerate() {
@@ -324,6 +360,7 @@ pub fn attention_backward(
     d_o: Heads,
     causal: bool,
     pad: Option<&[f32]>,
+    dropout: Option<DropoutMask>,
 ) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
     let AttentionShape { b, h, t, s, k: kw } = shape;
     let (q_len, kv_len) = (b * t * h * kw, b * s * h * kw);
@@ -343,7 +380,7 @@ pub fn attention_backward(
             strides: kv_strides,
         },
     ];
-    backward_into(shape, [q, k, v, o, d_o], lse, causal, pad, grads);
+    backward_into(shape, [q, k, v, o, d_o], lse, (causal, pad, dropout), grads);
     // SAFETY: every row of every head of the three was written.
     unsafe { (written(dq, q_len), written(dk, kv_len), written(dv, kv_len)) }
 }
@@ -358,6 +395,7 @@ pub fn packed_attention_backward(
     d_o: &[f32],
     causal: bool,
     pad: Option<&[f32]>,
+    dropout: Option<DropoutMask>,
 ) -> Vec<f32> {
     let AttentionShape { b, h, t, k: kw, .. } = shape;
     let d = h * kw;
@@ -384,8 +422,7 @@ pub fn packed_attention_backward(
         shape,
         [part(0), part(1), part(2), merged(o), merged(d_o)],
         lse,
-        causal,
-        pad,
+        (causal, pad, dropout),
         grads,
     );
     // SAFETY: every row of the three parts, which tile the buffer, was written.
@@ -397,14 +434,15 @@ fn backward_into(
     shape: AttentionShape,
     [q, k, v, o, d_o]: [Heads; 5],
     lse: &[f32],
-    causal: bool,
-    pad: Option<&[f32]>,
+    (causal, pad, dropout): (bool, Option<&[f32]>, Option<DropoutMask>),
     grads: [Out; 3],
 ) {
     let AttentionShape { h, t, s, .. } = shape;
     lse.par_chunks(t).enumerate().for_each(|(head, lse)| {
         let (bi, hi) = (head / h, head % h);
         let pad = pad.map(|pad| &pad[bi * s..(bi + 1) * s]);
-        attention_head_backward(shape, q, k, v, o, lse, d_o, causal, pad, bi, hi, grads);
+        attention_head_backward(
+            shape, q, k, v, o, lse, d_o, causal, pad, dropout, bi, hi, grads,
+        );
     });
 }

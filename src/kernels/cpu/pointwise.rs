@@ -1,7 +1,7 @@
 //! Element-wise kernels: exact GELU (with its derivative for training) and the AdamW update.
 
 use super::{erf, exp, multiversion, CHUNK, SPLIT};
-use crate::kernels::AdamWStep;
+use crate::kernels::{AdamWStep, DropoutMask};
 use rayon::prelude::*;
 
 const FRAC_1_SQRT_2: f32 = std::f32::consts::FRAC_1_SQRT_2;
@@ -51,6 +51,25 @@ pub fn gelu(x: &[f32]) -> Vec<f32> {
     y.par_chunks_mut(CHUNK)
         .zip(x.par_chunks(CHUNK))
         .for_each(|(y, x)| gelu_chunk(x, y));
+    y
+}
+
+/// `x ⊙ M` for the dropout mask `M` (element `e` of `x` times the mask's element `e`), in
+/// parallel chunks, each drawing its own part of the mask.
+pub fn dropout(x: &[f32], mask: DropoutMask) -> Vec<f32> {
+    let mut y = vec![0.0; x.len()];
+    let chunk = |(c, (y, x)): (usize, (&mut [f32], &[f32]))| {
+        mask.fill((c * CHUNK) as u64, y);
+        y.iter_mut().zip(x).for_each(|(y, &x)| *y *= x);
+    };
+    if x.len() < SPLIT {
+        chunk((0, (&mut y[..], x)));
+    } else {
+        y.par_chunks_mut(CHUNK)
+            .zip(x.par_chunks(CHUNK))
+            .enumerate()
+            .for_each(chunk);
+    }
     y
 }
 

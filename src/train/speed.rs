@@ -1,0 +1,227 @@
+//! Timing training steps, for `bench train`: a fresh model trained on batches from the
+//! training loader, every phase of every step timed (forward, backward, optimizer), and the
+//! padding that variable-length batches carry.
+
+use crate::config::ExperimentConfig;
+use crate::kernels::{LabAutodiff, LabBackend};
+use crate::train::{mix, padding_fraction, reference_adamw, replacement_indices};
+use anyhow::{anyhow, Result};
+use burn::data::dataloader::DataLoader;
+use burn::module::AutodiffModule;
+use burn::optim::{GradientsParams, Optimizer};
+use burn::prelude::*;
+use std::time::Instant;
+
+/// How long to measure.
+#[derive(Clone, Copy, Debug)]
+pub struct BenchPlan {
+    /// Timed steps per run.
+    pub steps: usize,
+    /// Untimed steps before them (allocator and kernel warm-up).
+    pub warmup: usize,
+    /// Independent runs, each from a freshly initialised model.
+    pub runs: usize,
+}
+
+/// Seconds per phase of every timed step of one run.
+#[derive(Clone, Debug, Default)]
+pub struct RunTimes {
+    /// The forward pass and loss.
+    pub forward: Vec<f64>,
+    /// `backward()`.
+    pub backward: Vec<f64>,
+    /// Clipping, decay and the AdamW update.
+    pub optimizer: Vec<f64>,
+}
+
+impl RunTimes {
+    /// Wall time of the run's timed steps.
+    pub fn total(&self) -> f64 {
+        self.forward
+            .iter()
+            .chain(&self.backward)
+            .chain(&self.optimizer)
+            .sum()
+    }
+}
+
+/// What a benchmark measured.
+#[derive(Clone, Debug)]
+pub struct BenchReport {
+    /// What is counted: `tokens`, `target tokens`, `images`, `sentences`.
+    pub unit: &'static str,
+    /// Units in the timed steps of one run (every run trains on the same batches).
+    pub units_per_run: usize,
+    /// Per run.
+    pub runs: Vec<RunTimes>,
+    /// Lines printed under the numbers (padding of variable-length batches).
+    pub notes: Vec<String>,
+}
+
+/// The median of `values` (the mean of the middle two for an even count).
+pub fn median(values: &[f64]) -> f64 {
+    let mut sorted = values.to_vec();
+    sorted.sort_by(f64::total_cmp);
+    let n = sorted.len();
+    match n {
+        0 => f64::NAN,
+        _ if n % 2 == 1 => sorted[n / 2],
+        _ => (sorted[n / 2 - 1] + sorted[n / 2]) / 2.0,
+    }
+}
+
+impl BenchReport {
+    /// Units per second of each run.
+    pub fn per_second(&self) -> Vec<f64> {
+        self.runs
+            .iter()
+            .map(|r| self.units_per_run as f64 / r.total())
+            .collect()
+    }
+
+    /// The report as text: per-run and median units/s, and the median step split in ms.
+    pub fn render(&self, backend: &str) -> String {
+        let speeds = self.per_second();
+        let list: Vec<String> = speeds.iter().map(|s| format!("{s:.0}")).collect();
+        let all = |f: fn(&RunTimes) -> &Vec<f64>| -> Vec<f64> {
+            self.runs
+                .iter()
+                .flat_map(|r| f(r).iter().copied())
+                .collect()
+        };
+        let (fwd, bwd, opt) = (
+            median(&all(|r| &r.forward)) * 1e3,
+            median(&all(|r| &r.backward)) * 1e3,
+            median(&all(|r| &r.optimizer)) * 1e3,
+        );
+        let steps = self.runs.first().map_or(1, |r| r.forward.len().max(1));
+        let mut text = format!(
+            "{backend}: {:.0} {unit}/s (median of {} runs: {}; {:.0} {unit} per step)\n\
+             median step {:.1} ms = forward {fwd:.1} + backward {bwd:.1} + optimizer {opt:.1}\n",
+            median(&speeds),
+            speeds.len(),
+            list.join(", "),
+            self.units_per_run as f64 / steps as f64,
+            fwd + bwd + opt,
+            unit = self.unit,
+        );
+        for note in &self.notes {
+            text.push_str(note);
+            text.push('\n');
+        }
+        text
+    }
+}
+
+fn sync<B: LabBackend>(device: &B::Device) -> Result<()> {
+    B::sync(device).map_err(|e| anyhow!("the backend failed: {e:?}"))
+}
+
+/// The first `n` batches `loader` serves, epoch after epoch, built before anything is timed.
+pub fn draw_batches<B: Backend, O>(loader: &dyn DataLoader<B, O>, n: usize) -> Vec<O> {
+    let mut batches = Vec::with_capacity(n);
+    while batches.len() < n {
+        let before = batches.len();
+        batches.extend(loader.iter().take(n - batches.len()));
+        assert!(batches.len() > before, "a training loader served no batch");
+    }
+    batches
+}
+
+/// Trains a fresh model from `init` for `plan` on the batches `loader` serves (warm-up
+/// batches first, all built before timing) with the step `train` runs — `loss`, `backward`,
+/// AdamW with global-norm clipping and decoupled decay — and times every phase; each run
+/// reseeds the backend with `seed + run` first. `units` counts a batch's `unit`s.
+#[allow(clippy::too_many_arguments)]
+pub fn bench_training<B, M, O>(
+    config: &ExperimentConfig,
+    plan: BenchPlan,
+    loader: &dyn DataLoader<B, O>,
+    unit: &'static str,
+    units: impl Fn(&O) -> usize,
+    init: impl Fn() -> M,
+    loss: impl Fn(&M, O) -> Tensor<B, 1>,
+    device: &B::Device,
+) -> Result<BenchReport>
+where
+    B: LabAutodiff,
+    M: AutodiffModule<B>,
+    O: Clone,
+{
+    let train = &config.train;
+    let batches = draw_batches(loader, plan.warmup + plan.steps);
+    let units_per_run = batches[plan.warmup..].iter().map(units).sum();
+    let mut runs = Vec::new();
+    for run in 0..plan.runs {
+        crate::kernels::seed::<B>(device, config.seed + run as u64);
+        let mut model = init();
+        let mut optimizer = reference_adamw::<B, M>(train);
+        let mut times = RunTimes::default();
+        for (step, batch) in batches.iter().enumerate() {
+            let began = Instant::now();
+            let loss = loss(&model, batch.clone());
+            sync::<B>(device)?;
+            let forward = began.elapsed().as_secs_f64();
+            let grads = loss.backward();
+            sync::<B>(device)?;
+            let backward = began.elapsed().as_secs_f64() - forward;
+            let grads = GradientsParams::from_grads(grads, &model);
+            model = optimizer.step(train.lr, model, grads);
+            sync::<B>(device)?;
+            let optimizer_time = began.elapsed().as_secs_f64() - forward - backward;
+            if step >= plan.warmup {
+                times.forward.push(forward);
+                times.backward.push(backward);
+                times.optimizer.push(optimizer_time);
+            }
+        }
+        runs.push(times);
+    }
+    Ok(BenchReport {
+        unit,
+        units_per_run,
+        runs,
+        notes: Vec::new(),
+    })
+}
+
+/// What padding costs the first epoch of `config`'s training draw over items of `lengths`
+/// (one list per padded side, e.g. source and target), batched in draw order and by length
+/// (grouped by `keys`): one line, e.g. `padding (epoch 1): source 41.0% → 3.2% by length`.
+pub fn padding_note(
+    config: &ExperimentConfig,
+    sides: &[(&str, Vec<usize>)],
+    keys: &[usize],
+) -> String {
+    let train = &config.train;
+    let draw = |by_length: bool| {
+        replacement_indices(
+            keys.len(),
+            train.steps_per_epoch,
+            train.batch_size,
+            mix(config.seed, 1),
+            by_length.then_some(keys),
+        )
+    };
+    let (plain, grouped) = (draw(false), draw(true));
+    let parts: Vec<String> = sides
+        .iter()
+        .map(|(side, lengths)| {
+            let fraction = |indices: &[usize]| padding_fraction(indices, lengths, train.batch_size);
+            format!(
+                "{side} {:.1}% → {:.1}% by length",
+                100.0 * fraction(&plain),
+                100.0 * fraction(&grouped)
+            )
+        })
+        .collect();
+    format!(
+        "padding (positions that are padding, epoch 1): {}; timed batches {}",
+        parts.join(", "),
+        if train.batch_by_length {
+            "grouped by length (train.batch_by_length)"
+        } else {
+            "in draw order (train.batch_by_length is off)"
+        }
+    )
+}
