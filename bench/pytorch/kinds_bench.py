@@ -21,7 +21,8 @@ the same sitting, with models, optimizers and batches of the same shape and reci
 
 All: weight decay on matrices only, global-norm clipping 1.0, batches padded to their longest
 item, drawn uniformly with replacement (`--by-length`: an epoch of 500 batches' items sorted by
-length, cut into batches, the batches shuffled — what `train.batch_by_length` does), built before
+length, cut into 500 batches of about equal tokens, the batches shuffled — what
+`train.batch_by_length` does), built before
 timing. Prints items/s (median of the runs) and the forward / backward / optimizer split.
 """
 
@@ -70,10 +71,18 @@ def draw(n_items, batch, n_batches, key=None, seed=1337):
     rng = random.Random(seed)
     if key is None:
         return [[rng.randrange(n_items) for _ in range(batch)] for _ in range(n_batches)]
-    drawn = sorted((rng.randrange(n_items) for _ in range(STEPS_PER_EPOCH * batch)), key=lambda i: (key[i], i))
-    batches = [drawn[i : i + batch] for i in range(0, len(drawn), batch)]
-    rng.shuffle(batches)
-    return batches[:n_batches]
+    drawn = sorted((rng.randrange(n_items) for _ in range(STEPS_PER_EPOCH * batch)), key=lambda i: key[i])
+    # Cut into STEPS_PER_EPOCH runs of about equal tokens, as `train.batch_by_length` does.
+    total, runs, start, acc = sum(key[i] for i in drawn), [], 0, 0
+    for at, i in enumerate(drawn):
+        acc += key[i]
+        k, left = len(runs) + 1, len(drawn) - at - 1
+        if k < STEPS_PER_EPOCH and (acc * STEPS_PER_EPOCH >= k * total or left == STEPS_PER_EPOCH - k) and left >= STEPS_PER_EPOCH - k:
+            runs.append(drawn[start : at + 1])
+            start = at + 1
+    runs.append(drawn[start:])
+    rng.shuffle(runs)
+    return runs[:n_batches]
 
 
 def adamw(model, lr, betas, decay, eps=1e-8):
@@ -173,7 +182,7 @@ def translator(args, n):
         src, tgt = tok.encode(s).ids, tok.encode(t).ids
         if src and tgt and len(src) + 1 <= 100 and len(tgt) + 1 <= 100:
             items.append((src + [EOS], tgt))
-    key = [max(len(s), len(t) + 1) * 1024 + min(len(s), len(t) + 1) for s, t in items]
+    key = [max(len(s), len(t) + 1) for s, t in items]
     batches = []
     for idx in draw(len(items), 64, n, key if args.by_length else None):
         rows = [items[i] for i in idx]

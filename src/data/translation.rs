@@ -330,13 +330,10 @@ impl EncodedPairs {
             .collect()
     }
 
-    /// The key batches are grouped by (`train.batch_by_length`): the longer side, ties broken by
-    /// the other, so both sides of a batch are of similar lengths.
+    /// The length batches are grouped and balanced by (`train.batch_by_length`): the longer
+    /// side's, what a pair costs once padded.
     pub fn length_keys(&self) -> Vec<usize> {
-        self.lengths()
-            .into_iter()
-            .map(|(s, t)| s.max(t) * 1024 + s.min(t))
-            .collect()
+        self.lengths().into_iter().map(|(s, t)| s.max(t)).collect()
     }
 
     /// Target tokens (with `</s>`) over all pairs: the tokens a pass of training predicts.

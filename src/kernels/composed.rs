@@ -172,6 +172,7 @@ pub fn packed_attention_forward<B: LabBackend>(
 
 /// See [`super::LabBackend::fused_packed_attention_backward`]: the backend's attention backward
 /// on views, its three gradients concatenated.
+#[allow(clippy::too_many_arguments)]
 pub fn packed_attention_backward<B: LabBackend>(
     qkv: FloatTensor<B>,
     o: FloatTensor<B>,

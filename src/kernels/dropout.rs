@@ -42,24 +42,32 @@ impl DropoutMask {
 
     /// The multipliers (`0` or `1/(1−p)`) of elements `start..start + out.len()`.
     pub fn fill(&self, start: u64, out: &mut [f32]) {
-        let scale = self.scale();
         let key = [self.seed as u32, (self.seed >> 32) as u32];
+        let (scale, threshold) = (self.scale(), self.threshold);
+        let pick = |w: u32| if (w as u64) < threshold { 0.0 } else { scale };
+        // Element by element up to a multiple of a batch of blocks, whole batches (the lanes
+        // of one batch computed side by side, which the compiler vectorises), then the rest.
+        const BATCH: u64 = 4 * LANES as u64;
+        let head = ((BATCH - start % BATCH) % BATCH).min(out.len() as u64) as usize;
+        let (first, rest) = out.split_at_mut(head);
         let mut e = start;
-        let mut rest = out;
-        while !rest.is_empty() {
-            let block = e / 4;
-            let words = philox([block as u32, (block >> 32) as u32, 0, 0], key);
-            let first = (e % 4) as usize;
-            let n = (4 - first).min(rest.len());
-            for (x, &w) in rest[..n].iter_mut().zip(&words[first..]) {
-                *x = if (w as u64) < self.threshold {
-                    0.0
-                } else {
-                    scale
-                };
+        for x in first.iter_mut() {
+            *x = pick(philox(block(e / 4), key)[(e % 4) as usize]);
+            e += 1;
+        }
+        let mut batches = rest.chunks_exact_mut(BATCH as usize);
+        for batch in &mut batches {
+            let words = philox_lanes(e / 4, key);
+            for (l, lane) in batch.chunks_exact_mut(4).enumerate() {
+                for (w, x) in lane.iter_mut().enumerate() {
+                    *x = pick(words[w][l]);
+                }
             }
-            rest = &mut rest[n..];
-            e += n as u64;
+            e += BATCH;
+        }
+        for x in batches.into_remainder() {
+            *x = pick(philox(block(e / 4), key)[(e % 4) as usize]);
+            e += 1;
         }
     }
 
@@ -71,13 +79,49 @@ impl DropoutMask {
     }
 }
 
+/// The counter of block `n`.
+fn block(n: u64) -> [u32; 4] {
+    [n as u32, (n >> 32) as u32, 0, 0]
+}
+
+/// Blocks computed side by side by [`philox_lanes`].
+const LANES: usize = 8;
+
+/// [`philox`] of the blocks `first..first + LANES`: `words[w][l]` is word `w` of block
+/// `first + l`.
+#[allow(clippy::needless_range_loop)] // lane `l` of four arrays, side by side
+fn philox_lanes(first: u64, key: [u32; 2]) -> [[u32; LANES]; 4] {
+    let mut c = [[0u32; LANES]; 4];
+    for l in 0..LANES {
+        [c[0][l], c[1][l], c[2][l], c[3][l]] = block(first + l as u64);
+    }
+    let mut key = key;
+    for round in 0..10 {
+        if round > 0 {
+            key = [key[0].wrapping_add(W0), key[1].wrapping_add(W1)];
+        }
+        for l in 0..LANES {
+            let p0 = M0 * c[0][l] as u64;
+            let p1 = M1 * c[2][l] as u64;
+            [c[0][l], c[1][l], c[2][l], c[3][l]] = [
+                ((p1 >> 32) as u32) ^ c[1][l] ^ key[0],
+                p1 as u32,
+                ((p0 >> 32) as u32) ^ c[3][l] ^ key[1],
+                p0 as u32,
+            ];
+        }
+    }
+    c
+}
+
+const M0: u64 = 0xD251_1F53;
+const M1: u64 = 0xCD9E_8D57;
+const W0: u32 = 0x9E37_79B9;
+const W1: u32 = 0xBB67_AE85;
+
 /// Philox4x32 with 10 rounds: the four random words of `counter` under `key`.
 #[inline]
 pub fn philox(mut counter: [u32; 4], mut key: [u32; 2]) -> [u32; 4] {
-    const M0: u64 = 0xD251_1F53;
-    const M1: u64 = 0xCD9E_8D57;
-    const W0: u32 = 0x9E37_79B9;
-    const W1: u32 = 0xBB67_AE85;
     for round in 0..10 {
         if round > 0 {
             key = [key[0].wrapping_add(W0), key[1].wrapping_add(W1)];

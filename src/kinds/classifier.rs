@@ -141,7 +141,7 @@ impl ModelKind for ClassifierConfig {
             Arc::default(),
             Some(lengths),
         );
-        let sentences = |_: &SentenceBatch<B>| config.train.batch_size;
+        let sentences = |batch: &SentenceBatch<B>| batch.labels.dims()[0];
         let init = || classifier.init::<B>(device);
         let loss = |model: &TextClassifier<B>, batch: SentenceBatch<B>| {
             model.loss(batch.tokens, batch.labels).0

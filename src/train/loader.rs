@@ -49,44 +49,66 @@ pub enum Draw {
     },
 }
 
-/// The items of one epoch drawn with replacement from `len` by the generator `seed`:
-/// `batches · batch_size` indices, uniform, grouped by length when `lengths` are given.
-pub fn replacement_indices(
+/// The batches of one epoch drawn with replacement from `len` items by the generator `seed`:
+/// `batches · batch_size` indices, uniform. In draw order, `batches` batches of `batch_size`;
+/// with `lengths`, sorted by length (a stable sort of a random draw: ties stay in random order),
+/// cut into `batches` runs of about equal tokens (more short items in a batch, fewer long ones)
+/// and the batches shuffled.
+pub fn replacement_batches(
     len: usize,
     batches: usize,
     batch_size: usize,
     seed: u64,
     lengths: Option<&[usize]>,
-) -> Vec<usize> {
+) -> Vec<Vec<usize>> {
     let mut rng = StdRng::seed_from_u64(seed);
-    let drawn: Vec<usize> = (0..batches * batch_size)
+    let mut drawn: Vec<usize> = (0..batches * batch_size)
         .map(|_| rng.random_range(0..len.max(1)))
         .collect();
-    match lengths {
-        Some(lengths) => bucketed(drawn, lengths, batch_size, &mut rng),
-        None => drawn,
+    let Some(lengths) = lengths else {
+        return drawn
+            .chunks(batch_size.max(1))
+            .map(<[usize]>::to_vec)
+            .collect();
+    };
+    let length = |i: usize| lengths.get(i).copied().unwrap_or(0);
+    drawn.sort_by_key(|&i| length(i));
+    let mut grouped = balanced(
+        &drawn,
+        &drawn.iter().map(|&i| length(i)).collect::<Vec<_>>(),
+        batches,
+    );
+    grouped.shuffle(&mut rng);
+    grouped
+}
+
+/// `items` (sorted by length) cut into `n` non-empty runs whose lengths sum to about the same:
+/// run `k` ends where the running sum first reaches `k/n` of the total.
+fn balanced(items: &[usize], lengths: &[usize], n: usize) -> Vec<Vec<usize>> {
+    let n = n.clamp(1, items.len().max(1));
+    let total: usize = lengths.iter().sum();
+    let mut runs = Vec::with_capacity(n);
+    let (mut start, mut sum) = (0, 0);
+    for (at, &length) in lengths.iter().enumerate() {
+        sum += length;
+        let k = runs.len() + 1;
+        let left = items.len() - (at + 1); // items after this one
+                                           // Cut when the run has its share, or when every later item must start a run.
+        let due = sum * n >= k * total || left == n - k;
+        if k < n && due && left >= n - k {
+            runs.push(items[start..=at].to_vec());
+            start = at + 1;
+        }
     }
+    runs.push(items[start..].to_vec());
+    runs
 }
 
-/// `drawn` sorted by length (ties by index, so the order is deterministic), cut into batches of
-/// `batch_size` and the batches shuffled.
-fn bucketed(
-    mut drawn: Vec<usize>,
-    lengths: &[usize],
-    batch_size: usize,
-    rng: &mut StdRng,
-) -> Vec<usize> {
-    drawn.sort_by_key(|&i| (lengths.get(i).copied().unwrap_or(0), i));
-    let mut batches: Vec<&[usize]> = drawn.chunks(batch_size.max(1)).collect();
-    batches.shuffle(rng);
-    batches.concat()
-}
-
-/// The fraction of positions that are padding when `indices` are batched `batch_size` at a
-/// time, each batch padded to its longest item (`lengths[i]` is item `i`'s length).
-pub fn padding_fraction(indices: &[usize], lengths: &[usize], batch_size: usize) -> f64 {
+/// The fraction of positions that are padding in `batches`, each padded to its longest item
+/// (`lengths[i]` is item `i`'s length).
+pub fn padding_fraction(batches: &[Vec<usize>], lengths: &[usize]) -> f64 {
     let (mut real, mut padded) = (0usize, 0usize);
-    for batch in indices.chunks(batch_size.max(1)) {
+    for batch in batches {
         let longest = batch.iter().map(|&i| lengths[i]).max().unwrap_or(0);
         real += batch.iter().map(|&i| lengths[i]).sum::<usize>();
         padded += longest * batch.len();
@@ -198,11 +220,11 @@ where
 }
 
 impl<B: Backend, I, O> EpochLoader<B, I, O> {
-    /// The dataset indices of `epoch`'s items, in order.
-    pub fn indices(&self, epoch: usize) -> Vec<usize> {
+    /// The dataset indices of `epoch`'s batches, in order.
+    pub fn batches(&self, epoch: usize) -> Vec<Vec<usize>> {
         let len = self.dataset.len();
         let all = match self.draw {
-            Draw::Replacement { batches } => replacement_indices(
+            Draw::Replacement { batches } => replacement_batches(
                 len,
                 batches,
                 self.batch_size,
@@ -214,12 +236,30 @@ impl<B: Backend, I, O> EpochLoader<B, I, O> {
                 order.shuffle(&mut StdRng::seed_from_u64(mix(self.seed, 0x5eed)));
                 order.truncate(items);
                 order
+                    .chunks(self.batch_size)
+                    .map(<[usize]>::to_vec)
+                    .collect()
             }
         };
-        match &self.range {
-            Some(range) => all[range.start.min(all.len())..range.end.min(all.len())].to_vec(),
-            None => all,
+        let Some(range) = &self.range else {
+            return all;
+        };
+        // The items at positions `range` of the epoch, batch boundaries kept.
+        let mut at = 0;
+        let mut kept = Vec::new();
+        for batch in all {
+            let (from, to) = (range.start.max(at), range.end.min(at + batch.len()));
+            if from < to {
+                kept.push(batch[from - at..to - at].to_vec());
+            }
+            at += batch.len();
         }
+        kept
+    }
+
+    /// The dataset indices of `epoch`'s items, in order.
+    pub fn indices(&self, epoch: usize) -> Vec<usize> {
+        self.batches(epoch).concat()
     }
 
     fn items_per_epoch(&self) -> usize {
@@ -245,26 +285,27 @@ where
         if self.reseed_backend {
             crate::kernels::seed::<B>(&self.device, mix(self.seed, (epoch as u64) << 32 | 0xd409));
         }
-        let indices = Arc::new(self.indices(epoch));
-        let batches = indices.len().div_ceil(self.batch_size);
+        let epoch_batches = Arc::new(self.batches(epoch));
+        let items: usize = epoch_batches.iter().map(Vec::len).sum();
+        let batches = epoch_batches.len();
         let workers = self.workers.min(batches.max(1));
         // Worker `w` makes batches w, w + workers, …; the iterator takes them round-robin, so
         // they come out in order however the threads are scheduled.
         let receivers = (0..workers)
             .map(|w| {
                 let (sender, receiver) = sync_channel(2);
-                let (indices, dataset, batch, device) = (
-                    indices.clone(),
+                let (epoch_batches, dataset, batch, device) = (
+                    epoch_batches.clone(),
                     self.dataset.clone(),
                     self.batch.clone(),
                     self.device.clone(),
                 );
-                let (size, seed) = (self.batch_size, mix(self.seed, epoch as u64));
+                let seed = mix(self.seed, epoch as u64);
                 std::thread::Builder::new()
                     .name(format!("loader-{w}"))
                     .spawn(move || {
                         for j in (w..batches).step_by(workers) {
-                            let chunk = &indices[j * size..((j + 1) * size).min(indices.len())];
+                            let chunk = &epoch_batches[j];
                             let items = chunk.iter().filter_map(|&i| dataset.get(i)).collect();
                             let made = batch(items, mix(seed, j as u64), &device);
                             if sender.send((made, chunk.len())).is_err() {
@@ -280,7 +321,7 @@ where
             receivers,
             next: 0,
             batches,
-            progress: Progress::new(0, indices.len()),
+            progress: Progress::new(0, items),
         })
     }
 

@@ -55,7 +55,7 @@ pub mod speed;
 
 pub use checkpoint::{prune, KeepCheckpoints, Patience, ValidLosses};
 pub use loader::{
-    mix, padding_fraction, replacement_indices, unseeded, BatchFn, Draw, EpochLoader,
+    mix, padding_fraction, replacement_batches, unseeded, BatchFn, Draw, EpochLoader,
 };
 pub use optim::{clip_global_norm, reference_adamw, LabAdamW, ReferenceOptimizer};
 pub use renderer::{PlainRenderer, Throughput};

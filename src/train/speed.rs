@@ -4,7 +4,7 @@
 
 use crate::config::ExperimentConfig;
 use crate::kernels::{LabAutodiff, LabBackend};
-use crate::train::{mix, padding_fraction, reference_adamw, replacement_indices};
+use crate::train::{mix, padding_fraction, reference_adamw, replacement_batches};
 use anyhow::{anyhow, Result};
 use burn::data::dataloader::DataLoader;
 use burn::module::AutodiffModule;
@@ -195,7 +195,7 @@ pub fn padding_note(
 ) -> String {
     let train = &config.train;
     let draw = |by_length: bool| {
-        replacement_indices(
+        replacement_batches(
             keys.len(),
             train.steps_per_epoch,
             train.batch_size,
@@ -207,11 +207,10 @@ pub fn padding_note(
     let parts: Vec<String> = sides
         .iter()
         .map(|(side, lengths)| {
-            let fraction = |indices: &[usize]| padding_fraction(indices, lengths, train.batch_size);
             format!(
                 "{side} {:.1}% → {:.1}% by length",
-                100.0 * fraction(&plain),
-                100.0 * fraction(&grouped)
+                100.0 * padding_fraction(&plain, lengths),
+                100.0 * padding_fraction(&grouped, lengths)
             )
         })
         .collect();

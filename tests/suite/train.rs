@@ -173,3 +173,70 @@ fn weight_decay_shrinks_matrices_but_not_layer_norm_gains() {
         "LayerNorm gains stay 1"
     );
 }
+
+#[test]
+fn batches_by_length_read_the_same_items_with_less_padding() {
+    use burn::data::dataset::InMemDataset;
+    use std::sync::Arc;
+    use transformer_lab::train::{mix, padding_fraction, replacement_batches, Draw, EpochLoader};
+    // By hand: lengths 2 and 4 in one batch pad 2 of 8 positions.
+    assert_eq!(padding_fraction(&[vec![0, 1]], &[2, 4]), 0.25);
+    let n = 5000;
+    let lengths: Vec<usize> = (0..n).map(|i| 1 + (i * 7919) % 60).collect();
+    let (batches, size, seed) = (40, 32, 17);
+    let plain = replacement_batches(n, batches, size, seed, None);
+    let grouped = replacement_batches(n, batches, size, seed, Some(&lengths));
+    assert_eq!(plain.len(), batches);
+    assert!(plain.iter().all(|b| b.len() == size));
+    // As many batches of the same items (so the same tokens per epoch), reproducibly.
+    assert_eq!(grouped.len(), batches);
+    let sorted = |v: &[Vec<usize>]| {
+        let mut v = v.concat();
+        v.sort();
+        v
+    };
+    assert_eq!(sorted(&plain), sorted(&grouped));
+    assert_eq!(
+        grouped,
+        replacement_batches(n, batches, size, seed, Some(&lengths))
+    );
+    // Each batch holds about the same tokens (more short items, fewer long ones); the batches
+    // come in shuffled order, with little padding left.
+    let tokens = |b: &Vec<usize>| b.iter().map(|&i| lengths[i]).sum::<usize>();
+    let mean = grouped.iter().map(tokens).sum::<usize>() / batches;
+    for batch in &grouped {
+        let ls: Vec<usize> = batch.iter().map(|&i| lengths[i]).collect();
+        let hi = *ls.iter().max().unwrap();
+        assert!(
+            tokens(batch).abs_diff(mean) <= hi,
+            "{} tokens, mean {mean}",
+            tokens(batch)
+        );
+    }
+    let longest: Vec<usize> = grouped
+        .iter()
+        .map(|b| b.iter().map(|&i| lengths[i]).max().unwrap())
+        .collect();
+    assert!(longest.windows(2).any(|w| w[0] > w[1]), "{longest:?}");
+    let (before, after) = (
+        padding_fraction(&plain, &lengths),
+        padding_fraction(&grouped, &lengths),
+    );
+    assert!(before > 0.4 && after < 0.1, "{before} → {after}");
+    // The training loader serves exactly that draw for each epoch.
+    let loader = EpochLoader::<NdArray, usize, Vec<usize>>::new(
+        InMemDataset::new((0..n).collect()),
+        Arc::new(|items, _, _| items),
+        Default::default(),
+        Draw::Replacement { batches },
+        size,
+        2,
+        seed,
+        Arc::default(),
+    )
+    .by_length(lengths.clone());
+    for epoch in [1, 2] {
+        let expected = replacement_batches(n, batches, size, mix(seed, epoch), Some(&lengths));
+        assert_eq!(loader.batches(epoch as usize), expected);
+    }
+}

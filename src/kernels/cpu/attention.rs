@@ -387,6 +387,7 @@ pub fn attention_backward(
 
 /// Self-attention on packed projections `qkv` `[b, t, 3·h·k]` (Q, K, V side by side): the
 /// gradient of `qkv`, written in place of its three parts. `o` and `d_o` are `[b, t, h·k]`.
+#[allow(clippy::too_many_arguments)]
 pub fn packed_attention_backward(
     shape: AttentionShape,
     qkv: &[f32],
