@@ -168,3 +168,58 @@ fn bench_kernels_times_each_fused_kernel_against_the_composed_ops() {
     let bad = run(dir.path(), &["bench", "kernels", "-e", "missing.json"]);
     assert_clean_error(&bad, "missing.json");
 }
+
+#[test]
+fn bench_train_measures_a_translator_in_target_tokens_with_its_padding() {
+    // Any model kind: a tiny copy-task translator with dropout (the fused attention with its
+    // dropout in self- and cross-attention), grouped by length or not.
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(
+        dir.path().join("copy.json"),
+        r#"{"name": "copy", "seed": 3,
+            "model": {"kind": "seq2seq", "d_model": 16, "n_heads": 2, "encoder_layers": 1,
+                      "decoder_layers": 1, "d_ff": 32, "max_len": 16, "dropout": 0.1},
+            "data": {"dataset": "copy", "tokenizer": "bpe", "bpe_vocab_size": 300,
+                     "shared_vocab": true, "max_tokens": 16,
+                     "copy": {"symbols": 6, "min_len": 2, "max_len": 12, "train_pairs": 400}},
+            "train": {"batch_size": 8, "steps": 10, "steps_per_epoch": 10, "warmup_steps": 2,
+                      "batch_by_length": true}}"#,
+    )
+    .unwrap();
+    for by_length in ["on", "off"] {
+        let args = [
+            "bench",
+            "train",
+            "-e",
+            "copy.json",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--runs",
+            "1",
+            "--by-length",
+            by_length,
+        ];
+        let out = run(dir.path(), &args);
+        assert!(out.status.success(), "{}", stderr(&out));
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            text.contains(" target tokens/s (median of 1 runs: "),
+            "{text}"
+        );
+        assert!(
+            text.contains("padding (positions that are padding, epoch 1): source "),
+            "{text}"
+        );
+        let grouped = text.contains("timed batches grouped by length");
+        assert_eq!(grouped, by_length == "on", "{text}");
+    }
+    assert_clean_error(
+        &run(
+            dir.path(),
+            &["bench", "train", "-e", "copy.json", "--by-length", "maybe"],
+        ),
+        "expected on or off",
+    );
+}
