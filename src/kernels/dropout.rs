@@ -8,6 +8,7 @@
 //! fresh seed from one stream ([`next_mask`]), which [`reseed`] restarts: reseeded with the
 //! backend at every epoch, the masks of a resumed run are those of the run it replaced.
 
+use super::cpu::multiversion;
 use std::sync::Mutex;
 
 /// One dropout mask: element `e` is kept (scaled by `1/(1−prob)`) or dropped (zero) by the
@@ -42,33 +43,7 @@ impl DropoutMask {
 
     /// The multipliers (`0` or `1/(1−p)`) of elements `start..start + out.len()`.
     pub fn fill(&self, start: u64, out: &mut [f32]) {
-        let key = [self.seed as u32, (self.seed >> 32) as u32];
-        let (scale, threshold) = (self.scale(), self.threshold);
-        let pick = |w: u32| if (w as u64) < threshold { 0.0 } else { scale };
-        // Element by element up to a multiple of a batch of blocks, whole batches (the lanes
-        // of one batch computed side by side, which the compiler vectorises), then the rest.
-        const BATCH: u64 = 4 * LANES as u64;
-        let head = ((BATCH - start % BATCH) % BATCH).min(out.len() as u64) as usize;
-        let (first, rest) = out.split_at_mut(head);
-        let mut e = start;
-        for x in first.iter_mut() {
-            *x = pick(philox(block(e / 4), key)[(e % 4) as usize]);
-            e += 1;
-        }
-        let mut batches = rest.chunks_exact_mut(BATCH as usize);
-        for batch in &mut batches {
-            let words = philox_lanes(e / 4, key);
-            for (l, lane) in batch.chunks_exact_mut(4).enumerate() {
-                for (w, x) in lane.iter_mut().enumerate() {
-                    *x = pick(words[w][l]);
-                }
-            }
-            e += BATCH;
-        }
-        for x in batches.into_remainder() {
-            *x = pick(philox(block(e / 4), key)[(e % 4) as usize]);
-            e += 1;
-        }
+        fill(self.seed, self.threshold, self.scale(), start, out);
     }
 
     /// The multipliers of elements `0..n`.
@@ -76,6 +51,39 @@ impl DropoutMask {
         let mut out = vec![0.0; n];
         self.fill(0, &mut out);
         out
+    }
+}
+
+multiversion! {
+    /// Writes the multipliers of elements `start..` into `out`: whole batches of `LANES`
+    /// blocks side by side (vectorised) where aligned, one block (four elements) at a time
+    /// elsewhere.
+    fn fill(seed: u64, threshold: u64, scale: f32, start: u64, out: &mut [f32]) {
+        const BATCH: u64 = 4 * LANES as u64;
+        let key = [seed as u32, (seed >> 32) as u32];
+        let pick = |w: u32| if (w as u64) < threshold { 0.0 } else { scale };
+        let end = start + out.len() as u64;
+        let (mut e, mut i) = (start, 0usize);
+        while e < end {
+            if e % BATCH == 0 && end - e >= BATCH {
+                let words = philox_lanes(e / 4, key);
+                for (l, lane) in out[i..i + BATCH as usize].chunks_exact_mut(4).enumerate() {
+                    for (w, x) in lane.iter_mut().enumerate() {
+                        *x = pick(words[w][l]);
+                    }
+                }
+                e += BATCH;
+                i += BATCH as usize;
+            } else {
+                let words = philox(block(e / 4), key);
+                let stop = ((e / 4 + 1) * 4).min(end);
+                while e < stop {
+                    out[i] = pick(words[(e % 4) as usize]);
+                    e += 1;
+                    i += 1;
+                }
+            }
+        }
     }
 }
 
@@ -90,6 +98,7 @@ const LANES: usize = 8;
 /// [`philox`] of the blocks `first..first + LANES`: `words[w][l]` is word `w` of block
 /// `first + l`.
 #[allow(clippy::needless_range_loop)] // lane `l` of four arrays, side by side
+#[inline(always)]
 fn philox_lanes(first: u64, key: [u32; 2]) -> [[u32; LANES]; 4] {
     let mut c = [[0u32; LANES]; 4];
     for l in 0..LANES {
@@ -120,7 +129,7 @@ const W0: u32 = 0x9E37_79B9;
 const W1: u32 = 0xBB67_AE85;
 
 /// Philox4x32 with 10 rounds: the four random words of `counter` under `key`.
-#[inline]
+#[inline(always)]
 pub fn philox(mut counter: [u32; 4], mut key: [u32; 2]) -> [u32; 4] {
     for round in 0..10 {
         if round > 0 {
