@@ -105,22 +105,34 @@ fn philox_lanes(first: u64, key: [u32; 2]) -> [[u32; LANES]; 4] {
         [c[0][l], c[1][l], c[2][l], c[3][l]] = block(first + l as u64);
     }
     let mut key = key;
-    for round in 0..10 {
-        if round > 0 {
-            key = [key[0].wrapping_add(W0), key[1].wrapping_add(W1)];
+    for r in 0..10 {
+        if r > 0 {
+            key = bump(key);
         }
         for l in 0..LANES {
-            let p0 = M0 * c[0][l] as u64;
-            let p1 = M1 * c[2][l] as u64;
-            [c[0][l], c[1][l], c[2][l], c[3][l]] = [
-                ((p1 >> 32) as u32) ^ c[1][l] ^ key[0],
-                p1 as u32,
-                ((p0 >> 32) as u32) ^ c[3][l] ^ key[1],
-                p0 as u32,
-            ];
+            [c[0][l], c[1][l], c[2][l], c[3][l]] = round([c[0][l], c[1][l], c[2][l], c[3][l]], key);
         }
     }
     c
+}
+
+/// One Philox4x32 round of `counter` under the round's `key`.
+#[inline(always)]
+fn round(c: [u32; 4], key: [u32; 2]) -> [u32; 4] {
+    let p0 = M0 * c[0] as u64;
+    let p1 = M1 * c[2] as u64;
+    [
+        ((p1 >> 32) as u32) ^ c[1] ^ key[0],
+        p1 as u32,
+        ((p0 >> 32) as u32) ^ c[3] ^ key[1],
+        p0 as u32,
+    ]
+}
+
+/// The key of the next round.
+#[inline(always)]
+fn bump(key: [u32; 2]) -> [u32; 2] {
+    [key[0].wrapping_add(W0), key[1].wrapping_add(W1)]
 }
 
 const M0: u64 = 0xD251_1F53;
@@ -131,18 +143,11 @@ const W1: u32 = 0xBB67_AE85;
 /// Philox4x32 with 10 rounds: the four random words of `counter` under `key`.
 #[inline(always)]
 pub fn philox(mut counter: [u32; 4], mut key: [u32; 2]) -> [u32; 4] {
-    for round in 0..10 {
-        if round > 0 {
-            key = [key[0].wrapping_add(W0), key[1].wrapping_add(W1)];
+    for r in 0..10 {
+        if r > 0 {
+            key = bump(key);
         }
-        let p0 = M0 * counter[0] as u64;
-        let p1 = M1 * counter[2] as u64;
-        counter = [
-            ((p1 >> 32) as u32) ^ counter[1] ^ key[0],
-            p1 as u32,
-            ((p0 >> 32) as u32) ^ counter[3] ^ key[1],
-            p0 as u32,
-        ];
+        counter = round(counter, key);
     }
     counter
 }
