@@ -14,6 +14,7 @@ static ALLOCATOR: CountingAlloc = CountingAlloc;
 fn main() -> ExitCode {
     // clap prints --help and usage errors itself (ignoring a closed pipe) and exits.
     let cli = Cli::parse();
+    transformer_lab::memory::keep_freed_memory();
     // A closed stdout or stderr (`train | head -1`) must not stop the work: see `stdio`.
     let stdio = transformer_lab::stdio::guard();
     transformer_lab::kernels::set_fused(!cli.no_fused);

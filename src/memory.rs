@@ -57,6 +57,23 @@ unsafe impl GlobalAlloc for CountingAlloc {
     }
 }
 
+/// Keeps freed memory in the process for the next allocation of its size instead of handing it
+/// back to the system (glibc's allocator): a training step frees and allocates the same large
+/// buffers (activations, logits, gradients) every step, and glibc serves each allocation above
+/// its mmap threshold (128 KiB to 32 MiB) with a fresh mapping — zeroed pages, faulted in one
+/// by one, unmapped at the free. Measured on the translator: 40% of a step. Allocations come from
+/// the heap instead and the heap is not trimmed, so the process's resident memory stays at its
+/// peak, as PyTorch's caching allocators do. Call once, before the work starts.
+pub fn keep_freed_memory() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: mallopt only changes the allocator's parameters; it is called before any thread
+    // of ours allocates.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_MAX, 0);
+        libc::mallopt(libc::M_TRIM_THRESHOLD, libc::c_int::MAX);
+    }
+}
+
 /// Starts a measurement: the peak is reset to the bytes live now, which are returned.
 pub fn reset_peak() -> usize {
     let live = LIVE.load(Ordering::Relaxed);

@@ -648,6 +648,12 @@ fn a_dropout_mask_is_a_function_of_its_seed_and_position() {
         mask.fill(start as u64, &mut part);
         assert_eq!(part, whole[start..start + len], "window at {start}");
     }
+    // Element e: word e % 4 of the Philox block e / 4 under the seed, dropped below p · 2³².
+    let threshold = (0.3 * 4_294_967_296.0) as u64;
+    for (e, &m) in whole.iter().enumerate() {
+        let word = philox([(e / 4) as u32, 0, 0, 0], [12345, 0])[e % 4];
+        assert_eq!(m == 0.0, (word as u64) < threshold, "element {e}");
+    }
     let scale = 1.0 / 0.7f32;
     assert!(whole.iter().all(|&m| m == 0.0 || m == scale));
     let dropped = whole.iter().filter(|&&m| m == 0.0).count() as f64 / whole.len() as f64;

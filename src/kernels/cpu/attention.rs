@@ -126,6 +126,18 @@ fn mask_tile(
     }
 }
 
+/// The dropout multipliers of the tile (rows of `n`) at `(i0, j0)` of a head whose mask starts at
+/// element `first` and has rows of `s`: one draw when the tile spans whole rows.
+fn mask_multipliers(mask: DropoutMask, first: u64, [i0, j0, n, s]: [usize; 4], out: &mut [f32]) {
+    if n == s {
+        mask.fill(first + (i0 * s) as u64, out);
+    } else {
+        for (ii, row) in out.chunks_exact_mut(n).enumerate() {
+            mask.fill(first + ((i0 + ii) * s + j0) as u64, row);
+        }
+    }
+}
+
 multiversion! {
     fn attention_head(
         shape: AttentionShape,
@@ -143,7 +155,7 @@ multiversion! {
         let AttentionShape { t, s, k: kw, .. } = shape;
         // Element (i, j) of this head's dropout mask.
         let first = ((b * shape.h + h) * t) as u64 * s as u64;
-        let mut keep = vec![0.0f32; TILE];
+        let mut keep = vec![0.0f32; if dropout.is_some() { TILE * TILE } else { 0 }];
         let scale = 1.0 / (kw as f32).sqrt();
         let mut scores = vec![0.0f32; TILE * TILE];
         let mut acc = vec![0.0f32; TILE * kw];
@@ -166,6 +178,9 @@ multiversion! {
                     matmul([m, n, kw], scores.as_mut_ptr(), n, false, qr, kt, scale);
                 }
                 mask_tile(scores, n, i0, j0, causal, pad);
+                if let Some(mask) = dropout {
+                    mask_multipliers(mask, first, [i0, j0, n, s], &mut keep[..m * n]);
+                }
                 for (ii, row) in scores.chunks_exact_mut(n).enumerate() {
                     let tile_max = row.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
                     let new_max = max[ii].max(tile_max);
@@ -180,10 +195,9 @@ multiversion! {
                     denom[ii] += sum(row);
                     max[ii] = new_max;
                     // Dropout after the softmax's sum: the normaliser counts every weight.
-                    if let Some(mask) = dropout {
-                        let keep = &mut keep[..n];
-                        mask.fill(first + ((i0 + ii) * s + j0) as u64, keep);
-                        row.iter_mut().zip(keep.iter()).for_each(|(x, &m)| *x *= m);
+                    if dropout.is_some() {
+                        let keep = &keep[ii * n..(ii + 1) * n];
+                        row.iter_mut().zip(keep).for_each(|(x, &m)| *x *= m);
                     }
                 }
                 // SAFETY: as above; `acc` is local.
@@ -290,9 +304,7 @@ multiversion! {
                 let weights = match dropout {
                     Some(mask) => {
                         let (keep, dropped) = (&mut keep[..m * n], &mut dropped[..m * n]);
-                        for (ii, row) in keep.chunks_exact_mut(n).enumerate() {
-                            mask.fill(first + ((i0 + ii) * s + j0) as u64, row);
-                        }
+                        mask_multipliers(mask, first, [i0, j0, n, s], keep);
                         for ((x, &pj), &mj) in dropped.iter_mut().zip(p.iter()).zip(keep.iter()) {
                             *x = pj * mj;
                         }
