@@ -10,7 +10,7 @@ use super::mixer::Mixer;
 use super::relative::{alibi_bias, rope, RelativePosition};
 use super::sparse::{local_attention, strided_attention};
 use crate::kernels::reference::{merge_heads, split_packed};
-use crate::kernels::{self, softmax, LabBackend};
+use crate::kernels::{self, softmax, LabAutodiff, LabBackend};
 use burn::module::Module;
 use burn::nn::{Dropout, DropoutConfig, Initializer, Linear, LinearConfig};
 use burn::prelude::*;
@@ -152,6 +152,11 @@ pub struct MultiHeadAttention<B: LabBackend> {
     n_heads: usize,
     mixer: Mixer,
     relative: RelativePosition,
+    /// Gates on the heads: head `i`'s context is multiplied by `gates[i]` before `W^O` (0
+    /// removes the head, 1 keeps it). Not saved with the weights; `None`, the default, costs
+    /// nothing.
+    #[module(skip)]
+    head_gates: Option<Vec<f32>>,
 }
 
 /// What an attention layer returns: the projected context and the weights of every head.
@@ -197,6 +202,7 @@ impl MultiHeadAttentionConfig {
             n_heads: self.n_heads,
             mixer: self.mixer.clone(),
             relative: self.relative,
+            head_gates: None,
         }
     }
 }
@@ -224,7 +230,7 @@ impl<B: LabBackend> MultiHeadAttention<B> {
         (context, weights): (Tensor<B, 4>, Option<Tensor<B, 4>>),
     ) -> AttentionOutput<B> {
         AttentionOutput {
-            context: linear(&self.output, merge_heads(context)), // [b, t, d]
+            context: self.project_out(merge_heads(context)), // [b, t, d]
             weights,
         }
     }
@@ -249,7 +255,7 @@ impl<B: LabBackend> MultiHeadAttention<B> {
         let dropout = kernels::attention_dropout::<B>(self.dropout.prob, &qkv.device());
         let context = kernels::packed_self_attention(qkv, self.n_heads, causal, pad, dropout); // [b, t, d]
         AttentionOutput {
-            context: linear(&self.output, context),
+            context: self.project_out(context),
             weights: None,
         }
     }
@@ -301,7 +307,7 @@ impl<B: LabBackend> MultiHeadAttention<B> {
                 biased_attention_weights(q, k, mask, bias).matmul(v) // [b, h, n, k]
             }
         };
-        linear(&self.output, merge_heads(context)) // [b, n, d]
+        self.project_out(merge_heads(context)) // [b, n, d]
     }
 
     /// The keys and values of `memory` (`[b, s, d]`, with its key-padding mask) as this
@@ -322,7 +328,7 @@ impl<B: LabBackend> MultiHeadAttention<B> {
     pub fn forward_memory(&self, query: Tensor<B, 3>, memory: &CrossMemory<B>) -> Tensor<B, 3> {
         let q = self.split_heads(linear(&self.query, query)); // [b, h, n, k]
         let weights = masked_attention_weights(q, memory.k.clone(), memory.mask.clone());
-        linear(&self.output, merge_heads(weights.matmul(memory.v.clone()))) // [b, n, d]
+        self.project_out(merge_heads(weights.matmul(memory.v.clone()))) // [b, n, d]
     }
 
     /// Whether this layer can decode from a [`LayerCache`]: every attention mixer can.
@@ -472,5 +478,55 @@ impl<B: LabBackend> MultiHeadAttention<B> {
     /// Number of heads.
     pub fn n_heads(&self) -> usize {
         self.n_heads
+    }
+
+    /// Sets the gates on the heads (one per head: 0 removes a head's contribution, 1 keeps
+    /// it), or removes them (`None`). Every forward form reads them: training, inference,
+    /// cached decoding, cross-attention.
+    ///
+    /// # Panics
+    /// If `gates` does not hold one value per head.
+    pub fn set_head_gates(&mut self, gates: Option<Vec<f32>>) {
+        if let Some(gates) = &gates {
+            assert_eq!(gates.len(), self.n_heads, "one gate per head");
+        }
+        self.head_gates = gates;
+    }
+
+    /// The gates on the heads, if any.
+    pub fn head_gates(&self) -> Option<&[f32]> {
+        self.head_gates.as_deref()
+    }
+
+    /// The heads' merged context `[b, n, d]` (head `i` in columns `i·k..(i+1)·k`) projected by
+    /// `W^O`, each head scaled by its gate.
+    fn project_out(&self, context: Tensor<B, 3>) -> Tensor<B, 3> {
+        let Some(gates) = &self.head_gates else {
+            return linear(&self.output, context);
+        };
+        let d = context.dims()[2];
+        let width = d / self.n_heads;
+        let scale: Vec<f32> = gates
+            .iter()
+            .flat_map(|&g| std::iter::repeat_n(g, width))
+            .collect();
+        let scale = Tensor::<B, 1>::from_floats(scale.as_slice(), &context.device());
+        linear(&self.output, context * scale.reshape([1, 1, d]))
+    }
+}
+
+impl<B: LabAutodiff> MultiHeadAttention<B> {
+    /// `∂L/∂ξ_h` for a gate `ξ_h` on each head at `ξ = 1` (Michel et al. 2019), from the
+    /// gradients of a loss `L` of this layer's ungated output: the layer computes
+    /// `Σ_h ξ_h·c_h·W^O_h`, so `∂L/∂ξ_h = ⟨c_h·W^O_h, ∂L/∂y⟩ = ⟨W^O_h, ∂L/∂W^O_h⟩` — the rows of
+    /// `W^O` that read head `h`, times their gradient. `None` when `W^O` has no gradient.
+    pub fn gate_gradients(&self, grads: &B::Gradients) -> Option<Vec<f32>> {
+        let weight = self.output.weight.val(); // [d, d], row = input feature
+        let grad = weight.grad(grads)?;
+        let [d, out] = grad.dims();
+        let per_head = (weight.inner() * grad)
+            .reshape([self.n_heads, d / self.n_heads * out])
+            .sum_dim(1);
+        Some(per_head.into_data().to_vec::<f32>().expect("f32 gradients"))
     }
 }

@@ -3,8 +3,12 @@
 
 use burn::backend::NdArray;
 use burn::prelude::*;
+use burn::tensor::Distribution;
 use transformer_lab::explain::{self, walkthrough};
-use transformer_lab::nn::{scaled_dot_product_attention, AttentionMask, MultiHeadAttentionConfig};
+use transformer_lab::nn::{
+    scaled_dot_product_attention, without_weights, AttentionMask, LayerCache, MultiHeadAttention,
+    MultiHeadAttentionConfig,
+};
 
 type B = NdArray<f32>;
 
@@ -136,4 +140,87 @@ fn cross_attention_attends_over_the_memory_sequence() {
     let other = mha.forward(query, memory.mul_scalar(2.0), None);
     let diff: f32 = (out.context - other.context).abs().max().into_scalar();
     assert!(diff > 1e-4);
+}
+
+/// A 4-head layer of width 16 with seeded weights, and a copy whose `W^O` rows for `head` are
+/// zero.
+fn layer_and_copy_without(head: usize) -> (MultiHeadAttention<B>, MultiHeadAttention<B>) {
+    let device = Default::default();
+    B::seed(&device, 21);
+    let mha = MultiHeadAttentionConfig::new(16, 4).init::<B>(&device);
+    // Parameters are drawn on first use: draw them once, before the copies share them.
+    let record = mha.clone().into_record();
+    let mha = mha.load_record(record);
+    let mut zeroed = mha.clone();
+    zeroed.output.weight = zeroed.output.weight.map(|w| {
+        w.slice_assign(
+            [head * 4..head * 4 + 4, 0..16],
+            Tensor::zeros([4, 16], &device),
+        )
+    });
+    (mha, zeroed)
+}
+
+fn max_diff(a: Tensor<B, 3>, b: Tensor<B, 3>) -> f32 {
+    (a - b).abs().max().into_scalar()
+}
+
+#[test]
+fn a_gated_off_head_is_a_head_whose_output_rows_are_zero() {
+    let device = Default::default();
+    let (mut gated, zeroed) = layer_and_copy_without(2);
+    let ungated = gated.clone();
+    gated.set_head_gates(Some(vec![1.0, 1.0, 0.0, 1.0]));
+    let x = Tensor::<B, 3>::random([2, 6, 16], Distribution::Normal(0.0, 1.0), &device);
+    let memory = Tensor::<B, 3>::random([2, 9, 16], Distribution::Normal(0.0, 1.0), &device);
+    let causal = AttentionMask::<B>::causal(6, &device);
+    // Composed attention (with weights), the fused kernel, cross-attention from a projected
+    // memory, and decoding position by position from a cache.
+    let forms = |m: &MultiHeadAttention<B>| {
+        let composed = m.forward(x.clone(), x.clone(), Some(&causal)).context;
+        let fused = without_weights(|| m.forward_self(x.clone(), Some(&causal)).context);
+        let cross = m.forward_memory(x.clone(), &m.memory(memory.clone(), None));
+        let mut cache = LayerCache::default();
+        let steps: Vec<_> = (0..6)
+            .map(|i| m.forward_cached(x.clone().slice([0..2, i..i + 1, 0..16]), &mut cache))
+            .collect();
+        [composed, fused, cross, Tensor::cat(steps, 1)]
+    };
+    let (got, want, full) = (forms(&gated), forms(&zeroed), forms(&ungated));
+    for (i, ((g, w), f)) in got.into_iter().zip(want).zip(full).enumerate() {
+        assert!(max_diff(g.clone(), w) < 1e-5, "form {i}");
+        assert!(max_diff(g, f) > 1e-3, "form {i}: the head mattered");
+    }
+}
+
+#[test]
+fn gate_gradients_are_the_derivative_of_the_loss_in_each_gate() {
+    type A = burn::backend::Autodiff<B>;
+    let device = Default::default();
+    A::seed(&device, 5);
+    let mha = MultiHeadAttentionConfig::new(16, 4).init::<A>(&device);
+    let x = Tensor::<A, 3>::random([2, 5, 16], Distribution::Normal(0.0, 1.0), &device);
+    let w = Tensor::<A, 3>::random([2, 5, 16], Distribution::Normal(0.0, 1.0), &device);
+    let causal = AttentionMask::<A>::causal(5, &device);
+    let loss = |m: &MultiHeadAttention<A>| {
+        (m.forward(x.clone(), x.clone(), Some(&causal)).context * w.clone()).sum()
+    };
+    let grads = loss(&mha).backward();
+    let analytic = mha.gate_gradients(&grads).expect("W^O has a gradient");
+    // The loss is linear in each gate: a central difference is exact up to rounding.
+    for (h, &g) in analytic.iter().enumerate() {
+        let at = |gate: f32| {
+            let mut m = mha.clone();
+            let mut gates = vec![1.0; 4];
+            gates[h] = gate;
+            m.set_head_gates(Some(gates));
+            loss(&m).into_scalar()
+        };
+        let numeric = (at(1.5) - at(0.5)) / 1.0;
+        assert!(
+            (numeric - g).abs() < 1e-3 * (1.0 + g.abs()),
+            "head {h}: {numeric} vs {g}"
+        );
+    }
+    assert!(analytic.iter().all(|g| g.abs() > 1e-4), "{analytic:?}");
 }
