@@ -11,7 +11,7 @@ use super::relative::{alibi_bias, rope, RelativePosition};
 use super::sparse::{local_attention, strided_attention};
 use crate::kernels::reference::{merge_heads, split_packed};
 use crate::kernels::{self, softmax, LabAutodiff, LabBackend};
-use burn::module::Module;
+use burn::module::{Module, Param};
 use burn::nn::{Dropout, DropoutConfig, Initializer, Linear, LinearConfig};
 use burn::prelude::*;
 use burn::tensor::Bool;
@@ -107,8 +107,12 @@ pub fn biased_attention_weights<B: LabBackend>(
 pub struct MultiHeadAttentionConfig {
     /// Model width `d_model`; must be divisible by `n_heads`.
     pub d_model: usize,
-    /// Number of heads `h`; each head has width `d_head = d_model / n_heads`.
+    /// Number of heads `h`.
     pub n_heads: usize,
+    /// Width of each head; `d_model / n_heads` when absent. A pruned layer keeps its heads'
+    /// width with fewer heads, so its projections are `d_model × h·d_head`.
+    #[config(default = "None")]
+    pub head_dim: Option<usize>,
     /// Dropout on the attention weights (as in the paper's "attention dropout").
     #[config(default = 0.0)]
     pub dropout: f64,
@@ -182,22 +186,25 @@ impl MultiHeadAttentionConfig {
             "the hyena mixer is built by the block, not as attention"
         );
         assert!(
-            self.n_heads > 0 && self.d_model.is_multiple_of(self.n_heads),
+            self.n_heads > 0
+                && (self.head_dim.is_some() || self.d_model.is_multiple_of(self.n_heads)),
             "d_model ({}) must be divisible by n_heads ({})",
             self.d_model,
             self.n_heads
         );
-        let linear = |initializer: &Initializer| {
-            LinearConfig::new(self.d_model, self.d_model)
+        let inner = self.n_heads * self.head_dim.unwrap_or(self.d_model / self.n_heads);
+        let linear = |[d_in, d_out]: [usize; 2], initializer: &Initializer| {
+            LinearConfig::new(d_in, d_out)
                 .with_bias(self.bias)
                 .with_initializer(initializer.clone())
                 .init(device)
         };
+        let (into_heads, out_of_heads) = ([self.d_model, inner], [inner, self.d_model]);
         MultiHeadAttention {
-            query: linear(&self.initializer),
-            key: linear(&self.initializer),
-            value: linear(&self.initializer),
-            output: linear(&self.output_initializer),
+            query: linear(into_heads, &self.initializer),
+            key: linear(into_heads, &self.initializer),
+            value: linear(into_heads, &self.initializer),
+            output: linear(out_of_heads, &self.output_initializer),
             dropout: DropoutConfig::new(self.dropout).init(),
             n_heads: self.n_heads,
             mixer: self.mixer.clone(),
@@ -512,6 +519,58 @@ impl<B: LabBackend> MultiHeadAttention<B> {
             .collect();
         let scale = Tensor::<B, 1>::from_floats(scale.as_slice(), &context.device());
         linear(&self.output, context * scale.reshape([1, 1, d]))
+    }
+}
+
+impl<B: LabBackend> MultiHeadAttention<B> {
+    /// This layer without the heads in `removed`: the same outputs as the layer with those
+    /// heads gated off, from smaller projections (`W^Q`, `W^K`, `W^V` lose the heads' columns,
+    /// `W^O` their rows). Gates of the kept heads stay.
+    ///
+    /// # Panics
+    /// If `removed` names a head the layer lacks or every head.
+    pub fn without_heads(&self, removed: &[usize]) -> Self {
+        let h = self.n_heads;
+        assert!(removed.iter().all(|&i| i < h), "a head this layer lacks");
+        let kept: Vec<usize> = (0..h).filter(|i| !removed.contains(i)).collect();
+        assert!(!kept.is_empty(), "a layer keeps at least one head");
+        let width = self.query.weight.dims()[1] / h;
+        // The rows or columns (`dim`) of head `i`, for every kept head, side by side.
+        let pick = |x: Tensor<B, 2>, dim: usize| {
+            let parts = kept
+                .iter()
+                .map(|&i| x.clone().narrow(dim, i * width, width))
+                .collect();
+            Tensor::cat(parts, dim)
+        };
+        let into_heads = |l: &Linear<B>| Linear {
+            weight: Param::from_tensor(pick(l.weight.val(), 1)),
+            bias: l.bias.as_ref().map(|b| {
+                let b = pick(b.val().unsqueeze::<2>(), 1);
+                Param::from_tensor(b.squeeze::<1>())
+            }),
+        };
+        MultiHeadAttention {
+            query: into_heads(&self.query),
+            key: into_heads(&self.key),
+            value: into_heads(&self.value),
+            output: Linear {
+                weight: Param::from_tensor(pick(self.output.weight.val(), 0)),
+                bias: self
+                    .output
+                    .bias
+                    .as_ref()
+                    .map(|b| Param::from_tensor(b.val())),
+            },
+            dropout: self.dropout.clone(),
+            n_heads: kept.len(),
+            mixer: self.mixer.clone(),
+            relative: self.relative,
+            head_gates: self
+                .head_gates
+                .as_ref()
+                .map(|g| kept.iter().map(|&i| g[i]).collect()),
+        }
     }
 }
 

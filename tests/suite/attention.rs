@@ -165,32 +165,68 @@ fn max_diff(a: Tensor<B, 3>, b: Tensor<B, 3>) -> f32 {
     (a - b).abs().max().into_scalar()
 }
 
+/// A layer's outputs in its four forms: composed attention (with weights), the fused kernel,
+/// cross-attention from a projected memory, and decoding position by position from a cache.
+fn four_forms(
+    m: &MultiHeadAttention<B>,
+    x: &Tensor<B, 3>,
+    memory: &Tensor<B, 3>,
+) -> [Tensor<B, 3>; 4] {
+    let [b, t, d] = x.dims();
+    let causal = AttentionMask::<B>::causal(t, &x.device());
+    let composed = m.forward(x.clone(), x.clone(), Some(&causal)).context;
+    let fused = without_weights(|| m.forward_self(x.clone(), Some(&causal)).context);
+    let cross = m.forward_memory(x.clone(), &m.memory(memory.clone(), None));
+    let mut cache = LayerCache::default();
+    let steps: Vec<_> = (0..t)
+        .map(|i| m.forward_cached(x.clone().slice([0..b, i..i + 1, 0..d]), &mut cache))
+        .collect();
+    [composed, fused, cross, Tensor::cat(steps, 1)]
+}
+
+fn inputs() -> (Tensor<B, 3>, Tensor<B, 3>) {
+    let device = Default::default();
+    let x = Tensor::<B, 3>::random([2, 6, 16], Distribution::Normal(0.0, 1.0), &device);
+    let memory = Tensor::<B, 3>::random([2, 9, 16], Distribution::Normal(0.0, 1.0), &device);
+    (x, memory)
+}
+
 #[test]
 fn a_gated_off_head_is_a_head_whose_output_rows_are_zero() {
-    let device = Default::default();
     let (mut gated, zeroed) = layer_and_copy_without(2);
     let ungated = gated.clone();
     gated.set_head_gates(Some(vec![1.0, 1.0, 0.0, 1.0]));
-    let x = Tensor::<B, 3>::random([2, 6, 16], Distribution::Normal(0.0, 1.0), &device);
-    let memory = Tensor::<B, 3>::random([2, 9, 16], Distribution::Normal(0.0, 1.0), &device);
-    let causal = AttentionMask::<B>::causal(6, &device);
-    // Composed attention (with weights), the fused kernel, cross-attention from a projected
-    // memory, and decoding position by position from a cache.
-    let forms = |m: &MultiHeadAttention<B>| {
-        let composed = m.forward(x.clone(), x.clone(), Some(&causal)).context;
-        let fused = without_weights(|| m.forward_self(x.clone(), Some(&causal)).context);
-        let cross = m.forward_memory(x.clone(), &m.memory(memory.clone(), None));
-        let mut cache = LayerCache::default();
-        let steps: Vec<_> = (0..6)
-            .map(|i| m.forward_cached(x.clone().slice([0..2, i..i + 1, 0..16]), &mut cache))
-            .collect();
-        [composed, fused, cross, Tensor::cat(steps, 1)]
-    };
+    let (x, memory) = inputs();
+    let forms = |m| four_forms(m, &x, &memory);
     let (got, want, full) = (forms(&gated), forms(&zeroed), forms(&ungated));
     for (i, ((g, w), f)) in got.into_iter().zip(want).zip(full).enumerate() {
         assert!(max_diff(g.clone(), w) < 1e-5, "form {i}");
         assert!(max_diff(g, f) > 1e-3, "form {i}: the head mattered");
     }
+}
+
+#[test]
+fn a_layer_without_heads_computes_what_the_gated_layer_does() {
+    let (mut gated, _) = layer_and_copy_without(0);
+    let pruned = gated.without_heads(&[1, 3]);
+    assert_eq!(pruned.n_heads(), 2);
+    assert_eq!(pruned.query.weight.dims(), [16, 8]);
+    assert_eq!(pruned.output.weight.dims(), [8, 16]);
+    gated.set_head_gates(Some(vec![1.0, 0.0, 1.0, 0.0]));
+    let (x, memory) = inputs();
+    let (got, want) = (
+        four_forms(&pruned, &x, &memory),
+        four_forms(&gated, &x, &memory),
+    );
+    for (i, (g, w)) in got.into_iter().zip(want).enumerate() {
+        assert!(max_diff(g, w) < 1e-5, "form {i}");
+    }
+    // Gates of kept heads stay with them.
+    gated.set_head_gates(Some(vec![0.5, 0.0, 2.0, 0.0]));
+    assert_eq!(
+        gated.without_heads(&[1, 3]).head_gates(),
+        Some(&[0.5, 2.0][..])
+    );
 }
 
 #[test]
