@@ -1,12 +1,13 @@
 //! Attention inspection: the weights of every layer and head of a trained model on one input,
 //! as a terminal heatmap ([`terminal`]), a PNG grid ([`picture`]), a self-contained HTML page
-//! ([`html`]), JSON, and per-head statistics ([`stats`]).
+//! ([`html`]), JSON, and per-head statistics ([`stats`]); what each head is worth ([`heads`]).
 //!
 //! The weights come from the models' own forward passes (the [`crate::nn`] stack returns them);
 //! nothing here recomputes attention. Each model kind captures its own groups (`kinds/`) with
 //! the helpers of [`capture`]; [`TextModel`] is a text model seen as a reader of one text, for
 //! `explain` and `embed`.
 
+pub mod heads;
 pub mod html;
 pub mod picture;
 pub mod stats;

@@ -2,9 +2,12 @@
 //! rows summing to 1, masked weights exactly 0, and cross-attention over another sequence.
 
 use burn::backend::NdArray;
+use burn::module::Param;
 use burn::prelude::*;
 use burn::tensor::Distribution;
 use transformer_lab::explain::{self, walkthrough};
+use transformer_lab::inspect::heads::{importance, spearman, GatedHeads};
+use transformer_lab::kernels::LabBackend;
 use transformer_lab::nn::{
     scaled_dot_product_attention, without_weights, AttentionMask, LayerCache, MultiHeadAttention,
     MultiHeadAttentionConfig,
@@ -259,4 +262,87 @@ fn gate_gradients_are_the_derivative_of_the_loss_in_each_gate() {
         );
     }
     assert!(analytic.iter().all(|g| g.abs() > 1e-4), "{analytic:?}");
+}
+
+#[derive(Module, Debug)]
+struct OneLayer<B: LabBackend> {
+    attention: MultiHeadAttention<B>,
+}
+
+impl<B: LabBackend> GatedHeads<B> for OneLayer<B> {
+    fn attention_layers(&mut self) -> Vec<(String, &mut MultiHeadAttention<B>)> {
+        vec![("layer 1".into(), &mut self.attention)]
+    }
+}
+
+#[test]
+fn a_copied_head_and_a_dead_head_are_worth_what_they_should_be() {
+    type A = burn::backend::Autodiff<B>;
+    let device = Default::default();
+    A::seed(&device, 8);
+    let mha = MultiHeadAttentionConfig::new(16, 4).init::<A>(&device);
+    let mha = mha.clone().load_record(mha.into_record());
+    // Head 1 is a copy of head 0 (same projections, same W^O rows); head 3 writes nothing.
+    let copy_columns = |p: Param<Tensor<A, 2>>| {
+        p.map(|w| {
+            let head0 = w.clone().slice([0..16, 0..4]);
+            w.slice_assign([0..16, 4..8], head0)
+        })
+    };
+    let mut model = OneLayer { attention: mha };
+    let a = &mut model.attention;
+    a.query.weight = copy_columns(a.query.weight.clone());
+    a.key.weight = copy_columns(a.key.weight.clone());
+    a.value.weight = copy_columns(a.value.weight.clone());
+    for bias in [&mut a.query.bias, &mut a.key.bias, &mut a.value.bias] {
+        *bias = bias.take().map(|b| {
+            b.map(|b| {
+                let head0 = b.clone().slice([0..4]);
+                b.slice_assign([4..8], head0)
+            })
+        });
+    }
+    a.output.weight = a.output.weight.clone().map(|w| {
+        let head0 = w.clone().slice([0..4, 0..16]);
+        w.slice_assign([4..8, 0..16], head0)
+            .slice_assign([12..16, 0..16], Tensor::zeros([4, 16], &device))
+    });
+    let batches: Vec<(Tensor<A, 3>, Tensor<A, 3>)> = (0..3)
+        .map(|_| {
+            let x = Tensor::random([2, 5, 16], Distribution::Normal(0.0, 1.0), &device);
+            let y = Tensor::random([2, 5, 16], Distribution::Normal(0.0, 1.0), &device);
+            (x, y)
+        })
+        .collect();
+    let causal = AttentionMask::<A>::causal(5, &device);
+    let loss = |m: &OneLayer<A>, (x, y): (Tensor<A, 3>, Tensor<A, 3>)| {
+        let out = m.attention.forward(x.clone(), x, Some(&causal)).context;
+        (out - y).powf_scalar(2.0).mean()
+    };
+    let (full, heads) = importance(&model, &batches, loss);
+    assert!(full > 0.0);
+    assert_eq!(heads.len(), 4);
+    let close = |a: f64, b: f64| (a - b).abs() <= 1e-5 * (1.0 + a.abs());
+    // The copies are worth the same, by either measure, and something.
+    assert!(close(heads[0].delta, heads[1].delta), "{heads:?}");
+    assert!(close(heads[0].gradient, heads[1].gradient), "{heads:?}");
+    assert!(
+        heads[0].delta.abs() > 1e-5 && heads[0].gradient > 1e-5,
+        "{heads:?}"
+    );
+    // The dead head is worth nothing.
+    assert!(
+        heads[3].delta.abs() < 1e-6 && heads[3].gradient < 1e-6,
+        "{heads:?}"
+    );
+    assert!(heads.iter().all(|h| close(h.masked_loss, full + h.delta)));
+}
+
+#[test]
+fn spearman_ranks_with_ties() {
+    assert_eq!(spearman(&[1.0, 2.0, 3.0], &[10.0, 20.0, 40.0]), Some(1.0));
+    assert_eq!(spearman(&[1.0, 2.0, 3.0], &[3.0, 2.0, 1.0]), Some(-1.0));
+    let tied = spearman(&[1.0, 1.0, 2.0], &[1.0, 2.0, 3.0]).unwrap();
+    assert!((tied - 1.5 / 3f64.sqrt()).abs() < 1e-12, "{tied}");
+    assert_eq!(spearman(&[1.0, 1.0], &[1.0, 2.0]), None);
 }
