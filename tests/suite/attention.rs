@@ -297,8 +297,8 @@ fn a_copied_head_and_a_dead_head_are_worth_what_they_should_be() {
     for bias in [&mut a.query.bias, &mut a.key.bias, &mut a.value.bias] {
         *bias = bias.take().map(|b| {
             b.map(|b| {
-                let head0 = b.clone().slice([0..4]);
-                b.slice_assign([4..8], head0)
+                let head0 = b.clone().narrow(0, 0, 4);
+                Tensor::cat(vec![head0.clone(), head0, b.narrow(0, 8, 8)], 0)
             })
         });
     }
