@@ -145,15 +145,20 @@ fn cross_attention_attends_over_the_memory_sequence() {
     assert!(diff > 1e-4);
 }
 
-/// A 4-head layer of width 16 with seeded weights, and a copy whose `W^O` rows for `head` are
-/// zero.
+/// A 4-head layer of width 16 drawn from `seed`.
+fn seeded_layer<L: LabBackend>(seed: u64) -> MultiHeadAttention<L> {
+    let device = Default::default();
+    L::seed(&device, seed);
+    let mha = MultiHeadAttentionConfig::new(16, 4).init::<L>(&device);
+    // Parameters are drawn on first use: draw them once, before copies share them.
+    let record = mha.clone().into_record();
+    mha.load_record(record)
+}
+
+/// A seeded layer, and a copy whose `W^O` rows for `head` are zero.
 fn layer_and_copy_without(head: usize) -> (MultiHeadAttention<B>, MultiHeadAttention<B>) {
     let device = Default::default();
-    B::seed(&device, 21);
-    let mha = MultiHeadAttentionConfig::new(16, 4).init::<B>(&device);
-    // Parameters are drawn on first use: draw them once, before the copies share them.
-    let record = mha.clone().into_record();
-    let mha = mha.load_record(record);
+    let mha = seeded_layer::<B>(21);
     let mut zeroed = mha.clone();
     zeroed.output.weight = zeroed.output.weight.map(|w| {
         w.slice_assign(
@@ -236,8 +241,7 @@ fn a_layer_without_heads_computes_what_the_gated_layer_does() {
 fn gate_gradients_are_the_derivative_of_the_loss_in_each_gate() {
     type A = burn::backend::Autodiff<B>;
     let device = Default::default();
-    A::seed(&device, 5);
-    let mha = MultiHeadAttentionConfig::new(16, 4).init::<A>(&device);
+    let mha = seeded_layer::<A>(5);
     let x = Tensor::<A, 3>::random([2, 5, 16], Distribution::Normal(0.0, 1.0), &device);
     let w = Tensor::<A, 3>::random([2, 5, 16], Distribution::Normal(0.0, 1.0), &device);
     let causal = AttentionMask::<A>::causal(5, &device);
@@ -279,9 +283,7 @@ impl<B: LabBackend> GatedHeads<B> for OneLayer<B> {
 fn a_copied_head_and_a_dead_head_are_worth_what_they_should_be() {
     type A = burn::backend::Autodiff<B>;
     let device = Default::default();
-    A::seed(&device, 8);
-    let mha = MultiHeadAttentionConfig::new(16, 4).init::<A>(&device);
-    let mha = mha.clone().load_record(mha.into_record());
+    let mha = seeded_layer::<A>(8);
     // Head 1 is a copy of head 0 (same projections, same W^O rows); head 3 writes nothing.
     let copy_columns = |p: Param<Tensor<A, 2>>| {
         p.map(|w| {
