@@ -107,7 +107,7 @@ fn fill_batches(start: u64, out: &mut [f32], mut batch: impl FnMut(u64, &mut [f3
 /// The AVX2 form: eight blocks side by side in 256-bit registers, one word per register.
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
-    use super::{fill_batches, BATCH, M0, M1, W0, W1};
+    use super::{bump, fill_batches, BATCH, M0, M1};
     use std::arch::x86_64::*;
 
     /// [`super::fill`] on a CPU with AVX2.
@@ -148,11 +148,12 @@ mod avx2 {
         let mut c1 = _mm256_set1_epi32((first >> 32) as u32 as i32);
         let (mut c2, mut c3) = (_mm256_setzero_si256(), _mm256_setzero_si256());
         let (m0, m1) = (_mm256_set1_epi32(M0 as i32), _mm256_set1_epi32(M1 as i32));
-        let [mut k0, mut k1] = key;
+        let mut key = key;
         for r in 0..10 {
             if r > 0 {
-                (k0, k1) = (k0.wrapping_add(W0), k1.wrapping_add(W1));
+                key = bump(key);
             }
+            let [k0, k1] = key;
             let (hi0, lo0) = mul_hi_lo(c0, m0);
             let (hi1, lo1) = mul_hi_lo(c2, m1);
             let (key0, key1) = (_mm256_set1_epi32(k0 as i32), _mm256_set1_epi32(k1 as i32));
@@ -198,27 +199,21 @@ const LANES: usize = 8;
 #[allow(clippy::needless_range_loop)] // lane `l` of four arrays, side by side
 #[inline(always)]
 fn philox_lanes(first: u64, key: [u32; 2]) -> [[u32; LANES]; 4] {
-    let (mut c0, mut c1) = ([0u32; LANES], [0u32; LANES]);
-    let (mut c2, mut c3) = ([0u32; LANES], [0u32; LANES]);
+    let mut c = [[0u32; LANES]; 4];
     for l in 0..LANES {
         let n = first + l as u64;
-        (c0[l], c1[l]) = (n as u32, (n >> 32) as u32);
+        [c[0][l], c[1][l]] = [n as u32, (n >> 32) as u32];
     }
     let mut key = key;
     for r in 0..10 {
         if r > 0 {
             key = bump(key);
         }
-        // `round` on each lane, written lane-wise so that it compiles to vector instructions.
         for l in 0..LANES {
-            let p0 = M0 * c0[l] as u64;
-            let p1 = M1 * c2[l] as u64;
-            let (n0, n1) = (((p1 >> 32) as u32) ^ c1[l] ^ key[0], p1 as u32);
-            let (n2, n3) = (((p0 >> 32) as u32) ^ c3[l] ^ key[1], p0 as u32);
-            (c0[l], c1[l], c2[l], c3[l]) = (n0, n1, n2, n3);
+            [c[0][l], c[1][l], c[2][l], c[3][l]] = round([c[0][l], c[1][l], c[2][l], c[3][l]], key);
         }
     }
-    [c0, c1, c2, c3]
+    c
 }
 
 /// One Philox4x32 round of `counter` under the round's `key`.
