@@ -68,6 +68,15 @@ pub enum Command {
     /// Matrices are written row by row: rows separated by ';', values by ','. Tokens are row
     /// vectors, so Q = X·W_Q. The defaults are the textbook three-token example.
     Explain(ExplainArgs),
+    /// What each attention head is worth, and pruning: for every layer × head, the held-out
+    /// loss with that head gated off and its gradient importance |∂L/∂ξ| (Michel et al. 2019),
+    /// how the two rank the heads alike (Spearman), and the loss (and accuracy) as heads are
+    /// removed least important first — a table and a PNG curve.
+    ///
+    /// Judged on batches spread over the validation split. With --prune N --out DIR, writes an
+    /// artifact without the first N heads the greedy curve removed (smaller projections, not a
+    /// mask) that every command loads.
+    Heads(HeadsArgs),
     /// Draw the training curves of several runs on one chart: one metric (validation by
     /// default), one line per run, labelled by the run's directory name.
     ///
@@ -191,6 +200,34 @@ pub struct EvalArgs {
     pub context: Option<usize>,
     #[command(flatten)]
     pub search: SearchArgs,
+    #[command(flatten)]
+    pub data: DataArgs,
+}
+
+/// `heads` options.
+#[derive(Args, Debug)]
+pub struct HeadsArgs {
+    /// Directory written by `train`.
+    #[arg(long, value_name = "DIR")]
+    pub artifact_dir: PathBuf,
+    /// Examples per held-out batch.
+    #[arg(long, default_value_t = 32)]
+    pub batch_size: usize,
+    /// Held-out batches (their examples spread over the validation split).
+    #[arg(long, default_value_t = 8)]
+    pub batches: usize,
+    /// Heads the pruning curves remove at most. Default: all but one per layer.
+    #[arg(long, value_name = "N")]
+    pub steps: Option<usize>,
+    /// Write an artifact without the first N heads the greedy curve removes (needs --out).
+    #[arg(long, value_name = "N")]
+    pub prune: Option<usize>,
+    /// Where --prune writes the pruned artifact (a new or empty directory).
+    #[arg(long, value_name = "DIR")]
+    pub out: Option<PathBuf>,
+    /// Where the pruning curves' PNG goes. Default: ARTIFACT_DIR/heads.png.
+    #[arg(long, value_name = "FILE")]
+    pub png: Option<PathBuf>,
     #[command(flatten)]
     pub data: DataArgs,
 }

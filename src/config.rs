@@ -207,7 +207,8 @@ fn with_defaults<'de, D: Deserializer<'de>, S: ModelSection>(
         return Err(D::Error::custom("a model section serializes to an object"));
     };
     for (key, value) in given {
-        if !fields.contains_key(&key) {
+        if !fields.contains_key(&key) && !StackConfig::UNSERIALIZED_DEFAULTS.contains(&key.as_str())
+        {
             let known: Vec<String> = fields.keys().map(|k| format!("`{k}`")).collect();
             return Err(D::Error::custom(format!(
                 "unknown field `{key}`, expected one of {}",

@@ -198,8 +198,8 @@ pub fn model_walkthrough<B: LabBackend>(
             }
         );
     }
-    let heads = stack.blocks[0].attention().n_heads();
-    crate::inspect::check_head("this model", (stack.n_layers(), heads), layer, head)?;
+    let heads_in = |l: usize| stack.blocks[l].attention().n_heads();
+    crate::inspect::check_head("this model", stack.n_layers(), heads_in, layer, head)?;
     let x = stack.self_attention_input(x0.clone(), mask.as_ref(), None, layer); // [1, n, d]
     let attention = stack.blocks[layer].attention();
     let (q, k, v) = attention.project(x.clone(), x.clone()); // [1, h, n, k]

@@ -1,14 +1,15 @@
-//! The commands that look inside any trained model: `eval`, `attention` and `explain`. Each
-//! loads whatever kind the artifact holds and asks it.
+//! The commands that look inside any trained model: `eval`, `attention`, `explain` and `heads`.
+//! Each loads whatever kind the artifact holds and asks it.
 
 use crate::artifact::ArtifactDir;
-use crate::cli::{AttentionArgs, EvalArgs, ExplainArgs};
+use crate::cli::{AttentionArgs, EvalArgs, ExplainArgs, HeadsArgs};
 use crate::config::{ModelSection, Seq2SeqConfig};
 use crate::data::data_dir;
 use crate::explain;
 use crate::kernels::LabBackend;
-use crate::kinds::EvalRequest;
+use crate::kinds::{EvalRequest, HeadsRequest, HeldOutRequest};
 use anyhow::{bail, Context, Result};
+use burn::backend::Autodiff;
 
 pub(super) fn run_eval<B: LabBackend>(args: EvalArgs, device: B::Device) -> Result<()> {
     if args.batch_size == 0 {
@@ -87,4 +88,24 @@ pub(super) fn run_explain<B: LabBackend>(args: ExplainArgs, device: B::Device) -
     let walkthrough = explain::walkthrough::<B>(&x, &wq, &wk, &wv, &device)?;
     print!("{}", explain::render(&walkthrough, &x));
     Ok(())
+}
+
+pub(super) fn run_heads<B: LabBackend>(args: HeadsArgs, device: B::Device) -> Result<()> {
+    if args.batch_size == 0 || args.batches == 0 {
+        bail!("--batch-size and --batches must be at least 1");
+    }
+    let request = HeadsRequest {
+        artifact_dir: args.artifact_dir,
+        held_out: HeldOutRequest {
+            data_dir: data_dir(args.data.data_dir.as_deref()),
+            batch_size: args.batch_size,
+            batches: args.batches,
+        },
+        steps: args.steps,
+        prune: args.prune,
+        out: args.out,
+        png: args.png,
+    };
+    // Gradients of the gates need the autodiff backend; no forward pass needs the weights.
+    crate::nn::without_weights(|| crate::kinds::heads::<Autodiff<B>>(&request, &device))
 }

@@ -68,6 +68,7 @@ impl BackendTask for Command {
             Command::Bench(args) => bench::run_bench::<B>(args, device),
             Command::Attention(args) => inspect::run_attention::<B>(args, device),
             Command::Explain(args) => inspect::run_explain::<B>(args, device),
+            Command::Heads(args) => inspect::run_heads::<B>(args, device),
             Command::Curves(args) => run_curves(args),
         }
     }

@@ -315,6 +315,43 @@ impl ArtifactDir {
     }
 }
 
+/// Writes a new artifact (`config.json`, the tokenizers, `model.mpk`) to `dir`, which must be
+/// absent or empty: everything goes into a hidden sibling first, renamed into place once
+/// complete, so `dir` never holds half an artifact.
+pub fn write_new_artifact<B: LabBackend, M: Module<B>>(
+    dir: &Path,
+    config: &crate::config::ExperimentConfig,
+    tokenizers: Option<&Tokenizers>,
+    model: M,
+) -> Result<ArtifactDir> {
+    let name = dir
+        .file_name()
+        .with_context(|| format!("{} names no directory", dir.display()))?;
+    let partial = dir.with_file_name(format!(".{}.partial", name.to_string_lossy()));
+    if partial.exists() {
+        // Ours: left by a write that did not finish.
+        std::fs::remove_dir_all(&partial)
+            .with_context(|| format!("cannot remove {}", partial.display()))?;
+    }
+    std::fs::create_dir_all(&partial)
+        .with_context(|| format!("cannot create {}", partial.display()))?;
+    let staged = ArtifactDir::new(&partial);
+    config.save(&staged.config())?;
+    if let Some(tokenizers) = tokenizers {
+        tokenizers.save(&staged)?;
+    }
+    model
+        .save_file(staged.model(), &ArtifactRecorder::default())
+        .with_context(|| format!("cannot write {}", staged.model_file().display()))?;
+    if dir.exists() {
+        // Empty (the caller checked): make way for the rename.
+        std::fs::remove_dir(dir).with_context(|| format!("{} is not empty", dir.display()))?;
+    }
+    std::fs::rename(&partial, dir)
+        .with_context(|| format!("cannot move {} to {}", partial.display(), dir.display()))?;
+    Ok(ArtifactDir::new(dir))
+}
+
 /// Loads weights into `model`, refusing a file written for a model of another shape.
 pub fn load_weights<B: LabBackend, M: Module<B>>(
     model: M,

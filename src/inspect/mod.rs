@@ -50,9 +50,14 @@ impl AttentionGroup {
         self.weights.len()
     }
 
-    /// Number of heads per layer.
+    /// Number of heads of the widest layer (a pruned model's layers can differ).
     pub fn n_heads(&self) -> usize {
-        self.weights.first().map_or(0, Vec::len)
+        self.weights.iter().map(Vec::len).max().unwrap_or(0)
+    }
+
+    /// Number of heads of `layer`.
+    pub fn heads_in(&self, layer: usize) -> usize {
+        self.weights.get(layer).map_or(0, Vec::len)
     }
 
     /// Whether queries and keys are the same sequence (self-attention).
@@ -65,7 +70,8 @@ impl AttentionGroup {
     pub fn head(&self, layer: usize, head: usize) -> Result<&Vec<Vec<f32>>> {
         check_head(
             &format!("the {} attention", self.name),
-            (self.n_layers(), self.n_heads()),
+            self.n_layers(),
+            |l| self.heads_in(l),
             layer,
             head,
         )?;
@@ -73,11 +79,12 @@ impl AttentionGroup {
     }
 }
 
-/// Fails unless `layer` and `head` exist in `what`, which has `layers × heads`, naming the
-/// ranges that do.
+/// Fails unless `layer` and `head` exist in `what`, which has `layers` layers of
+/// `heads_in(layer)` heads, naming the ranges that do.
 pub fn check_head(
     what: &str,
-    (layers, heads): (usize, usize),
+    layers: usize,
+    heads_in: impl Fn(usize) -> usize,
     layer: usize,
     head: usize,
 ) -> Result<()> {
@@ -87,9 +94,10 @@ pub fn check_head(
             layers - 1
         );
     }
+    let heads = heads_in(layer);
     if head >= heads {
         bail!(
-            "head {head} does not exist: each layer has heads 0–{} (--head)",
+            "head {head} does not exist: layer {layer} has heads 0–{} (--head)",
             heads - 1
         );
     }

@@ -98,9 +98,15 @@ fn heatmap_grid_png(maps: &AttentionMaps, group: &AttentionGroup, path: &Path) -
     let header = 60u32;
     let size = (pw * heads + 20, header + ph * layers + 10);
     render_png(path, size, |root| {
+        let total: usize = group.weights.iter().map(Vec::len).sum();
+        let shape = if total == (layers * heads) as usize {
+            format!("{layers} layers × {heads} heads")
+        } else {
+            format!("{layers} layers, {total} heads (pruned)")
+        };
         let title = format!(
-            "{}: {} attention, {} layers × {} heads (rows = queries, columns = keys; each panel shaded to its own largest weight)",
-            maps.model, group.name, layers, heads
+            "{}: {} attention, {shape} (rows = queries, columns = keys; each panel shaded to its own largest weight)",
+            maps.model, group.name
         );
         root.draw(&Text::new(
             title,
@@ -119,7 +125,8 @@ fn heatmap_grid_png(maps: &AttentionMaps, group: &AttentionGroup, path: &Path) -
         root.draw(&Text::new(subtitle, (10, 34), (FONT, 13).into_font()))
             .map_err(draw_err)?;
         for layer in 0..layers {
-            for head in 0..heads {
+            // A pruned layer leaves its missing heads' places blank.
+            for head in 0..group.heads_in(layer as usize) as u32 {
                 let x = 10 + pw * head;
                 let y = header + ph * layer;
                 let area = root.clone().shrink((x, y), (pw, ph));
@@ -258,15 +265,18 @@ fn overlay_png(
                 (FONT, 13).into_font(),
             ))
             .map_err(draw_err)?;
-            let per_head: Vec<Vec<f32>> = (0..heads as usize)
-                .map(|h| group.weights[layer][h][0][1..].to_vec())
+            let per_head: Vec<Vec<f32>> = group.weights[layer]
+                .iter()
+                .map(|head| head[0][1..].to_vec())
                 .collect();
             let mean: Vec<f32> = (0..grid * grid)
-                .map(|p| per_head.iter().map(|w| w[p]).sum::<f32>() / heads as f32)
+                .map(|p| per_head.iter().map(|w| w[p]).sum::<f32>() / per_head.len() as f32)
                 .collect();
-            for (column, patches) in per_head.iter().chain([&mean]).enumerate() {
+            // The mean stays in the last column when a pruned layer has fewer heads.
+            let columns = (0..per_head.len()).chain([heads as usize]);
+            for (column, patches) in columns.zip(per_head.iter().chain([&mean])) {
                 let x0 = left + pw * column as u32;
-                let label = if column < heads as usize {
+                let label = if column < per_head.len() {
                     format!("head {column}")
                 } else {
                     "mean".to_string()

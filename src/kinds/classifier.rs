@@ -1,7 +1,7 @@
 //! The sentence classifier kind: cross-entropy over class scores of labelled sentences, test
 //! accuracy with a confusion matrix, bidirectional self-attention to inspect.
 
-use super::{EvalRequest, ModelKind};
+use super::{held_out_batches, EvalRequest, HeldOutRequest, ModelKind};
 use crate::artifact::{Tokenizers, Trained};
 use crate::classify::{class_names, evaluate_classifier, report_confusion};
 use crate::config::{
@@ -10,12 +10,14 @@ use crate::config::{
 use crate::data::{
     EncodedSentences, SentenceBatch, SentenceBatcher, SentimentCorpus, Special, Task, Tokenizer,
 };
+use crate::inspect::heads::HeldOut;
 use crate::inspect::{
     predicted_class, text_statistics, weights_or_dense, AttentionGroup, AttentionMaps, GroupStats,
     TextModel,
 };
 use crate::kernels::{LabAutodiff, LabBackend};
 use crate::models::TextClassifier;
+use crate::nn::StackConfig;
 use crate::train::speed::{bench_training, padding_note, BenchPlan, BenchReport};
 use crate::train::{
     launch, supervised_steps, train_loader, unseeded, Session, Throughput, TrainReport,
@@ -71,6 +73,30 @@ impl ModelKind for ClassifierConfig {
 
     fn build<B: LabBackend>(&self, device: &B::Device) -> TextClassifier<B> {
         self.init(device)
+    }
+
+    fn stack(&self) -> &StackConfig {
+        &self.stack
+    }
+
+    fn stack_mut(&mut self) -> &mut StackConfig {
+        &mut self.stack
+    }
+
+    fn held_out<B: LabBackend>(
+        trained: &Trained<TextClassifier<B>>,
+        request: &HeldOutRequest,
+        device: &B::Device,
+    ) -> Result<HeldOut<'static, B, TextClassifier<B>>> {
+        let tokenizers = Some(trained.tokenizers().clone());
+        let (_, _, _, valid) = sentences(&trained.config, &request.data_dir, tokenizers)?;
+        let loss = |m: &TextClassifier<B>, b: SentenceBatch<B>| m.loss(b.tokens, b.labels);
+        let (n, batches) = held_out_batches(&valid, request, SentenceBatcher, device, loss)?;
+        Ok(HeldOut {
+            what: format!("{n} validation sentences"),
+            batches,
+            accuracy: true,
+        })
     }
 
     fn activation_floats(&self, data: &DataConfig) -> f64 {

@@ -1,15 +1,17 @@
 //! The language model kind: next-token training on a text, whole-split evaluation, causal
 //! self-attention to inspect.
 
-use super::{EvalRequest, ModelKind};
+use super::{held_out_batches, EvalRequest, HeldOutRequest, ModelKind};
 use crate::artifact::{Tokenizers, Trained};
 use crate::config::{DataConfig, ExperimentConfig, LmConfig, ModelConfig, ModelSection};
 use crate::data::{DatasetSpec, LmBatch, LmBatcher, Task, TokenWindows, Tokenizer};
+use crate::inspect::heads::HeldOut;
 use crate::inspect::{
     text_statistics, weights_or_dense, AttentionGroup, AttentionMaps, GroupStats, TextModel,
 };
 use crate::kernels::{LabAutodiff, LabBackend};
 use crate::models::LanguageModel;
+use crate::nn::StackConfig;
 use crate::train::speed::{bench_training, BenchPlan, BenchReport};
 use crate::train::{
     launch, supervised_steps, train_loader, unseeded, Session, Throughput, TrainReport,
@@ -62,6 +64,32 @@ impl ModelKind for LmConfig {
 
     fn build<B: LabBackend>(&self, device: &B::Device) -> LanguageModel<B> {
         self.init(device)
+    }
+
+    fn stack(&self) -> &StackConfig {
+        &self.stack
+    }
+
+    fn stack_mut(&mut self) -> &mut StackConfig {
+        &mut self.stack
+    }
+
+    fn held_out<B: LabBackend>(
+        trained: &Trained<LanguageModel<B>>,
+        request: &HeldOutRequest,
+        device: &B::Device,
+    ) -> Result<HeldOut<'static, B, LanguageModel<B>>> {
+        let context = trained.model.context();
+        let tokenizer = trained.tokenizer().clone();
+        let corpus = Corpus::load(&trained.config, &request.data_dir, Some(tokenizer))?;
+        let windows = TokenWindows::non_overlapping(corpus.valid, context);
+        let loss = |m: &LanguageModel<B>, batch| m.loss(batch);
+        let (n, batches) = held_out_batches(&windows, request, LmBatcher, device, loss)?;
+        Ok(HeldOut {
+            what: format!("{n} windows of {context} tokens spread over the validation split"),
+            batches,
+            accuracy: false,
+        })
     }
 
     fn activation_floats(&self, _data: &DataConfig) -> f64 {

@@ -1,7 +1,7 @@
 //! The translator kind: teacher-forced training with label smoothing over padded pairs, BLEU on
 //! the test split, and its three attentions (encoder, decoder, cross) to inspect.
 
-use super::{EvalRequest, ModelKind};
+use super::{held_out_batches, EvalRequest, HeldOutRequest, ModelKind};
 use crate::artifact::{Tokenizers, Trained};
 use crate::bleu::corpus_bleu;
 use crate::config::{
@@ -11,12 +11,14 @@ use crate::data::translation::{check_languages, COPY_TASK};
 use crate::data::{
     EncodedPairs, Pair, Seq2SeqBatch, Seq2SeqBatcher, Special, Task, Tokenizer, TranslationCorpus,
 };
+use crate::inspect::heads::HeldOut;
 use crate::inspect::{
     labels, text_statistics, weights_or_dense, AttentionGroup, AttentionMaps, GroupStats, TextModel,
 };
 use crate::kernels::{LabAutodiff, LabBackend};
 use crate::models::Seq2Seq;
 use crate::nn::AttentionMask;
+use crate::nn::StackConfig;
 use crate::train::speed::{bench_training, padding_note, BenchPlan, BenchReport};
 use crate::train::{
     launch, supervised_steps, train_loader, unseeded, Session, Throughput, TrainReport,
@@ -79,6 +81,31 @@ impl ModelKind for Seq2SeqConfig {
 
     fn build<B: LabBackend>(&self, device: &B::Device) -> Seq2Seq<B> {
         self.init(device)
+    }
+
+    fn stack(&self) -> &StackConfig {
+        &self.stack
+    }
+
+    fn stack_mut(&mut self) -> &mut StackConfig {
+        &mut self.stack
+    }
+
+    fn held_out<B: LabBackend>(
+        trained: &Trained<Seq2Seq<B>>,
+        request: &HeldOutRequest,
+        device: &B::Device,
+    ) -> Result<HeldOut<'static, B, Seq2Seq<B>>> {
+        let tokenizers = Some(trained.tokenizers().clone());
+        let data = TranslationData::load(&trained.config, &request.data_dir, tokenizers)?;
+        // The teacher-forced loss without label smoothing: the translator's loss on the data.
+        let loss = |m: &Seq2Seq<B>, b: Seq2SeqBatch<B>| m.loss(&b, 0.0);
+        let (n, batches) = held_out_batches(&data.valid, request, Seq2SeqBatcher, device, loss)?;
+        Ok(HeldOut {
+            what: format!("{n} validation pairs (teacher-forced target loss)"),
+            batches,
+            accuracy: false,
+        })
     }
 
     fn activation_floats(&self, data: &DataConfig) -> f64 {

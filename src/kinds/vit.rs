@@ -1,16 +1,18 @@
 //! The Vision Transformer kind: cross-entropy over class scores of (optionally shifted) images,
 //! test accuracy with a confusion matrix, attention over an image's patches to inspect.
 
-use super::{EvalRequest, ModelKind};
+use super::{held_out_batches, EvalRequest, HeldOutRequest, ModelKind};
 use crate::artifact::{Tokenizers, Trained};
 use crate::classify::{class_names, evaluate_vit, load_image, report_confusion};
 use crate::config::{DataConfig, ExperimentConfig, ModelConfig, ModelSection, VitConfig};
 use crate::data::{DatasetSpec, ImageBatch, ImageBatcher, ImageSet, Task};
+use crate::inspect::heads::HeldOut;
 use crate::inspect::{
     image_statistics, vit_attention, AttentionMaps, GroupStats, ImageInput, TextModel,
 };
 use crate::kernels::{LabAutodiff, LabBackend};
 use crate::models::VisionTransformer;
+use crate::nn::StackConfig;
 use crate::train::speed::{bench_training, BenchPlan, BenchReport};
 use crate::train::{
     launch, supervised_steps, train_loader, unseeded, Session, Throughput, TrainReport,
@@ -59,6 +61,32 @@ impl ModelKind for VitConfig {
 
     fn build<B: LabBackend>(&self, device: &B::Device) -> VisionTransformer<B> {
         self.init(device)
+    }
+
+    fn stack(&self) -> &StackConfig {
+        &self.stack
+    }
+
+    fn stack_mut(&mut self) -> &mut StackConfig {
+        &mut self.stack
+    }
+
+    fn held_out<B: LabBackend>(
+        trained: &Trained<VisionTransformer<B>>,
+        request: &HeldOutRequest,
+        device: &B::Device,
+    ) -> Result<HeldOut<'static, B, VisionTransformer<B>>> {
+        let config = &trained.config;
+        let (train_set, _) = ImageSet::load(&config.data.dataset, &request.data_dir)?;
+        let (_, valid) = train_set.split(config.data.valid_fraction, config.seed);
+        let batcher = ImageBatcher::new(valid.rows, valid.cols, 0, config.seed);
+        let loss = |m: &VisionTransformer<B>, b: ImageBatch<B>| m.loss(b.images, b.labels);
+        let (n, batches) = held_out_batches(&valid, request, batcher, device, loss)?;
+        Ok(HeldOut {
+            what: format!("{n} validation images"),
+            batches,
+            accuracy: true,
+        })
     }
 
     fn activation_floats(&self, _data: &DataConfig) -> f64 {

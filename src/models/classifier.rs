@@ -4,8 +4,8 @@
 
 use crate::kernels::{self, LabBackend};
 use crate::nn::{
-    padding_mask, pool, Activation, AttentionMask, Pooling, PositionEncoding,
-    PositionEncodingConfig, PositionKind, StackConfig, TransformerStack,
+    padding_mask, pool, Activation, AttentionLayers, AttentionMask, MultiHeadAttention, Pooling,
+    PositionEncoding, PositionEncodingConfig, PositionKind, StackConfig, TransformerStack,
 };
 use anyhow::{bail, Result};
 use burn::module::Module;
@@ -163,5 +163,11 @@ impl<B: LabBackend> TextClassifier<B> {
     /// Longest input the positions cover.
     pub fn max_len(&self) -> usize {
         self.position.max_len()
+    }
+}
+
+impl<B: LabBackend> AttentionLayers<B> for TextClassifier<B> {
+    fn attention_layers(&mut self) -> Vec<(String, &mut MultiHeadAttention<B>)> {
+        self.encoder.named_attention("layer ")
     }
 }

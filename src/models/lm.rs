@@ -4,8 +4,8 @@
 pub use crate::data::LmBatch;
 use crate::kernels::{self, LabBackend};
 use crate::nn::{
-    AttentionMask, KvCache, Mixer, PositionEncoding, PositionEncodingConfig, PositionKind,
-    StackConfig, StackOutput, TransformerStack,
+    AttentionLayers, AttentionMask, KvCache, Mixer, MultiHeadAttention, PositionEncoding,
+    PositionEncodingConfig, PositionKind, StackConfig, StackOutput, TransformerStack,
 };
 use anyhow::{bail, Result};
 use burn::module::Module;
@@ -243,5 +243,11 @@ impl<B: LabBackend> LanguageModel<B> {
     /// Longest input the positional encoding covers.
     pub fn context(&self) -> usize {
         self.position.max_len()
+    }
+}
+
+impl<B: LabBackend> AttentionLayers<B> for LanguageModel<B> {
+    fn attention_layers(&mut self) -> Vec<(String, &mut MultiHeadAttention<B>)> {
+        self.decoder.named_attention("layer ")
     }
 }

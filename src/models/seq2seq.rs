@@ -6,8 +6,9 @@
 pub use crate::data::Seq2SeqBatch;
 use crate::kernels::{self, LabBackend};
 use crate::nn::{
-    padding_mask, Activation, AttentionMask, KvCache, PositionEncoding, PositionEncodingConfig,
-    PositionKind, StackConfig, TransformerStack, TransformerStackConfig,
+    padding_mask, Activation, AttentionLayers, AttentionMask, KvCache, MultiHeadAttention,
+    PositionEncoding, PositionEncodingConfig, PositionKind, StackConfig, TransformerStack,
+    TransformerStackConfig,
 };
 use anyhow::{bail, Result};
 use burn::module::Module;
@@ -335,5 +336,13 @@ impl<B: LabBackend> Seq2Seq<B> {
     /// Longest sequence the positions cover.
     pub fn max_len(&self) -> usize {
         self.position.max_len()
+    }
+}
+
+impl<B: LabBackend> AttentionLayers<B> for Seq2Seq<B> {
+    fn attention_layers(&mut self) -> Vec<(String, &mut MultiHeadAttention<B>)> {
+        let mut layers = self.encoder.named_attention("encoder ");
+        layers.extend(self.decoder.named_attention("decoder "));
+        layers
     }
 }

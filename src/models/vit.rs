@@ -5,8 +5,8 @@
 
 use crate::kernels::{self, LabBackend};
 use crate::nn::{
-    pool, Activation, Pooling, PositionEncoding, PositionEncodingConfig, PositionKind, StackConfig,
-    TransformerStack,
+    pool, Activation, AttentionLayers, MultiHeadAttention, Pooling, PositionEncoding,
+    PositionEncodingConfig, PositionKind, StackConfig, TransformerStack,
 };
 use anyhow::{bail, Result};
 use burn::module::{Module, Param};
@@ -225,5 +225,11 @@ impl<B: LabBackend> VisionTransformer<B> {
     /// Patch side `p`.
     pub fn patch_size(&self) -> usize {
         self.patch_size
+    }
+}
+
+impl<B: LabBackend> AttentionLayers<B> for VisionTransformer<B> {
+    fn attention_layers(&mut self) -> Vec<(String, &mut MultiHeadAttention<B>)> {
+        self.encoder.named_attention("layer ")
     }
 }

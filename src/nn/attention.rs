@@ -535,8 +535,10 @@ impl<B: LabBackend> MultiHeadAttention<B> {
         let kept: Vec<usize> = (0..h).filter(|i| !removed.contains(i)).collect();
         assert!(!kept.is_empty(), "a layer keeps at least one head");
         let width = self.query.weight.dims()[1] / h;
-        // The rows or columns (`dim`) of head `i`, for every kept head, side by side.
+        // The rows or columns (`dim`) of head `i`, for every kept head, side by side: new
+        // parameters (untracked first, so an autodiff backend makes them leaves of their own).
         let pick = |x: Tensor<B, 2>, dim: usize| {
+            let x = x.set_require_grad(false);
             let parts = kept
                 .iter()
                 .map(|&i| x.clone().narrow(dim, i * width, width))
@@ -560,7 +562,7 @@ impl<B: LabBackend> MultiHeadAttention<B> {
                     .output
                     .bias
                     .as_ref()
-                    .map(|b| Param::from_tensor(b.val())),
+                    .map(|b| Param::from_tensor(b.val().set_require_grad(false))),
             },
             dropout: self.dropout.clone(),
             n_heads: kept.len(),

@@ -10,6 +10,7 @@ use super::position::PositionKind;
 use super::stack::TransformerStackConfig;
 use anyhow::{bail, Result};
 use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
 
 /// The shared settings of a transformer stack. Each model's `Default` picks its own values (a
 /// language model is pre-norm GELU without biases, nanoGPT's choice; the translator is the
@@ -33,6 +34,11 @@ pub struct StackConfig {
     /// Token mixer of the self-attention layers: `{"kind": "full"}` (default), `local`,
     /// `strided`, `linear` or `hyena` (see [`Mixer`]).
     pub mixer: Mixer,
+    /// Heads removed by pruning (`transformer-lab heads --prune`), by attention layer name
+    /// (`"layer 2"`, `"decoder 0 cross"`) → head indices in the unpruned layer. Empty (the
+    /// default): every layer has `n_heads` heads.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub pruned_heads: BTreeMap<String, Vec<usize>>,
 }
 
 impl Default for StackConfig {
@@ -47,11 +53,16 @@ impl Default for StackConfig {
             norm_first: true,
             bias: true,
             mixer: Mixer::Full,
+            pruned_heads: BTreeMap::new(),
         }
     }
 }
 
 impl StackConfig {
+    /// Fields left out of a saved config while they hold their default (a model section's
+    /// reader accepts them though its default does not list them).
+    pub const UNSERIALIZED_DEFAULTS: &[&str] = &["pruned_heads"];
+
     /// The feed-forward width, with `0` resolved to `4 · d_model`.
     pub fn d_ff(&self) -> usize {
         if self.d_ff == 0 {

@@ -6,8 +6,12 @@ use burn::module::Param;
 use burn::prelude::*;
 use burn::tensor::Distribution;
 use transformer_lab::explain::{self, walkthrough};
-use transformer_lab::inspect::heads::{importance, spearman, GatedHeads};
+use transformer_lab::inspect::heads::{
+    gate_gradients, importance, prune_greedily, prune_in_order, removed_by_layer, spearman,
+    HeldOut, HeldOutBatch,
+};
 use transformer_lab::kernels::LabBackend;
+use transformer_lab::nn::AttentionLayers;
 use transformer_lab::nn::{
     scaled_dot_product_attention, without_weights, AttentionMask, LayerCache, MultiHeadAttention,
     MultiHeadAttentionConfig,
@@ -273,9 +277,9 @@ struct OneLayer<B: LabBackend> {
     attention: MultiHeadAttention<B>,
 }
 
-impl<B: LabBackend> GatedHeads<B> for OneLayer<B> {
+impl<B: LabBackend> AttentionLayers<B> for OneLayer<B> {
     fn attention_layers(&mut self) -> Vec<(String, &mut MultiHeadAttention<B>)> {
-        vec![("layer 1".into(), &mut self.attention)]
+        vec![("layer 0".into(), &mut self.attention)]
     }
 }
 
@@ -322,11 +326,32 @@ fn a_copied_head_and_a_dead_head_are_worth_what_they_should_be() {
         })
         .collect();
     let causal = AttentionMask::<A>::causal(5, &device);
-    let loss = |m: &OneLayer<A>, (x, y): (Tensor<A, 3>, Tensor<A, 3>)| {
-        let out = m.attention.forward(x.clone(), x, Some(&causal)).context;
-        (out - y).powf_scalar(2.0).mean()
+    let held_out = HeldOut {
+        what: "sine waves".into(),
+        accuracy: false,
+        batches: batches
+            .into_iter()
+            .map(|(x, y)| -> HeldOutBatch<'_, A, OneLayer<A>> {
+                let causal = &causal;
+                Box::new(move |m: &OneLayer<A>| {
+                    let out = m
+                        .attention
+                        .forward(x.clone(), x.clone(), Some(causal))
+                        .context;
+                    let loss = (out - y.clone()).powf_scalar(2.0).mean();
+                    // A regression: no logits to score, one "target" per batch.
+                    (
+                        loss,
+                        Tensor::zeros([1, 1], &x.device()),
+                        Tensor::zeros([1], &x.device()),
+                    )
+                })
+            })
+            .collect(),
     };
-    let (full, heads) = importance(&model, &batches, loss);
+    let gradients = gate_gradients(&model, &held_out);
+    let (full, heads) = importance(&model, &held_out, &gradients);
+    let full = full.loss;
     assert!(full > 0.0);
     assert_eq!(heads.len(), 4);
     let close = |a: f64, b: f64| (a - b).abs() <= 1e-5 * (1.0 + a.abs());
@@ -342,7 +367,27 @@ fn a_copied_head_and_a_dead_head_are_worth_what_they_should_be() {
         heads[3].delta.abs() < 1e-6 && heads[3].gradient < 1e-6,
         "{heads:?}"
     );
-    assert!(heads.iter().all(|h| close(h.masked_loss, full + h.delta)));
+    assert!(heads.iter().all(|h| close(h.masked.loss, full + h.delta)));
+
+    // Greedy pruning takes the dead head first, at no cost, and stops with one head left.
+    let curve = prune_greedily(&model, &held_out, 10, |_| {});
+    assert_eq!(curve.len(), 4, "three of four heads can go: {curve:?}");
+    assert_eq!(curve[1].head, Some(("layer 0".to_string(), 3)));
+    assert!(close(curve[1].score.loss, full), "{curve:?}");
+    assert_eq!(curve[3].fraction, 0.75);
+    // Each point is the loss with exactly the heads removed so far gated off.
+    let mut gated = model.clone();
+    let removed = removed_by_layer(&curve, 3)["layer 0"].clone();
+    let kept = (0..4).find(|h| !removed.contains(h)).unwrap();
+    let mut gates = vec![0.0; 4];
+    gates[kept] = 1.0;
+    gated.attention.set_head_gates(Some(gates));
+    assert!(close(held_out.score(&gated).loss, curve[3].score.loss));
+    // A fixed order skips what would empty the layer.
+    let order: Vec<(String, usize)> = (0..4).map(|h| ("layer 0".to_string(), h)).collect();
+    let fixed = prune_in_order(&model, &held_out, &order, 10);
+    assert_eq!(fixed.len(), 4);
+    assert_eq!(fixed[3].head, Some(("layer 0".to_string(), 2)));
 }
 
 #[test]

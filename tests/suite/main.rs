@@ -15,6 +15,7 @@ mod data;
 #[cfg(feature = "flex")]
 mod flex_backend;
 mod generate;
+mod heads;
 mod images;
 mod inspect;
 #[cfg(feature = "flex")]
