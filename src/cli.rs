@@ -1,6 +1,6 @@
 //! Command-line types (clap derive). The doc comments are the `--help` text.
 
-use clap::{Args, Parser, Subcommand};
+use clap::{Args, Parser, Subcommand, ValueEnum};
 use std::path::PathBuf;
 
 pub use crate::backend::BackendKind;
@@ -77,6 +77,14 @@ pub enum Command {
     /// artifact without the first N heads the greedy curve removed (smaller projections, not a
     /// mask) that every command loads.
     Heads(HeadsArgs),
+    /// Import a Hugging Face GPT-2 checkpoint as an artifact every command uses.
+    ///
+    /// DIR holds config.json, model.safetensors and the tokenizer (tokenizer.json, or
+    /// vocab.json and merges.txt), as `save_pretrained` writes them or the Hub serves them.
+    Import(ImportArgs),
+    /// Export a trained language model as a Hugging Face GPT-2 checkpoint (config.json,
+    /// model.safetensors, tokenizer.json) that `GPT2LMHeadModel.from_pretrained` loads.
+    Export(ExportArgs),
     /// Draw the training curves of several runs on one chart: one metric (validation by
     /// default), one line per run, labelled by the run's directory name.
     ///
@@ -202,6 +210,41 @@ pub struct EvalArgs {
     pub search: SearchArgs,
     #[command(flatten)]
     pub data: DataArgs,
+}
+
+/// The checkpoint formats `import` and `export` speak.
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CheckpointFormat {
+    /// Hugging Face transformers' GPT-2 (`GPT2LMHeadModel`).
+    Gpt2,
+}
+
+/// `import` options.
+#[derive(Args, Debug)]
+pub struct ImportArgs {
+    /// The checkpoint's format.
+    #[arg(value_enum)]
+    pub format: CheckpointFormat,
+    /// The checkpoint's directory.
+    #[arg(value_name = "DIR")]
+    pub dir: PathBuf,
+    /// Where the artifact goes (a new or empty directory).
+    #[arg(long, value_name = "DIR")]
+    pub artifact_dir: PathBuf,
+}
+
+/// `export` options.
+#[derive(Args, Debug)]
+pub struct ExportArgs {
+    /// Directory written by `train` (or `import`).
+    #[arg(long, value_name = "DIR")]
+    pub artifact_dir: PathBuf,
+    /// Where the checkpoint goes (a new or empty directory).
+    #[arg(long, value_name = "DIR")]
+    pub to: PathBuf,
+    /// The checkpoint's format.
+    #[arg(long, value_enum, default_value = "gpt2")]
+    pub format: CheckpointFormat,
 }
 
 /// `heads` options.

@@ -43,6 +43,7 @@ pub mod embed;
 pub mod explain;
 pub mod files;
 pub mod generate;
+pub mod gpt2;
 pub mod inspect;
 pub mod kernels;
 pub mod kinds;

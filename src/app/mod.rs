@@ -2,6 +2,7 @@
 //! work is in the layers below; a model kind is asked of `kinds`, never matched here).
 
 mod bench;
+mod checkpoints;
 mod inspect;
 mod text;
 mod train;
@@ -69,6 +70,8 @@ impl BackendTask for Command {
             Command::Attention(args) => inspect::run_attention::<B>(args, device),
             Command::Explain(args) => inspect::run_explain::<B>(args, device),
             Command::Heads(args) => inspect::run_heads::<B>(args, device),
+            Command::Import(args) => checkpoints::run_import::<B>(args, device),
+            Command::Export(args) => checkpoints::run_export::<B>(args, device),
             Command::Curves(args) => run_curves(args),
         }
     }

@@ -315,15 +315,23 @@ impl ArtifactDir {
     }
 }
 
-/// Writes a new artifact (`config.json`, the tokenizers, `model.mpk`) to `dir`, which must be
-/// absent or empty: everything goes into a hidden sibling first, renamed into place once
-/// complete, so `dir` never holds half an artifact.
-pub fn write_new_artifact<B: LabBackend, M: Module<B>>(
-    dir: &Path,
-    config: &crate::config::ExperimentConfig,
-    tokenizers: Option<&Tokenizers>,
-    model: M,
-) -> Result<ArtifactDir> {
+/// Fails unless `dir` is free for something new (absent, or an empty directory).
+pub fn check_new_artifact_dir(dir: &Path) -> Result<()> {
+    match std::fs::read_dir(dir).map(|mut entries| entries.next().is_none()) {
+        Err(err) if err.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Ok(true) => Ok(()),
+        Ok(false) => bail!(
+            "{} already exists and is not empty; give a new directory",
+            dir.display()
+        ),
+        Err(err) => bail!("cannot use {}: {err}", dir.display()),
+    }
+}
+
+/// Fills the new directory `dir` (absent or empty) with `fill`: into a hidden sibling first,
+/// renamed into place once `fill` succeeded, so `dir` never holds half of it.
+pub fn write_new_dir(dir: &Path, fill: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
+    check_new_artifact_dir(dir)?;
     let name = dir
         .file_name()
         .with_context(|| format!("{} names no directory", dir.display()))?;
@@ -335,20 +343,34 @@ pub fn write_new_artifact<B: LabBackend, M: Module<B>>(
     }
     std::fs::create_dir_all(&partial)
         .with_context(|| format!("cannot create {}", partial.display()))?;
-    let staged = ArtifactDir::new(&partial);
-    config.save(&staged.config())?;
-    if let Some(tokenizers) = tokenizers {
-        tokenizers.save(&staged)?;
-    }
-    model
-        .save_file(staged.model(), &ArtifactRecorder::default())
-        .with_context(|| format!("cannot write {}", staged.model_file().display()))?;
+    fill(&partial)?;
     if dir.exists() {
-        // Empty (the caller checked): make way for the rename.
+        // Empty (checked above): make way for the rename.
         std::fs::remove_dir(dir).with_context(|| format!("{} is not empty", dir.display()))?;
     }
     std::fs::rename(&partial, dir)
-        .with_context(|| format!("cannot move {} to {}", partial.display(), dir.display()))?;
+        .with_context(|| format!("cannot move {} to {}", partial.display(), dir.display()))
+}
+
+/// Writes a new artifact (`config.json`, the tokenizers, `model.mpk`) to `dir`, which must be
+/// absent or empty (see [`write_new_dir`]).
+pub fn write_new_artifact<B: LabBackend, M: Module<B>>(
+    dir: &Path,
+    config: &crate::config::ExperimentConfig,
+    tokenizers: Option<&Tokenizers>,
+    model: M,
+) -> Result<ArtifactDir> {
+    write_new_dir(dir, |staged| {
+        let staged = ArtifactDir::new(staged);
+        config.save(&staged.config())?;
+        if let Some(tokenizers) = tokenizers {
+            tokenizers.save(&staged)?;
+        }
+        model
+            .save_file(staged.model(), &ArtifactRecorder::default())
+            .with_context(|| format!("cannot write {}", staged.model_file().display()))?;
+        Ok(())
+    })?;
     Ok(ArtifactDir::new(dir))
 }
 

@@ -47,10 +47,15 @@ impl Special {
     }
 }
 
-/// A trained byte-level BPE tokenizer.
+/// GPT-2's one special token, which ends (and separates) documents.
+pub const END_OF_TEXT: &str = "<|endoftext|>";
+
+/// A trained byte-level BPE tokenizer: ours (`<pad> <s> </s> <unk>` at ids 0–3), or GPT-2's
+/// (imported with a checkpoint; `<|endoftext|>` its one special token).
 #[derive(Clone)]
 pub struct BpeTokenizer {
     inner: HfTokenizer,
+    gpt2: bool,
 }
 
 impl std::fmt::Debug for BpeTokenizer {
@@ -91,7 +96,7 @@ impl BpeTokenizer {
         inner
             .train(&mut TrainerWrapper::BpeTrainer(trainer), texts)
             .map_err(|e| anyhow!("BPE training failed: {e}"))?;
-        Ok(Self { inner })
+        Ok(Self { inner, gpt2: false })
     }
 
     /// Number of tokens, special tokens included.
@@ -151,11 +156,65 @@ impl BpeTokenizer {
             .map_err(|e| anyhow!("cannot serialise the tokenizer: {e}"))
     }
 
-    /// Reads `tokenizers`' JSON format, checking the special tokens sit at their ids.
+    /// The id of a token of the vocabulary (special tokens included).
+    pub fn id_of(&self, token: &str) -> Option<usize> {
+        self.inner.token_to_id(token).map(|id| id as usize)
+    }
+
+    /// Whether this is GPT-2's tokenizer (no `<pad> <s> </s> <unk>`).
+    pub fn is_gpt2(&self) -> bool {
+        self.gpt2
+    }
+
+    /// GPT-2's tokenizer from Hugging Face's `vocab.json` and `merges.txt`: byte-level BPE
+    /// without a prefix space, `<|endoftext|>` its special token.
+    pub fn gpt2_from_files(vocab: &Path, merges: &Path) -> Result<Self> {
+        let (v, m) = (vocab.to_string_lossy(), merges.to_string_lossy());
+        let model = BPE::from_file(&v, &m).build().map_err(|e| {
+            anyhow!(
+                "cannot read GPT-2's {} and {}: {e}",
+                vocab.display(),
+                merges.display()
+            )
+        })?;
+        let mut inner = HfTokenizer::new(model);
+        inner
+            .with_pre_tokenizer(Some(ByteLevel::new(false, true, true)))
+            .with_decoder(Some(ByteLevelDecoder::default()));
+        inner.add_special_tokens(&[AddedToken::from(END_OF_TEXT, true)]);
+        Self::gpt2_checked(inner, vocab)
+    }
+
+    /// Reads a GPT-2 `tokenizer.json`, which must hold `<|endoftext|>`.
+    pub fn gpt2_from_json(text: &str, path: &Path) -> Result<Self> {
+        let inner: HfTokenizer = text
+            .parse()
+            .map_err(|e| anyhow!("malformed tokenizer {}: {e}", path.display()))?;
+        Self::gpt2_checked(inner, path)
+    }
+
+    fn gpt2_checked(inner: HfTokenizer, path: &Path) -> Result<Self> {
+        if inner.token_to_id(END_OF_TEXT).is_none() {
+            return Err(anyhow!(
+                "tokenizer {} has no {END_OF_TEXT}: not a GPT-2 tokenizer",
+                path.display()
+            ));
+        }
+        Ok(Self { inner, gpt2: true })
+    }
+
+    /// Reads `tokenizers`' JSON format: ours (the special tokens checked at their ids), or
+    /// GPT-2's (`<|endoftext|>` and none of ours).
     pub fn from_json(text: &str, path: &Path) -> Result<Self> {
         let inner: HfTokenizer = text
             .parse()
             .map_err(|e| anyhow!("malformed tokenizer {}: {e}", path.display()))?;
+        let ours = Special::ALL
+            .iter()
+            .any(|s| inner.token_to_id(s.text()).is_some());
+        if !ours && inner.token_to_id(END_OF_TEXT).is_some() {
+            return Ok(Self { inner, gpt2: true });
+        }
         for special in Special::ALL {
             let id = inner.token_to_id(special.text()).map(|id| id as usize);
             if id != Some(special.id()) {
@@ -168,6 +227,6 @@ impl BpeTokenizer {
                 .context("it was not written by transformer-lab");
             }
         }
-        Ok(Self { inner })
+        Ok(Self { inner, gpt2: false })
     }
 }

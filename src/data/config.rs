@@ -93,4 +93,7 @@ pub enum TokenizerKind {
     Char,
     /// Byte-level BPE (`tokenizers` crate) with `<pad> <s> </s> <unk>` at ids 0–3.
     Bpe,
+    /// GPT-2's byte-level BPE, which comes with an imported checkpoint (`import gpt2`); it is
+    /// read from the artifact, never fitted.
+    Gpt2,
 }

@@ -9,7 +9,7 @@ pub mod text;
 pub mod tokenizer;
 pub mod translation;
 
-pub use bpe::{BpeTokenizer, Special};
+pub use bpe::{BpeTokenizer, Special, END_OF_TEXT};
 pub use config::{CopyTaskConfig, DataConfig, TokenizerKind};
 pub use images::{ImageBatch, ImageBatcher, ImageItem, ImageSet};
 pub use registry::{data_dir, DatasetSpec, Task, DATA_DIR_ENV};

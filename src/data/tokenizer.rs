@@ -129,6 +129,11 @@ impl Tokenizer {
                 Tokenizer::Char(CharTokenizer::fit(&text))
             }
             TokenizerKind::Bpe => Tokenizer::Bpe(Box::new(BpeTokenizer::train(texts, vocab_size)?)),
+            TokenizerKind::Gpt2 => bail!(
+                "data.tokenizer gpt2 is GPT-2's own tokenizer: it comes with a checkpoint \
+                 (`transformer-lab import gpt2`) and is not fitted; start from the imported \
+                 artifact with \"init_from\", or use char or bpe"
+            ),
         })
     }
 
@@ -136,6 +141,7 @@ impl Tokenizer {
     pub fn kind(&self) -> TokenizerKind {
         match self {
             Tokenizer::Char(_) => TokenizerKind::Char,
+            Tokenizer::Bpe(t) if t.is_gpt2() => TokenizerKind::Gpt2,
             Tokenizer::Bpe(_) => TokenizerKind::Bpe,
         }
     }
@@ -191,7 +197,7 @@ impl Tokenizer {
 
     /// The id of a special token, for tokenizers that have them.
     pub fn special(&self, special: Special) -> Option<usize> {
-        matches!(self, Tokenizer::Bpe(_)).then(|| special.id())
+        matches!(self, Tokenizer::Bpe(t) if !t.is_gpt2()).then(|| special.id())
     }
 
     /// Writes `tokenizer.json` atomically.

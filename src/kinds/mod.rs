@@ -15,7 +15,9 @@ mod vit;
 pub use lm::{evaluate_lm, Corpus};
 pub use seq2seq::TranslationData;
 
-use crate::artifact::{write_new_artifact, ArtifactDir, Tokenizers, Trained};
+use crate::artifact::{
+    check_new_artifact_dir, write_new_artifact, ArtifactDir, Tokenizers, Trained,
+};
 use crate::config::{DataConfig, ExperimentConfig, ModelSection, Visit};
 use crate::inspect::heads::{self, HeldOut, HeldOutBatch, LossOutput, PruneStep};
 use crate::inspect::{AttentionMaps, GroupStats, TextModel};
@@ -403,7 +405,7 @@ fn study_heads<K: ModelKind, B: LabAutodiff>(
         (Some(_), None) => bail!("--prune needs --out DIR: where to write the pruned artifact"),
         (None, Some(_)) => bail!("--out is where --prune writes; give --prune N too"),
         (Some(_), Some(out)) => {
-            check_new_dir(out)?;
+            check_new_artifact_dir(out)?;
             Some(out)
         }
         (None, None) => None,
@@ -486,23 +488,6 @@ fn study_heads<K: ModelKind, B: LabAutodiff>(
         write_pruned::<K, B::InnerBackend>(&trained, &held_out, &greedy, n, out, device)?;
     }
     Ok(())
-}
-
-/// Fails unless `dir` is free for a new artifact (absent, or an empty directory).
-fn check_new_dir(dir: &Path) -> Result<()> {
-    let empty = std::fs::read_dir(dir).map(|mut entries| entries.next().is_none());
-    match empty {
-        Err(err) if err.kind() == std::io::ErrorKind::NotFound => Ok(()),
-        Ok(true) => Ok(()),
-        Ok(false) => bail!(
-            "{} already exists and is not empty; the pruned artifact goes to a new directory",
-            dir.display()
-        ),
-        Err(err) => bail!(
-            "cannot use {} for the pruned artifact: {err}",
-            dir.display()
-        ),
-    }
 }
 
 /// Writes `trained` without the first `n` heads of the greedy curve to `out`, then loads it

@@ -25,7 +25,7 @@ pub struct StackConfig {
     pub d_ff: usize,
     /// Dropout probability (attention weights, feed-forward, residual branches, embeddings).
     pub dropout: f64,
-    /// Feed-forward non-linearity: `gelu` or `relu`.
+    /// Feed-forward non-linearity: `gelu`, `gelu_tanh` (GPT-2's) or `relu`.
     pub activation: Activation,
     /// Pre-norm (`true`, GPT-2, ViT) or post-norm (`false`, the original paper, BERT).
     pub norm_first: bool,

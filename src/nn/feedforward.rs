@@ -14,8 +14,18 @@ use serde::{Deserialize, Serialize};
 pub enum Activation {
     /// `max(0, x)`, as in the original paper.
     Relu,
-    /// `x·Φ(x)` (exact, erf-based), as in GPT-2 and BERT.
+    /// `x·Φ(x)` (exact, erf-based), as in BERT.
     Gelu,
+    /// GELU's tanh approximation `½x(1 + tanh(√(2/π)(x + 0.044715x³)))`, as OpenAI's GPT-2 was
+    /// trained (Hugging Face's `gelu_new`): what imported GPT-2 checkpoints need.
+    GeluTanh,
+}
+
+/// GELU's tanh approximation, composed of tensor ops (differentiable on any backend).
+pub fn gelu_tanh<B: Backend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
+    let c = (2.0 / std::f64::consts::PI).sqrt();
+    let inner = (x.clone() + x.clone().powi_scalar(3).mul_scalar(0.044715)).mul_scalar(c);
+    x.mul(inner.tanh().add_scalar(1.0)).mul_scalar(0.5)
 }
 
 /// Configuration of [`FeedForward`].
@@ -79,6 +89,7 @@ impl<B: LabBackend> FeedForward<B> {
         let h = match self.activation {
             Activation::Relu => relu(h),
             Activation::Gelu => gelu(h),
+            Activation::GeluTanh => gelu_tanh(h),
         };
         linear(
             &self.linear_outer,

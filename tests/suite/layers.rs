@@ -19,6 +19,7 @@ const LAYERS: &[(&str, usize)] = &[
     ("artifact", 6),
     ("train", 7),
     ("generate", 8),
+    ("gpt2", 8),
     ("translate", 8),
     ("classify", 8),
     ("embed", 8),

@@ -15,6 +15,7 @@ mod data;
 #[cfg(feature = "flex")]
 mod flex_backend;
 mod generate;
+mod gpt2;
 mod heads;
 mod images;
 mod inspect;

@@ -40,6 +40,15 @@ fn wgpu_logits_equal_ndarray_logits() {
 }
 
 #[test]
+fn imported_gpt2_computes_transformers_logits_on_wgpu() {
+    if !wgpu_runs() {
+        return;
+    }
+    let gap = crate::gpt2::imported_logit_gap::<Gpu>(&Default::default());
+    assert!(gap < 1e-4, "logits differ from transformers' by {gap}");
+}
+
+#[test]
 fn cached_decoding_gives_the_uncached_logits_on_wgpu() {
     if !wgpu_runs() {
         return;
