@@ -130,6 +130,8 @@ pub trait ModelSection: Any + Clone + Default + Serialize + DeserializeOwned {
     const DESCRIPTION: &'static str;
     /// The command that uses a trained model of this kind.
     const COMMAND: &'static str;
+    /// Fields a saved config leaves out while they hold their default (besides the stack's).
+    const UNSERIALIZED_DEFAULTS: &'static [&'static str] = &[];
     /// Checks the section's own fields and that `data` suits it.
     fn validate(&self, data: &DataConfig) -> Result<()>;
     /// `(source, target)` vocabulary sizes; `(0, 0)` for a model that reads no text.
@@ -207,8 +209,11 @@ fn with_defaults<'de, D: Deserializer<'de>, S: ModelSection>(
         return Err(D::Error::custom("a model section serializes to an object"));
     };
     for (key, value) in given {
-        if !fields.contains_key(&key) && !StackConfig::UNSERIALIZED_DEFAULTS.contains(&key.as_str())
-        {
+        let optional = StackConfig::UNSERIALIZED_DEFAULTS
+            .iter()
+            .chain(S::UNSERIALIZED_DEFAULTS)
+            .any(|field| *field == key);
+        if !fields.contains_key(&key) && !optional {
             let known: Vec<String> = fields.keys().map(|k| format!("`{k}`")).collect();
             return Err(D::Error::custom(format!(
                 "unknown field `{key}`, expected one of {}",

@@ -121,6 +121,7 @@ fn lm_config(hf: &HfConfig, path: &Path) -> Result<LmConfig> {
         context: hf.n_positions,
         position: PositionKind::Learned,
         tie_weights: true,
+        init_from: None,
     };
     lm.validate()?;
     Ok(lm)

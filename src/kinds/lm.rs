@@ -2,7 +2,7 @@
 //! self-attention to inspect.
 
 use super::{held_out_batches, EvalRequest, HeldOutRequest, ModelKind};
-use crate::artifact::{Tokenizers, Trained};
+use crate::artifact::{load_weights, ArtifactDir, Tokenizers, Trained};
 use crate::config::{DataConfig, ExperimentConfig, LmConfig, ModelConfig, ModelSection};
 use crate::data::{DatasetSpec, LmBatch, LmBatcher, Task, TokenWindows, Tokenizer};
 use crate::inspect::heads::HeldOut;
@@ -28,6 +28,7 @@ impl ModelSection for LmConfig {
     const KIND: &'static str = "lm";
     const DESCRIPTION: &'static str = "language model";
     const COMMAND: &'static str = "generate";
+    const UNSERIALIZED_DEFAULTS: &'static [&'static str] = &["init_from"];
 
     fn validate(&self, data: &DataConfig) -> Result<()> {
         LmConfig::validate(self)?;
@@ -105,6 +106,12 @@ impl ModelKind for LmConfig {
         data_dir: &Path,
         device: B::Device,
     ) -> Result<TrainReport> {
+        // A run that starts from an artifact reads text with that artifact's tokenizer.
+        let start = self.init_from.as_deref().map(ArtifactDir::new);
+        let tokenizers = match (tokenizers, &start) {
+            (None, Some(artifact)) => Some(Tokenizers::load(artifact)?),
+            (tokenizers, _) => tokenizers,
+        };
         let corpus = Corpus::load(&config, data_dir, tokenizers.map(|t| t.target))?;
         let vocab = corpus.tokenizer.vocab_size();
         config.model.set_vocab_sizes(vocab, vocab);
@@ -129,7 +136,17 @@ impl ModelKind for LmConfig {
             per_step: config.train.batch_size * lm.context,
             unit: "tok",
         };
-        let model: LanguageModel<B> = lm.init(&device);
+        let mut model: LanguageModel<B> = lm.init(&device);
+        if let Some(artifact) = &start {
+            let weights = artifact.weights()?;
+            model = load_weights(model, &weights, &device).with_context(|| {
+                format!(
+                    "model.init_from {}: its model is not the one this config describes",
+                    artifact.root().display()
+                )
+            })?;
+            println!("starting from the weights of {}", weights.display());
+        }
         launch(&config, session, model, loaders, None, true, throughput)
     }
 

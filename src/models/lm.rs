@@ -33,6 +33,10 @@ pub struct LmConfig {
     pub position: PositionKind,
     /// Share the token embedding with the output projection (Press & Wolf 2017).
     pub tie_weights: bool,
+    /// Start training from the weights (and tokenizer) of this artifact — e.g. one made by
+    /// `import gpt2` — instead of a random init; the model settings must describe its model.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub init_from: Option<std::path::PathBuf>,
 }
 
 impl Default for LmConfig {
@@ -47,6 +51,7 @@ impl Default for LmConfig {
             context: 64,
             position: PositionKind::Learned,
             tie_weights: true,
+            init_from: None,
         }
     }
 }

@@ -259,3 +259,67 @@ fn bad_checkpoints_and_exports_get_one_clear_line() {
     );
     assert_clean_error(&out, "GPT-2 cannot express this model");
 }
+
+#[test]
+fn training_starts_from_an_imported_artifact() {
+    let dir = tempfile::tempdir().unwrap();
+    let device = Default::default();
+    transformer_lab::gpt2::import::<NdArray<f32>>(&fixture(), &dir.path().join("gpt2"), &device)
+        .unwrap();
+    let line = "ROMEO: But soft, what light through yonder window breaks? ";
+    std::fs::write(dir.path().join("corpus.txt"), line.repeat(40)).unwrap();
+    let experiment = |d_model: usize| {
+        format!(
+            r#"{{"name": "ft", "seed": 1,
+               "model": {{"kind": "lm", "init_from": "gpt2", "d_model": {d_model}, "n_layers": 2,
+                          "n_heads": 2, "d_ff": 128, "context": 64, "activation": "gelu_tanh",
+                          "bias": true, "dropout": 0.0}},
+               "data": {{"text_file": "corpus.txt", "tokenizer": "gpt2"}},
+               "train": {{"batch_size": 2, "steps": 2, "steps_per_epoch": 2, "eval_batches": 1,
+                          "lr": 1e-30, "min_lr": 1e-30, "warmup_steps": 0, "weight_decay": 0.0}}}}"#
+        )
+    };
+    std::fs::write(dir.path().join("ft.json"), experiment(32)).unwrap();
+    let out = run(
+        dir.path(),
+        &["train", "-e", "ft.json", "--artifact-dir", "ft"],
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("starting from the weights of"), "{stdout}");
+    // With a learning rate of 1e-30 no weight moves: the run began from the imported ones, and
+    // read the text with GPT-2's tokenizer.
+    let load = |name: &str| {
+        load_as::<LmConfig, NdArray<f32>>(&ArtifactDir::new(dir.path().join(name)), &device)
+            .unwrap()
+    };
+    let (start, trained) = (load("gpt2"), load("ft"));
+    let weights = |m: &transformer_lab::models::LanguageModel<NdArray<f32>>| {
+        m.collect(None, None, false)
+            .into_iter()
+            .map(|s| s.to_data().unwrap().to_vec::<f32>().unwrap())
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(weights(&start.model), weights(&trained.model));
+    assert_eq!(trained.tokenizer().vocab_size(), 300);
+
+    // A config describing another model is one clear line.
+    std::fs::write(dir.path().join("wide.json"), experiment(64)).unwrap();
+    let out = run(
+        dir.path(),
+        &["train", "-e", "wide.json", "--artifact-dir", "wide"],
+    );
+    assert_clean_error(&out, "init_from");
+    // GPT-2's tokenizer is imported, never fitted.
+    let fitted = experiment(32).replace(r#""init_from": "gpt2", "#, "");
+    std::fs::write(dir.path().join("fit.json"), fitted).unwrap();
+    let out = run(
+        dir.path(),
+        &["train", "-e", "fit.json", "--artifact-dir", "fit"],
+    );
+    assert_clean_error(&out, "not fitted");
+}
