@@ -151,12 +151,28 @@ fn cross_attention_attends_over_the_memory_sequence() {
 
 /// A 4-head layer of width 16 drawn from `seed`.
 fn seeded_layer<L: LabBackend>(seed: u64) -> MultiHeadAttention<L> {
+    // Fixed weights, not the backend's random stream: tests running beside this one draw
+    // from (and reseed) that stream too.
     let device = Default::default();
-    L::seed(&device, seed);
-    let mha = MultiHeadAttentionConfig::new(16, 4).init::<L>(&device);
-    // Parameters are drawn on first use: draw them once, before copies share them.
-    let record = mha.clone().into_record();
-    mha.load_record(record)
+    let mut mha = MultiHeadAttentionConfig::new(16, 4).init::<L>(&device);
+    let fixed = |n: usize, salt: usize| -> Vec<f32> {
+        (0..n)
+            .map(|i| ((i as f32 * 0.73) + (salt as f32 * 1.91) + seed as f32).sin() * 0.3)
+            .collect()
+    };
+    let layers = [
+        &mut mha.query,
+        &mut mha.key,
+        &mut mha.value,
+        &mut mha.output,
+    ];
+    for (k, layer) in layers.into_iter().enumerate() {
+        let weight = Tensor::<L, 1>::from_floats(fixed(256, k).as_slice(), &device);
+        layer.weight = Param::from_tensor(weight.reshape([16, 16]));
+        let bias = Tensor::<L, 1>::from_floats(fixed(16, k + 10).as_slice(), &device);
+        layer.bias = Some(Param::from_tensor(bias));
+    }
+    mha
 }
 
 /// A seeded layer, and a copy whose `W^O` rows for `head` are zero.
@@ -369,11 +385,17 @@ fn a_copied_head_and_a_dead_head_are_worth_what_they_should_be() {
     );
     assert!(heads.iter().all(|h| close(h.masked.loss, full + h.delta)));
 
-    // Greedy pruning takes the dead head first, at no cost, and stops with one head left.
+    // Greedy pruning first takes the head whose removal hurts least (the dead one at no cost,
+    // unless dropping a copy even helps), and stops with one head left.
     let curve = prune_greedily(&model, &held_out, 10, |_| {});
     assert_eq!(curve.len(), 4, "three of four heads can go: {curve:?}");
-    assert_eq!(curve[1].head, Some(("layer 0".to_string(), 3)));
-    assert!(close(curve[1].score.loss, full), "{curve:?}");
+    let least = heads
+        .iter()
+        .min_by(|a, b| a.masked.loss.total_cmp(&b.masked.loss))
+        .unwrap();
+    assert_eq!(curve[1].head, Some(("layer 0".to_string(), least.head)));
+    assert!(close(curve[1].score.loss, least.masked.loss), "{curve:?}");
+    assert!(curve[1].score.loss <= full + 1e-6, "{curve:?}");
     assert_eq!(curve[3].fraction, 0.75);
     // Each point is the loss with exactly the heads removed so far gated off.
     let mut gated = model.clone();
