@@ -168,6 +168,60 @@ pub struct PruneStep {
     pub score: Score,
 }
 
+/// The state of a pruning: which heads of which layers are still on.
+struct Pruning {
+    /// Each attention layer's name.
+    names: Vec<String>,
+    /// Per layer, one gate per head: 1 on, 0 removed.
+    gates: Vec<Vec<f32>>,
+    /// Heads of the whole model.
+    total: usize,
+}
+
+impl Pruning {
+    fn new<B: LabBackend, M: AttentionLayers<B> + Clone>(model: &M) -> Self {
+        let mut reader = model.clone();
+        let layers = layer_heads(&mut reader);
+        Self {
+            total: layers.iter().map(|(_, h)| h).sum(),
+            gates: layers.iter().map(|(_, h)| vec![1.0; *h]).collect(),
+            names: layers.into_iter().map(|(name, _)| name).collect(),
+        }
+    }
+
+    /// Whether layer `l` has a head to spare (each layer keeps one).
+    fn can_lose(&self, l: usize) -> bool {
+        self.gates[l].iter().filter(|&&g| g == 1.0).count() >= 2
+    }
+
+    /// Removes head `h` of layer `l` and scores what is left: the curve's next point.
+    fn remove<B: LabBackend, M: AttentionLayers<B> + Clone>(
+        &mut self,
+        (l, h): (usize, usize),
+        removed: usize,
+        model: &M,
+        held_out: &HeldOut<'_, B, M>,
+    ) -> PruneStep {
+        self.gates[l][h] = 0.0;
+        PruneStep {
+            head: Some((self.names[l].clone(), h)),
+            removed,
+            fraction: removed as f64 / self.total as f64,
+            score: held_out.score(&gated(model, &self.gates)),
+        }
+    }
+}
+
+/// The curve's starting point: every head on.
+fn start<B: LabBackend, M>(model: &M, held_out: &HeldOut<'_, B, M>) -> PruneStep {
+    PruneStep {
+        head: None,
+        removed: 0,
+        fraction: 0.0,
+        score: held_out.score(model),
+    }
+}
+
 /// Removes heads one at a time, each time the one whose removal hurts the held-out loss least
 /// **given those already removed** (every remaining head re-evaluated at each step), until
 /// `steps` heads are gone or each layer keeps one. `on_step` sees each point as it is made.
@@ -181,40 +235,26 @@ where
     B: LabBackend,
     M: AttentionLayers<B> + Clone,
 {
-    let mut reader = model.clone();
-    let layers = layer_heads(&mut reader);
-    let total: usize = layers.iter().map(|(_, h)| h).sum();
-    let mut gates: Vec<Vec<f32>> = layers.iter().map(|(_, h)| vec![1.0; *h]).collect();
-    let point = |head, removed, score| PruneStep {
-        head,
-        removed,
-        fraction: removed as f64 / total as f64,
-        score,
-    };
-    let start = point(None, 0, held_out.score(model));
-    on_step(&start);
-    let mut curve = vec![start];
+    let mut pruning = Pruning::new(model);
+    let mut curve = vec![start(model, held_out)];
+    on_step(&curve[0]);
     for removed in 1..=steps {
-        let mut best: Option<(usize, usize, Score)> = None;
-        for l in 0..layers.len() {
-            if gates[l].iter().filter(|&&g| g == 1.0).count() < 2 {
-                continue; // a layer keeps one head
-            }
-            for h in 0..gates[l].len() {
-                if gates[l][h] == 0.0 {
+        let mut best: Option<((usize, usize), f64)> = None;
+        for l in (0..pruning.gates.len()).filter(|&l| pruning.can_lose(l)) {
+            for h in 0..pruning.gates[l].len() {
+                if pruning.gates[l][h] == 0.0 {
                     continue;
                 }
-                gates[l][h] = 0.0;
-                let score = held_out.score(&gated(model, &gates));
-                gates[l][h] = 1.0;
-                if best.is_none_or(|(_, _, b)| score.loss < b.loss) {
-                    best = Some((l, h, score));
+                let mut trial = pruning.gates.clone();
+                trial[l][h] = 0.0;
+                let loss = held_out.score(&gated(model, &trial)).loss;
+                if best.is_none_or(|(_, b)| loss < b) {
+                    best = Some(((l, h), loss));
                 }
             }
         }
-        let Some((l, h, score)) = best else { break };
-        gates[l][h] = 0.0;
-        let step = point(Some((layers[l].0.clone(), h)), removed, score);
+        let Some((head, _)) = best else { break };
+        let step = pruning.remove(head, removed, model, held_out);
         on_step(&step);
         curve.push(step);
     }
@@ -233,34 +273,19 @@ where
     B: LabBackend,
     M: AttentionLayers<B> + Clone,
 {
-    let mut reader = model.clone();
-    let layers = layer_heads(&mut reader);
-    let total: usize = layers.iter().map(|(_, h)| h).sum();
-    let mut gates: Vec<Vec<f32>> = layers.iter().map(|(_, h)| vec![1.0; *h]).collect();
-    let mut curve = vec![PruneStep {
-        head: None,
-        removed: 0,
-        fraction: 0.0,
-        score: held_out.score(model),
-    }];
+    let mut pruning = Pruning::new(model);
+    let mut curve = vec![start(model, held_out)];
     for (name, h) in order {
         if curve.len() > steps {
             break;
         }
-        let Some(l) = layers.iter().position(|(n, _)| n == name) else {
+        let Some(l) = pruning.names.iter().position(|n| n == name) else {
             continue;
         };
-        if gates[l].iter().filter(|&&g| g == 1.0).count() < 2 {
-            continue;
+        if pruning.can_lose(l) {
+            let removed = curve.len();
+            curve.push(pruning.remove((l, *h), removed, model, held_out));
         }
-        gates[l][*h] = 0.0;
-        let removed = curve.len();
-        curve.push(PruneStep {
-            head: Some((name.clone(), *h)),
-            removed,
-            fraction: removed as f64 / total as f64,
-            score: held_out.score(&gated(model, &gates)),
-        });
     }
     curve
 }

@@ -33,6 +33,20 @@ fn lm_on_a_text(dir: &Path) {
     );
 }
 
+/// `heads` on the artifact `dir/artifact` with small held-out batches, and `extra` options.
+fn heads(dir: &Path, artifact: &str, extra: &[&str]) -> std::process::Output {
+    let args = [
+        "heads",
+        "--artifact-dir",
+        artifact,
+        "--batch-size",
+        "4",
+        "--batches",
+        "2",
+    ];
+    run(dir, &[&args[..], extra].concat())
+}
+
 fn logits(model: &transformer_lab::models::LanguageModel<B>) -> Tensor<B, 3> {
     let ids: Vec<i64> = (0..24).map(|i| (i * 7 % 20) as i64).collect();
     let tokens = Tensor::<B, 1, Int>::from_ints(ids.as_slice(), &Default::default());
@@ -43,19 +57,7 @@ fn logits(model: &transformer_lab::models::LanguageModel<B>) -> Tensor<B, 3> {
 fn a_pruned_artifact_computes_what_the_gated_model_computes() {
     let dir = tempfile::tempdir().unwrap();
     lm_on_a_text(dir.path());
-    let heads = [
-        "heads",
-        "--artifact-dir",
-        "lm",
-        "--batch-size",
-        "4",
-        "--batches",
-        "2",
-    ];
-    let out = run(
-        dir.path(),
-        &[&heads[..], &["--prune", "3", "--out", "pruned"]].concat(),
-    );
+    let out = heads(dir.path(), "lm", &["--prune", "3", "--out", "pruned"]);
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
         out.status.success(),
@@ -146,9 +148,9 @@ fn a_pruned_artifact_computes_what_the_gated_model_computes() {
         String::from_utf8_lossy(&attention.stderr)
     );
     // Its renumbered heads are checked layer by layer.
-    let (layer, heads) = removed.iter().next().unwrap();
+    let (layer, gone) = removed.iter().next().unwrap();
     let layer: usize = layer.trim_start_matches("layer ").parse().unwrap();
-    let missing = (4 - heads.len()).to_string();
+    let missing = (4 - gone.len()).to_string();
     let args = [
         "attention",
         "--artifact-dir",
@@ -161,22 +163,7 @@ fn a_pruned_artifact_computes_what_the_gated_model_computes() {
     assert_clean_error(&out, "does not exist");
 
     // Pruning further counts heads in the unpruned layer.
-    let out = run(
-        dir.path(),
-        &[
-            "heads",
-            "--artifact-dir",
-            "pruned",
-            "--batch-size",
-            "4",
-            "--batches",
-            "2",
-            "--prune",
-            "1",
-            "--out",
-            "again",
-        ],
-    );
+    let out = heads(dir.path(), "pruned", &["--prune", "1", "--out", "again"]);
     assert!(
         out.status.success(),
         "{}",
@@ -203,16 +190,7 @@ fn a_pruned_artifact_computes_what_the_gated_model_computes() {
 fn bad_heads_requests_get_one_clear_line() {
     let dir = tempfile::tempdir().unwrap();
     lm_on_a_text(dir.path());
-    let base = [
-        "heads",
-        "--artifact-dir",
-        "lm",
-        "--batch-size",
-        "4",
-        "--batches",
-        "1",
-    ];
-    let with = |extra: &[&str]| run(dir.path(), &[&base[..], extra].concat());
+    let with = |extra: &[&str]| heads(dir.path(), "lm", extra);
     assert_clean_error(
         &with(&["--prune", "7", "--out", "p"]),
         "can lose 1 to 6 heads",
