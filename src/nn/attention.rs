@@ -7,7 +7,7 @@ use super::mask::{
     local_allows, local_mask, pattern_rows, strided_allows, strided_mask, AttentionMask,
 };
 use super::mixer::Mixer;
-use super::relative::{alibi_bias, rope, RelativePosition};
+use super::relative::{alibi_bias, alibi_slopes, rope, RelativePosition};
 use super::sparse::{local_attention, strided_attention};
 use crate::kernels::reference::{merge_heads, split_packed};
 use crate::kernels::{self, softmax, LabAutodiff, LabBackend};
@@ -161,6 +161,10 @@ pub struct MultiHeadAttention<B: LabBackend> {
     /// nothing.
     #[module(skip)]
     head_gates: Option<Vec<f32>>,
+    /// After pruning: the unpruned layer's head count and the heads left, by their index there
+    /// (ALiBi's slopes belong to those heads).
+    #[module(skip)]
+    pruned_from: Option<(usize, Vec<usize>)>,
 }
 
 /// What an attention layer returns: the projected context and the weights of every head.
@@ -210,6 +214,7 @@ impl MultiHeadAttentionConfig {
             mixer: self.mixer.clone(),
             relative: self.relative,
             head_gates: None,
+            pruned_from: None,
         }
     }
 }
@@ -365,7 +370,19 @@ impl<B: LabBackend> MultiHeadAttention<B> {
         device: &B::Device,
     ) -> Option<Tensor<B, 4>> {
         (self.relative == RelativePosition::Alibi)
-            .then(|| alibi_bias(self.n_heads, queries, keys, device))
+            .then(|| alibi_bias(&self.alibi_slopes(), queries, keys, device))
+    }
+
+    /// ALiBi's slope of each head: the geometric series of the unpruned layer, for the heads
+    /// that are left.
+    fn alibi_slopes(&self) -> Vec<f64> {
+        match &self.pruned_from {
+            Some((n_heads, kept)) => {
+                let all = alibi_slopes(*n_heads);
+                kept.iter().map(|&h| all[h]).collect()
+            }
+            None => alibi_slopes(self.n_heads),
+        }
     }
 
     /// How this layer sees positions.
@@ -572,6 +589,10 @@ impl<B: LabBackend> MultiHeadAttention<B> {
                 .head_gates
                 .as_ref()
                 .map(|g| kept.iter().map(|&i| g[i]).collect()),
+            pruned_from: Some(match &self.pruned_from {
+                Some((n, before)) => (*n, kept.iter().map(|&i| before[i]).collect()),
+                None => (h, kept.clone()),
+            }),
         }
     }
 }

@@ -81,18 +81,18 @@ pub fn alibi_slopes(n_heads: usize) -> Vec<f64> {
     slopes
 }
 
-/// ALiBi's biases `−m_h · |i − j|` for queries at positions `queries` and keys at `keys`
-/// (absolute positions of one sequence), `[1, h, t, s]`. Keys after a query get a bias too;
+/// ALiBi's biases `−m_h · |i − j|` for the heads' `slopes` ([`alibi_slopes`]), queries at
+/// positions `queries` and keys at `keys` (absolute positions of one sequence), `[1, h, t, s]`. Keys after a query get a bias too;
 /// a causal mask removes them in a decoder, and an encoder sees both sides penalised alike.
 pub fn alibi_bias<B: LabBackend>(
-    n_heads: usize,
+    slopes: &[f64],
     queries: std::ops::Range<usize>,
     keys: std::ops::Range<usize>,
     device: &B::Device,
 ) -> Tensor<B, 4> {
-    let (t, s) = (queries.len(), keys.len());
+    let (t, s, n_heads) = (queries.len(), keys.len(), slopes.len());
     let mut values = Vec::with_capacity(n_heads * t * s);
-    for m in alibi_slopes(n_heads) {
+    for &m in slopes {
         for i in queries.clone() {
             for j in keys.clone() {
                 values.push((-m * i.abs_diff(j) as f64) as f32);

@@ -11,11 +11,11 @@ use transformer_lab::inspect::heads::{
     HeldOut, HeldOutBatch,
 };
 use transformer_lab::kernels::LabBackend;
-use transformer_lab::nn::AttentionLayers;
 use transformer_lab::nn::{
     scaled_dot_product_attention, without_weights, AttentionMask, LayerCache, MultiHeadAttention,
     MultiHeadAttentionConfig,
 };
+use transformer_lab::nn::{AttentionLayers, RelativePosition};
 
 type B = NdArray<f32>;
 
@@ -151,10 +151,18 @@ fn cross_attention_attends_over_the_memory_sequence() {
 
 /// A 4-head layer of width 16 drawn from `seed`.
 fn seeded_layer<L: LabBackend>(seed: u64) -> MultiHeadAttention<L> {
+    fixed_layer(MultiHeadAttentionConfig::new(16, 4), seed)
+}
+
+/// The layer `config` builds (width 16, 4 heads), with fixed weights salted by `seed`.
+fn fixed_layer<L: LabBackend>(
+    config: MultiHeadAttentionConfig,
+    seed: u64,
+) -> MultiHeadAttention<L> {
     // Fixed weights, not the backend's random stream: tests running beside this one draw
     // from (and reseed) that stream too.
     let device = Default::default();
-    let mut mha = MultiHeadAttentionConfig::new(16, 4).init::<L>(&device);
+    let mut mha = config.init::<L>(&device);
     let fixed = |n: usize, salt: usize| -> Vec<f32> {
         (0..n)
             .map(|i| ((i as f32 * 0.73) + (salt as f32 * 1.91) + seed as f32).sin() * 0.3)
@@ -255,6 +263,21 @@ fn a_layer_without_heads_computes_what_the_gated_layer_does() {
         gated.without_heads(&[1, 3]).head_gates(),
         Some(&[0.5, 2.0][..])
     );
+
+    // With ALiBi the heads left keep their own slopes, pruned once or twice.
+    let config = MultiHeadAttentionConfig::new(16, 4).with_relative(RelativePosition::Alibi);
+    let mut gated = fixed_layer::<B>(config, 3);
+    // Heads 0 and 2 left: slopes 2^-2, 2^-6, where a 2-head layer's own would be 2^-4, 2^-8.
+    let pruned = gated.without_heads(&[1]).without_heads(&[2]);
+    gated.set_head_gates(Some(vec![1.0, 0.0, 1.0, 0.0]));
+    let (got, want) = (
+        four_forms(&pruned, &x, &memory),
+        four_forms(&gated, &x, &memory),
+    );
+    for i in [0, 1, 3] {
+        let diff = max_diff(got[i].clone(), want[i].clone());
+        assert!(diff < 1e-5, "alibi form {i}: {diff}");
+    }
 }
 
 #[test]
