@@ -22,14 +22,13 @@ use crate::config::{DataConfig, ExperimentConfig, ModelSection, Visit};
 use crate::inspect::heads::{self, HeldOut, HeldOutBatch, LossOutput, PruneStep};
 use crate::inspect::{AttentionMaps, GroupStats, TextModel};
 use crate::kernels::{LabAutodiff, LabBackend};
-use crate::nn::{remove_heads, AttentionLayers, StackConfig};
+use crate::nn::{pruned_heads, remove_heads, AttentionLayers, StackConfig};
 use crate::train::speed::{BenchPlan, BenchReport};
 use crate::train::{Session, TrainReport, TrainRequest};
 use anyhow::{bail, Result};
 use burn::data::dataloader::batcher::Batcher;
 use burn::data::dataset::Dataset;
 use burn::module::Module;
-use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -412,14 +411,11 @@ fn study_heads<K: ModelKind, B: LabAutodiff>(
     };
     // Scored on the inner backend (a forward pass on the autodiff one keeps its graph), with
     // gradients from the same weights on the autodiff one, without dropout there.
-    let open = |artifact: &ArtifactDir| {
-        Trained::open(artifact, device, |config| {
-            let mut section = config.model_as::<K>()?.clone();
-            section.stack_mut().dropout = 0.0;
-            build::<K, B>(&section, device)
-        })
-    };
-    let differentiable = open(&artifact)?;
+    let differentiable = Trained::open(&artifact, device, |config| {
+        let mut section = config.model_as::<K>()?.clone();
+        section.stack_mut().dropout = 0.0;
+        build::<K, B>(&section, device)
+    })?;
     let trained = Trained::open::<B::InnerBackend>(&artifact, device, |config| {
         build::<K, B::InnerBackend>(config.model_as::<K>()?, device)
     })?;
@@ -504,19 +500,8 @@ fn write_pruned<K: ModelKind, B: LabBackend>(
     let mut model = trained.model.clone();
     remove_heads(&mut model, &removed)?;
     let mut section = trained.config.model_as::<K>()?.clone();
-    let n_heads = section.stack().n_heads;
-    let pruned = &mut section.stack_mut().pruned_heads;
-    for (layer, heads) in removed {
-        // The layer's heads now, by their index in the unpruned layer.
-        let before = pruned.get(&layer).cloned().unwrap_or_default();
-        let kept: Vec<usize> = (0..n_heads).filter(|h| !before.contains(h)).collect();
-        let mut all: Vec<usize> = before
-            .into_iter()
-            .chain(heads.iter().map(|&h| kept[h]))
-            .collect();
-        all.sort_unstable();
-        pruned.insert(layer, all);
-    }
+    // Every layer knows its heads' places in the unpruned layer, earlier prunings included.
+    section.stack_mut().pruned_heads = pruned_heads(&mut model);
     let mut config = trained.config.clone();
     let (source, target) = section.vocab_sizes();
     config.model = section.with_vocab_sizes(source, target);
@@ -551,7 +536,7 @@ fn write_pruned<K: ModelKind, B: LabBackend>(
             score.loss
         );
     }
-    let map: BTreeMap<String, Vec<usize>> = section.stack().pruned_heads.clone();
+    let map = &section.stack().pruned_heads;
     println!(
         "pruned artifact written to {}: {n} heads removed ({}), held-out loss {:.4} (with every \
          head {:.4}); one pass over the held-out batches {:.0} ms vs {:.0} ms",

@@ -517,6 +517,14 @@ impl<B: LabBackend> MultiHeadAttention<B> {
         self.head_gates = gates;
     }
 
+    /// The heads pruning removed from this layer, by their index in the unpruned layer.
+    pub fn removed_heads(&self) -> Vec<usize> {
+        match &self.pruned_from {
+            Some((n_heads, kept)) => (0..*n_heads).filter(|h| !kept.contains(h)).collect(),
+            None => Vec::new(),
+        }
+    }
+
     /// The gates on the heads, if any.
     pub fn head_gates(&self) -> Option<&[f32]> {
         self.head_gates.as_deref()

@@ -68,3 +68,16 @@ pub fn remove_heads<B: LabBackend>(
     }
     Ok(())
 }
+
+/// The heads pruning removed from `model`, by layer name (indices in the unpruned layers), as
+/// [`StackConfig::pruned_heads`](super::StackConfig::pruned_heads) records them.
+pub fn pruned_heads<B: LabBackend>(
+    model: &mut impl AttentionLayers<B>,
+) -> BTreeMap<String, Vec<usize>> {
+    model
+        .attention_layers()
+        .into_iter()
+        .map(|(name, layer)| (name, layer.removed_heads()))
+        .filter(|(_, removed)| !removed.is_empty())
+        .collect()
+}

@@ -29,7 +29,7 @@ pub use block::{BlockOutput, TransformerBlock, TransformerBlockConfig};
 pub use cache::{CrossMemory, KvCache, LayerCache};
 pub use config::StackConfig;
 pub use feedforward::{Activation, FeedForward, FeedForwardConfig};
-pub use heads::{remove_heads, AttentionLayers};
+pub use heads::{pruned_heads, remove_heads, AttentionLayers};
 pub use hyena::{Hyena, HyenaConfig};
 pub use mask::{causal_mask, local_mask, padding_mask, strided_mask, AttentionMask};
 pub use mixer::Mixer;
