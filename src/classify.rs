@@ -8,7 +8,7 @@ use crate::data::translation::pad_rows;
 use crate::data::{ImageSet, SentimentCorpus};
 use crate::kernels::LabBackend;
 use crate::models::{TextClassifier, VisionTransformer};
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, Result};
 use burn::prelude::*;
 use burn::tensor::activation::softmax;
 use std::path::Path;
@@ -35,27 +35,8 @@ pub struct PreparedImage {
 /// grey, resized, and inverted when its border is mostly light (MNIST-style images are light
 /// strokes on a dark background).
 pub fn load_image(path: &Path, size: usize) -> Result<PreparedImage> {
-    let image = image::ImageReader::open(path)
-        .with_context(|| format!("cannot open {}", path.display()))?
-        .with_guessed_format()
-        .with_context(|| format!("cannot read {}", path.display()))?
-        .decode()
-        .with_context(|| format!("{} is not a readable PNG or JPEG image", path.display()))?;
-    let (side, filter) = (size as u32, image::imageops::FilterType::Triangle);
-    let grey = image::imageops::resize(&image.to_luma8(), side, side, filter);
-    let mut pixels = grey.into_raw();
-    let border: Vec<u8> = (0..size)
-        .flat_map(|i| [i, (size - 1) * size + i, i * size, i * size + size - 1])
-        .map(|k| pixels[k])
-        .collect();
-    let light = border.iter().map(|&p| p as f64).sum::<f64>() / border.len() as f64 > 127.5;
-    if light {
-        pixels.iter_mut().for_each(|p| *p = 255 - *p);
-    }
-    Ok(PreparedImage {
-        pixels,
-        inverted: light,
-    })
+    let (pixels, inverted) = crate::data::images::read_grey_image(path, size)?;
+    Ok(PreparedImage { pixels, inverted })
 }
 
 /// Class probabilities of images, `[b, classes]`.

@@ -46,6 +46,11 @@ pub enum Command {
     /// made the model's grey 28×28 input (inverted when its background is light) and the top
     /// classes are printed with their probabilities.
     Predict(PredictArgs),
+    /// Classify image files with a trained clip model over labels chosen now — any words, not
+    /// only the classes it was trained on: prints each image's probability for every label
+    /// (the softmax of the scaled cosine similarities of its embedding with theirs).
+    #[command(name = "zero-shot")]
+    ZeroShot(ZeroShotArgs),
     /// Classify texts with a trained text classifier: each TEXT argument, or else each line of
     /// stdin; prints the label and its probability.
     Classify(ClassifyArgs),
@@ -320,6 +325,20 @@ pub struct PredictArgs {
     /// How many classes to show per image.
     #[arg(long, default_value_t = 3)]
     pub top: usize,
+}
+
+/// `zero-shot` options.
+#[derive(Args, Debug)]
+pub struct ZeroShotArgs {
+    /// Directory written by `train` for a clip experiment.
+    #[arg(long, value_name = "DIR")]
+    pub artifact_dir: PathBuf,
+    /// The labels, comma-separated ("a shirt,a shoe,a bag").
+    #[arg(long, value_delimiter = ',', required = true)]
+    pub labels: Vec<String>,
+    /// Image files (PNG or JPEG).
+    #[arg(required = true)]
+    pub images: Vec<PathBuf>,
 }
 
 /// `classify` options.

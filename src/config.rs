@@ -12,7 +12,7 @@
 //! `kinds/`.
 
 pub use crate::data::{CopyTaskConfig, DataConfig, TokenizerKind};
-pub use crate::models::{ClassifierConfig, LmConfig, Seq2SeqConfig, VitConfig};
+pub use crate::models::{ClassifierConfig, ClipConfig, LmConfig, Seq2SeqConfig, VitConfig};
 pub use crate::nn::StackConfig;
 pub use crate::train::config::{EarlyStopping, ScheduleKind, TrainConfig};
 use anyhow::{bail, Context, Result};
@@ -35,7 +35,7 @@ pub struct ExperimentConfig {
     /// Seed for parameter initialisation, batch sampling and dropout.
     #[serde(default = "default_seed")]
     pub seed: u64,
-    /// The model: `{"kind": "lm" | "seq2seq" | "classifier" | "vit", …}`.
+    /// The model: `{"kind": "lm" | "seq2seq" | "classifier" | "vit" | "clip", …}`.
     #[serde(default)]
     pub model: ModelConfig,
     /// The data.
@@ -69,6 +69,9 @@ pub enum ModelConfig {
     /// Vision Transformer image classifier.
     #[serde(deserialize_with = "with_defaults")]
     Vit(VitConfig),
+    /// Contrastive image–text model (CLIP).
+    #[serde(deserialize_with = "with_defaults")]
+    Clip(ClipConfig),
 }
 
 impl ModelConfig {
@@ -78,17 +81,19 @@ impl ModelConfig {
         V: Visit<'a, LmConfig, Output = O>
             + Visit<'a, Seq2SeqConfig, Output = O>
             + Visit<'a, ClassifierConfig, Output = O>
-            + Visit<'a, VitConfig, Output = O>,
+            + Visit<'a, VitConfig, Output = O>
+            + Visit<'a, ClipConfig, Output = O>,
     {
         match self {
             ModelConfig::Lm(section) => visitor.visit(section),
             ModelConfig::Seq2seq(section) => visitor.visit(section),
             ModelConfig::Classifier(section) => visitor.visit(section),
             ModelConfig::Vit(section) => visitor.visit(section),
+            ModelConfig::Clip(section) => visitor.visit(section),
         }
     }
 
-    /// `lm`, `seq2seq`, `classifier` or `vit`, as written in configs.
+    /// `lm`, `seq2seq`, `classifier`, `vit` or `clip`, as written in configs.
     pub fn kind(&self) -> &'static str {
         self.visit(Kind)
     }
@@ -203,26 +208,7 @@ fn with_defaults<'de, D: Deserializer<'de>, S: ModelSection>(
     deserializer: D,
 ) -> Result<S, D::Error> {
     let given = serde_json::Map::<String, serde_json::Value>::deserialize(deserializer)?;
-    let serde_json::Value::Object(mut fields) =
-        serde_json::to_value(S::default()).map_err(D::Error::custom)?
-    else {
-        return Err(D::Error::custom("a model section serializes to an object"));
-    };
-    for (key, value) in given {
-        let optional = StackConfig::UNSERIALIZED_DEFAULTS
-            .iter()
-            .chain(S::UNSERIALIZED_DEFAULTS)
-            .any(|field| *field == key);
-        if !fields.contains_key(&key) && !optional {
-            let known: Vec<String> = fields.keys().map(|k| format!("`{k}`")).collect();
-            return Err(D::Error::custom(format!(
-                "unknown field `{key}`, expected one of {}",
-                known.join(", ")
-            )));
-        }
-        fields.insert(key, value);
-    }
-    serde_json::from_value(serde_json::Value::Object(fields)).map_err(D::Error::custom)
+    crate::nn::config::over_defaults(given, S::UNSERIALIZED_DEFAULTS).map_err(D::Error::custom)
 }
 
 impl ExperimentConfig {

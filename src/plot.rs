@@ -262,3 +262,173 @@ fn draw_panel(
         .map_err(e)?;
     Ok(())
 }
+
+/// A grey image drawn above a column of [`similarity_png`].
+#[derive(Clone, Debug)]
+pub struct Thumbnail {
+    /// Side in pixels.
+    pub size: usize,
+    /// `size²` grey pixels, 0 = background (drawn dark, as the datasets show them).
+    pub pixels: Vec<u8>,
+}
+
+/// Writes a matrix of similarities as a PNG heatmap: one row per caption (labelled with it),
+/// one column per image (its thumbnail on top), each cell shaded by its value relative to the
+/// matrix's range and printed to two decimals.
+pub fn similarity_png(
+    path: &Path,
+    title: &str,
+    captions: &[String],
+    images: &[Thumbnail],
+    values: &[Vec<f32>],
+) -> Result<()> {
+    let (rows, cols) = (captions.len(), images.len());
+    let cell = 46u32;
+    let (left, top) = (330u32, 120u32);
+    let size = (
+        left + cell * cols as u32 + 30,
+        top + cell * rows as u32 + 40,
+    );
+    let (lo, hi) = values
+        .iter()
+        .flatten()
+        .fold((f32::MAX, f32::MIN), |(lo, hi), &v| (lo.min(v), hi.max(v)));
+    let span = (hi - lo).max(1e-6);
+    render_png(path, size, |root| {
+        let err = |e: DrawingAreaErrorKind<_>| anyhow!("cannot draw the similarities: {e:?}");
+        let bold = (FONT, 20).into_font().style(FontStyle::Bold);
+        root.draw(&Text::new(title, (20, 16), bold)).map_err(err)?;
+        let note = "rows: captions · columns: images · cosine similarity";
+        root.draw(&Text::new(note, (20, 44), (FONT, 14).into_font()))
+            .map_err(err)?;
+        for (j, thumb) in images.iter().enumerate() {
+            let scale = (cell as usize - 6) / thumb.size.max(1);
+            let (x0, y0) = ((left + cell * j as u32 + 3) as i32, (top - cell) as i32);
+            for (k, &p) in thumb.pixels.iter().enumerate() {
+                let (r, c) = ((k / thumb.size) as i32, (k % thumb.size) as i32);
+                let (x, y) = (x0 + c * scale as i32, y0 + r * scale as i32);
+                let rect = [(x, y), (x + scale as i32, y + scale as i32)];
+                root.draw(&Rectangle::new(rect, RGBColor(p, p, p).filled()))
+                    .map_err(err)?;
+            }
+        }
+        let label: TextStyle = (FONT, 13).into_font().into();
+        for (i, caption) in captions.iter().enumerate() {
+            let y = (top + cell * i as u32) as i32;
+            let (w, _) = root.estimate_text_size(caption, &label).map_err(err)?;
+            let at = (left as i32 - 8 - w as i32, y + cell as i32 / 2 - 7);
+            root.draw(&Text::new(caption.as_str(), at, label.clone()))
+                .map_err(err)?;
+            for (j, &v) in values[i].iter().enumerate() {
+                let share = f64::from((v - lo) / span);
+                let x = (left + cell * j as u32) as i32;
+                let rect = [(x, y), (x + cell as i32, y + cell as i32)];
+                root.draw(&Rectangle::new(rect, blues(share).filled()))
+                    .map_err(err)?;
+                let colour = if share > 0.5 { WHITE } else { BLACK };
+                let text = format!("{v:.2}");
+                let style = (FONT, 11).into_font().color(&colour);
+                let (w, _) = root.estimate_text_size(&text, &style).map_err(err)?;
+                let at = (x + (cell as i32 - w as i32) / 2, y + cell as i32 / 2 - 6);
+                root.draw(&Text::new(text, at, style)).map_err(err)?;
+            }
+        }
+        Ok(())
+    })
+}
+
+/// Twenty distinct colours (a class's colour in [`embedding_png`]): [`PALETTE`], then the
+/// same hues lighter.
+pub fn class_colour(class: usize) -> RGBColor {
+    let RGBColor(r, g, b) = PALETTE[class % 10];
+    if (class / 10) % 2 == 0 {
+        RGBColor(r, g, b)
+    } else {
+        let light = |c: u8| (c as u16 + (255 - c as u16) / 2) as u8;
+        RGBColor(light(r), light(g), light(b))
+    }
+}
+
+/// Writes a 2-D projection of embeddings as a PNG scatter: small dots (`points`: x, y,
+/// class) and large labelled diamonds (`markers`: x, y, class, label), coloured by class,
+/// with a legend of `classes`.
+pub fn embedding_png(
+    path: &Path,
+    title: &str,
+    axes: (&str, &str),
+    points: &[(f64, f64, usize)],
+    markers: &[(f64, f64, usize, String)],
+    classes: &[String],
+) -> Result<()> {
+    let xs = points
+        .iter()
+        .map(|p| p.0)
+        .chain(markers.iter().map(|m| m.0));
+    let ys = points
+        .iter()
+        .map(|p| p.1)
+        .chain(markers.iter().map(|m| m.1));
+    let range = |v: Vec<f64>| {
+        let (lo, hi) = v
+            .iter()
+            .fold((f64::MAX, f64::MIN), |(l, h), &x| (l.min(x), h.max(x)));
+        let pad = ((hi - lo) * 0.05).max(1e-3);
+        (lo - pad)..(hi + pad)
+    };
+    let (x_range, y_range) = (range(xs.collect()), range(ys.collect()));
+    render_png(path, (1100, 800), |root| {
+        let err = |e: DrawingAreaErrorKind<_>| anyhow!("cannot draw the embeddings: {e:?}");
+        let (plot, legend) = root.split_horizontally(860);
+        let mut chart = ChartBuilder::on(&plot)
+            .caption(title, (FONT, 20).into_font().style(FontStyle::Bold))
+            .margin(16)
+            .x_label_area_size(40)
+            .y_label_area_size(56)
+            .build_cartesian_2d(x_range, y_range)
+            .map_err(err)?;
+        chart
+            .configure_mesh()
+            .x_desc(axes.0)
+            .y_desc(axes.1)
+            .label_style((FONT, 13))
+            .draw()
+            .map_err(err)?;
+        chart
+            .draw_series(points.iter().map(|&(x, y, class)| {
+                Circle::new((x, y), 2, class_colour(class).mix(0.6).filled())
+            }))
+            .map_err(err)?;
+        for (x, y, class, label) in markers {
+            let colour = class_colour(*class);
+            chart
+                .draw_series(std::iter::once(TriangleMarker::new(
+                    (*x, *y),
+                    9,
+                    colour.filled(),
+                )))
+                .map_err(err)?;
+            chart
+                .draw_series(std::iter::once(TriangleMarker::new((*x, *y), 9, BLACK)))
+                .map_err(err)?;
+            let style = (FONT, 12).into_font().color(&BLACK);
+            chart
+                .draw_series(std::iter::once(Text::new(label.clone(), (*x, *y), style)))
+                .map_err(err)?;
+        }
+        let label: TextStyle = (FONT, 13).into_font().into();
+        for (i, name) in classes.iter().enumerate() {
+            let y = 60 + 22 * i as i32;
+            legend
+                .draw(&Circle::new((14, y + 7), 6, class_colour(i).filled()))
+                .map_err(err)?;
+            legend
+                .draw(&Text::new(name.as_str(), (28, y), label.clone()))
+                .map_err(err)?;
+        }
+        let note = "• image  ▲ class prompt";
+        legend
+            .draw(&Text::new(note, (8, 30), label.clone()))
+            .map_err(err)?;
+        Ok(())
+    })
+}

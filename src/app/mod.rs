@@ -64,6 +64,7 @@ impl BackendTask for Command {
             Command::Eval(args) => without_weights(|| inspect::run_eval::<B>(args, device)),
             Command::Translate(args) => without_weights(|| text::run_translate::<B>(args, device)),
             Command::Predict(args) => without_weights(|| text::run_predict::<B>(args, device)),
+            Command::ZeroShot(args) => without_weights(|| text::run_zero_shot::<B>(args, device)),
             Command::Classify(args) => without_weights(|| text::run_classify::<B>(args, device)),
             Command::Embed(args) => text::run_embed::<B>(args, device),
             Command::Bench(args) => bench::run_bench::<B>(args, device),

@@ -7,12 +7,12 @@ use crate::artifact::ArtifactDir;
 use crate::classify::{
     class_names, image_probabilities, load_image, text_probabilities, top_classes,
 };
-use crate::cli::{ClassifyArgs, EmbedArgs, GenerateArgs, PredictArgs, TranslateArgs};
-use crate::config::{ClassifierConfig, LmConfig, Seq2SeqConfig, VitConfig};
+use crate::cli::{ClassifyArgs, EmbedArgs, GenerateArgs, PredictArgs, TranslateArgs, ZeroShotArgs};
+use crate::config::{ClassifierConfig, ClipConfig, LmConfig, Seq2SeqConfig, VitConfig};
 use crate::embed::{cosine, word_vectors};
 use crate::generate::{check_prompt, generate, Decoding, Sampling};
 use crate::kernels::LabBackend;
-use crate::kinds::load_as;
+use crate::kinds::{load_as, zero_shot};
 use crate::translate::{translate_texts, warn_truncated, SearchConfig};
 use anyhow::{bail, Result};
 use std::io::Write;
@@ -121,6 +121,25 @@ pub(super) fn run_predict<B: LabBackend>(args: PredictArgs, device: B::Device) -
             ""
         };
         println!("{}: {}{note}", path.display(), top.join(", "));
+    }
+    Ok(())
+}
+
+pub(super) fn run_zero_shot<B: LabBackend>(args: ZeroShotArgs, device: B::Device) -> Result<()> {
+    let labels: Vec<String> = args.labels.iter().map(|l| l.trim().to_string()).collect();
+    if labels.iter().any(String::is_empty) {
+        bail!("--labels has an empty label: give comma-separated words (\"a shirt,a shoe,a bag\")");
+    }
+    let trained = load_as::<ClipConfig, B>(&ArtifactDir::new(&args.artifact_dir), &device)?;
+    let probabilities = zero_shot(&trained, &labels, &args.images, &device)?;
+    let width = labels.iter().map(|l| l.chars().count()).max().unwrap_or(0);
+    for (path, row) in args.images.iter().zip(probabilities) {
+        println!("{}:", path.display());
+        let mut order: Vec<usize> = (0..labels.len()).collect();
+        order.sort_by(|&a, &b| row[b].total_cmp(&row[a]));
+        for i in order {
+            println!("  {:<width$}  {:5.1}%", labels[i], 100.0 * row[i]);
+        }
     }
     Ok(())
 }

@@ -13,6 +13,11 @@ pub struct DataConfig {
     /// A UTF-8 text file to train a language model on instead of a declared dataset.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub text_file: Option<std::path::PathBuf>,
+    /// Image–caption pairs to train a clip model on instead of captions made for a declared
+    /// image dataset's classes: one `image path<TAB>caption` per line, paths relative to the
+    /// file's folder.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub captions_file: Option<std::path::PathBuf>,
     /// Tokenizer: `char` (one token per character of the training text) or `bpe` (byte-level
     /// BPE trained on the training split; translation needs it).
     pub tokenizer: TokenizerKind,
@@ -45,6 +50,7 @@ impl Default for DataConfig {
         Self {
             dataset: "tinyshakespeare".into(),
             text_file: None,
+            captions_file: None,
             tokenizer: TokenizerKind::Char,
             bpe_vocab_size: 8000,
             shared_vocab: true,

@@ -247,7 +247,7 @@ pub fn normalise_pixel(p: u8) -> f32 {
 }
 
 /// `pixels` moved by `(dy, dx)`, with zeros where nothing moved in.
-fn shift(pixels: &[u8], rows: usize, cols: usize, dy: isize, dx: isize) -> Vec<u8> {
+pub(crate) fn shift(pixels: &[u8], rows: usize, cols: usize, dy: isize, dx: isize) -> Vec<u8> {
     let mut out = vec![0u8; pixels.len()];
     for r in 0..rows {
         let source_r = r as isize - dy;
@@ -268,4 +268,28 @@ impl<B: Backend> Batcher<B, ImageItem, ImageBatch<B>> for ImageBatcher {
     fn batch(&self, items: Vec<ImageItem>, device: &B::Device) -> ImageBatch<B> {
         self.batch_seeded(items, 0, device)
     }
+}
+
+/// Reads a PNG or JPEG file of any size as a `size × size` grey image: converted to grey,
+/// resized, and inverted when its border is mostly light (MNIST-style images are light strokes
+/// on a dark background). Returns the pixels (0 = background) and whether it was inverted.
+pub fn read_grey_image(path: &Path, size: usize) -> Result<(Vec<u8>, bool)> {
+    let image = image::ImageReader::open(path)
+        .with_context(|| format!("cannot open {}", path.display()))?
+        .with_guessed_format()
+        .with_context(|| format!("cannot read {}", path.display()))?
+        .decode()
+        .with_context(|| format!("{} is not a readable PNG or JPEG image", path.display()))?;
+    let (side, filter) = (size as u32, image::imageops::FilterType::Triangle);
+    let grey = image::imageops::resize(&image.to_luma8(), side, side, filter);
+    let mut pixels = grey.into_raw();
+    let border: Vec<u8> = (0..size)
+        .flat_map(|i| [i, (size - 1) * size + i, i * size, i * size + size - 1])
+        .map(|k| pixels[k])
+        .collect();
+    let light = border.iter().map(|&p| p as f64).sum::<f64>() / border.len() as f64 > 127.5;
+    if light {
+        pixels.iter_mut().for_each(|p| *p = 255 - *p);
+    }
+    Ok((pixels, light))
 }

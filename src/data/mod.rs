@@ -1,6 +1,7 @@
 //! Datasets, tokenizers and batchers.
 
 pub mod bpe;
+pub mod captions;
 pub mod config;
 pub mod images;
 pub mod registry;
@@ -10,6 +11,10 @@ pub mod tokenizer;
 pub mod translation;
 
 pub use bpe::{BpeTokenizer, Special, END_OF_TEXT};
+pub use captions::{
+    caption_datasets, caption_tokens, CaptionBatch, CaptionBatcher, CaptionCorpus, CaptionItem,
+    CaptionSplit, ClassCaptions, EncodedCaptions,
+};
 pub use config::{CopyTaskConfig, DataConfig, TokenizerKind};
 pub use images::{ImageBatch, ImageBatcher, ImageItem, ImageSet};
 pub use registry::{data_dir, DatasetSpec, Task, DATA_DIR_ENV};

@@ -61,14 +61,13 @@ pub fn patch_labels(grid: usize) -> Vec<String> {
 }
 
 /// A ViT's self-attention on `image` (its patches reordered by `permutation` when given) and
-/// its predicted class with probability.
+/// its head's output (`[1, classes]`: class scores, or a CLIP image tower's projection).
 pub fn vit_attention<B: LabBackend>(
     model: &VisionTransformer<B>,
-    classes: &[String],
     image: &ImageInput,
     permutation: Option<&[usize]>,
     device: &B::Device,
-) -> Result<(AttentionGroup, String)> {
+) -> Result<(AttentionGroup, Tensor<B, 2>)> {
     let size = image.size;
     let values: Vec<f32> = image.pixels.iter().map(|&p| normalise_pixel(p)).collect();
     let mut batch = Tensor::<B, 4>::from_data(TensorData::new(values, [1, 1, size, size]), device);
@@ -84,13 +83,12 @@ pub fn vit_attention<B: LabBackend>(
         batch = unpatchify(patches.select(1, index), 1, size, size);
     }
     let out = model.forward(batch.clone());
-    let class = predicted_class(out.logits, classes);
     let weights = weights_or_dense(out.attention, || {
         model.encoder.mixer_weights(model.embed(batch), None, None)
     })?;
     let labels = patch_labels(size / image.patch_size);
     let group = AttentionGroup::from_layers("self", false, &labels, &labels, weights);
-    Ok((group, class))
+    Ok((group, out.logits))
 }
 
 /// A permutation of `0..n` that shuffles the positions in `movable` and keeps the others.

@@ -8,10 +8,12 @@
 //! `classify`) load it with [`load_as`], which names the kind an artifact holds instead.
 
 mod classifier;
+mod clip;
 mod lm;
 mod seq2seq;
 mod vit;
 
+pub use clip::{pca_2d, recall_at, zero_shot};
 pub use lm::{evaluate_lm, Corpus};
 pub use seq2seq::TranslationData;
 
@@ -46,6 +48,11 @@ pub trait ModelKind: ModelSection {
 
     /// The same, to change.
     fn stack_mut(&mut self) -> &mut StackConfig;
+
+    /// Every stack's settings (a model with two encoders has two), to change.
+    fn stacks_mut(&mut self) -> Vec<&mut StackConfig> {
+        vec![self.stack_mut()]
+    }
 
     /// `heads`: held-out (validation) batches of a trained model's data, each giving the loss
     /// of whichever model it is handed.
@@ -413,7 +420,9 @@ fn study_heads<K: ModelKind, B: LabAutodiff>(
     // gradients from the same weights on the autodiff one, without dropout there.
     let differentiable = Trained::open(&artifact, device, |config| {
         let mut section = config.model_as::<K>()?.clone();
-        section.stack_mut().dropout = 0.0;
+        for stack in section.stacks_mut() {
+            stack.dropout = 0.0;
+        }
         build::<K, B>(&section, device)
     })?;
     let trained = Trained::open::<B::InnerBackend>(&artifact, device, |config| {

@@ -8,7 +8,8 @@ use crate::config::{DataConfig, ExperimentConfig, ModelConfig, ModelSection, Vit
 use crate::data::{DatasetSpec, ImageBatch, ImageBatcher, ImageSet, Task};
 use crate::inspect::heads::HeldOut;
 use crate::inspect::{
-    image_statistics, vit_attention, AttentionMaps, GroupStats, ImageInput, TextModel,
+    image_statistics, predicted_class, vit_attention, AttentionMaps, GroupStats, ImageInput,
+    TextModel,
 };
 use crate::kernels::{LabAutodiff, LabBackend};
 use crate::models::VisionTransformer;
@@ -193,9 +194,9 @@ impl ModelKind for VitConfig {
             pixels: image.pixels,
         };
         let classes = class_names(&trained.config.data.dataset)?;
-        let (group, class) = vit_attention(&trained.model, &classes, &image, None, device)?;
+        let (group, logits) = vit_attention(&trained.model, &image, None, device)?;
         let mut maps = AttentionMaps::new(&trained.config.name, Self::KIND, input);
-        maps.output = Some(class);
+        maps.output = Some(predicted_class(logits, &classes));
         maps.groups.push(group);
         maps.image = Some(image);
         Ok(maps)
@@ -207,9 +208,8 @@ impl ModelKind for VitConfig {
         seed: u64,
         device: &B::Device,
     ) -> Result<Vec<GroupStats>> {
-        let classes = class_names(&trained.config.data.dataset)?;
         image_statistics(maps, seed, |image, patches| {
-            Ok(vit_attention(&trained.model, &classes, image, Some(patches), device)?.0)
+            Ok(vit_attention(&trained.model, image, Some(patches), device)?.0)
         })
     }
 

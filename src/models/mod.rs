@@ -1,11 +1,15 @@
 //! Complete models: thin wrappers (embedding + [`crate::nn`] stack + head).
 
 pub mod classifier;
+pub mod clip;
 pub mod lm;
 pub mod seq2seq;
 pub mod vit;
 
 pub use classifier::{ClassifierConfig, ClassifierOutput, TextClassifier};
+pub use clip::{
+    info_nce, l2_normalize, Clip, ClipConfig, ClipOutput, ImageTowerConfig, TextTowerConfig,
+};
 pub use lm::{LanguageModel, LmBatch, LmConfig, LmOutput};
 pub use seq2seq::{DecoderOutput, Memory, Seq2Seq, Seq2SeqBatch, Seq2SeqConfig};
 pub use vit::{patchify, unpatchify, VisionTransformer, VitConfig, VitOutput};

@@ -9,6 +9,7 @@ use super::mixer::Mixer;
 use super::position::PositionKind;
 use super::stack::TransformerStackConfig;
 use anyhow::{bail, Result};
+use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
@@ -152,4 +153,34 @@ impl StackConfig {
     ) -> TransformerStackConfig {
         TransformerStackConfig::decoder(n_layers, self.block(n_layers, max_len), cross_attention)
     }
+}
+
+/// Reads a config section over `T::default()` from the JSON object `given`: every key present
+/// must be one of the section's fields (or in `optional`, fields left out of saved configs
+/// while at their default) — what `deny_unknown_fields` would do, which serde cannot combine
+/// with a flattened [`StackConfig`] — and every key absent takes the default.
+pub fn over_defaults<T: Default + Serialize + DeserializeOwned>(
+    given: serde_json::Map<String, serde_json::Value>,
+    optional: &[&str],
+) -> std::result::Result<T, String> {
+    let serde_json::Value::Object(mut fields) =
+        serde_json::to_value(T::default()).map_err(|e| e.to_string())?
+    else {
+        return Err("a config section serializes to an object".into());
+    };
+    for (key, value) in given {
+        let known = StackConfig::UNSERIALIZED_DEFAULTS
+            .iter()
+            .chain(optional)
+            .any(|field| *field == key);
+        if !fields.contains_key(&key) && !known {
+            let expected: Vec<String> = fields.keys().map(|k| format!("`{k}`")).collect();
+            return Err(format!(
+                "unknown field `{key}`, expected one of {}",
+                expected.join(", ")
+            ));
+        }
+        fields.insert(key, value);
+    }
+    serde_json::from_value(serde_json::Value::Object(fields)).map_err(|e| e.to_string())
 }

@@ -11,6 +11,9 @@ pub enum Pooling {
     Cls,
     /// The mean of the states of all non-padding tokens.
     Mean,
+    /// The state of the last non-padding token: an end-of-text token appended to the input
+    /// (CLIP's text encoder).
+    Last,
 }
 
 /// Pools `x` into one vector per example.
@@ -31,6 +34,13 @@ pub fn pool<B: Backend>(
             let keep = padding.bool_not().float().reshape([b, n, 1]); // [b, n, 1]
             let count = keep.clone().sum_dim(1).clamp_min(1.0); // [b, 1, 1]
             (x * keep).sum_dim(1).div(count).reshape([b, d])
+        }
+        (Pooling::Last, None) => x.narrow(1, n - 1, 1).reshape([b, d]),
+        (Pooling::Last, Some(padding)) => {
+            // Padding is on the right: the last kept token is at (kept count − 1).
+            let kept = padding.bool_not().int().sum_dim(1); // [b, 1]
+            let last = (kept - 1).clamp_min(0).reshape([b, 1, 1]).expand([b, 1, d]);
+            x.gather(1, last).reshape([b, d])
         }
     }
 }

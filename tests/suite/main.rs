@@ -8,6 +8,7 @@ mod cache;
 mod classifier;
 mod cli;
 mod cli_classify;
+mod clip;
 mod common;
 mod config;
 mod curves;
