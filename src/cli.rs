@@ -35,7 +35,9 @@ pub enum Command {
     Generate(GenerateArgs),
     /// Evaluate a trained model: a language model's loss and perplexity over the whole
     /// validation split; a translator's corpus BLEU on its test split (sacreBLEU-compatible);
-    /// a classifier's test accuracy, with a confusion-matrix PNG.
+    /// a classifier's test accuracy, with a confusion-matrix PNG; a clip model's zero-shot
+    /// accuracy with held-out prompts, retrieval recall@1/@5, and the similarity-matrix and
+    /// embedding-map PNGs.
     Eval(EvalArgs),
     /// Translate with a trained translator: each TEXT argument, or else each line of stdin.
     ///
@@ -354,7 +356,8 @@ pub struct ClassifyArgs {
 /// `embed` options.
 #[derive(Args, Debug)]
 pub struct EmbedArgs {
-    /// Directory written by `train` for a language model or classifier.
+    /// Directory written by `train` for a language model, classifier or clip model (its text
+    /// encoder).
     #[arg(long, value_name = "DIR")]
     pub artifact_dir: PathBuf,
     /// The word to follow (matched as a whole word, ignoring case).

@@ -341,7 +341,7 @@ pub fn similarity_png(
 /// same hues lighter.
 pub fn class_colour(class: usize) -> RGBColor {
     let RGBColor(r, g, b) = PALETTE[class % 10];
-    if (class / 10) % 2 == 0 {
+    if (class / 10).is_multiple_of(2) {
         RGBColor(r, g, b)
     } else {
         let light = |c: u8| (c as u16 + (255 - c as u16) / 2) as u8;
@@ -399,21 +399,13 @@ pub fn embedding_png(
             }))
             .map_err(err)?;
         for (x, y, class, label) in markers {
-            let colour = class_colour(*class);
-            chart
-                .draw_series(std::iter::once(TriangleMarker::new(
-                    (*x, *y),
-                    9,
-                    colour.filled(),
-                )))
-                .map_err(err)?;
-            chart
-                .draw_series(std::iter::once(TriangleMarker::new((*x, *y), 9, BLACK)))
-                .map_err(err)?;
-            let style = (FONT, 12).into_font().color(&BLACK);
-            chart
-                .draw_series(std::iter::once(Text::new(label.clone(), (*x, *y), style)))
-                .map_err(err)?;
+            // A black triangle under a smaller one in the class's colour: an outlined marker.
+            let style = (FONT, 13).into_font().color(&BLACK);
+            let marker = EmptyElement::at((*x, *y))
+                + TriangleMarker::new((0, 0), 11, BLACK.filled())
+                + TriangleMarker::new((0, 1), 7, class_colour(*class).filled())
+                + Text::new(label.clone(), (11, -6), style);
+            chart.draw_series(std::iter::once(marker)).map_err(err)?;
         }
         let label: TextStyle = (FONT, 13).into_font().into();
         for (i, name) in classes.iter().enumerate() {

@@ -340,8 +340,7 @@ impl CaptionCorpus {
             if caption.is_empty() || image.trim().is_empty() {
                 bail!("{}: empty image path or caption", at());
             }
-            let (pixels, _) = read_grey_image(&folder.join(image.trim()), size)
-                .with_context(|| format!("{}", at()))?;
+            let (pixels, _) = read_grey_image(&folder.join(image.trim()), size).with_context(at)?;
             pairs.push((pixels, caption.to_string()));
         }
         let n = pairs.len();

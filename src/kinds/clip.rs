@@ -560,7 +560,7 @@ fn keep_per_group_range(test: &TestPairs, limit: usize) -> CaptionSplit {
     let split = &test.split;
     let ranges: Vec<std::ops::Range<usize>> = match &test.classes {
         Some(classes) => classes.datasets.iter().map(|(_, r)| r.clone()).collect(),
-        None => vec![0..usize::MAX],
+        None => std::iter::once(0..usize::MAX).collect(),
     };
     let mut kept = vec![0usize; ranges.len()];
     let keep: Vec<usize> = (0..split.len())

@@ -173,7 +173,7 @@ impl ClipConfig {
         if !(self.init_temperature > 0.0 && scale.is_finite()) {
             bail!("model: init_temperature must be positive");
         }
-        if !(self.max_logit_scale >= scale) {
+        if self.max_logit_scale.is_nan() || self.max_logit_scale < scale {
             bail!(
                 "model: max_logit_scale ({}) must be at least 1/init_temperature ({scale:.3})",
                 self.max_logit_scale

@@ -42,7 +42,7 @@ fn info_nce_matches_hand_computed_values() {
     assert!((f64::from(scalar(info_nce(two))) - expected).abs() < 1e-6);
     // 3×3, computed independently (Python, float64).
     let three = matrix(&[&[1.0, 0.5, -1.0], &[0.0, 2.0, 1.0], &[3.0, -2.0, 0.5]]);
-    assert!((scalar(info_nce(three)) - 1.164_789_956_169_964).abs() < 1e-5);
+    assert!((scalar(info_nce(three)) - 1.164_789_9).abs() < 1e-5);
 }
 
 #[test]
@@ -195,7 +195,11 @@ fn pca_finds_the_plane_the_points_lie_in() {
 /// column (rows/columns 1 and 6 at `shift`), faint noise elsewhere.
 fn bar_png(path: &Path, kind: usize, variant: usize) {
     let mut image = image::GrayImage::new(8, 8);
-    let line = if variant % 2 == 0 { [0, 1] } else { [1, 2] };
+    let line = if variant.is_multiple_of(2) {
+        [0, 1]
+    } else {
+        [1, 2]
+    };
     for (x, y, p) in image.enumerate_pixels_mut() {
         let (x, y) = (x as usize, y as usize);
         let on = match kind {
