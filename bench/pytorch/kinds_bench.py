@@ -1,10 +1,10 @@
 """The translator, sentence classifier and ViT training steps in PyTorch, timed like
-`transformer-lab bench train -e experiments/{multi30k-de-en-cpu,sst2,vit-mnist}.json`.
+`transformer-lab bench train -e experiments/{multi30k-de-en-cpu,sst2,vit-mnist,clip-mnist-fashion}.json`.
 
 Kept apart from the project (nothing depends on it): it measures PyTorch on the same machine, in
 the same sitting, with models, optimizers and batches of the same shape and recipe.
 
-    python3 bench/pytorch/kinds_bench.py translator|classifier|vit --data-dir DATA
+    python3 bench/pytorch/kinds_bench.py translator|classifier|vit|clip --data-dir DATA
         [--threads 2] [--steps 20] [--warmup 5] [--runs 3] [--by-length]
 
 - translator (multi30k-de-en-cpu): `nn.Transformer`, 2+2 pre-norm layers, d 128, 4 heads,
@@ -18,6 +18,12 @@ the same sitting, with models, optimizers and batches of the same shape and reci
 - vit (vit-mnist): 7×7 patches by a strided convolution, `[CLS]`, learned positions, 4 pre-norm
   layers, d 64, 4 heads, d_ff 128, GELU, no dropout, final LayerNorm, CLS pooling; AdamW lr 2e-3,
   betas 0.9/0.99, decay 0.05; batch 128 images.
+- clip (clip-mnist-fashion): the vit above as image encoder (its head a 64-wide projection
+  without bias) and a text encoder over `<s> caption </s>` (learned positions, 2 pre-norm
+  layers, d 64, 4 heads, d_ff 128, GELU, no dropout, final LayerNorm, pooled at `</s>`, a
+  projection without bias), L2-normalised, scaled by exp(learned log-scale) clamped at 100,
+  symmetric InfoNCE; captions of the 20 classes of MNIST + Fashion-MNIST from the same kind of
+  templates, a 400-token BPE; AdamW lr 2e-3, betas 0.9/0.98, decay 0.05; batch 256 pairs.
 
 All: weight decay on matrices only, global-norm clipping 1.0, batches padded to their longest
 item, drawn uniformly with replacement (`--by-length`: an epoch of 500 batches' items sorted by
@@ -167,6 +173,39 @@ class Vit(nn.Module):
         return F.cross_entropy(self.head(self.encoder(x)[:, 0]), labels)
 
 
+class TextTower(nn.Module):
+    def __init__(self, vocab, out=64, d=64, h=4, layers=2, d_ff=128, max_len=24):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.pos = nn.Embedding(max_len, d)
+        self.encoder = encoder(d, h, layers, d_ff, 0.0)
+        self.proj = nn.Linear(d, out, bias=False)
+
+    def forward(self, tokens):
+        padding = tokens == PAD
+        x = self.encoder(self.emb(tokens) + self.pos(torch.arange(tokens.shape[1])), src_key_padding_mask=padding)
+        last = (~padding).sum(1) - 1
+        return self.proj(x[torch.arange(x.shape[0]), last])
+
+
+class Clip(nn.Module):
+    def __init__(self, vocab, out=64):
+        super().__init__()
+        self.image = Vit(classes=out)
+        self.image.head = nn.Linear(64, out, bias=False)
+        self.text = TextTower(vocab, out)
+        self.log_scale = nn.Parameter(torch.tensor(math.log(1 / 0.07)))
+
+    def forward(self, images, tokens):
+        x = self.image.patches(images).flatten(2).transpose(1, 2)
+        x = torch.cat([self.image.cls.expand(x.shape[0], -1, -1), x], 1) + self.image.pos
+        i = F.normalize(self.image.head(self.image.encoder(x)[:, 0]), dim=-1)
+        t = F.normalize(self.text(tokens), dim=-1)
+        logits = self.log_scale.exp().clamp(max=100) * i @ t.T
+        targets = torch.arange(len(logits))
+        return (F.cross_entropy(logits, targets) + F.cross_entropy(logits.T, targets)) / 2
+
+
 def lines(path):
     with gzip.open(path, "rt", encoding="utf-8") as f:
         return [line.strip() for line in f.read().split("\n")]
@@ -218,9 +257,44 @@ def vit(args, n):
     return batches, Vit, lambda m: adamw(m, 2e-3, (0.9, 0.99), 0.05), "images"
 
 
+CLASS_NAMES = [
+    ["zero", "0"], ["one", "1"], ["two", "2"], ["three", "3"], ["four", "4"],
+    ["five", "5"], ["six", "6"], ["seven", "7"], ["eight", "8"], ["nine", "9"],
+    ["t-shirt", "top"], ["trousers", "pants"], ["pullover", "sweater"], ["dress", "gown"],
+    ["coat", "jacket"], ["sandal", "open shoe"], ["shirt", "blouse"], ["sneaker", "running shoe"],
+    ["bag", "handbag"], ["ankle boot", "boot"],
+]
+TEMPLATES = [
+    ["a handwritten {}", "the number {} written by hand", "a photo of the digit {}", "a {} written with a pen"],
+    ["a photo of a {}", "a {} on a dark background", "a grey photo of a {}", "a product photo of a {}"],
+]
+
+
+def clip(args, n):
+    images, labels = [], []
+    for offset, name in [(0, "mnist"), (10, "fashion-mnist")]:
+        root = args.data_dir / name
+        with gzip.open(root / "train-images-idx3-ubyte.gz") as f:
+            images.append(torch.frombuffer(bytearray(f.read()[16:]), dtype=torch.uint8).view(-1, 1, 28, 28))
+        with gzip.open(root / "train-labels-idx1-ubyte.gz") as f:
+            labels.append(torch.frombuffer(bytearray(f.read()[8:]), dtype=torch.uint8).long() + offset)
+    images, labels = torch.cat(images), torch.cat(labels)
+    captions = [[t.format(n) for t in TEMPLATES[c // 10] for n in names] for c, names in enumerate(CLASS_NAMES)]
+    tok = bpe([c for pool in captions for c in pool] * 4, vocab_size=400)
+    pools = [[[BOS] + tok.encode(c).ids + [EOS] for c in pool] for pool in captions]
+    rng = random.Random(1337)
+    batches = []
+    for idx in draw(len(labels), 256, n):
+        rows = [rng.choice(pools[int(labels[i])]) for i in idx]
+        idx = torch.tensor(idx)
+        batches.append(((images[idx].float() / 127.5 - 1.0, pad(rows)), len(idx)))
+    model = lambda: Clip(tok.get_vocab_size())
+    return batches, model, lambda m: adamw(m, 2e-3, (0.9, 0.98), 0.05), "pairs"
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("model", choices=["translator", "classifier", "vit"])
+    ap.add_argument("model", choices=["translator", "classifier", "vit", "clip"])
     ap.add_argument("--data-dir", required=True, type=Path)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--steps", type=int, default=20)
@@ -230,7 +304,7 @@ def main():
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(1337)
-    make = {"translator": translator, "classifier": classifier, "vit": vit}[args.model]
+    make = {"translator": translator, "classifier": classifier, "vit": vit, "clip": clip}[args.model]
     batches, new_model, new_opt, unit = make(args, args.warmup + args.steps)
     units = sum(u for _, u in batches[args.warmup :])
 

@@ -688,3 +688,34 @@ fn fused_dropout_multiplies_values_and_gradients_by_its_mask() {
     case::<Ad>(&Default::default());
     case::<Autodiff<NdArray>>(&Default::default());
 }
+
+#[test]
+fn layer_norm_gradients_are_the_same_whatever_the_threads_and_their_scheduling() {
+    // dγ and dβ sum over every row; split across rayon tasks, the partial sums must be added
+    // in one fixed order (a rayon fold/reduce groups them by work stealing: a run's weights
+    // then differed from the last run's in the 7th digit).
+    let (rows, d) = (1200, 256); // 307,200 elements: split across tasks
+    let wave = |i: usize, k: f32| ((i as f32 * k).sin() * 2.0) + 0.1 * (i % 7) as f32;
+    let x: Vec<f32> = (0..rows * d).map(|i| wave(i, 0.37)).collect();
+    let dy: Vec<f32> = (0..rows * d).map(|i| wave(i, 1.13)).collect();
+    let gamma: Vec<f32> = (0..d).map(|i| 1.0 + wave(i, 0.7) / 4.0).collect();
+    let (_, mean, rstd) = cpu::layer_norm(&x, d, &gamma, None, 1e-5);
+    let backward = |threads: usize| {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .unwrap();
+        pool.install(|| cpu::layer_norm_backward(&x, d, &gamma, &mean, &rstd, &dy))
+    };
+    let one = backward(1);
+    for threads in [2, 3, 4] {
+        for _ in 0..4 {
+            let other = backward(threads);
+            assert!(
+                one.1 == other.1 && one.2 == other.2,
+                "{threads} threads: dγ or dβ differ"
+            );
+            assert!(one.0 == other.0, "{threads} threads: dx differs");
+        }
+    }
+}

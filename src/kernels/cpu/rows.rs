@@ -133,26 +133,24 @@ pub fn layer_norm_backward(
         return (dx, dgamma, dbeta);
     }
     let rows = rows_per_task(d);
-    let (dgamma, dbeta) = dx
+    // Each task's partial sums, added in task order afterwards: a rayon `fold`/`reduce` would
+    // group them by how the work was stolen, and the weights would differ run to run.
+    let partials: Vec<(Vec<f32>, Vec<f32>)> = dx
         .par_chunks_mut(rows * d)
         .zip(x.par_chunks(rows * d))
         .zip(dy.par_chunks(rows * d))
         .zip(mean.par_chunks(rows).zip(rstd.par_chunks(rows)))
-        .fold(
-            || (vec![0.0f32; d], vec![0.0f32; d]),
-            |(mut dgamma, mut dbeta), (((dx, x), dy), (mean, rstd))| {
-                layer_norm_backward_rows(x, d, gamma, mean, rstd, dy, dx, &mut dgamma, &mut dbeta);
-                (dgamma, dbeta)
-            },
-        )
-        .reduce(
-            || (vec![0.0f32; d], vec![0.0f32; d]),
-            |(mut g1, mut b1), (g2, b2)| {
-                g1.iter_mut().zip(&g2).for_each(|(a, b)| *a += b);
-                b1.iter_mut().zip(&b2).for_each(|(a, b)| *a += b);
-                (g1, b1)
-            },
-        );
+        .map(|(((dx, x), dy), (mean, rstd))| {
+            let (mut dgamma, mut dbeta) = (vec![0.0f32; d], vec![0.0f32; d]);
+            layer_norm_backward_rows(x, d, gamma, mean, rstd, dy, dx, &mut dgamma, &mut dbeta);
+            (dgamma, dbeta)
+        })
+        .collect();
+    let (mut dgamma, mut dbeta) = (vec![0.0f32; d], vec![0.0f32; d]);
+    for (g, b) in &partials {
+        dgamma.iter_mut().zip(g).for_each(|(a, v)| *a += v);
+        dbeta.iter_mut().zip(b).for_each(|(a, v)| *a += v);
+    }
     (dx, dgamma, dbeta)
 }
 
