@@ -12,6 +12,8 @@ pub enum BackendKind {
     Flex,
     /// GPU through wgpu: Vulkan, Metal or DX12 (cargo feature `wgpu`).
     Wgpu,
+    /// NVIDIA GPU through CUDA (cargo feature `cuda`; needs the NVIDIA driver at run time).
+    Cuda,
 }
 
 /// The CPU backend.
@@ -25,6 +27,10 @@ pub type Flex = burn::backend::Flex;
 /// The GPU backend.
 #[cfg(feature = "wgpu")]
 pub type Gpu = burn::backend::Wgpu<f32, i32>;
+
+/// The CUDA backend.
+#[cfg(feature = "cuda")]
+pub type CudaGpu = burn::backend::Cuda<f32, i32>;
 
 /// The backend used when `--backend` is absent: wgpu when it is compiled in and a hardware GPU
 /// is present; otherwise the fastest CPU backend compiled in (flex, then ndarray), which on a
@@ -97,6 +103,7 @@ pub fn check_available(kind: BackendKind) -> Result<()> {
         BackendKind::Ndarray => cfg!(feature = "ndarray"),
         BackendKind::Flex => cfg!(feature = "flex"),
         BackendKind::Wgpu => cfg!(feature = "wgpu"),
+        BackendKind::Cuda => cfg!(feature = "cuda"),
     };
     if !compiled {
         bail!(
@@ -118,5 +125,58 @@ pub fn check_available(kind: BackendKind) -> Result<()> {
             format!("{:?}", cpu_default()).to_lowercase()
         );
     }
+    if kind == BackendKind::Cuda {
+        cuda_driver::check()?;
+    }
     Ok(())
+}
+
+/// Whether the NVIDIA driver can be used, asked of the driver library itself before burn loads
+/// it (burn's CUDA runtime panics where it cannot).
+mod cuda_driver {
+    use anyhow::{bail, Result};
+
+    /// Fails with one line where no CUDA driver or no CUDA device is found.
+    #[cfg(unix)]
+    pub fn check() -> Result<()> {
+        use std::ffi::{c_char, c_int, c_uint, CStr};
+        const NAMES: [&CStr; 2] = [c"libcuda.so.1", c"libcuda.so"];
+        // SAFETY: dlopen/dlsym with valid C strings; the symbols are called with the
+        // signatures the CUDA driver API documents (CUresult cuInit(unsigned int),
+        // CUresult cuDeviceGetCount(int*)); the library is never unloaded.
+        unsafe {
+            let Some(library) = NAMES
+                .iter()
+                .map(|name| libc::dlopen(name.as_ptr(), libc::RTLD_NOW | libc::RTLD_GLOBAL))
+                .find(|handle| !handle.is_null())
+            else {
+                bail!(
+                    "--backend cuda: no CUDA driver found (libcuda.so could not be loaded); \
+                     install the NVIDIA driver, or use --backend wgpu or a CPU backend"
+                );
+            };
+            let symbol = |name: &CStr| libc::dlsym(library, name.as_ptr() as *const c_char);
+            let (init, count) = (symbol(c"cuInit"), symbol(c"cuDeviceGetCount"));
+            if init.is_null() || count.is_null() {
+                bail!("--backend cuda: the CUDA driver library lacks cuInit/cuDeviceGetCount");
+            }
+            let init: extern "C" fn(c_uint) -> c_int = std::mem::transmute(init);
+            let count: extern "C" fn(*mut c_int) -> c_int = std::mem::transmute(count);
+            let status = init(0);
+            let mut devices: c_int = 0;
+            if status != 0 || count(&mut devices) != 0 || devices == 0 {
+                bail!(
+                    "--backend cuda: the CUDA driver finds no usable GPU (cuInit returned \
+                     {status}, {devices} devices); use --backend wgpu or a CPU backend"
+                );
+            }
+        }
+        Ok(())
+    }
+
+    /// Elsewhere burn's own loader reports a missing driver.
+    #[cfg(not(unix))]
+    pub fn check() -> Result<()> {
+        Ok(())
+    }
 }

@@ -31,6 +31,8 @@ pub fn dispatch(kind: Option<BackendKind>, task: impl BackendTask) -> Result<()>
         BackendKind::Flex => task.run::<crate::backend::Flex>(Default::default()),
         #[cfg(feature = "wgpu")]
         BackendKind::Wgpu => task.run::<crate::backend::Gpu>(Default::default()),
+        #[cfg(feature = "cuda")]
+        BackendKind::Cuda => task.run::<crate::backend::CudaGpu>(Default::default()),
         #[allow(unreachable_patterns)]
         _ => unreachable!("check_available refuses backends left out of the build"),
     }

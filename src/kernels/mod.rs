@@ -268,6 +268,9 @@ impl LabBackend for crate::backend::Cpu {}
 #[cfg(feature = "wgpu")]
 impl LabBackend for crate::backend::Gpu {}
 
+#[cfg(feature = "cuda")]
+impl LabBackend for crate::backend::CudaGpu {}
+
 static FUSED: AtomicBool = AtomicBool::new(true);
 
 thread_local! {

@@ -420,3 +420,19 @@ fn translate_and_eval_a_seq2seq_artifact() {
         "--beam",
     );
 }
+
+#[test]
+fn cuda_is_one_clear_error_where_it_cannot_run() {
+    let out = std::process::Command::new(crate::common::BIN)
+        .args(["--backend", "cuda", "explain"])
+        .output()
+        .unwrap();
+    if !cfg!(feature = "cuda") {
+        crate::common::assert_clean_error(&out, "rebuild with --features cuda");
+    } else if std::env::var_os("CI_EXPECT_NO_GPU").is_some() {
+        // CI has no NVIDIA driver: the driver library is asked before burn loads it.
+        crate::common::assert_clean_error(&out, "--backend cuda: no CUDA driver found");
+    } else if !out.status.success() {
+        crate::common::assert_clean_error(&out, "--backend cuda");
+    }
+}

@@ -139,3 +139,10 @@ fn without_an_adapter_wgpu_is_one_clear_error() {
         .unwrap();
     common::assert_clean_error(&out, "wgpu finds no Vulkan device");
 }
+
+#[test]
+fn the_gpu_backend_is_fused_exactly_when_the_fusion_feature_is_on() {
+    // burn's features reach burn-wgpu only through ours (burn's defaults are off here).
+    let name = std::any::type_name::<transformer_lab::backend::Gpu>();
+    assert_eq!(name.contains("Fusion<"), cfg!(feature = "fusion"), "{name}");
+}
