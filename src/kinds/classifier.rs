@@ -24,6 +24,7 @@ use crate::train::{
 };
 use anyhow::{bail, Result};
 use burn::data::dataset::Dataset;
+use burn::prelude::Tensor;
 use std::path::Path;
 use std::sync::Arc;
 
@@ -233,37 +234,61 @@ impl ModelKind for ClassifierConfig {
     }
 
     fn text_model<B: LabBackend>(trained: &Trained<TextClassifier<B>>) -> Result<TextModel<'_, B>> {
-        let model = &trained.model;
-        Ok(TextModel {
-            tokenizer: trained.tokenizer(),
-            first: Some(Special::Bos.id()),
-            last: None,
-            max_len: model.max_len(),
-            causal: false,
-            stack: &model.encoder,
-            table: model.token_embedding.weight.val(),
-            embed: Box::new(|tokens| model.embed(tokens)),
-        })
+        Ok(encoder_text_model(
+            &trained.model,
+            trained.tokenizer(),
+            None,
+        ))
     }
 }
 
-/// The self-attention of every layer on `ids` (one unpadded sentence: no mask) and the
-/// predicted class.
+/// A text encoder — the classifier's, or a clip model's text tower — as the reader of one text
+/// (`<s>` first, `last` after the text when given).
+pub(super) fn encoder_text_model<'a, B: LabBackend>(
+    model: &'a TextClassifier<B>,
+    tokenizer: &'a Tokenizer,
+    last: Option<usize>,
+) -> TextModel<'a, B> {
+    TextModel {
+        tokenizer,
+        first: Some(Special::Bos.id()),
+        last,
+        max_len: model.max_len(),
+        causal: false,
+        stack: &model.encoder,
+        table: model.token_embedding.weight.val(),
+        embed: Box::new(|tokens| model.embed(tokens)),
+    }
+}
+
+/// A text encoder's self-attention, every layer, on `ids` (one unpadded text: no mask) as the
+/// group `name`, and its head's output `[1, classes]` (class scores, or a projection).
+pub(super) fn encoder_attention<B: LabBackend>(
+    model: &TextClassifier<B>,
+    name: &str,
+    text: &TextModel<'_, B>,
+    ids: &[usize],
+    device: &B::Device,
+) -> Result<(AttentionGroup, Tensor<B, 2>)> {
+    let tokens = text.tokens(ids, device);
+    let out = model.forward(tokens.clone());
+    let weights = weights_or_dense(out.attention, || {
+        model.encoder.mixer_weights(model.embed(tokens), None, None)
+    })?;
+    let labels = text.labels(ids);
+    let group = AttentionGroup::from_layers(name, false, &labels, &labels, weights);
+    Ok((group, out.logits))
+}
+
+/// The classifier's self-attention on `ids` and the predicted class.
 fn self_attention<B: LabBackend>(
     trained: &Trained<TextClassifier<B>>,
     text: &TextModel<'_, B>,
     ids: &[usize],
     device: &B::Device,
 ) -> Result<(AttentionGroup, String)> {
-    let model = &trained.model;
-    let tokens = text.tokens(ids, device);
-    let out = model.forward(tokens.clone());
-    let class = predicted_class(out.logits, &class_names(&trained.config.data.dataset)?);
-    let weights = weights_or_dense(out.attention, || {
-        model.encoder.mixer_weights(model.embed(tokens), None, None)
-    })?;
-    let labels = text.labels(ids);
-    let group = AttentionGroup::from_layers("self", false, &labels, &labels, weights);
+    let (group, logits) = encoder_attention(&trained.model, "self", text, ids, device)?;
+    let class = predicted_class(logits, &class_names(&trained.config.data.dataset)?);
     Ok((group, class))
 }
 

@@ -2,6 +2,7 @@
 //! pairs; zero-shot classification with prompts never seen in training, retrieval recall, the
 //! similarity matrix and a 2-D map of both embeddings; attention of either encoder.
 
+use super::classifier::{encoder_attention, encoder_text_model};
 use super::{held_out_batches, EvalRequest, HeldOutRequest, ModelKind};
 use crate::artifact::{Tokenizers, Trained};
 use crate::classify::load_image;
@@ -13,8 +14,8 @@ use crate::data::{
 };
 use crate::inspect::heads::HeldOut;
 use crate::inspect::{
-    image_statistics, text_statistics, vit_attention, weights_or_dense, AttentionGroup,
-    AttentionMaps, GroupStats, ImageInput, TextModel,
+    image_statistics, text_statistics, vit_attention, AttentionGroup, AttentionMaps, GroupStats,
+    ImageInput, TextModel,
 };
 use crate::kernels::{LabAutodiff, LabBackend};
 use crate::models::Clip;
@@ -283,17 +284,12 @@ impl ModelKind for ClipConfig {
     }
 
     fn text_model<B: LabBackend>(trained: &Trained<Clip<B>>) -> Result<TextModel<'_, B>> {
-        let model = &trained.model.text;
-        Ok(TextModel {
-            tokenizer: trained.tokenizer(),
-            first: Some(Special::Bos.id()),
-            last: Some(Special::Eos.id()),
-            max_len: model.max_len(),
-            causal: false,
-            stack: &model.encoder,
-            table: model.token_embedding.weight.val(),
-            embed: Box::new(|tokens| model.embed(tokens)),
-        })
+        let (model, tokenizer) = (&trained.model.text, trained.tokenizer());
+        Ok(encoder_text_model(
+            model,
+            tokenizer,
+            Some(Special::Eos.id()),
+        ))
     }
 }
 
@@ -322,16 +318,7 @@ fn text_attention<B: LabBackend>(
     ids: &[usize],
     device: &B::Device,
 ) -> Result<AttentionGroup> {
-    let model = &trained.model.text;
-    let tokens = text.tokens(ids, device);
-    let out = model.forward(tokens.clone());
-    let weights = weights_or_dense(out.attention, || {
-        model.encoder.mixer_weights(model.embed(tokens), None, None)
-    })?;
-    let labels = text.labels(ids);
-    Ok(AttentionGroup::from_layers(
-        "text", false, &labels, &labels, weights,
-    ))
+    Ok(encoder_attention(&trained.model.text, "text", text, ids, device)?.0)
 }
 
 /// Unit-length embeddings of `n` grey `size × size` images, `batch` at a time: `n · e`
