@@ -353,7 +353,7 @@ pub fn translate_texts<B: LabBackend>(
     let mut out = vec![String::new(); texts.len()];
     for chunk in encoded.chunks(batch_size.max(1)) {
         let rows: Vec<Vec<u32>> = chunk.iter().map(|(_, ids)| ids.clone()).collect();
-        let source = crate::data::translation::pad_rows::<B>(&rows, device);
+        let source = crate::data::translation::pad_rows::<B, _>(&rows, device);
         let hypotheses = if search.beam_size == 1 {
             greedy(model, source, search)
         } else {

@@ -127,9 +127,6 @@ pub(super) fn run_predict<B: LabBackend>(args: PredictArgs, device: B::Device) -
 
 pub(super) fn run_zero_shot<B: LabBackend>(args: ZeroShotArgs, device: B::Device) -> Result<()> {
     let labels: Vec<String> = args.labels.iter().map(|l| l.trim().to_string()).collect();
-    if labels.iter().any(String::is_empty) {
-        bail!("--labels has an empty label: give comma-separated words (\"a shirt,a shoe,a bag\")");
-    }
     let trained = load_as::<ClipConfig, B>(&ArtifactDir::new(&args.artifact_dir), &device)?;
     let probabilities = zero_shot(&trained, &labels, &args.images, &device)?;
     let width = labels.iter().map(|l| l.chars().count()).max().unwrap_or(0);

@@ -4,6 +4,7 @@
 //! line); the tokenized pairs and their batcher.
 
 use super::images::{normalise_pixel, read_grey_image, shift, ImageSet};
+use super::translation::pad_rows;
 use super::{DatasetSpec, Special, Task, Tokenizer};
 use anyhow::{bail, Context, Result};
 use burn::data::dataloader::batcher::Batcher;
@@ -371,15 +372,16 @@ impl CaptionCorpus {
 }
 
 /// Token ids of a caption as the text encoder reads it: `<s> … </s>`, cut to `max_tokens`.
-pub fn caption_tokens(
-    tokenizer: &Tokenizer,
-    caption: &str,
-    max_tokens: usize,
-) -> Result<Vec<usize>> {
-    let mut ids = vec![Special::Bos.id()];
+pub fn caption_tokens(tokenizer: &Tokenizer, caption: &str, max_tokens: usize) -> Result<Vec<u32>> {
+    let mut ids = vec![Special::Bos.id() as u32];
     let words = tokenizer.encode(caption)?;
-    ids.extend(words.into_iter().take(max_tokens.saturating_sub(2)));
-    ids.push(Special::Eos.id());
+    ids.extend(
+        words
+            .into_iter()
+            .take(max_tokens.saturating_sub(2))
+            .map(|id| id as u32),
+    );
+    ids.push(Special::Eos.id() as u32);
     Ok(ids)
 }
 
@@ -390,7 +392,7 @@ pub struct EncodedCaptions {
     pixels: Arc<Vec<u8>>,
     groups: Arc<Vec<usize>>,
     pool_of: Arc<Vec<usize>>,
-    pools: Vec<Arc<Vec<Vec<usize>>>>,
+    pools: Vec<Arc<Vec<Vec<u32>>>>,
 }
 
 /// One image, what a match means, and the captions it may be paired with.
@@ -401,7 +403,7 @@ pub struct CaptionItem {
     /// Its class (or own number).
     pub group: usize,
     /// Token rows of its possible captions (one is drawn per batch).
-    pub captions: Arc<Vec<Vec<usize>>>,
+    pub captions: Arc<Vec<Vec<u32>>>,
 }
 
 impl EncodedCaptions {
@@ -494,7 +496,7 @@ impl CaptionBatcher {
         let mut rng =
             StdRng::seed_from_u64(self.seed ^ batch_seed.wrapping_mul(0x9e37_79b9_7f4a_7c15));
         let mut values = Vec::with_capacity(items.len() * s * s);
-        let mut rows: Vec<&[usize]> = Vec::with_capacity(items.len());
+        let mut rows: Vec<&[u32]> = Vec::with_capacity(items.len());
         for item in &items {
             let pixels = if self.max_shift > 0 {
                 let m = self.max_shift as i32;
@@ -508,18 +510,10 @@ impl CaptionBatcher {
             rows.push(&item.captions[choice]);
         }
         let b = items.len();
-        let t = rows.iter().map(|r| r.len()).max().unwrap_or(1);
-        let pad = Special::Pad.id() as i64;
-        let mut tokens = vec![pad; b * t];
-        for (i, row) in rows.iter().enumerate() {
-            for (j, &id) in row.iter().enumerate() {
-                tokens[i * t + j] = id as i64;
-            }
-        }
         let groups: Vec<i64> = items.iter().map(|item| item.group as i64).collect();
         CaptionBatch {
             images: Tensor::from_data(TensorData::new(values, [b, 1, s, s]), device),
-            tokens: Tensor::from_data(TensorData::new(tokens, [b, t]), device),
+            tokens: pad_rows(&rows, device),
             groups: Tensor::from_data(TensorData::new(groups, [b]), device),
         }
     }

@@ -357,11 +357,16 @@ impl Dataset<PairItem> for EncodedPairs {
 pub struct Seq2SeqBatcher;
 
 /// Right-pads `rows` with `<pad>` into a `[b, n]` tensor, `n` the longest row.
-pub fn pad_rows<B: Backend>(rows: &[Vec<u32>], device: &B::Device) -> Tensor<B, 2, Int> {
-    let n = rows.iter().map(Vec::len).max().unwrap_or(0).max(1);
+pub fn pad_rows<B: Backend, R: AsRef<[u32]>>(rows: &[R], device: &B::Device) -> Tensor<B, 2, Int> {
+    let n = rows
+        .iter()
+        .map(|r| r.as_ref().len())
+        .max()
+        .unwrap_or(0)
+        .max(1);
     let mut ids = vec![Special::Pad.id() as i64; rows.len() * n];
     for (row, tokens) in rows.iter().enumerate() {
-        for (j, &id) in tokens.iter().enumerate() {
+        for (j, &id) in tokens.as_ref().iter().enumerate() {
             ids[row * n + j] = id as i64;
         }
     }

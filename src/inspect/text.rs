@@ -83,7 +83,7 @@ impl<B: LabBackend> TextModel<'_, B> {
 
     /// `[1, n]` ids as a tensor.
     pub fn tokens(&self, ids: &[usize], device: &B::Device) -> Tensor<B, 2, Int> {
-        pad_rows::<B>(&[ids.iter().map(|&i| i as u32).collect()], device)
+        pad_rows::<B, Vec<u32>>(&[ids.iter().map(|&i| i as u32).collect()], device)
     }
 
     /// The mask of one unpadded text of `n` tokens: causal for a language model, none else.

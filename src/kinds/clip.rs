@@ -8,6 +8,7 @@ use crate::artifact::{Tokenizers, Trained};
 use crate::classify::load_image;
 use crate::config::{ClipConfig, DataConfig, ExperimentConfig, ModelConfig, ModelSection};
 use crate::data::images::normalise_pixel;
+use crate::data::translation::pad_rows;
 use crate::data::{
     caption_datasets, caption_tokens, CaptionBatch, CaptionBatcher, CaptionCorpus, CaptionSplit,
     EncodedCaptions, Special, Tokenizer, TokenizerKind,
@@ -353,15 +354,7 @@ fn embed_captions<B: LabBackend>(
         let rows = (chunk.iter())
             .map(|c| caption_tokens(tokenizer, c, max_tokens))
             .collect::<Result<Vec<_>>>()?;
-        let t = rows.iter().map(Vec::len).max().unwrap_or(1);
-        let mut ids = vec![Special::Pad.id() as i64; rows.len() * t];
-        for (i, row) in rows.iter().enumerate() {
-            for (j, &id) in row.iter().enumerate() {
-                ids[i * t + j] = id as i64;
-            }
-        }
-        let tokens = Tensor::from_data(TensorData::new(ids, [rows.len(), t]), device);
-        out.extend(floats(model.embed_texts(tokens))?);
+        out.extend(floats(model.embed_texts(pad_rows(&rows, device)))?);
     }
     Ok(out)
 }
@@ -713,7 +706,7 @@ pub fn zero_shot<B: LabBackend>(
     device: &B::Device,
 ) -> Result<Vec<Vec<f32>>> {
     if labels.is_empty() || labels.iter().any(|l| l.trim().is_empty()) {
-        bail!("--labels needs at least one label and no empty ones (\"a shirt,a shoe,a bag\")");
+        bail!("--labels has an empty label: give comma-separated words (\"a shirt,a shoe,a bag\")");
     }
     if images.is_empty() {
         bail!("no image given: name one or more PNG or JPEG files");
