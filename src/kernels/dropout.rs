@@ -35,6 +35,12 @@ impl DropoutMask {
         self.threshold as f64 / 4_294_967_296.0
     }
 
+    /// The drop probability as `p · 2³²`: an element is dropped where its random word is below
+    /// it.
+    pub fn threshold_u32(&self) -> u32 {
+        self.threshold as u32
+    }
+
     /// What a kept element is multiplied by, `1/(1−p)`.
     pub fn scale(&self) -> f32 {
         (1.0 / (1.0 - self.prob())) as f32

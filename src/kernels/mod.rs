@@ -13,6 +13,9 @@
 //! fused kernels are switched off ([`set_fused`], `--no-fused` on the command line), which is how
 //! the tests and `bench kernels` compare the two.
 //!
+//! On burn's CubeCL backends (wgpu, CUDA) the methods are CubeCL kernels ([`cube`]); with burn's
+//! fusion on, each is one custom operation in the fusion stream that runs that kernel.
+//!
 //! Attention here is "flash-style": the kernel walks `64 × 64` tiles of queries and keys with an
 //! online softmax, saving only the output and each row's log-sum-exp for the backward pass,
 //! which recomputes the probabilities tile by tile — the `t × s` score matrix is never stored.
@@ -20,9 +23,13 @@
 mod autodiff;
 mod composed;
 pub mod cpu;
+#[cfg(feature = "cube-kernels")]
+pub mod cube;
 pub mod dropout;
 #[cfg(feature = "flex")]
 mod flex;
+#[cfg(feature = "fusion")]
+mod fusion;
 pub mod reference;
 
 use burn::nn::{LayerNorm, Linear};
@@ -264,12 +271,6 @@ impl<B: AutodiffBackend<InnerBackend: LabBackend> + LabBackend> LabAutodiff for 
 
 #[cfg(feature = "ndarray")]
 impl LabBackend for crate::backend::Cpu {}
-
-#[cfg(feature = "wgpu")]
-impl LabBackend for crate::backend::Gpu {}
-
-#[cfg(feature = "cuda")]
-impl LabBackend for crate::backend::CudaGpu {}
 
 static FUSED: AtomicBool = AtomicBool::new(true);
 

@@ -20,7 +20,7 @@ use transformer_lab::train::{LabAdamW, ReferenceOptimizer};
 type Ad = Autodiff<Flex>;
 
 /// Largest `|a − b|` relative to the largest `|b|` (at least 1).
-fn rel_diff<B: Backend, const D: usize>(a: Tensor<B, D>, b: Tensor<B, D>) -> f32 {
+pub(crate) fn rel_diff<B: Backend, const D: usize>(a: Tensor<B, D>, b: Tensor<B, D>) -> f32 {
     let a: Vec<f32> = a.into_data().to_vec().unwrap();
     let b: Vec<f32> = b.into_data().to_vec().unwrap();
     assert_eq!(a.len(), b.len());
@@ -37,7 +37,7 @@ use crate::common::normal as random;
 
 /// Runs `f` on fresh leaves made from `inputs`, fused and composed, and returns the largest
 /// relative difference of the outputs and of each input's gradient (of `Σ y ⊙ w`, random `w`).
-fn compare<B: LabAutodiff, const D: usize, const N: usize>(
+pub(crate) fn compare<B: LabAutodiff, const D: usize, const N: usize>(
     inputs: [Tensor<B, D>; N],
     f: impl Fn([Tensor<B, D>; N]) -> Tensor<B, D>,
 ) -> (f32, [f32; N]) {
@@ -58,7 +58,7 @@ fn compare<B: LabAutodiff, const D: usize, const N: usize>(
     (rel_diff(y_fused, y_ref), grads)
 }
 
-fn assert_close(what: &str, (y, grads): (f32, impl AsRef<[f32]>), tol: f32) {
+pub(crate) fn assert_close(what: &str, (y, grads): (f32, impl AsRef<[f32]>), tol: f32) {
     assert!(y < tol, "{what}: outputs differ by {y}");
     for (i, g) in grads.as_ref().iter().enumerate() {
         assert!(*g < tol, "{what}: gradient of input {i} differs by {g}");
@@ -229,7 +229,7 @@ fn fused_softmax_equals_burns_on_masked_and_long_rows() {
 
 /// A `[b, s]` key-padding mask whose batch row `i` has its last `padded[i]` keys padded
 /// (`padded` repeats over the rows); `None` for no padding.
-fn padding<B: Backend>(
+pub(crate) fn padding<B: Backend>(
     b: usize,
     s: usize,
     padded: &[usize],
@@ -245,7 +245,7 @@ fn padding<B: Backend>(
 }
 
 /// Fused attention (output and q/k/v gradients) against the composed form, on backend `B`.
-fn attention_case<B: LabAutodiff>(
+pub(crate) fn attention_case<B: LabAutodiff>(
     [b, h, t, s, k]: [usize; 5],
     causal: bool,
     padded: &[usize],
@@ -532,7 +532,7 @@ fn fused_adamw_steps_like_burns_adamw_and_shares_its_checkpoints() {
 }
 
 /// Targets `[n]` in `0..v` from a seeded generator, with every third row set to `ignore`.
-fn targets<B: Backend>(
+pub(crate) fn targets<B: Backend>(
     n: usize,
     v: usize,
     ignore: Option<usize>,

@@ -17,6 +17,8 @@ mod data;
 mod flex_backend;
 mod generate;
 mod gpt2;
+#[cfg(all(feature = "wgpu", feature = "flex"))]
+mod gpu_kernels;
 mod heads;
 mod images;
 mod inspect;

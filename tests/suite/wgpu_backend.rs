@@ -18,7 +18,7 @@ fn config() -> LmConfig {
 
 /// Whether wgpu has an adapter to run on. Without one (no GPU and no lavapipe) the test says so
 /// and passes, unless `CI_EXPECT_WGPU` is set, as in CI, where that is a failure.
-fn wgpu_runs() -> bool {
+pub(crate) fn wgpu_runs() -> bool {
     if transformer_lab::backend::wgpu_adapter_present() {
         return true;
     }

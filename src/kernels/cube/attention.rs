@@ -1,0 +1,473 @@
+//! Flash-style attention on the GPU: a cube of [`TILE`] units takes [`TILE`] consecutive query
+//! rows of one head, walks the keys [`TILE`] at a time through shared memory and keeps an online
+//! softmax per row, so memory is linear in the sequence length (the `t × s` scores never exist).
+//! The backward pass recomputes the probabilities from the saved log-sum-exp: one kernel walks
+//! the keys for each query row (dQ, and `D = rowsum(dO ⊙ O)`), another the queries for each key
+//! row (dK and dV), so no two units ever add into the same gradient.
+//!
+//! The head dimension is a compile-time constant of each kernel (it sizes the registers that
+//! hold a row), the masks and dropout are compile-time switches. Scores are those of the CPU
+//! kernels: masked ones are [`MASKED_SCORE`], a fully masked row attends uniformly, a masked
+//! score gets no gradient, and dropout multiplies element `((b·h + head)·t + i)·s + j` of the
+//! Philox mask into the weights.
+
+use super::pointwise::dropout_multiplier;
+use cubecl::prelude::*;
+
+/// Query rows per cube, and keys per shared-memory tile.
+pub const TILE: u32 = 32;
+
+/// The score of a masked key (as `reference::MASKED_SCORE`).
+const MASKED_SCORE: f32 = -1.0e9;
+/// Below this a row's log-sum-exp says every key was masked.
+const REAL_SCORE: f32 = -5.0e8;
+/// Below every score: keys past the end of the sequence.
+const NO_SCORE: f32 = -3.0e38;
+
+/// The shape-independent settings of one launch: the output's strides and the dropout mask.
+#[derive(CubeType, CubeLaunch)]
+pub struct Layout {
+    /// Heads per batch item.
+    pub heads: u32,
+    /// The output's stride between batch items.
+    pub out_batch: u32,
+    /// The output's stride between heads.
+    pub out_head: u32,
+    /// The output's stride between positions.
+    pub out_row: u32,
+    /// The offset of the output's first element.
+    pub out_offset: u32,
+    /// A second output's offset (dV beside dK in the key kernel).
+    pub out_offset_2: u32,
+    /// The dropout mask's key, low word.
+    pub key_lo: u32,
+    /// The dropout mask's key, high word.
+    pub key_hi: u32,
+    /// The dropout probability as `p · 2³²`.
+    pub threshold: u32,
+    /// What a kept weight is multiplied by, `1/(1−p)`.
+    pub drop_scale: f32,
+}
+
+/// Whether key `j` is masked for query `i`.
+#[cube]
+fn is_masked<F: Float>(
+    i: usize,
+    j: usize,
+    pad: &Tensor<F>,
+    pad_row: usize,
+    #[comptime] causal: bool,
+    #[comptime] has_pad: bool,
+) -> bool {
+    let mut masked = false;
+    if causal {
+        masked = j > i;
+    }
+    if has_pad {
+        masked = masked || f32::cast_from(pad[pad_row + j]) > 0.5f32;
+    }
+    masked
+}
+
+/// The dropout multiplier of weight `(i, j)` of head `bh` (1 without dropout).
+#[cube]
+fn multiplier(
+    bh: usize,
+    i: usize,
+    j: usize,
+    t: usize,
+    s: usize,
+    layout: &Layout,
+    #[comptime] has_dropout: bool,
+) -> f32 {
+    let mut m = 1.0f32;
+    if has_dropout {
+        let e = ((bh * t + i) * s + j) as u32;
+        m = dropout_multiplier(
+            e,
+            layout.key_lo,
+            layout.key_hi,
+            layout.threshold,
+            layout.drop_scale,
+        );
+    }
+    m
+}
+
+/// Rows `r0..r0 + TILE` of head `(b, h)` of `x` into `tile` (`TILE × kd`, zeros past `n`), by
+/// all units of the cube.
+#[cube]
+fn load_tile<F: Float>(
+    x: &Tensor<F>,
+    tile: &mut SharedMemory<f32>,
+    b: usize,
+    h: usize,
+    r0: usize,
+    #[comptime] kd: usize,
+) {
+    let n = x.shape(2);
+    let base = b * x.stride(0) + h * x.stride(1);
+    let mut e = UNIT_POS_X as usize;
+    while e < TILE as usize * kd {
+        let r = r0 + e / kd;
+        let c = e % kd;
+        let mut value = 0.0f32;
+        if r < n {
+            value = f32::cast_from(x[base + r * x.stride(2) + c * x.stride(3)]);
+        }
+        tile[e] = value;
+        e += TILE as usize;
+    }
+}
+
+/// Attention's forward pass: the output (at the layout's strides) and each row's log-sum-exp
+/// `lse` `[b, h, t]`.
+#[cube(launch)]
+#[allow(clippy::too_many_arguments)]
+pub fn attention_forward_kernel<F: Float>(
+    q: &Tensor<F>,
+    k: &Tensor<F>,
+    v: &Tensor<F>,
+    pad: &Tensor<F>,
+    out: &mut Tensor<F>,
+    lse: &mut Tensor<F>,
+    layout: &Layout,
+    #[comptime] kd: usize,
+    #[comptime] causal: bool,
+    #[comptime] has_pad: bool,
+    #[comptime] has_dropout: bool,
+    #[define(F)] _dtype: StorageType,
+) {
+    let bh = CUBE_POS_Y as usize;
+    let heads = layout.heads as usize;
+    let b = bh / heads;
+    let h = bh % heads;
+    let t = q.shape(2);
+    let s = k.shape(2);
+    let i = CUBE_POS_X as usize * TILE as usize + UNIT_POS_X as usize;
+    let live = i < t;
+    let scale = 1.0f32 / f32::sqrt(f32::cast_from(kd as u32));
+    let pad_row = b * s;
+
+    let mut qr = Array::<f32>::new(kd);
+    let mut acc = Array::<f32>::new(kd);
+    let q_base = b * q.stride(0) + h * q.stride(1) + i * q.stride(2);
+    #[unroll]
+    for c in 0..kd {
+        let mut x = 0.0f32;
+        if live {
+            x = f32::cast_from(q[q_base + c * q.stride(3)]) * scale;
+        }
+        qr[c] = x;
+        acc[c] = 0.0f32;
+    }
+    let mut scores = Array::<f32>::new(TILE as usize);
+    let mut ks = SharedMemory::<f32>::new(TILE as usize * kd);
+    let mut vs = SharedMemory::<f32>::new(TILE as usize * kd);
+    let mut m = f32::new(NO_SCORE);
+    let mut l = 0.0f32;
+
+    let mut j0 = 0usize;
+    while j0 < s {
+        load_tile::<F>(k, &mut ks, b, h, j0, kd);
+        load_tile::<F>(v, &mut vs, b, h, j0, kd);
+        sync_cube();
+        // Past the diagonal a causal row's keys are all masked: nothing to add, unless every
+        // key of the row is masked (then it attends uniformly to all of them).
+        let mut skip = !live;
+        if causal {
+            skip = skip || (j0 > i && m > REAL_SCORE);
+        }
+        if !skip {
+            let mut tile_max = m;
+            for jj in 0..TILE as usize {
+                let j = j0 + jj;
+                let mut x = f32::new(NO_SCORE);
+                if j < s {
+                    if is_masked::<F>(i, j, pad, pad_row, causal, has_pad) {
+                        x = f32::new(MASKED_SCORE);
+                    } else {
+                        let mut dot = 0.0f32;
+                        #[unroll]
+                        for c in 0..kd {
+                            dot += qr[c] * ks[jj * kd + c];
+                        }
+                        x = dot;
+                    }
+                }
+                scores[jj] = x;
+                tile_max = f32::max(tile_max, x);
+            }
+            let correction = f32::exp(m - tile_max);
+            l *= correction;
+            #[unroll]
+            for c in 0..kd {
+                acc[c] *= correction;
+            }
+            for jj in 0..TILE as usize {
+                let p = f32::exp(scores[jj] - tile_max);
+                l += p;
+                let w = p * multiplier(bh, i, j0 + jj, t, s, layout, has_dropout);
+                if w != 0.0f32 {
+                    #[unroll]
+                    for c in 0..kd {
+                        acc[c] += w * vs[jj * kd + c];
+                    }
+                }
+            }
+            m = tile_max;
+        }
+        sync_cube();
+        j0 += TILE as usize;
+    }
+    if live {
+        let o_base = layout.out_offset as usize
+            + b * layout.out_batch as usize
+            + h * layout.out_head as usize
+            + i * layout.out_row as usize;
+        #[unroll]
+        for c in 0..kd {
+            out[o_base + c] = F::cast_from(acc[c] / l);
+        }
+        lse[bh * t + i] = F::cast_from(m + f32::ln(l));
+    }
+}
+
+/// The weight `p` of key `j` for a query with log-sum-exp `lse` and score `x` (uniform `1/s`
+/// on a fully masked row).
+#[cube]
+fn weight(x: f32, lse: f32, s: usize) -> f32 {
+    let mut p = 1.0f32 / f32::cast_from(s as u32);
+    if lse > REAL_SCORE {
+        p = f32::exp(x - lse);
+    }
+    p
+}
+
+/// Attention's backward pass, query side: `dq` (at the layout's strides) and `delta`
+/// `[b, h, t]` = `rowsum(dO ⊙ O)`, which [`attention_backward_keys_kernel`] reads.
+#[cube(launch)]
+#[allow(clippy::too_many_arguments)]
+pub fn attention_backward_queries_kernel<F: Float>(
+    q: &Tensor<F>,
+    k: &Tensor<F>,
+    v: &Tensor<F>,
+    o: &Tensor<F>,
+    d_o: &Tensor<F>,
+    lse: &Tensor<F>,
+    pad: &Tensor<F>,
+    dq: &mut Tensor<F>,
+    delta: &mut Tensor<f32>,
+    layout: &Layout,
+    #[comptime] kd: usize,
+    #[comptime] causal: bool,
+    #[comptime] has_pad: bool,
+    #[comptime] has_dropout: bool,
+    #[define(F)] _dtype: StorageType,
+) {
+    let bh = CUBE_POS_Y as usize;
+    let heads = layout.heads as usize;
+    let b = bh / heads;
+    let h = bh % heads;
+    let t = q.shape(2);
+    let s = k.shape(2);
+    let i = CUBE_POS_X as usize * TILE as usize + UNIT_POS_X as usize;
+    let live = i < t;
+    let scale = 1.0f32 / f32::sqrt(f32::cast_from(kd as u32));
+    let pad_row = b * s;
+
+    let mut qr = Array::<f32>::new(kd);
+    let mut dor = Array::<f32>::new(kd);
+    let mut acc = Array::<f32>::new(kd);
+    let mut d = 0.0f32;
+    let mut row_lse = 0.0f32;
+    if live {
+        let q_base = b * q.stride(0) + h * q.stride(1) + i * q.stride(2);
+        let o_base = b * o.stride(0) + h * o.stride(1) + i * o.stride(2);
+        let do_base = b * d_o.stride(0) + h * d_o.stride(1) + i * d_o.stride(2);
+        #[unroll]
+        for c in 0..kd {
+            qr[c] = f32::cast_from(q[q_base + c * q.stride(3)]) * scale;
+            let g = f32::cast_from(d_o[do_base + c * d_o.stride(3)]);
+            dor[c] = g;
+            d += g * f32::cast_from(o[o_base + c * o.stride(3)]);
+            acc[c] = 0.0f32;
+        }
+        row_lse = f32::cast_from(lse[bh * t + i]);
+    }
+    let mut ks = SharedMemory::<f32>::new(TILE as usize * kd);
+    let mut vs = SharedMemory::<f32>::new(TILE as usize * kd);
+
+    let mut j0 = 0usize;
+    while j0 < s {
+        load_tile::<F>(k, &mut ks, b, h, j0, kd);
+        load_tile::<F>(v, &mut vs, b, h, j0, kd);
+        sync_cube();
+        let mut skip = !live;
+        if causal {
+            skip = skip || j0 > i;
+        }
+        if !skip {
+            let mut jj = 0usize;
+            while jj < TILE as usize && j0 + jj < s {
+                let j = j0 + jj;
+                // A masked score is a constant: no gradient reaches q through it.
+                if !is_masked::<F>(i, j, pad, pad_row, causal, has_pad) {
+                    let mut x = 0.0f32;
+                    let mut dp = 0.0f32;
+                    #[unroll]
+                    for c in 0..kd {
+                        x += qr[c] * ks[jj * kd + c];
+                        dp += dor[c] * vs[jj * kd + c];
+                    }
+                    let p = weight(x, row_lse, s);
+                    let ds = p * (dp * multiplier(bh, i, j, t, s, layout, has_dropout) - d);
+                    #[unroll]
+                    for c in 0..kd {
+                        acc[c] += ds * ks[jj * kd + c];
+                    }
+                }
+                jj += 1;
+            }
+        }
+        sync_cube();
+        j0 += TILE as usize;
+    }
+    if live {
+        let base = layout.out_offset as usize
+            + b * layout.out_batch as usize
+            + h * layout.out_head as usize
+            + i * layout.out_row as usize;
+        #[unroll]
+        for c in 0..kd {
+            dq[base + c] = F::cast_from(acc[c] * scale);
+        }
+        delta[bh * t + i] = d;
+    }
+}
+
+/// Attention's backward pass, key side: `dk` and `dv` (at the layout's strides, dV at the second
+/// offset) from the saved log-sum-exp and the query kernel's `delta`.
+#[cube(launch)]
+#[allow(clippy::too_many_arguments)]
+pub fn attention_backward_keys_kernel<F: Float>(
+    q: &Tensor<F>,
+    k: &Tensor<F>,
+    v: &Tensor<F>,
+    d_o: &Tensor<F>,
+    lse: &Tensor<F>,
+    delta: &Tensor<f32>,
+    pad: &Tensor<F>,
+    dkv: &mut Tensor<F>,
+    layout: &Layout,
+    #[comptime] kd: usize,
+    #[comptime] causal: bool,
+    #[comptime] has_pad: bool,
+    #[comptime] has_dropout: bool,
+    #[define(F)] _dtype: StorageType,
+) {
+    let bh = CUBE_POS_Y as usize;
+    let heads = layout.heads as usize;
+    let b = bh / heads;
+    let h = bh % heads;
+    let t = q.shape(2);
+    let s = k.shape(2);
+    let j = CUBE_POS_X as usize * TILE as usize + UNIT_POS_X as usize;
+    let live = j < s;
+    let scale = 1.0f32 / f32::sqrt(f32::cast_from(kd as u32));
+    let pad_row = b * s;
+
+    let mut kr = Array::<f32>::new(kd);
+    let mut vr = Array::<f32>::new(kd);
+    let mut dk = Array::<f32>::new(kd);
+    let mut dv = Array::<f32>::new(kd);
+    let mut key_masked = false;
+    if live {
+        let k_base = b * k.stride(0) + h * k.stride(1) + j * k.stride(2);
+        let v_base = b * v.stride(0) + h * v.stride(1) + j * v.stride(2);
+        #[unroll]
+        for c in 0..kd {
+            kr[c] = f32::cast_from(k[k_base + c * k.stride(3)]) * scale;
+            vr[c] = f32::cast_from(v[v_base + c * v.stride(3)]);
+            dk[c] = 0.0f32;
+            dv[c] = 0.0f32;
+        }
+        if has_pad {
+            key_masked = f32::cast_from(pad[pad_row + j]) > 0.5f32;
+        }
+    }
+    let mut qs = SharedMemory::<f32>::new(TILE as usize * kd);
+    let mut dos = SharedMemory::<f32>::new(TILE as usize * kd);
+    let mut lses = SharedMemory::<f32>::new(TILE as usize);
+    let mut deltas = SharedMemory::<f32>::new(TILE as usize);
+
+    let mut i0 = 0usize;
+    while i0 < t {
+        load_tile::<F>(q, &mut qs, b, h, i0, kd);
+        load_tile::<F>(d_o, &mut dos, b, h, i0, kd);
+        let u = UNIT_POS_X as usize;
+        let mut row_lse = 0.0f32;
+        let mut row_delta = 0.0f32;
+        if i0 + u < t {
+            row_lse = f32::cast_from(lse[bh * t + i0 + u]);
+            row_delta = delta[bh * t + i0 + u];
+        }
+        lses[u] = row_lse;
+        deltas[u] = row_delta;
+        sync_cube();
+        if live {
+            let mut ii = 0usize;
+            while ii < TILE as usize && i0 + ii < t {
+                let i = i0 + ii;
+                let row_lse = lses[ii];
+                let mut masked = key_masked;
+                if causal {
+                    masked = masked || j > i;
+                }
+                // A masked key has weight 0, except in a fully masked row (uniform weights).
+                if !masked || row_lse <= REAL_SCORE {
+                    let mut x = f32::new(MASKED_SCORE);
+                    if !masked {
+                        x = 0.0f32;
+                        #[unroll]
+                        for c in 0..kd {
+                            x += qs[ii * kd + c] * kr[c];
+                        }
+                    }
+                    let p = weight(x, row_lse, s);
+                    let mult = multiplier(bh, i, j, t, s, layout, has_dropout);
+                    let w = p * mult;
+                    let mut dp = 0.0f32;
+                    #[unroll]
+                    for c in 0..kd {
+                        let g = dos[ii * kd + c];
+                        dv[c] += w * g;
+                        dp += g * vr[c];
+                    }
+                    if !masked {
+                        let ds = p * (dp * mult - deltas[ii]);
+                        #[unroll]
+                        for c in 0..kd {
+                            dk[c] += ds * qs[ii * kd + c];
+                        }
+                    }
+                }
+                ii += 1;
+            }
+        }
+        sync_cube();
+        i0 += TILE as usize;
+    }
+    if live {
+        let base = b * layout.out_batch as usize
+            + h * layout.out_head as usize
+            + j * layout.out_row as usize;
+        let k_base = base + layout.out_offset as usize;
+        let v_base = base + layout.out_offset_2 as usize;
+        #[unroll]
+        for c in 0..kd {
+            dkv[k_base + c] = F::cast_from(dk[c] * scale);
+            dkv[v_base + c] = F::cast_from(dv[c]);
+        }
+    }
+}

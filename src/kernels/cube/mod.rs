@@ -1,0 +1,670 @@
+//! The fused operations as CubeCL kernels, for burn's CubeCL backends (wgpu, CUDA): flash-style
+//! attention forward and backward ([`attention`]), LayerNorm and the cross-entropy ([`rows`]),
+//! GELU, dropout and AdamW ([`pointwise`]). Each kernel reads any float storage type and computes
+//! in `f32`; what they do not take (a head dimension over [`MAX_HEAD_DIM`], more elements than
+//! 32-bit indices reach) goes to the composed form. The softmax and the linear layer stay
+//! composed: burn's own (autotuned) matmul and reductions are what they would call.
+
+mod attention;
+mod pointwise;
+mod rows;
+
+use super::{composed, AdamWStep, DropoutMask, LabBackend};
+use attention::{LayoutLaunch, TILE};
+use burn::prelude::*;
+use burn::tensor::TensorMetadata;
+use burn_cubecl::kernel::{into_contiguous, slice};
+use burn_cubecl::ops::numeric::empty_device_dtype;
+use burn_cubecl::ops::{permute, reshape};
+use burn_cubecl::tensor::CubeTensor;
+use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
+use cubecl::calculate_cube_count_elemwise;
+use cubecl::prelude::*;
+use rows::{GRAD_CHUNK, ROW_UNITS};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+static LAUNCHES: AtomicU64 = AtomicU64::new(0);
+
+/// How many of these kernels the process has launched (tests check that the kernels ran, not a
+/// fallback to the composed form).
+pub fn launches() -> u64 {
+    LAUNCHES.load(Ordering::Relaxed)
+}
+
+/// The largest head dimension the attention kernels take (a row of it lives in registers).
+pub const MAX_HEAD_DIM: usize = 128;
+
+/// A new tensor on `like`'s device with its dtype.
+fn empty<R: CubeRuntime>(like: &CubeTensor<R>, shape: impl Into<Shape>) -> CubeTensor<R> {
+    empty_device_dtype(
+        like.client.clone(),
+        like.device.clone(),
+        shape.into(),
+        like.dtype,
+    )
+}
+
+/// A new `f32` tensor on `like`'s device (scratch sums).
+fn empty_f32<R: CubeRuntime>(like: &CubeTensor<R>, shape: impl Into<Shape>) -> CubeTensor<R> {
+    empty_device_dtype(
+        like.client.clone(),
+        like.device.clone(),
+        shape.into(),
+        burn::tensor::DType::F32,
+    )
+}
+
+/// One unit per element of `x`.
+fn elementwise<R: CubeRuntime>(x: &CubeTensor<R>) -> (CubeCount, CubeDim) {
+    let n = x.meta.num_elements();
+    let dim = CubeDim::new(&x.client, n);
+    (calculate_cube_count_elemwise(&x.client, n, dim), dim)
+}
+
+/// One cube of [`ROW_UNITS`] per row, `n` rows over a 2-D grid (a grid dimension holds at most
+/// 65,535 cubes).
+fn row_grid(n: usize) -> (CubeCount, CubeDim) {
+    let x = n.clamp(1, 65_535);
+    (
+        CubeCount::Static(x as u32, n.div_ceil(x) as u32, 1),
+        CubeDim::new_1d(ROW_UNITS),
+    )
+}
+
+/// Whether every index of `n` elements fits the kernels' 32-bit arithmetic.
+fn fits(n: usize) -> bool {
+    u32::try_from(n).is_ok()
+}
+
+impl<R, F, I, BT> LabBackend for CubeBackend<R, F, I, BT>
+where
+    R: CubeRuntime,
+    F: FloatElement,
+    I: IntElement,
+    BT: BoolElement,
+{
+    fn fused_gelu(x: CubeTensor<R>) -> CubeTensor<R> {
+        let x = into_contiguous(x);
+        let y = empty(&x, x.shape());
+        let (count, dim) = elementwise(&x);
+        let dtype = x.dtype;
+        LAUNCHES.fetch_add(1, Ordering::Relaxed);
+
+        pointwise::gelu_kernel::launch::<R>(
+            &x.client,
+            count,
+            dim,
+            x.clone().into_tensor_arg(),
+            y.clone().into_tensor_arg(),
+            dtype.into(),
+        );
+        y
+    }
+
+    fn fused_gelu_forward(x: CubeTensor<R>) -> (CubeTensor<R>, CubeTensor<R>) {
+        let x = into_contiguous(x);
+        let (y, d) = (empty(&x, x.shape()), empty(&x, x.shape()));
+        let (count, dim) = elementwise(&x);
+        let dtype = x.dtype;
+        LAUNCHES.fetch_add(1, Ordering::Relaxed);
+
+        pointwise::gelu_forward_kernel::launch::<R>(
+            &x.client,
+            count,
+            dim,
+            x.clone().into_tensor_arg(),
+            y.clone().into_tensor_arg(),
+            d.clone().into_tensor_arg(),
+            dtype.into(),
+        );
+        (y, d)
+    }
+
+    fn fused_gelu_backward(x: CubeTensor<R>, grad: CubeTensor<R>) -> CubeTensor<R> {
+        let (x, grad) = (into_contiguous(x), into_contiguous(grad));
+        let dx = empty(&x, x.shape());
+        let (count, dim) = elementwise(&x);
+        let dtype = x.dtype;
+        LAUNCHES.fetch_add(1, Ordering::Relaxed);
+
+        pointwise::gelu_backward_kernel::launch::<R>(
+            &x.client,
+            count,
+            dim,
+            x.clone().into_tensor_arg(),
+            grad.into_tensor_arg(),
+            dx.clone().into_tensor_arg(),
+            dtype.into(),
+        );
+        dx
+    }
+
+    fn fused_dropout(x: CubeTensor<R>, mask: DropoutMask) -> CubeTensor<R> {
+        if !fits(x.meta.num_elements()) {
+            return composed::dropout::<Self>(x, mask);
+        }
+        let x = into_contiguous(x);
+        let y = empty(&x, x.shape());
+        let (count, dim) = elementwise(&x);
+        let dtype = x.dtype;
+        LAUNCHES.fetch_add(1, Ordering::Relaxed);
+
+        pointwise::dropout_kernel::launch::<R>(
+            &x.client,
+            count,
+            dim,
+            x.clone().into_tensor_arg(),
+            y.clone().into_tensor_arg(),
+            mask.seed as u32,
+            (mask.seed >> 32) as u32,
+            mask.threshold_u32(),
+            mask.scale(),
+            dtype.into(),
+        );
+        y
+    }
+
+    fn fused_adamw(
+        param: CubeTensor<R>,
+        grad: CubeTensor<R>,
+        moments: Option<(CubeTensor<R>, CubeTensor<R>)>,
+        step: AdamWStep,
+    ) -> (CubeTensor<R>, CubeTensor<R>, CubeTensor<R>) {
+        let (param, grad) = (into_contiguous(param), into_contiguous(grad));
+        let first = moments.is_none();
+        let (m, v) = match moments {
+            Some((m, v)) => (into_contiguous(m), into_contiguous(v)),
+            // Not read by the kernel at the first step.
+            None => (param.clone(), param.clone()),
+        };
+        let shape = param.shape();
+        let (p_out, m_out, v_out) = (
+            empty(&param, shape.clone()),
+            empty(&param, shape.clone()),
+            empty(&param, shape),
+        );
+        let (count, dim) = elementwise(&param);
+        let dtype = param.dtype;
+        LAUNCHES.fetch_add(1, Ordering::Relaxed);
+
+        pointwise::adamw_kernel::launch::<R>(
+            &param.client,
+            count,
+            dim,
+            param.clone().into_tensor_arg(),
+            grad.into_tensor_arg(),
+            m.into_tensor_arg(),
+            v.into_tensor_arg(),
+            p_out.clone().into_tensor_arg(),
+            m_out.clone().into_tensor_arg(),
+            v_out.clone().into_tensor_arg(),
+            step.lr,
+            step.beta_1,
+            step.beta_2,
+            step.epsilon,
+            step.weight_decay,
+            1.0 - step.beta_1.powi(step.time),
+            1.0 - step.beta_2.powi(step.time),
+            first,
+            dtype.into(),
+        );
+        (p_out, m_out, v_out)
+    }
+
+    fn fused_layer_norm_forward(
+        x: CubeTensor<R>,
+        gamma: CubeTensor<R>,
+        beta: Option<CubeTensor<R>>,
+        epsilon: f64,
+    ) -> (CubeTensor<R>, CubeTensor<R>, CubeTensor<R>) {
+        let x = into_contiguous(x);
+        let gamma = into_contiguous(gamma);
+        let [n, _] = x.shape().dims();
+        let has_beta = beta.is_some();
+        let beta = beta.map(into_contiguous).unwrap_or_else(|| gamma.clone());
+        let (y, mean, rstd) = (empty(&x, x.shape()), empty(&x, [n]), empty(&x, [n]));
+        let (count, dim) = row_grid(n);
+        let dtype = x.dtype;
+        LAUNCHES.fetch_add(1, Ordering::Relaxed);
+
+        rows::layer_norm_forward_kernel::launch::<R>(
+            &x.client,
+            count,
+            dim,
+            x.clone().into_tensor_arg(),
+            gamma.into_tensor_arg(),
+            beta.into_tensor_arg(),
+            y.clone().into_tensor_arg(),
+            mean.clone().into_tensor_arg(),
+            rstd.clone().into_tensor_arg(),
+            epsilon as f32,
+            has_beta,
+            dtype.into(),
+        );
+        (y, mean, rstd)
+    }
+
+    fn fused_layer_norm_backward(
+        x: CubeTensor<R>,
+        gamma: CubeTensor<R>,
+        mean: CubeTensor<R>,
+        rstd: CubeTensor<R>,
+        dy: CubeTensor<R>,
+    ) -> (CubeTensor<R>, CubeTensor<R>, CubeTensor<R>) {
+        let [x, gamma, mean, rstd, dy] = [x, gamma, mean, rstd, dy].map(into_contiguous);
+        let [n, d] = x.shape().dims();
+        let dtype = x.dtype;
+        let client = x.client.clone();
+        let dx = empty(&x, [n, d]);
+        let (count, dim) = row_grid(n);
+        LAUNCHES.fetch_add(1, Ordering::Relaxed);
+
+        rows::layer_norm_backward_kernel::launch::<R>(
+            &client,
+            count,
+            dim,
+            x.clone().into_tensor_arg(),
+            gamma.into_tensor_arg(),
+            mean.clone().into_tensor_arg(),
+            rstd.clone().into_tensor_arg(),
+            dy.clone().into_tensor_arg(),
+            dx.clone().into_tensor_arg(),
+            dtype.into(),
+        );
+        // dγ, dβ: partial sums over chunks of rows, then the chunks added in order.
+        let chunks = n.div_ceil(GRAD_CHUNK as usize).max(1);
+        let partial = empty_f32(&x, [2, chunks, d]);
+        let columns = 64u32;
+        LAUNCHES.fetch_add(1, Ordering::Relaxed);
+
+        rows::layer_norm_grad_partial_kernel::launch::<R>(
+            &client,
+            CubeCount::Static(d.div_ceil(columns as usize) as u32, chunks as u32, 1),
+            CubeDim::new_1d(columns),
+            x.clone().into_tensor_arg(),
+            mean.into_tensor_arg(),
+            rstd.into_tensor_arg(),
+            dy.into_tensor_arg(),
+            partial.clone().into_tensor_arg(),
+            dtype.into(),
+        );
+        let (dgamma, dbeta) = (empty(&x, [d]), empty(&x, [d]));
+        let (count, dim) = elementwise(&dgamma);
+        LAUNCHES.fetch_add(1, Ordering::Relaxed);
+
+        rows::layer_norm_grad_reduce_kernel::launch::<R>(
+            &client,
+            count,
+            dim,
+            partial.into_tensor_arg(),
+            dgamma.clone().into_tensor_arg(),
+            dbeta.clone().into_tensor_arg(),
+            chunks as u32,
+            dtype.into(),
+        );
+        (dx, dgamma, dbeta)
+    }
+
+    fn fused_cross_entropy_forward(
+        logits: CubeTensor<R>,
+        targets: CubeTensor<R>,
+        smoothing: f32,
+        ignore: Option<usize>,
+    ) -> (CubeTensor<R>, CubeTensor<R>) {
+        let (logits, targets) = (into_contiguous(logits), into_contiguous(targets));
+        let [n, _] = logits.shape().dims();
+        let (loss, lse) = (empty(&logits, [n]), empty(&logits, [n]));
+        let (count, dim) = row_grid(n);
+        let dtypes = [logits.dtype.into(), targets.dtype.into()];
+        LAUNCHES.fetch_add(1, Ordering::Relaxed);
+
+        rows::cross_entropy_forward_kernel::launch::<R>(
+            &logits.client,
+            count,
+            dim,
+            logits.clone().into_tensor_arg(),
+            targets.into_tensor_arg(),
+            loss.clone().into_tensor_arg(),
+            lse.clone().into_tensor_arg(),
+            smoothing,
+            ignore_index(ignore),
+            dtypes,
+        );
+        (loss, lse)
+    }
+
+    fn fused_cross_entropy_backward(
+        logits: CubeTensor<R>,
+        targets: CubeTensor<R>,
+        lse: CubeTensor<R>,
+        grad: CubeTensor<R>,
+        smoothing: f32,
+        ignore: Option<usize>,
+    ) -> CubeTensor<R> {
+        let [logits, targets, lse, grad] = [logits, targets, lse, grad].map(into_contiguous);
+        let dx = empty(&logits, logits.shape());
+        let (count, dim) = elementwise(&logits);
+        let dtypes = [logits.dtype.into(), targets.dtype.into()];
+        LAUNCHES.fetch_add(1, Ordering::Relaxed);
+
+        rows::cross_entropy_backward_kernel::launch::<R>(
+            &logits.client,
+            count,
+            dim,
+            logits.clone().into_tensor_arg(),
+            targets.into_tensor_arg(),
+            lse.into_tensor_arg(),
+            grad.into_tensor_arg(),
+            dx.clone().into_tensor_arg(),
+            smoothing,
+            ignore_index(ignore),
+            dtypes,
+        );
+        dx
+    }
+
+    fn fused_attention_forward(
+        q: CubeTensor<R>,
+        k: CubeTensor<R>,
+        v: CubeTensor<R>,
+        causal: bool,
+        pad: Option<CubeTensor<R>>,
+        dropout: Option<DropoutMask>,
+    ) -> (CubeTensor<R>, CubeTensor<R>) {
+        let [b, h, t, kd] = q.shape().dims();
+        let s = k.shape()[2];
+        if !attention_fits([b, h, t, s, kd]) {
+            return composed::attention_forward::<Self>(q, k, v, causal, pad, dropout);
+        }
+        let out = empty(&q, [b, h, t, kd]);
+        let strides = [h * t * kd, t * kd, kd, 0];
+        let lse = attention_forward::<R>(&q, &k, &v, &out, strides, causal, pad, dropout);
+        (out, lse)
+    }
+
+    fn fused_packed_attention_forward(
+        qkv: CubeTensor<R>,
+        heads: usize,
+        causal: bool,
+        pad: Option<CubeTensor<R>>,
+        dropout: Option<DropoutMask>,
+    ) -> (CubeTensor<R>, CubeTensor<R>) {
+        let [b, t, d3] = qkv.shape().dims();
+        let (d, kd) = (d3 / 3, d3 / 3 / heads);
+        if !attention_fits([b, heads, t, t, kd]) {
+            return composed::packed_attention_forward::<Self>(qkv, heads, causal, pad, dropout);
+        }
+        let [q, k, v] = split_packed(qkv, heads);
+        // The output is written with its heads merged, `[b, t, d]`.
+        let out = empty(&q, [b, t, d]);
+        let strides = [t * d, kd, d, 0];
+        let lse = attention_forward::<R>(&q, &k, &v, &out, strides, causal, pad, dropout);
+        (out, lse)
+    }
+
+    fn fused_attention_backward(
+        q: CubeTensor<R>,
+        k: CubeTensor<R>,
+        v: CubeTensor<R>,
+        o: CubeTensor<R>,
+        lse: CubeTensor<R>,
+        d_o: CubeTensor<R>,
+        causal: bool,
+        pad: Option<CubeTensor<R>>,
+        dropout: Option<DropoutMask>,
+    ) -> (CubeTensor<R>, CubeTensor<R>, CubeTensor<R>) {
+        let [b, h, t, kd] = q.shape().dims();
+        let s = k.shape()[2];
+        if !attention_fits([b, h, t, s, kd]) {
+            return composed::attention_backward::<Self>(
+                q, k, v, o, lse, d_o, causal, pad, dropout,
+            );
+        }
+        // dq `[b, h, t, k]`, then dk and dv `[b, h, s, k]` one after the other in one buffer.
+        let dq = empty(&q, [b, h, t, kd]);
+        let dkv = empty(&q, [2 * b * h * s * kd]);
+        let inputs = AttentionInputs {
+            q,
+            k,
+            v,
+            o,
+            d_o,
+            lse,
+        };
+        let grads = [
+            (&dq, [h * t * kd, t * kd, kd, 0]),
+            (&dkv, [h * s * kd, s * kd, kd, 0]),
+        ];
+        attention_backward::<R>(inputs, grads, b * h * s * kd, causal, pad, dropout);
+        let n = b * h * s * kd;
+        // One range: the buffer has one dimension.
+        let half = |i: usize| {
+            let range = i * n..(i + 1) * n;
+            reshape(
+                slice(dkv.clone(), std::slice::from_ref(&range)),
+                Shape::new([b, h, s, kd]),
+            )
+        };
+        (dq, half(0), half(1))
+    }
+
+    fn fused_packed_attention_backward(
+        qkv: CubeTensor<R>,
+        o: CubeTensor<R>,
+        lse: CubeTensor<R>,
+        d_o: CubeTensor<R>,
+        heads: usize,
+        causal: bool,
+        pad: Option<CubeTensor<R>>,
+        dropout: Option<DropoutMask>,
+    ) -> CubeTensor<R> {
+        let [b, t, d3] = qkv.shape().dims();
+        let (d, kd) = (d3 / 3, d3 / 3 / heads);
+        if !attention_fits([b, heads, t, t, kd]) {
+            return composed::packed_attention_backward::<Self>(
+                qkv, o, lse, d_o, heads, causal, pad, dropout,
+            );
+        }
+        let [q, k, v] = split_packed(qkv, heads);
+        let to_heads =
+            |x: CubeTensor<R>| permute(reshape(x, Shape::new([b, t, heads, kd])), &[0, 2, 1, 3]);
+        let (o, d_o) = (to_heads(o), to_heads(into_contiguous(d_o)));
+        // dq, dk, dv written side by side into one `[b, t, 3·d]` gradient, heads merged.
+        let grad = empty(&q, [b, t, d3]);
+        let inputs = AttentionInputs {
+            q,
+            k,
+            v,
+            o,
+            d_o,
+            lse,
+        };
+        let grads = [(&grad, [t * d3, kd, d3, 0]), (&grad, [t * d3, kd, d3, d])];
+        attention_backward::<R>(inputs, grads, d, causal, pad, dropout);
+        grad
+    }
+}
+
+/// The target that marks a row as ignored (`-1`, which no class is, when none is).
+fn ignore_index(ignore: Option<usize>) -> i32 {
+    ignore.and_then(|i| i32::try_from(i).ok()).unwrap_or(-1)
+}
+
+/// Whether the attention kernels take heads of this shape `[b, h, t, s, k]`: a head dimension
+/// up to [`MAX_HEAD_DIM`], and every weight's index (the dropout mask's element) in 32 bits.
+fn attention_fits([b, h, t, s, kd]: [usize; 5]) -> bool {
+    kd <= MAX_HEAD_DIM && fits(b * h * t * s) && fits(b * h * t.max(s) * kd * 3)
+}
+
+/// Q, K and V `[b, h, t, k]` as views of packed projections `[b, t, 3·h·k]` (no copy).
+fn split_packed<R: CubeRuntime>(qkv: CubeTensor<R>, heads: usize) -> [CubeTensor<R>; 3] {
+    let [b, t, d3] = qkv.shape().dims();
+    let kd = d3 / 3 / heads;
+    // [b, t, 3, h, k] → [3, b, h, t, k], then each part by its offset.
+    let all = permute(
+        reshape(into_contiguous(qkv), Shape::new([b, t, 3, heads, kd])),
+        &[2, 0, 3, 1, 4],
+    );
+    [0, 1, 2].map(|i| {
+        let part = slice(all.clone(), &[i..i + 1, 0..b, 0..heads, 0..t, 0..kd]);
+        reshape(part, Shape::new([b, heads, t, kd]))
+    })
+}
+
+/// The launch settings shared by the attention kernels: the output's strides `[batch item,
+/// head, position, offset]` (and a second offset), and the dropout mask.
+fn layout<R: CubeRuntime>(
+    heads: usize,
+    strides: [usize; 4],
+    offset_2: usize,
+    dropout: Option<DropoutMask>,
+) -> attention::LayoutLaunch<R> {
+    let [out_batch, out_head, out_row, out_offset] = strides.map(|x| x as u32);
+    let (key, threshold, scale) = match dropout {
+        Some(mask) => (mask.seed, mask.threshold_u32(), mask.scale()),
+        None => (0, 0, 1.0),
+    };
+    LayoutLaunch::new(
+        heads as u32,
+        out_batch,
+        out_head,
+        out_row,
+        out_offset,
+        offset_2 as u32,
+        key as u32,
+        (key >> 32) as u32,
+        threshold,
+        scale,
+    )
+}
+
+/// The padding mask `[b, s]` contiguous, or (not read) `like` where there is none.
+fn pad_arg<R: CubeRuntime>(
+    pad: Option<CubeTensor<R>>,
+    like: &CubeTensor<R>,
+) -> (CubeTensor<R>, bool) {
+    match pad {
+        Some(pad) => (into_contiguous(pad), true),
+        None => (like.clone(), false),
+    }
+}
+
+/// Runs the forward kernel, writing the output at `strides` into `out`; returns the
+/// log-sum-exp `[b, h, t]`.
+#[allow(clippy::too_many_arguments)]
+fn attention_forward<R: CubeRuntime>(
+    q: &CubeTensor<R>,
+    k: &CubeTensor<R>,
+    v: &CubeTensor<R>,
+    out: &CubeTensor<R>,
+    strides: [usize; 4],
+    causal: bool,
+    pad: Option<CubeTensor<R>>,
+    dropout: Option<DropoutMask>,
+) -> CubeTensor<R> {
+    let [b, h, t, kd] = q.shape().dims();
+    let lse = empty(q, [b, h, t]);
+    let (pad, has_pad) = pad_arg(pad, q);
+    LAUNCHES.fetch_add(1, Ordering::Relaxed);
+
+    attention::attention_forward_kernel::launch::<R>(
+        &q.client,
+        CubeCount::Static(t.div_ceil(TILE as usize) as u32, (b * h) as u32, 1),
+        CubeDim::new_1d(TILE),
+        q.clone().into_tensor_arg(),
+        k.clone().into_tensor_arg(),
+        v.clone().into_tensor_arg(),
+        pad.into_tensor_arg(),
+        out.clone().into_tensor_arg(),
+        lse.clone().into_tensor_arg(),
+        layout::<R>(h, strides, 0, dropout),
+        kd,
+        causal,
+        has_pad,
+        dropout.is_some(),
+        q.dtype.into(),
+    );
+    lse
+}
+
+/// What the attention backward kernels read.
+struct AttentionInputs<R: CubeRuntime> {
+    q: CubeTensor<R>,
+    k: CubeTensor<R>,
+    v: CubeTensor<R>,
+    o: CubeTensor<R>,
+    d_o: CubeTensor<R>,
+    lse: CubeTensor<R>,
+}
+
+/// Runs the two backward kernels: dq into `grads[0]` at its strides, dk and dv into `grads[1]`
+/// at its strides, dv `dv_offset` elements after dk.
+fn attention_backward<R: CubeRuntime>(
+    inputs: AttentionInputs<R>,
+    grads: [(&CubeTensor<R>, [usize; 4]); 2],
+    dv_offset: usize,
+    causal: bool,
+    pad: Option<CubeTensor<R>>,
+    dropout: Option<DropoutMask>,
+) {
+    let AttentionInputs {
+        q,
+        k,
+        v,
+        o,
+        d_o,
+        lse,
+    } = inputs;
+    let [b, h, t, kd] = q.shape().dims();
+    let s = k.shape()[2];
+    let lse = into_contiguous(lse);
+    let delta = empty_f32(&q, [b, h, t]);
+    let (pad, has_pad) = pad_arg(pad, &q);
+    let client = q.client.clone();
+    let dtype = q.dtype;
+    let [(dq, dq_strides), (dkv, dkv_strides)] = grads;
+    LAUNCHES.fetch_add(1, Ordering::Relaxed);
+
+    attention::attention_backward_queries_kernel::launch::<R>(
+        &client,
+        CubeCount::Static(t.div_ceil(TILE as usize) as u32, (b * h) as u32, 1),
+        CubeDim::new_1d(TILE),
+        q.clone().into_tensor_arg(),
+        k.clone().into_tensor_arg(),
+        v.clone().into_tensor_arg(),
+        o.into_tensor_arg(),
+        d_o.clone().into_tensor_arg(),
+        lse.clone().into_tensor_arg(),
+        pad.clone().into_tensor_arg(),
+        dq.clone().into_tensor_arg(),
+        delta.clone().into_tensor_arg(),
+        layout::<R>(h, dq_strides, 0, dropout),
+        kd,
+        causal,
+        has_pad,
+        dropout.is_some(),
+        dtype.into(),
+    );
+    let dv_offset = dkv_strides[3] + dv_offset;
+    LAUNCHES.fetch_add(1, Ordering::Relaxed);
+
+    attention::attention_backward_keys_kernel::launch::<R>(
+        &client,
+        CubeCount::Static(s.div_ceil(TILE as usize) as u32, (b * h) as u32, 1),
+        CubeDim::new_1d(TILE),
+        q.into_tensor_arg(),
+        k.into_tensor_arg(),
+        v.into_tensor_arg(),
+        d_o.into_tensor_arg(),
+        lse.into_tensor_arg(),
+        delta.into_tensor_arg(),
+        pad.into_tensor_arg(),
+        dkv.clone().into_tensor_arg(),
+        layout::<R>(h, dkv_strides, dv_offset, dropout),
+        kd,
+        causal,
+        has_pad,
+        dropout.is_some(),
+        dtype.into(),
+    );
+}

@@ -1,0 +1,168 @@
+//! Element-wise kernels: GELU and its derivative, dropout (Philox drawn in the kernel), AdamW.
+//! One unit per element; arithmetic in `f32` whatever the storage type.
+
+use cubecl::prelude::*;
+
+/// `1/√2`.
+const FRAC_1_SQRT_2: f32 = std::f32::consts::FRAC_1_SQRT_2;
+/// `1/√(2π)`.
+const FRAC_1_SQRT_2PI: f32 = 0.398_942_3;
+
+/// `Φ(x)`, the standard normal CDF (erf form).
+#[cube]
+fn normal_cdf(x: f32) -> f32 {
+    0.5f32 * (1.0f32 + Erf::erf(x * FRAC_1_SQRT_2))
+}
+
+/// `φ(x)`, the standard normal density.
+#[cube]
+fn normal_pdf(x: f32) -> f32 {
+    f32::exp(-0.5f32 * x * x) * FRAC_1_SQRT_2PI
+}
+
+/// `y = x·Φ(x)`.
+#[cube(launch)]
+pub fn gelu_kernel<F: Float>(x: &Tensor<F>, y: &mut Tensor<F>, #[define(F)] _dtype: StorageType) {
+    let i = ABSOLUTE_POS;
+    if i >= x.len() {
+        terminate!();
+    }
+    let v = f32::cast_from(x[i]);
+    y[i] = F::cast_from(v * normal_cdf(v));
+}
+
+/// `y = x·Φ(x)` and `d = Φ(x) + x·φ(x)`.
+#[cube(launch)]
+pub fn gelu_forward_kernel<F: Float>(
+    x: &Tensor<F>,
+    y: &mut Tensor<F>,
+    d: &mut Tensor<F>,
+    #[define(F)] _dtype: StorageType,
+) {
+    let i = ABSOLUTE_POS;
+    if i >= x.len() {
+        terminate!();
+    }
+    let v = f32::cast_from(x[i]);
+    let cdf = normal_cdf(v);
+    y[i] = F::cast_from(v * cdf);
+    d[i] = F::cast_from(cdf + v * normal_pdf(v));
+}
+
+/// `dx = grad · (Φ(x) + x·φ(x))`.
+#[cube(launch)]
+pub fn gelu_backward_kernel<F: Float>(
+    x: &Tensor<F>,
+    grad: &Tensor<F>,
+    dx: &mut Tensor<F>,
+    #[define(F)] _dtype: StorageType,
+) {
+    let i = ABSOLUTE_POS;
+    if i >= x.len() {
+        terminate!();
+    }
+    let v = f32::cast_from(x[i]);
+    let g = f32::cast_from(grad[i]);
+    dx[i] = F::cast_from(g * (normal_cdf(v) + v * normal_pdf(v)));
+}
+
+/// Philox4x32-10's multipliers and key increments (as in `kernels::dropout`).
+const M0: u32 = 0xD251_1F53;
+const M1: u32 = 0xCD9E_8D57;
+const W0: u32 = 0x9E37_79B9;
+const W1: u32 = 0xBB67_AE85;
+
+/// The dropout multiplier (`0` or `scale`) of element `e` of the mask keyed `(key_lo,
+/// key_hi)`: word `e % 4` of the Philox4x32-10 block `e / 4` (counter `[e/4, 0, 0, 0]`), kept
+/// where the word is at least `threshold` — the CPU stream's element `e`, bit for bit.
+#[cube]
+pub fn dropout_multiplier(e: u32, key_lo: u32, key_hi: u32, threshold: u32, scale: f32) -> f32 {
+    let mut c0 = e / 4u32;
+    let mut c1 = 0u32;
+    let mut c2 = 0u32;
+    let mut c3 = 0u32;
+    let mut k0 = key_lo;
+    let mut k1 = key_hi;
+    #[unroll]
+    for _ in 0..10u32 {
+        let hi0 = u32::mul_hi(M0, c0);
+        let lo0 = M0 * c0;
+        let hi1 = u32::mul_hi(M1, c2);
+        let lo1 = M1 * c2;
+        c0 = hi1 ^ c1 ^ k0;
+        c1 = lo1;
+        c2 = hi0 ^ c3 ^ k1;
+        c3 = lo0;
+        k0 += W0;
+        k1 += W1;
+    }
+    let w = e % 4u32;
+    let mut word = c0;
+    if w == 1 {
+        word = c1;
+    } else if w == 2 {
+        word = c2;
+    } else if w == 3 {
+        word = c3;
+    }
+    select(word >= threshold, scale, 0.0f32)
+}
+
+/// `y = x ⊙ M` for the dropout mask `M` keyed `(key_lo, key_hi)`.
+#[cube(launch)]
+pub fn dropout_kernel<F: Float>(
+    x: &Tensor<F>,
+    y: &mut Tensor<F>,
+    key_lo: u32,
+    key_hi: u32,
+    threshold: u32,
+    scale: f32,
+    #[define(F)] _dtype: StorageType,
+) {
+    let i = ABSOLUTE_POS;
+    if i >= x.len() {
+        terminate!();
+    }
+    let m = dropout_multiplier(i as u32, key_lo, key_hi, threshold, scale);
+    y[i] = F::cast_from(f32::cast_from(x[i]) * m);
+}
+
+/// One AdamW step per element (see `kernels::AdamWStep`); `first` = no moments yet (`m`, `v`
+/// are then not read). `c1`, `c2` are the bias corrections `1 − βᵗ`.
+#[cube(launch)]
+#[allow(clippy::too_many_arguments)]
+pub fn adamw_kernel<F: Float>(
+    param: &Tensor<F>,
+    grad: &Tensor<F>,
+    m: &Tensor<F>,
+    v: &Tensor<F>,
+    param_out: &mut Tensor<F>,
+    m_out: &mut Tensor<F>,
+    v_out: &mut Tensor<F>,
+    lr: f32,
+    beta_1: f32,
+    beta_2: f32,
+    epsilon: f32,
+    decay: f32,
+    c1: f32,
+    c2: f32,
+    #[comptime] first: bool,
+    #[define(F)] _dtype: StorageType,
+) {
+    let i = ABSOLUTE_POS;
+    if i >= param.len() {
+        terminate!();
+    }
+    let g = f32::cast_from(grad[i]);
+    let mut m_new = (1.0f32 - beta_1) * g;
+    let mut v_new = (1.0f32 - beta_2) * g * g;
+    if !first {
+        m_new += beta_1 * f32::cast_from(m[i]);
+        v_new += beta_2 * f32::cast_from(v[i]);
+    }
+    let delta = (m_new / c1) / (f32::sqrt(v_new / c2) + epsilon);
+    let p = f32::cast_from(param[i]) * (1.0f32 - lr * decay) - lr * delta;
+    param_out[i] = F::cast_from(p);
+    m_out[i] = F::cast_from(m_new);
+    v_out[i] = F::cast_from(v_new);
+}

@@ -1,0 +1,304 @@
+//! Row kernels: LayerNorm forward and backward, the cross-entropy and its gradient. One cube of
+//! [`ROW_UNITS`] units per row, each unit striding over the row and the cube reducing through
+//! shared memory (a fixed tree, so the sums are the same run to run).
+
+use cubecl::prelude::*;
+
+/// Units of the cube that handles one row.
+pub const ROW_UNITS: u32 = 128;
+
+/// Rows summed by one cube of the LayerNorm parameter-gradient kernel.
+pub const GRAD_CHUNK: u32 = 64;
+
+/// The row handled by this cube (rows laid out over a 2-D grid of cubes, see `row_grid`).
+#[cube]
+fn cube_row() -> usize {
+    (CUBE_POS_Y * CUBE_COUNT_X + CUBE_POS_X) as usize
+}
+
+/// The sum of `value` over the cube's units, through `shared` (every unit must call it).
+#[cube]
+fn cube_sum(shared: &mut SharedMemory<f32>, value: f32) -> f32 {
+    let u = UNIT_POS_X as usize;
+    shared[u] = value;
+    sync_cube();
+    let mut stride = (CUBE_DIM_X / 2) as usize;
+    while stride > 0 {
+        if u < stride {
+            let other = shared[u + stride];
+            shared[u] += other;
+        }
+        sync_cube();
+        stride /= 2;
+    }
+    let total = shared[0];
+    sync_cube();
+    total
+}
+
+/// The maximum of `value` over the cube's units, through `shared` (every unit must call it).
+#[cube]
+fn cube_max(shared: &mut SharedMemory<f32>, value: f32) -> f32 {
+    let u = UNIT_POS_X as usize;
+    shared[u] = value;
+    sync_cube();
+    let mut stride = (CUBE_DIM_X / 2) as usize;
+    while stride > 0 {
+        if u < stride {
+            let other = shared[u + stride];
+            shared[u] = f32::max(shared[u], other);
+        }
+        sync_cube();
+        stride /= 2;
+    }
+    let total = shared[0];
+    sync_cube();
+    total
+}
+
+/// LayerNorm of the rows of `x` `[n, d]`: `y`, and each row's mean and `1/σ`.
+#[cube(launch)]
+#[allow(clippy::too_many_arguments)]
+pub fn layer_norm_forward_kernel<F: Float>(
+    x: &Tensor<F>,
+    gamma: &Tensor<F>,
+    beta: &Tensor<F>,
+    y: &mut Tensor<F>,
+    mean: &mut Tensor<F>,
+    rstd: &mut Tensor<F>,
+    epsilon: f32,
+    #[comptime] has_beta: bool,
+    #[define(F)] _dtype: StorageType,
+) {
+    let row = cube_row();
+    if row >= mean.len() {
+        terminate!();
+    }
+    let mut shared = SharedMemory::<f32>::new(ROW_UNITS as usize);
+    let d = x.shape(1);
+    let base = row * d;
+    let units = CUBE_DIM_X as usize;
+    let mut s = 0.0f32;
+    let mut j = UNIT_POS_X as usize;
+    while j < d {
+        s += f32::cast_from(x[base + j]);
+        j += units;
+    }
+    let mu = cube_sum(&mut shared, s) / f32::cast_from(d as u32);
+    let mut s2 = 0.0f32;
+    let mut j = UNIT_POS_X as usize;
+    while j < d {
+        let c = f32::cast_from(x[base + j]) - mu;
+        s2 += c * c;
+        j += units;
+    }
+    let var = cube_sum(&mut shared, s2) / f32::cast_from(d as u32);
+    let r = 1.0f32 / f32::sqrt(var + epsilon);
+    let mut j = UNIT_POS_X as usize;
+    while j < d {
+        let mut out = (f32::cast_from(x[base + j]) - mu) * r * f32::cast_from(gamma[j]);
+        if has_beta {
+            out += f32::cast_from(beta[j]);
+        }
+        y[base + j] = F::cast_from(out);
+        j += units;
+    }
+    if UNIT_POS_X == 0 {
+        mean[row] = F::cast_from(mu);
+        rstd[row] = F::cast_from(r);
+    }
+}
+
+/// LayerNorm's input gradient, row by row: with `x̂ = (x − μ)/σ` and `g = dy ⊙ γ`,
+/// `dx = (g − mean(g) − x̂ · mean(g ⊙ x̂)) / σ`.
+#[cube(launch)]
+pub fn layer_norm_backward_kernel<F: Float>(
+    x: &Tensor<F>,
+    gamma: &Tensor<F>,
+    mean: &Tensor<F>,
+    rstd: &Tensor<F>,
+    dy: &Tensor<F>,
+    dx: &mut Tensor<F>,
+    #[define(F)] _dtype: StorageType,
+) {
+    let row = cube_row();
+    if row >= mean.len() {
+        terminate!();
+    }
+    let mut shared = SharedMemory::<f32>::new(ROW_UNITS as usize);
+    let d = x.shape(1);
+    let base = row * d;
+    let units = CUBE_DIM_X as usize;
+    let mu = f32::cast_from(mean[row]);
+    let r = f32::cast_from(rstd[row]);
+    let mut sg = 0.0f32;
+    let mut sgx = 0.0f32;
+    let mut j = UNIT_POS_X as usize;
+    while j < d {
+        let g = f32::cast_from(dy[base + j]) * f32::cast_from(gamma[j]);
+        let xh = (f32::cast_from(x[base + j]) - mu) * r;
+        sg += g;
+        sgx += g * xh;
+        j += units;
+    }
+    let inv_d = 1.0f32 / f32::cast_from(d as u32);
+    let mean_g = cube_sum(&mut shared, sg) * inv_d;
+    let mean_gx = cube_sum(&mut shared, sgx) * inv_d;
+    let mut j = UNIT_POS_X as usize;
+    while j < d {
+        let g = f32::cast_from(dy[base + j]) * f32::cast_from(gamma[j]);
+        let xh = (f32::cast_from(x[base + j]) - mu) * r;
+        dx[base + j] = F::cast_from((g - mean_g - xh * mean_gx) * r);
+        j += units;
+    }
+}
+
+/// LayerNorm's parameter gradients, first stage: for each chunk of [`GRAD_CHUNK`] rows (cube
+/// `y`) and column (unit `x`), the partial sums `Σ dy·x̂` and `Σ dy` into `partial`
+/// `[2, chunks, d]`.
+#[cube(launch)]
+pub fn layer_norm_grad_partial_kernel<F: Float>(
+    x: &Tensor<F>,
+    mean: &Tensor<F>,
+    rstd: &Tensor<F>,
+    dy: &Tensor<F>,
+    partial: &mut Tensor<f32>,
+    #[define(F)] _dtype: StorageType,
+) {
+    let col = ABSOLUTE_POS_X as usize;
+    let d = x.shape(1);
+    let n = x.shape(0);
+    if col >= d {
+        terminate!();
+    }
+    let chunk = CUBE_POS_Y as usize;
+    let chunks = CUBE_COUNT_Y as usize;
+    let start = chunk * GRAD_CHUNK as usize;
+    let mut end = start + GRAD_CHUNK as usize;
+    if end > n {
+        end = n;
+    }
+    let mut sg = 0.0f32;
+    let mut sb = 0.0f32;
+    for row in start..end {
+        let g = f32::cast_from(dy[row * d + col]);
+        let xh = (f32::cast_from(x[row * d + col]) - f32::cast_from(mean[row]))
+            * f32::cast_from(rstd[row]);
+        sg += g * xh;
+        sb += g;
+    }
+    partial[chunk * d + col] = sg;
+    partial[(chunks + chunk) * d + col] = sb;
+}
+
+/// Second stage: each column's partial sums added in chunk order → `dgamma`, `dbeta` `[d]`.
+#[cube(launch)]
+pub fn layer_norm_grad_reduce_kernel<F: Float>(
+    partial: &Tensor<f32>,
+    dgamma: &mut Tensor<F>,
+    dbeta: &mut Tensor<F>,
+    chunks: u32,
+    #[define(F)] _dtype: StorageType,
+) {
+    let col = ABSOLUTE_POS;
+    let d = dgamma.len();
+    if col >= d {
+        terminate!();
+    }
+    let chunks = chunks as usize;
+    let mut sg = 0.0f32;
+    let mut sb = 0.0f32;
+    for c in 0..chunks {
+        sg += partial[c * d + col];
+        sb += partial[(chunks + c) * d + col];
+    }
+    dgamma[col] = F::cast_from(sg);
+    dbeta[col] = F::cast_from(sb);
+}
+
+/// The label-smoothed cross-entropy of each row of `logits` `[n, v]`:
+/// `−(1−ε)(x_y − lse) − ε(mean(x) − lse)`, `0` where the target is `ignore`; and `lse`.
+#[cube(launch)]
+#[allow(clippy::too_many_arguments)]
+pub fn cross_entropy_forward_kernel<F: Float, I: Int>(
+    logits: &Tensor<F>,
+    targets: &Tensor<I>,
+    loss: &mut Tensor<F>,
+    lse: &mut Tensor<F>,
+    smoothing: f32,
+    ignore: i32,
+    #[define(F, I)] _dtypes: [StorageType; 2],
+) {
+    let row = cube_row();
+    if row >= loss.len() {
+        terminate!();
+    }
+    let mut shared = SharedMemory::<f32>::new(ROW_UNITS as usize);
+    let v = logits.shape(1);
+    let base = row * v;
+    let units = CUBE_DIM_X as usize;
+    let mut m = f32::new(-3.0e38);
+    let mut j = UNIT_POS_X as usize;
+    while j < v {
+        m = f32::max(m, f32::cast_from(logits[base + j]));
+        j += units;
+    }
+    let m = cube_max(&mut shared, m);
+    let mut se = 0.0f32;
+    let mut sx = 0.0f32;
+    let mut j = UNIT_POS_X as usize;
+    while j < v {
+        let x = f32::cast_from(logits[base + j]);
+        se += f32::exp(x - m);
+        sx += x;
+        j += units;
+    }
+    let se = cube_sum(&mut shared, se);
+    let sx = cube_sum(&mut shared, sx);
+    if UNIT_POS_X == 0 {
+        let l = m + f32::ln(se);
+        let y = i32::cast_from(targets[row]);
+        let mut out = 0.0f32;
+        if y != ignore {
+            let picked = f32::cast_from(logits[base + y as usize]);
+            out = (1.0f32 - smoothing) * (l - picked)
+                + smoothing * (l - sx / f32::cast_from(v as u32));
+        }
+        loss[row] = F::cast_from(out);
+        lse[row] = F::cast_from(l);
+    }
+}
+
+/// The gradient of the row losses for their gradient `grad` `[n]`:
+/// `grad · (softmax(row) − (1−ε)·onehot(y) − ε/v)`, zero on ignored rows; one unit per logit.
+#[cube(launch)]
+#[allow(clippy::too_many_arguments)]
+pub fn cross_entropy_backward_kernel<F: Float, I: Int>(
+    logits: &Tensor<F>,
+    targets: &Tensor<I>,
+    lse: &Tensor<F>,
+    grad: &Tensor<F>,
+    dx: &mut Tensor<F>,
+    smoothing: f32,
+    ignore: i32,
+    #[define(F, I)] _dtypes: [StorageType; 2],
+) {
+    let i = ABSOLUTE_POS;
+    if i >= logits.len() {
+        terminate!();
+    }
+    let v = logits.shape(1);
+    let row = i / v;
+    let j = i % v;
+    let y = i32::cast_from(targets[row]);
+    let mut out = 0.0f32;
+    if y != ignore {
+        let p = f32::exp(f32::cast_from(logits[i]) - f32::cast_from(lse[row]));
+        let mut target = smoothing / f32::cast_from(v as u32);
+        if j == y as usize {
+            target += 1.0f32 - smoothing;
+        }
+        out = f32::cast_from(grad[row]) * (p - target);
+    }
+    dx[i] = F::cast_from(out);
+}

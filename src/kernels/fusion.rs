@@ -1,0 +1,344 @@
+//! The fused operations on burn's fusion backend (`--features fusion`): each is registered in the
+//! fusion stream as one custom operation that, when the stream runs, calls the inner backend's
+//! kernel ([`super::cube`] on wgpu and CUDA) on the inner tensors. burn's own fusion goes on
+//! fusing the element-wise operations around them.
+
+use super::{AdamWStep, DropoutMask, LabBackend};
+use burn::tensor::ops::{FloatTensor, IntTensor};
+use burn::tensor::{DType, Shape};
+use burn_fusion::stream::{Operation, OperationStreams};
+use burn_fusion::{Fusion, FusionBackend, FusionRuntime, FusionTensor};
+use burn_ir::{CustomOpIr, HandleContainer, OperationIr, TensorIr};
+use std::sync::Arc;
+
+/// What a custom operation runs on the inner backend: float inputs, int inputs → outputs.
+type Run<B> = dyn Fn(Vec<FloatTensor<B>>, Vec<IntTensor<B>>) -> Vec<FloatTensor<B>> + Send + Sync;
+
+/// One of our operations in the fusion stream.
+struct Custom<B: FusionBackend> {
+    desc: CustomOpIr,
+    /// How many of the inputs are float tensors (the rest are int tensors).
+    floats: usize,
+    run: Arc<Run<B>>,
+}
+
+impl<B: FusionBackend> std::fmt::Debug for Custom<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "transformer-lab {}", self.desc.id)
+    }
+}
+
+impl<B: FusionBackend> Operation<B::FusionRuntime> for Custom<B> {
+    fn execute(
+        &self,
+        handles: &mut HandleContainer<<B::FusionRuntime as FusionRuntime>::FusionHandle>,
+    ) {
+        let (floats, ints) = self.desc.inputs.split_at(self.floats);
+        let floats = floats
+            .iter()
+            .map(|ir| handles.get_float_tensor::<B>(ir))
+            .collect();
+        let ints = ints
+            .iter()
+            .map(|ir| handles.get_int_tensor::<B>(ir))
+            .collect();
+        let outputs = (self.run)(floats, ints);
+        for (ir, tensor) in self.desc.outputs.iter().zip(outputs) {
+            handles.register_float_tensor::<B>(&ir.id, tensor);
+        }
+    }
+}
+
+/// A tensor of the fusion backend over `B`.
+type Tensor<B> = FusionTensor<<B as FusionBackend>::FusionRuntime>;
+
+/// Registers `run` as the operation `name` on `floats` and `ints`, making outputs of `shapes`
+/// (with the first input's dtype).
+fn custom<B: FusionBackend, const N: usize>(
+    name: &'static str,
+    floats: Vec<Tensor<B>>,
+    ints: Vec<Tensor<B>>,
+    shapes: [Shape; N],
+    run: impl Fn(Vec<FloatTensor<B>>, Vec<IntTensor<B>>) -> Vec<FloatTensor<B>> + Send + Sync + 'static,
+) -> [Tensor<B>; N] {
+    let client = floats[0].client.clone();
+    let dtype: DType = floats[0].dtype;
+    let streams = OperationStreams::with_inputs(floats.iter().chain(&ints));
+    let outputs = shapes.map(|shape| TensorIr::uninit(client.create_empty_handle(), shape, dtype));
+    let count = floats.len();
+    let inputs: Vec<TensorIr> = floats
+        .into_iter()
+        .chain(ints)
+        .map(|t| t.into_ir())
+        .collect();
+    let desc = CustomOpIr::new(name, &inputs, &outputs);
+    let op = Custom::<B> {
+        desc: desc.clone(),
+        floats: count,
+        run: Arc::new(run),
+    };
+    let out = client.register(streams, OperationIr::Custom(desc), op);
+    out.try_into()
+        .unwrap_or_else(|_| unreachable!("one tensor per declared output"))
+}
+
+/// The `N` tensors of `v`.
+fn take<T, const N: usize>(v: Vec<T>) -> [T; N] {
+    v.try_into()
+        .unwrap_or_else(|_| unreachable!("the declared number of tensors"))
+}
+
+impl<B: FusionBackend + LabBackend> LabBackend for Fusion<B> {
+    fn fused_gelu(x: Tensor<B>) -> Tensor<B> {
+        let shape = x.shape.clone();
+        let [y] = custom::<B, 1>("gelu", vec![x], vec![], [shape], |f, _| {
+            let [x] = take(f);
+            vec![B::fused_gelu(x)]
+        });
+        y
+    }
+
+    fn fused_gelu_forward(x: Tensor<B>) -> (Tensor<B>, Tensor<B>) {
+        let shape = x.shape.clone();
+        let [y, d] = custom::<B, 2>(
+            "gelu_forward",
+            vec![x],
+            vec![],
+            [shape.clone(), shape],
+            |f, _| {
+                let [x] = take(f);
+                let (y, d) = B::fused_gelu_forward(x);
+                vec![y, d]
+            },
+        );
+        (y, d)
+    }
+
+    fn fused_gelu_backward(x: Tensor<B>, grad: Tensor<B>) -> Tensor<B> {
+        let shape = x.shape.clone();
+        let [dx] = custom::<B, 1>("gelu_backward", vec![x, grad], vec![], [shape], |f, _| {
+            let [x, grad] = take(f);
+            vec![B::fused_gelu_backward(x, grad)]
+        });
+        dx
+    }
+
+    fn fused_dropout(x: Tensor<B>, mask: DropoutMask) -> Tensor<B> {
+        let shape = x.shape.clone();
+        let [y] = custom::<B, 1>("dropout", vec![x], vec![], [shape], move |f, _| {
+            let [x] = take(f);
+            vec![B::fused_dropout(x, mask)]
+        });
+        y
+    }
+
+    fn fused_adamw(
+        param: Tensor<B>,
+        grad: Tensor<B>,
+        moments: Option<(Tensor<B>, Tensor<B>)>,
+        step: AdamWStep,
+    ) -> (Tensor<B>, Tensor<B>, Tensor<B>) {
+        let shape = param.shape.clone();
+        let first = moments.is_none();
+        let mut inputs = vec![param, grad];
+        inputs.extend(moments.map(|(m, v)| [m, v]).into_iter().flatten());
+        let shapes = [shape.clone(), shape.clone(), shape];
+        let [p, m, v] = custom::<B, 3>("adamw", inputs, vec![], shapes, move |f, _| {
+            let mut f = f.into_iter();
+            let (param, grad) = (f.next().unwrap(), f.next().unwrap());
+            let moments = (!first).then(|| (f.next().unwrap(), f.next().unwrap()));
+            let (p, m, v) = B::fused_adamw(param, grad, moments, step);
+            vec![p, m, v]
+        });
+        (p, m, v)
+    }
+
+    fn fused_layer_norm_forward(
+        x: Tensor<B>,
+        gamma: Tensor<B>,
+        beta: Option<Tensor<B>>,
+        epsilon: f64,
+    ) -> (Tensor<B>, Tensor<B>, Tensor<B>) {
+        let shape = x.shape.clone();
+        let rows = Shape::new([shape[0]]);
+        let has_beta = beta.is_some();
+        let mut inputs = vec![x, gamma];
+        inputs.extend(beta);
+        let shapes = [shape, rows.clone(), rows];
+        let [y, mean, rstd] = custom::<B, 3>("layer_norm", inputs, vec![], shapes, move |f, _| {
+            let mut f = f.into_iter();
+            let (x, gamma) = (f.next().unwrap(), f.next().unwrap());
+            let beta = has_beta.then(|| f.next().unwrap());
+            let (y, mean, rstd) = B::fused_layer_norm_forward(x, gamma, beta, epsilon);
+            vec![y, mean, rstd]
+        });
+        (y, mean, rstd)
+    }
+
+    fn fused_layer_norm_backward(
+        x: Tensor<B>,
+        gamma: Tensor<B>,
+        mean: Tensor<B>,
+        rstd: Tensor<B>,
+        dy: Tensor<B>,
+    ) -> (Tensor<B>, Tensor<B>, Tensor<B>) {
+        let shapes = [x.shape.clone(), gamma.shape.clone(), gamma.shape.clone()];
+        let inputs = vec![x, gamma, mean, rstd, dy];
+        let [dx, dgamma, dbeta] =
+            custom::<B, 3>("layer_norm_backward", inputs, vec![], shapes, |f, _| {
+                let [x, gamma, mean, rstd, dy] = take(f);
+                let (dx, dgamma, dbeta) = B::fused_layer_norm_backward(x, gamma, mean, rstd, dy);
+                vec![dx, dgamma, dbeta]
+            });
+        (dx, dgamma, dbeta)
+    }
+
+    fn fused_cross_entropy_forward(
+        logits: Tensor<B>,
+        targets: Tensor<B>,
+        smoothing: f32,
+        ignore: Option<usize>,
+    ) -> (Tensor<B>, Tensor<B>) {
+        let rows = Shape::new([logits.shape[0]]);
+        let [loss, lse] = custom::<B, 2>(
+            "cross_entropy",
+            vec![logits],
+            vec![targets],
+            [rows.clone(), rows],
+            move |f, i| {
+                let ([logits], [targets]) = (take(f), take(i));
+                let (loss, lse) =
+                    B::fused_cross_entropy_forward(logits, targets, smoothing, ignore);
+                vec![loss, lse]
+            },
+        );
+        (loss, lse)
+    }
+
+    fn fused_cross_entropy_backward(
+        logits: Tensor<B>,
+        targets: Tensor<B>,
+        lse: Tensor<B>,
+        grad: Tensor<B>,
+        smoothing: f32,
+        ignore: Option<usize>,
+    ) -> Tensor<B> {
+        let shape = logits.shape.clone();
+        let [dx] = custom::<B, 1>(
+            "cross_entropy_backward",
+            vec![logits, lse, grad],
+            vec![targets],
+            [shape],
+            move |f, i| {
+                let ([logits, lse, grad], [targets]) = (take(f), take(i));
+                vec![B::fused_cross_entropy_backward(
+                    logits, targets, lse, grad, smoothing, ignore,
+                )]
+            },
+        );
+        dx
+    }
+
+    fn fused_attention_forward(
+        q: Tensor<B>,
+        k: Tensor<B>,
+        v: Tensor<B>,
+        causal: bool,
+        pad: Option<Tensor<B>>,
+        dropout: Option<DropoutMask>,
+    ) -> (Tensor<B>, Tensor<B>) {
+        let [b, h, t, _] = q.shape.dims();
+        let shapes = [q.shape.clone(), Shape::new([b, h, t])];
+        let has_pad = pad.is_some();
+        let mut inputs = vec![q, k, v];
+        inputs.extend(pad);
+        let [o, lse] = custom::<B, 2>("attention", inputs, vec![], shapes, move |f, _| {
+            let mut f = f.into_iter();
+            let [q, k, v] = [f.next().unwrap(), f.next().unwrap(), f.next().unwrap()];
+            let pad = has_pad.then(|| f.next().unwrap());
+            let (o, lse) = B::fused_attention_forward(q, k, v, causal, pad, dropout);
+            vec![o, lse]
+        });
+        (o, lse)
+    }
+
+    fn fused_attention_backward(
+        q: Tensor<B>,
+        k: Tensor<B>,
+        v: Tensor<B>,
+        o: Tensor<B>,
+        lse: Tensor<B>,
+        d_o: Tensor<B>,
+        causal: bool,
+        pad: Option<Tensor<B>>,
+        dropout: Option<DropoutMask>,
+    ) -> (Tensor<B>, Tensor<B>, Tensor<B>) {
+        let shapes = [q.shape.clone(), k.shape.clone(), v.shape.clone()];
+        let has_pad = pad.is_some();
+        let mut inputs = vec![q, k, v, o, lse, d_o];
+        inputs.extend(pad);
+        let [dq, dk, dv] =
+            custom::<B, 3>("attention_backward", inputs, vec![], shapes, move |f, _| {
+                let mut f = f.into_iter();
+                let [q, k, v, o, lse, d_o] = std::array::from_fn(|_| f.next().unwrap());
+                let pad = has_pad.then(|| f.next().unwrap());
+                let (dq, dk, dv) =
+                    B::fused_attention_backward(q, k, v, o, lse, d_o, causal, pad, dropout);
+                vec![dq, dk, dv]
+            });
+        (dq, dk, dv)
+    }
+
+    fn fused_packed_attention_forward(
+        qkv: Tensor<B>,
+        heads: usize,
+        causal: bool,
+        pad: Option<Tensor<B>>,
+        dropout: Option<DropoutMask>,
+    ) -> (Tensor<B>, Tensor<B>) {
+        let [b, t, d3] = qkv.shape.dims();
+        let shapes = [Shape::new([b, t, d3 / 3]), Shape::new([b, heads, t])];
+        let has_pad = pad.is_some();
+        let mut inputs = vec![qkv];
+        inputs.extend(pad);
+        let [o, lse] = custom::<B, 2>("packed_attention", inputs, vec![], shapes, move |f, _| {
+            let mut f = f.into_iter();
+            let qkv = f.next().unwrap();
+            let pad = has_pad.then(|| f.next().unwrap());
+            let (o, lse) = B::fused_packed_attention_forward(qkv, heads, causal, pad, dropout);
+            vec![o, lse]
+        });
+        (o, lse)
+    }
+
+    fn fused_packed_attention_backward(
+        qkv: Tensor<B>,
+        o: Tensor<B>,
+        lse: Tensor<B>,
+        d_o: Tensor<B>,
+        heads: usize,
+        causal: bool,
+        pad: Option<Tensor<B>>,
+        dropout: Option<DropoutMask>,
+    ) -> Tensor<B> {
+        let shape = qkv.shape.clone();
+        let has_pad = pad.is_some();
+        let mut inputs = vec![qkv, o, lse, d_o];
+        inputs.extend(pad);
+        let [grad] = custom::<B, 1>(
+            "packed_attention_backward",
+            inputs,
+            vec![],
+            [shape],
+            move |f, _| {
+                let mut f = f.into_iter();
+                let [qkv, o, lse, d_o] = std::array::from_fn(|_| f.next().unwrap());
+                let pad = has_pad.then(|| f.next().unwrap());
+                vec![B::fused_packed_attention_backward(
+                    qkv, o, lse, d_o, heads, causal, pad, dropout,
+                )]
+            },
+        );
+        grad
+    }
+}

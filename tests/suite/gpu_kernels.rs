@@ -1,0 +1,257 @@
+//! Our CubeCL kernels (src/kernels/cube) on the wgpu backend — lavapipe in CI — against the
+//! composed forms they replace, values and gradients, on the cases the CPU kernels are held to:
+//! odd sizes, fully masked rows, several key tiles, strided heads, dropout drawn in the kernel.
+//! Each test also checks that our kernels ran (a silent fallback to the composed form would pass
+//! the comparisons without testing anything).
+
+use crate::kernels::{assert_close, attention_case, compare, padding, rel_diff, targets};
+use crate::wgpu_backend::wgpu_runs;
+use burn::backend::{Autodiff, Wgpu};
+use burn::module::Param;
+use burn::nn::LayerNormConfig;
+use burn::prelude::*;
+use burn::tensor::TensorPrimitive;
+use transformer_lab::kernels::{self, cube, with_fused, AdamWStep, DropoutMask, LabBackend};
+
+type Inner = Wgpu<f32, i32>;
+type Gpu = Autodiff<Inner>;
+
+use crate::common::normal as random;
+
+/// Runs `f` and asserts that it launched at least `expected` of our kernels.
+fn launching<R>(expected: u64, f: impl FnOnce() -> R) -> R {
+    let before = cube::launches();
+    let out = f();
+    let ran = cube::launches() - before;
+    assert!(
+        ran >= expected,
+        "{ran} of our kernels ran, expected {expected}"
+    );
+    out
+}
+
+#[test]
+fn gpu_gelu_and_dropout_equal_the_composed_forms() {
+    if !wgpu_runs() {
+        return;
+    }
+    let device = Default::default();
+    let x = random::<Gpu, 3>([3, 37, 29], 1, &device).mul_scalar(3.0);
+    // Under autodiff the forward kernel also writes GELU's derivative, which the backward pass
+    // multiplies in: one launch. The backward kernel (for backends that keep no derivative) is
+    // held to the composed gradient directly.
+    let case = launching(1, || compare([x.clone()], |[x]| kernels::gelu(x)));
+    assert_close("gelu", case, 1e-5);
+    let w = random::<Gpu, 3>([3, 37, 29], 2, &device);
+    let leaf = x.clone().require_grad();
+    let grads = with_fused(false, || {
+        (kernels::gelu(leaf.clone()) * w.clone()).sum().backward()
+    });
+    let expected = leaf.grad(&grads).unwrap();
+    let dx = launching(1, || {
+        Tensor::<Inner, 3>::from_primitive(TensorPrimitive::Float(Inner::fused_gelu_backward(
+            x.inner().into_primitive().tensor(),
+            w.inner().into_primitive().tensor(),
+        )))
+    });
+    let diff = rel_diff(dx, expected);
+    assert!(diff < 1e-5, "GELU's backward kernel differs by {diff}");
+
+    // Dropout: the kernel draws element e of the mask from Philox in the shader; it must be the
+    // CPU stream's element e, values and gradients.
+    let mask = DropoutMask::new(0.25, 4242);
+    let n = 70_001;
+    let x = random::<Gpu, 1>([n], 3, &device).require_grad();
+    let w = random::<Gpu, 1>([n], 4, &device);
+    let (y, dx) = launching(2, || {
+        let y = Tensor::<Gpu, 1>::from_primitive(TensorPrimitive::Float(Gpu::fused_dropout(
+            x.clone().into_primitive().tensor(),
+            mask,
+        )));
+        let grads = (y.clone() * w.clone()).sum().backward();
+        (y, x.grad(&grads).unwrap())
+    });
+    let m = Tensor::<Gpu, 1>::from_data(TensorData::new(mask.multipliers(n), [n]), &device);
+    assert!(rel_diff(y, x.clone() * m.clone()) < 1e-6, "dropout values");
+    assert!(rel_diff(dx, (w * m).inner()) < 1e-6, "dropout gradients");
+}
+
+#[test]
+fn gpu_adamw_equals_the_composed_step() {
+    if !wgpu_runs() {
+        return;
+    }
+    let device = Default::default();
+    let shape = [37, 29];
+    let param = random::<Inner, 2>(shape, 1, &device);
+    let grad = random::<Inner, 2>(shape, 2, &device).mul_scalar(0.1);
+    let moments = (
+        random::<Inner, 2>(shape, 3, &device).mul_scalar(0.01),
+        random::<Inner, 2>(shape, 4, &device)
+            .abs()
+            .mul_scalar(0.001),
+    );
+    let step = |time| AdamWStep {
+        lr: 3e-3,
+        beta_1: 0.9,
+        beta_2: 0.99,
+        epsilon: 1e-8,
+        weight_decay: 0.1,
+        time,
+    };
+    for (moments, time) in [(None, 1), (Some(moments), 7)] {
+        let run = |on: bool| {
+            with_fused(on, || {
+                kernels::adamw(param.clone(), grad.clone(), moments.clone(), step(time))
+            })
+        };
+        let (p1, m1, v1) = launching(1, || run(true));
+        let (p2, m2, v2) = run(false);
+        for (what, a, b) in [("parameter", p1, p2), ("m", m1, m2), ("v", v1, v2)] {
+            let diff = rel_diff(a, b);
+            assert!(diff < 1e-6, "AdamW step {time}: {what} differs by {diff}");
+        }
+    }
+}
+
+#[test]
+fn gpu_layer_norm_equals_burns() {
+    if !wgpu_runs() {
+        return;
+    }
+    let device = Default::default();
+    // 300 rows of 200: several units per row, and more rows than one gradient chunk.
+    let [b, t, d] = [3, 100, 200];
+    for bias in [true, false] {
+        let mut norm = LayerNormConfig::new(d).with_bias(bias).init::<Gpu>(&device);
+        norm.gamma = Param::from_tensor((norm.gamma.val() + random([d], 2, &device)).detach());
+        norm.beta = norm
+            .beta
+            .map(|beta| Param::from_tensor((beta.val() + random([d], 3, &device)).detach()));
+        let x = random::<Gpu, 3>([b, t, d], 4, &device)
+            .mul_scalar(2.0)
+            .add_scalar(1.0);
+        let case = launching(4, || compare([x], |[x]| kernels::layer_norm(&norm, x)));
+        assert_close(&format!("layer norm (bias {bias})"), case, 1e-5);
+        let grads = |on: bool| {
+            with_fused(on, || {
+                let y = kernels::layer_norm(&norm, random::<Gpu, 3>([b, t, d], 4, &device));
+                let g = (y * random([b, t, d], 5, &device)).sum().backward();
+                let dgamma = norm.gamma.val().grad(&g).unwrap();
+                let dbeta = norm.beta.as_ref().map(|b| b.val().grad(&g).unwrap());
+                (dgamma, dbeta)
+            })
+        };
+        let ((g1, b1), (g2, b2)) = (grads(true), grads(false));
+        assert!(rel_diff(g1, g2) < 1e-5, "dγ differs");
+        if let (Some(b1), Some(b2)) = (b1, b2) {
+            assert!(rel_diff(b1, b2) < 1e-5, "dβ differs");
+        }
+    }
+}
+
+#[test]
+fn gpu_cross_entropy_equals_the_composed_form() {
+    if !wgpu_runs() {
+        return;
+    }
+    let device = Default::default();
+    for (n, v, smoothing, ignore) in [
+        (7, 3, 0.0, None),
+        (12, 65, 0.0, None),
+        (10, 1000, 0.1, Some(0)),
+        (6, 17, 0.3, Some(16)),
+    ] {
+        let x = random::<Gpu, 2>([n, v], 8, &device).mul_scalar(3.0);
+        let y = targets::<Gpu>(n, v, ignore, &device);
+        let case = launching(2, || {
+            compare([x], |[x]| {
+                kernels::cross_entropy(x, y.clone(), smoothing, ignore).unsqueeze_dim(1)
+            })
+        });
+        assert_close(&format!("cross-entropy {n}×{v}, ε {smoothing}"), case, 1e-5);
+    }
+}
+
+#[test]
+fn gpu_attention_equals_the_composed_form() {
+    if !wgpu_runs() {
+        return;
+    }
+    let device = Default::default();
+    let cases: &[([usize; 5], bool, &[usize], &str)] = &[
+        ([2, 3, 70, 70, 8], true, &[], "causal, three key tiles"),
+        (
+            [2, 2, 9, 9, 5],
+            true,
+            &[0, 3],
+            "causal with padding, odd head width",
+        ),
+        (
+            [3, 2, 5, 131, 4],
+            false,
+            &[0, 7, 131],
+            "cross, a fully padded row",
+        ),
+        (
+            [2, 1, 6, 6, 3],
+            true,
+            &[6, 0],
+            "causal, every key of one row padded",
+        ),
+        ([1, 1, 40, 40, 64], false, &[], "a 64-wide head"),
+        ([1, 1, 1, 1, 1], true, &[], "one position"),
+    ];
+    let mask = DropoutMask::new(0.3, 77);
+    for dropout in [None, Some(mask)] {
+        for &(shape, causal, padded, what) in cases {
+            // Lavapipe's LLVM takes minutes to compile the 64-wide kernels with the Philox
+            // rounds inlined; dropout does not depend on the head width, the narrow heads test it.
+            if dropout.is_some() && shape[4] > 8 {
+                continue;
+            }
+            let case = launching(3, || {
+                attention_case::<Gpu>(shape, causal, padded, dropout, &device)
+            });
+            assert_close(&format!("{what}, dropout {dropout:?}"), case, 2e-5);
+        }
+    }
+}
+
+#[test]
+fn gpu_packed_self_attention_equals_the_composed_form() {
+    if !wgpu_runs() {
+        return;
+    }
+    // Q, K and V read in place from one [b, t, 3·d] tensor; the output written with its heads
+    // merged and the gradient into one [b, t, 3·d] buffer.
+    let device = Default::default();
+    let cases: &[([usize; 4], bool, &[usize], &str)] = &[
+        ([2, 70, 3, 8], true, &[], "causal, three key tiles"),
+        (
+            [2, 9, 2, 5],
+            true,
+            &[0, 3],
+            "causal with padding, odd head width",
+        ),
+        (
+            [3, 6, 2, 4],
+            false,
+            &[0, 2, 6],
+            "bidirectional, a fully padded row",
+        ),
+    ];
+    let cases = cases
+        .iter()
+        .flat_map(|&case| [(case, None), (case, Some(DropoutMask::new(0.2, 5)))]);
+    for (([b, t, h, k], causal, padded, what), dropout) in cases {
+        let qkv = random::<Gpu, 3>([b, t, 3 * h * k], 31, &device);
+        let pad = padding::<Gpu>(b, t, padded, &device);
+        let case = launching(3, || {
+            compare([qkv], |[qkv]| {
+                kernels::packed_self_attention(qkv, h, causal, pad.as_ref(), dropout)
+            })
+        });
+        assert_close(&format!("{what}, dropout {dropout:?}"), case, 2e-5);
+    }
+}
