@@ -4,11 +4,11 @@
 //! Each test also checks that our kernels ran (a silent fallback to the composed form would pass
 //! the comparisons without testing anything).
 
-use crate::kernels::{assert_close, attention_case, compare, padding, rel_diff, targets};
+use crate::kernels::{
+    assert_close, attention_case, compare, layer_norm_case, padding, rel_diff, targets,
+};
 use crate::wgpu_backend::wgpu_runs;
 use burn::backend::{Autodiff, Wgpu};
-use burn::module::Param;
-use burn::nn::LayerNormConfig;
 use burn::prelude::*;
 use burn::tensor::TensorPrimitive;
 use transformer_lab::kernels::{self, cube, with_fused, AdamWStep, DropoutMask, LabBackend};
@@ -121,32 +121,8 @@ fn gpu_layer_norm_equals_burns() {
     }
     let device = Default::default();
     // 300 rows of 200: several units per row, and more rows than one gradient chunk.
-    let [b, t, d] = [3, 100, 200];
     for bias in [true, false] {
-        let mut norm = LayerNormConfig::new(d).with_bias(bias).init::<Gpu>(&device);
-        norm.gamma = Param::from_tensor((norm.gamma.val() + random([d], 2, &device)).detach());
-        norm.beta = norm
-            .beta
-            .map(|beta| Param::from_tensor((beta.val() + random([d], 3, &device)).detach()));
-        let x = random::<Gpu, 3>([b, t, d], 4, &device)
-            .mul_scalar(2.0)
-            .add_scalar(1.0);
-        let case = launching(4, || compare([x], |[x]| kernels::layer_norm(&norm, x)));
-        assert_close(&format!("layer norm (bias {bias})"), case, 1e-5);
-        let grads = |on: bool| {
-            with_fused(on, || {
-                let y = kernels::layer_norm(&norm, random::<Gpu, 3>([b, t, d], 4, &device));
-                let g = (y * random([b, t, d], 5, &device)).sum().backward();
-                let dgamma = norm.gamma.val().grad(&g).unwrap();
-                let dbeta = norm.beta.as_ref().map(|b| b.val().grad(&g).unwrap());
-                (dgamma, dbeta)
-            })
-        };
-        let ((g1, b1), (g2, b2)) = (grads(true), grads(false));
-        assert!(rel_diff(g1, g2) < 1e-5, "dγ differs");
-        if let (Some(b1), Some(b2)) = (b1, b2) {
-            assert!(rel_diff(b1, b2) < 1e-5, "dβ differs");
-        }
+        launching(4, || layer_norm_case::<Gpu>([3, 100, 200], bias, &device));
     }
 }
 

@@ -113,32 +113,41 @@ fn fused_gelu_equals_the_erf_form() {
 fn fused_layer_norm_equals_burns() {
     let device = Default::default();
     for bias in [true, false] {
-        let mut norm = LayerNormConfig::new(33).with_bias(bias).init::<Ad>(&device);
-        // Non-trivial γ and β, so their gradients and effects are visible.
-        norm.gamma = Param::from_tensor((norm.gamma.val() + random([33], 2, &device)).detach());
-        norm.beta = norm
-            .beta
-            .map(|beta| Param::from_tensor((beta.val() + random([33], 3, &device)).detach()));
-        let x = random::<Ad, 3>([5, 7, 33], 4, &device)
-            .mul_scalar(2.0)
-            .add_scalar(1.0);
-        let case = compare([x], |[x]| kernels::layer_norm(&norm, x));
-        assert_close(&format!("layer norm (bias {bias})"), case, 1e-5);
-        // The parameters' gradients.
-        let grads = |on: bool| {
-            with_fused(on, || {
-                let y = kernels::layer_norm(&norm, random::<Ad, 3>([5, 7, 33], 4, &device));
-                let g = (y * random([5, 7, 33], 5, &device)).sum().backward();
-                let dgamma = norm.gamma.val().grad(&g).unwrap();
-                let dbeta = norm.beta.as_ref().map(|b| b.val().grad(&g).unwrap());
-                (dgamma, dbeta)
-            })
-        };
-        let ((g1, b1), (g2, b2)) = (grads(true), grads(false));
-        assert!(rel_diff(g1, g2) < 1e-5, "dγ differs");
-        if let (Some(b1), Some(b2)) = (b1, b2) {
-            assert!(rel_diff(b1, b2) < 1e-5, "dβ differs");
-        }
+        layer_norm_case::<Ad>([5, 7, 33], bias, &device);
+    }
+}
+
+/// The fused LayerNorm of a `[b, t, d]` input against burn's, values and the gradients of the
+/// input, γ and β (non-trivial γ and β, so their gradients and effects are visible).
+pub(crate) fn layer_norm_case<B: LabAutodiff>(
+    [b, t, d]: [usize; 3],
+    bias: bool,
+    device: &B::Device,
+) {
+    let mut norm = LayerNormConfig::new(d).with_bias(bias).init::<B>(device);
+    norm.gamma = Param::from_tensor((norm.gamma.val() + random([d], 2, device)).detach());
+    norm.beta = norm
+        .beta
+        .map(|beta| Param::from_tensor((beta.val() + random([d], 3, device)).detach()));
+    let x = random::<B, 3>([b, t, d], 4, device)
+        .mul_scalar(2.0)
+        .add_scalar(1.0);
+    let case = compare([x], |[x]| kernels::layer_norm(&norm, x));
+    assert_close(&format!("layer norm (bias {bias})"), case, 1e-5);
+    // The parameters' gradients.
+    let grads = |on: bool| {
+        with_fused(on, || {
+            let y = kernels::layer_norm(&norm, random::<B, 3>([b, t, d], 4, device));
+            let g = (y * random([b, t, d], 5, device)).sum().backward();
+            let dgamma = norm.gamma.val().grad(&g).unwrap();
+            let dbeta = norm.beta.as_ref().map(|b| b.val().grad(&g).unwrap());
+            (dgamma, dbeta)
+        })
+    };
+    let ((g1, b1), (g2, b2)) = (grads(true), grads(false));
+    assert!(rel_diff(g1, g2) < 1e-5, "dγ differs");
+    if let (Some(b1), Some(b2)) = (b1, b2) {
+        assert!(rel_diff(b1, b2) < 1e-5, "dβ differs");
     }
 }
 
