@@ -5,6 +5,7 @@ use std::path::PathBuf;
 
 pub use crate::backend::BackendKind;
 pub use crate::config::DEFAULT_EXPERIMENT;
+pub use crate::kernels::Precision;
 
 /// Build, train, inspect and sample transformer models.
 #[derive(Parser, Debug)]
@@ -148,6 +149,11 @@ pub struct TrainArgs {
     /// Plain log lines even in a terminal (no dashboard).
     #[arg(long)]
     pub plain: bool,
+    /// The number type of the linear layers' products, replacing the experiment's
+    /// `train.precision`: f32, or on a GPU backend f16 (gradients scaled) or bf16; parameters,
+    /// optimizer state, norms, attention and the loss stay f32.
+    #[arg(long, value_enum)]
+    pub precision: Option<Precision>,
     #[command(flatten)]
     pub data: DataArgs,
 }
@@ -513,6 +519,10 @@ pub struct BenchTrainArgs {
     /// `train.batch_by_length` says.
     #[arg(long, value_name = "on|off", value_parser = parse_on_off)]
     pub by_length: Option<bool>,
+    /// The precision of the linear layers' products, whatever the experiment's
+    /// `train.precision` says (f32; f16 or bf16 on a GPU backend).
+    #[arg(long, value_enum)]
+    pub precision: Option<Precision>,
     #[command(flatten)]
     pub data: DataArgs,
 }

@@ -28,7 +28,13 @@ pub(super) fn run_bench<B: LabBackend>(args: BenchArgs, device: B::Device) -> Re
     if let Some(on) = args.by_length {
         config.train.batch_by_length = on;
     }
-    let name = config.name.clone();
+    if let Some(precision) = args.precision {
+        config.train.precision = precision;
+    }
+    let name = match config.train.precision {
+        crate::kernels::Precision::F32 => config.name.clone(),
+        precision => format!("{} ({})", config.name, precision.name()),
+    };
     let plan = crate::bench::BenchPlan {
         steps: args.steps,
         warmup: args.warmup,

@@ -28,6 +28,7 @@ pub(super) fn run_train<B: LabBackend>(args: TrainArgs, device: B::Device) -> Re
         resume: args.resume,
         force: args.force,
         plain: args.plain,
+        precision: args.precision,
     };
     let artifact = request.artifact.clone();
     let report = crate::kinds::train::<Autodiff<B>>(request, device)?;

@@ -234,6 +234,10 @@ impl<B: LabBackend, C: CheckpointStrategy> LabBackend for Autodiff<B, C> {
         }
     }
 
+    fn mixed_precision(device: &B::Device, dtype: burn::tensor::FloatDType) -> bool {
+        B::mixed_precision(device, dtype)
+    }
+
     fn fused_linear(
         x: FloatTensor<Self>,
         w: FloatTensor<Self>,

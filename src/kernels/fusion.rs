@@ -3,9 +3,9 @@
 //! kernel ([`super::cube`] on wgpu and CUDA) on the inner tensors. burn's own fusion goes on
 //! fusing the element-wise operations around them.
 
-use super::{AdamWStep, DropoutMask, LabBackend};
+use super::{composed, AdamWStep, DropoutMask, LabBackend};
 use burn::tensor::ops::{FloatTensor, IntTensor};
-use burn::tensor::{DType, Shape};
+use burn::tensor::{DType, FloatDType, Shape};
 use burn_fusion::stream::{Operation, OperationStreams};
 use burn_fusion::{Fusion, FusionBackend, FusionRuntime, FusionTensor};
 use burn_ir::{CustomOpIr, HandleContainer, OperationIr, TensorIr};
@@ -89,6 +89,60 @@ fn take<T, const N: usize>(v: Vec<T>) -> [T; N] {
 }
 
 impl<B: FusionBackend + LabBackend> LabBackend for Fusion<B> {
+    fn mixed_precision(device: &B::Device, dtype: FloatDType) -> bool {
+        B::mixed_precision(device, dtype)
+    }
+
+    /// In `f32`, fusion's own matmul; in half precision, one custom operation running the inner
+    /// backend's mixed-precision product (fusion's matmul returns its inputs' type).
+    fn fused_linear(x: Tensor<B>, w: Tensor<B>, b: Option<Tensor<B>>) -> Tensor<B> {
+        if super::precision().is_f32() {
+            return composed::linear::<Self>(x, w, b);
+        }
+        let shape = Shape::new([x.shape[0], w.shape[1]]);
+        let mut inputs = vec![x, w];
+        inputs.extend(b);
+        let [y] = custom::<B, 1>("linear", inputs, vec![], [shape], |f, _| {
+            let mut f = f.into_iter();
+            let (x, w) = (f.next().unwrap(), f.next().unwrap());
+            vec![B::fused_linear(x, w, f.next())]
+        });
+        y
+    }
+
+    fn fused_linear_backward(
+        x: Tensor<B>,
+        w: Tensor<B>,
+        dy: Tensor<B>,
+        bias: bool,
+    ) -> (Tensor<B>, Tensor<B>, Option<Tensor<B>>) {
+        if super::precision().is_f32() {
+            return composed::linear_backward::<Self>(x, w, dy, bias);
+        }
+        let (dx, dw) = (x.shape.clone(), w.shape.clone());
+        let inputs = vec![x, w, dy];
+        let run = move |f: Vec<FloatTensor<B>>| {
+            let [x, w, dy] = take(f);
+            let (dx, dw, db) = B::fused_linear_backward(x, w, dy, bias);
+            [dx, dw].into_iter().chain(db).collect()
+        };
+        if bias {
+            let db = Shape::new([dw[1]]);
+            let shapes = [dx, dw, db];
+            let [dx, dw, db] =
+                custom::<B, 3>("linear_backward", inputs, vec![], shapes, move |f, _| {
+                    run(f)
+                });
+            (dx, dw, Some(db))
+        } else {
+            let [dx, dw] =
+                custom::<B, 2>("linear_backward", inputs, vec![], [dx, dw], move |f, _| {
+                    run(f)
+                });
+            (dx, dw, None)
+        }
+    }
+
     fn fused_gelu(x: Tensor<B>) -> Tensor<B> {
         let shape = x.shape.clone();
         let [y] = custom::<B, 1>("gelu", vec![x], vec![], [shape], |f, _| {

@@ -40,7 +40,8 @@ use burn::tensor::Bool;
 use composed::{prim, tensor};
 pub use dropout::DropoutMask;
 use std::cell::Cell;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::thread::LocalKey;
 
 /// A backend with the fused operations of this crate. Every method has a composed default.
 ///
@@ -205,7 +206,15 @@ pub trait LabBackend: Backend {
         composed::adamw::<Self>(param, grad, moments, step)
     }
 
-    /// A linear layer, `x·w + b`: `x` `[n, i]`, `w` `[i, o]`, `b` `[o]` → `[n, o]`.
+    /// Whether this backend runs the products of [`Self::fused_linear`] in `dtype` (half
+    /// precision, see [`Precision`]) on `device`. The default: it does not.
+    fn mixed_precision(_device: &Self::Device, _dtype: burn::tensor::FloatDType) -> bool {
+        false
+    }
+
+    /// A linear layer, `x·w + b`: `x` `[n, i]`, `w` `[i, o]`, `b` `[o]` → `[n, o]`. Under a
+    /// half [`Precision`], a backend that supports it ([`Self::mixed_precision`]) multiplies in
+    /// that type and returns the input's type.
     fn fused_linear(
         x: FloatTensor<Self>,
         w: FloatTensor<Self>,
@@ -286,14 +295,23 @@ pub fn set_fused(on: bool) {
 /// Runs `f` on this thread with the fused kernels on or off, whatever the process setting
 /// (tests compare both in one process).
 pub fn with_fused<R>(on: bool, f: impl FnOnce() -> R) -> R {
-    let before = FUSED_HERE.with(|c| c.replace(Some(on)));
-    struct Restore(Option<bool>);
-    impl Drop for Restore {
+    with_local(&FUSED_HERE, on, f)
+}
+
+/// Runs `f` with the thread-local setting `local` at `value`, restoring it after (also when `f`
+/// panics).
+fn with_local<T: Copy + 'static, R>(
+    local: &'static LocalKey<Cell<Option<T>>>,
+    value: T,
+    f: impl FnOnce() -> R,
+) -> R {
+    struct Restore<T: Copy + 'static>(&'static LocalKey<Cell<Option<T>>>, Option<T>);
+    impl<T: Copy + 'static> Drop for Restore<T> {
         fn drop(&mut self) {
-            FUSED_HERE.with(|c| c.set(self.0));
+            self.0.with(|c| c.set(self.1));
         }
     }
-    let _restore = Restore(before);
+    let _restore = Restore(local, local.with(|c| c.replace(Some(value))));
     f()
 }
 
@@ -302,6 +320,108 @@ pub fn fused() -> bool {
     FUSED_HERE
         .with(Cell::get)
         .unwrap_or_else(|| FUSED.load(Ordering::Relaxed))
+}
+
+/// The number type of the linear layers' products (nanoGPT's `dtype`, PyTorch's autocast):
+/// `f32`, or `f16`/`bf16` on a GPU backend. In half precision the inputs of each product are
+/// cast to the half type, the product accumulates and returns `f32`, and everything else stays
+/// `f32` — the parameters (the master weights the optimizer updates), LayerNorm, softmax,
+/// attention, the loss. Under `f16` (5 exponent bits) the output gradient of each product is
+/// scaled so its largest magnitude is 2^15 before the cast, and the result unscaled: what
+/// loss scaling does for the whole model, per product, with no skipped steps. `bf16` has
+/// `f32`'s range and needs no scaling.
+#[derive(
+    Clone,
+    Copy,
+    Debug,
+    Default,
+    PartialEq,
+    Eq,
+    serde::Serialize,
+    serde::Deserialize,
+    clap::ValueEnum,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum Precision {
+    /// Everything in `f32`.
+    #[default]
+    F32,
+    /// Products in IEEE half precision, gradients scaled.
+    F16,
+    /// Products in bfloat16.
+    Bf16,
+}
+
+impl Precision {
+    /// The half type of the products, `None` for `f32`.
+    pub fn half(self) -> Option<burn::tensor::FloatDType> {
+        match self {
+            Precision::F32 => None,
+            Precision::F16 => Some(burn::tensor::FloatDType::F16),
+            Precision::Bf16 => Some(burn::tensor::FloatDType::BF16),
+        }
+    }
+
+    /// Whether it is the default (`f32`), which configs leave unwritten.
+    pub fn is_f32(&self) -> bool {
+        *self == Precision::F32
+    }
+
+    /// Its name in configs and on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            Precision::F32 => "f32",
+            Precision::F16 => "f16",
+            Precision::Bf16 => "bf16",
+        }
+    }
+}
+
+static PRECISION: AtomicU8 = AtomicU8::new(0);
+
+thread_local! {
+    static PRECISION_HERE: Cell<Option<Precision>> = const { Cell::new(None) };
+}
+
+/// Sets the precision of the linear layers' products for the process, after checking that
+/// backend `B` runs them in that type on `device`: one error line when it does not, or when the
+/// fused kernels are off (`--no-fused`: half precision lives in the fused linear layer).
+pub fn use_precision<B: LabBackend>(
+    precision: Precision,
+    device: &B::Device,
+) -> anyhow::Result<()> {
+    if let Some(half) = precision.half() {
+        let name = precision.name();
+        anyhow::ensure!(
+            fused(),
+            "precision {name} needs the fused kernels: drop --no-fused"
+        );
+        anyhow::ensure!(
+            B::mixed_precision(device, half),
+            "precision {name} is not supported by this backend and device (half precision runs \
+             on the GPU backends: f16 on wgpu where the device has 16-bit floats, f16 or bf16 on \
+             cuda); use f32"
+        );
+    }
+    PRECISION.store(precision as u8, Ordering::Relaxed);
+    Ok(())
+}
+
+/// Runs `f` on this thread with the products in `precision`, whatever the process setting
+/// (tests compare precisions in one process; unchecked: see [`use_precision`]).
+pub fn with_precision<R>(precision: Precision, f: impl FnOnce() -> R) -> R {
+    with_local(&PRECISION_HERE, precision, f)
+}
+
+/// The precision of the linear layers' products on this thread (see [`use_precision`]).
+pub fn precision() -> Precision {
+    PRECISION_HERE
+        .with(Cell::get)
+        .unwrap_or_else(|| match PRECISION.load(Ordering::Relaxed) {
+            1 => Precision::F16,
+            2 => Precision::Bf16,
+            _ => Precision::F32,
+        })
 }
 
 /// GELU (exact, erf form), any shape.
@@ -436,13 +556,24 @@ pub fn linear_parts<B: LabBackend, const D: usize>(
             (Tensor::cat(weights, 1), biases.map(|b| Tensor::cat(b, 0)))
         }
     };
-    let y = if fused() {
-        tensor::<B, 2>(B::fused_linear(prim(x), prim(weight), bias.map(prim)))
-    } else {
-        reference::linear_forward(x, weight, bias)
-    };
+    let y = product(x, weight, bias);
     shape[D - 1] = y.dims()[1];
     y.reshape(shape)
+}
+
+/// `x·w + b` for a weight `w` `[i, o]` (any view of a parameter, e.g. a tied embedding's
+/// transpose): `x` `[n, i]` → `[n, o]`, through the fused linear layer (so in the training
+/// [`precision`]) unless the fused kernels are off.
+pub fn product<B: LabBackend>(
+    x: Tensor<B, 2>,
+    w: Tensor<B, 2>,
+    b: Option<Tensor<B, 1>>,
+) -> Tensor<B, 2> {
+    if fused() {
+        tensor(B::fused_linear(prim(x), prim(w), b.map(prim)))
+    } else {
+        reference::linear_forward(x, w, b)
+    }
 }
 
 /// Causal or padded self-attention on packed projections `qkv` `[b, t, 3·d]` (Q, K and V side

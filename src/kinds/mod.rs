@@ -257,6 +257,7 @@ fn check_unpruned<K: ModelKind>(section: &K) -> Result<()> {
 /// Runs (or resumes) the training `request` asks for, with the kind its config names.
 pub fn train<B: LabAutodiff>(request: TrainRequest, device: B::Device) -> Result<TrainReport> {
     crate::train::run(request, |config, tokenizers, session, data_dir| {
+        crate::kernels::use_precision::<B>(config.train.precision, &device)?;
         let model = config.model.clone();
         model.visit(Train::<B> {
             config,
@@ -297,6 +298,7 @@ pub fn bench<B: LabAutodiff>(
     plan: BenchPlan,
     device: &B::Device,
 ) -> Result<BenchReport> {
+    crate::kernels::use_precision::<B>(config.train.precision, device)?;
     let model = config.model.clone();
     model.visit(Bench::<B> {
         config,

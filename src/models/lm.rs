@@ -217,8 +217,9 @@ impl<B: LabBackend> LanguageModel<B> {
     /// Projection to the vocabulary, `[n, d]` → `[n, v]`.
     fn project(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
         match &self.head {
-            Some(head) => head.forward(x),
-            None => x.matmul(self.token_embedding.weight.val().transpose()), // [n, d]·[d, v]
+            Some(head) => kernels::linear(head, x),
+            // [n, d]·[d, v]
+            None => kernels::product(x, self.token_embedding.weight.val().transpose(), None),
         }
     }
 

@@ -235,11 +235,10 @@ impl<B: LabBackend> Seq2Seq<B> {
     /// The output projection, `[b, t, d]` → `[b, t, v_tgt]`.
     fn project(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
         let [b, t, d] = x.dims();
+        let x = x.reshape([b * t, d]);
         let logits = match &self.head {
-            Some(head) => head.forward(x.reshape([b * t, d])),
-            None => x
-                .reshape([b * t, d])
-                .matmul(self.target_embedding().weight.val().transpose()), // [b*t, v]
+            Some(head) => kernels::linear(head, x),
+            None => kernels::product(x, self.target_embedding().weight.val().transpose(), None),
         };
         logits.reshape([b, t, self.tgt_vocab_size()])
     }

@@ -1,5 +1,6 @@
 //! The `train` section of an experiment: the optimisation recipe and how a run is kept.
 
+use crate::kernels::Precision;
 use anyhow::{bail, Result};
 use serde::{Deserialize, Serialize};
 
@@ -64,6 +65,10 @@ pub struct TrainConfig {
     /// `steps`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub early_stopping: Option<EarlyStopping>,
+    /// The number type of the linear layers' products: `f32` (the default), or `f16`/`bf16`
+    /// on a GPU backend, with `f32` master weights (see [`Precision`]).
+    #[serde(skip_serializing_if = "Precision::is_f32")]
+    pub precision: Precision,
 }
 
 /// Early stopping on the validation loss.
@@ -96,6 +101,7 @@ impl Default for TrainConfig {
             batch_by_length: false,
             keep_checkpoints: 2,
             early_stopping: None,
+            precision: Precision::F32,
         }
     }
 }

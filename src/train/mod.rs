@@ -83,6 +83,9 @@ pub struct TrainRequest {
     pub force: bool,
     /// Plain log lines even in a terminal (no dashboard).
     pub plain: bool,
+    /// The precision of the products, replacing the experiment's (a resumed run keeps its
+    /// own: a different one is an error).
+    pub precision: Option<crate::kernels::Precision>,
 }
 
 /// What a finished (or stopped) training reports.

@@ -46,6 +46,17 @@ pub(super) fn prepare_artifact(
                 );
             }
         }
+        if let Some(precision) = request.precision {
+            if precision != saved.train.precision {
+                bail!(
+                    "--resume: {} was trained with precision {}; a resumed run keeps it \
+                     (drop --precision {})",
+                    artifact.root().display(),
+                    saved.train.precision.name(),
+                    precision.name()
+                );
+            }
+        }
         if artifact.model_file().exists() {
             bail!(
                 "{} already finished ({} exists); use --force to start over",
@@ -66,11 +77,14 @@ pub(super) fn prepare_artifact(
             artifact.root().display()
         );
     }
-    let config = match &request.config {
+    let mut config = match &request.config {
         Some(config) => config.clone(),
         None => ExperimentConfig::parse(crate::config::DEFAULT_EXPERIMENT)
             .expect("the default experiment parses (tested)"),
     };
+    if let Some(precision) = request.precision {
+        config.train.precision = precision;
+    }
     config.validate()?;
     Ok((config, None))
 }

@@ -10,8 +10,10 @@ use crate::kernels::{
 use crate::wgpu_backend::wgpu_runs;
 use burn::backend::{Autodiff, Wgpu};
 use burn::prelude::*;
-use burn::tensor::TensorPrimitive;
-use transformer_lab::kernels::{self, cube, with_fused, AdamWStep, DropoutMask, LabBackend};
+use burn::tensor::{DType, FloatDType, TensorPrimitive};
+use transformer_lab::kernels::{
+    self, cube, with_fused, with_precision, AdamWStep, DropoutMask, LabBackend, Precision,
+};
 
 type Inner = Wgpu<f32, i32>;
 type Gpu = Autodiff<Inner>;
@@ -230,4 +232,120 @@ fn gpu_packed_self_attention_equals_the_composed_form() {
         });
         assert_close(&format!("{what}, dropout {dropout:?}"), case, 2e-5);
     }
+}
+
+/// `max |a − b| / max |b|`: relative to the size of `b` however small (gradients here are
+/// ~1e-7).
+fn relative<B: Backend, const D: usize>(a: Tensor<B, D>, b: Tensor<B, D>) -> f32 {
+    assert_eq!(a.dtype(), DType::F32, "f32 results");
+    let a: Vec<f32> = a.into_data().to_vec().unwrap();
+    let b: Vec<f32> = b.into_data().to_vec().unwrap();
+    let scale = b.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+    let worst = a
+        .iter()
+        .zip(&b)
+        .fold(0.0f32, |m, (x, y)| m.max((x - y).abs()));
+    assert!(worst.is_finite() && scale > 0.0);
+    worst / scale
+}
+
+/// The linear layer's value and gradients `[y, dx, dw, db]` in `precision`, for the output
+/// gradient `g`.
+fn linear_case(
+    precision: Precision,
+    [x, w, g]: [&Tensor<Gpu, 2>; 3],
+    b: &Tensor<Gpu, 1>,
+) -> [Tensor<Inner, 2>; 4] {
+    with_precision(precision, || {
+        let (x, w, b) = (
+            x.clone().require_grad(),
+            w.clone().require_grad(),
+            b.clone().require_grad(),
+        );
+        let y = kernels::product(x.clone(), w.clone(), Some(b.clone()));
+        let grads = (y.clone() * g.clone()).sum().backward();
+        [
+            y.inner(),
+            x.grad(&grads).unwrap(),
+            w.grad(&grads).unwrap(),
+            b.grad(&grads).unwrap().unsqueeze(),
+        ]
+    })
+}
+
+#[test]
+fn gpu_half_precision_linear_is_f32_out_and_keeps_small_gradients() {
+    if !wgpu_runs() {
+        return;
+    }
+    let device = Default::default();
+    // lavapipe has 16-bit floats (shaderFloat16), so CI tests f16.
+    assert!(Inner::mixed_precision(&device, FloatDType::F16));
+    let x = random::<Gpu, 2>([70, 48], 11, &device);
+    let w = random::<Gpu, 2>([48, 33], 12, &device).mul_scalar(0.2);
+    let b = random::<Gpu, 1>([33], 13, &device);
+    // An output gradient around 1e-7, below f16's smallest normal number (6.1e-5): cast as it
+    // is, it loses most of its digits (the test's gradients would fail without the scaling).
+    let g = random::<Gpu, 2>([70, 33], 14, &device).mul_scalar(1e-7);
+    let naive = g.clone().cast(FloatDType::F16).cast(FloatDType::F32);
+    assert!(
+        relative(naive, g.clone()) > 0.01,
+        "the gradient is f16-small"
+    );
+
+    // Inputs rounded to the half type's significant bits (11 for f16, 8 for bf16), products
+    // accumulated in f32 (f16 measured: 3e-4); the rounding shows (the products did run in the
+    // half type), except in db, a sum of the f32 gradient.
+    let compare = |precision: Precision, tolerance: f32| {
+        let exact = linear_case(Precision::F32, [&x, &w, &g], &b);
+        let half = linear_case(precision, [&x, &w, &g], &b);
+        for (name, (half, exact)) in ["y", "dx", "dw", "db"]
+            .iter()
+            .zip(half.into_iter().zip(exact))
+        {
+            let diff = relative(half, exact);
+            assert!(diff < tolerance, "{precision:?} {name} differs by {diff}");
+            assert!(
+                *name == "db" || diff > 1e-5,
+                "{precision:?} {name} equals f32's: {diff}"
+            );
+        }
+    };
+    compare(Precision::F16, 2e-3);
+
+    // bf16 where the device has it (not on lavapipe: WGSL has no bf16), else one clear error.
+    if Inner::mixed_precision(&device, FloatDType::BF16) {
+        compare(Precision::Bf16, 2e-2);
+    } else {
+        let err = kernels::use_precision::<Gpu>(Precision::Bf16, &device).unwrap_err();
+        assert!(err.to_string().contains("not supported"), "{err}");
+        assert_eq!(kernels::precision(), Precision::F32);
+    }
+}
+
+#[test]
+fn gpu_a_tiny_model_trains_in_f16_as_in_f32() {
+    if !wgpu_runs() {
+        return;
+    }
+    let device = Default::default();
+    let config = crate::common::small_lm();
+    let steps = 20;
+    let exact = with_precision(Precision::F32, || {
+        crate::common::losses::<Gpu>(&config, steps, &device)
+    });
+    let half = with_precision(Precision::F16, || {
+        crate::common::losses::<Gpu>(&config, steps, &device)
+    });
+    let worst = exact
+        .iter()
+        .zip(&half)
+        .map(|(e, h)| (e - h).abs() / e)
+        .fold(0.0f32, f32::max);
+    // Measured on lavapipe: 3e-5.
+    assert!(
+        worst < 1e-3 && worst > 0.0,
+        "f16 losses {half:?} leave f32's {exact:?} by {worst}"
+    );
+    assert!(half[steps - 1] < half[0] / 2.0, "f16 losses {half:?}");
 }

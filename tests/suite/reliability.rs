@@ -407,6 +407,32 @@ fn resume_after_the_last_checkpoint_writes_the_model() {
     run.train("art");
     let trained = run.weights("art");
     std::fs::remove_file(run.path("art/model.mpk")).unwrap();
+    // A resumed run keeps its precision; half precision needs a GPU backend. Neither touches
+    // the run.
+    assert_clean_error(
+        &run.run(&[
+            "train",
+            "--artifact-dir",
+            "art",
+            "--resume",
+            "--precision",
+            "f16",
+        ]),
+        "was trained with precision f32",
+    );
+    assert_clean_error(
+        &run.run(&[
+            "train",
+            "-e",
+            "tiny.json",
+            "--artifact-dir",
+            "half",
+            "--precision",
+            "bf16",
+        ]),
+        "precision bf16 is not supported by this backend",
+    );
+    assert!(!run.path("half").exists());
     let out = run.run(&["train", "--artifact-dir", "art", "--resume"]);
     assert_success(&out);
     assert!(stdout(&out).contains("already trained"), "{}", stdout(&out));

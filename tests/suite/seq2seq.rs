@@ -226,6 +226,7 @@ fn the_copy_task_is_solved_exactly_by_greedy_decoding() {
             resume: false,
             force: false,
             plain: true,
+            precision: None,
         },
         Default::default(),
     )

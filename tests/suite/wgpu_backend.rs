@@ -69,6 +69,7 @@ fn a_tiny_model_trains_on_wgpu() {
     assert!(last < first / 4.0, "loss {first} -> {last} on wgpu");
 }
 
+/// In half precision (f16: lavapipe has 16-bit floats), recorded in the run's config.
 #[test]
 fn the_train_command_runs_on_wgpu() {
     if !wgpu_runs() {
@@ -88,6 +89,8 @@ fn the_train_command_runs_on_wgpu() {
             "tiny.json",
             "--artifact-dir",
             "art",
+            "--precision",
+            "f16",
         ])
         .current_dir(dir.path())
         .output()
@@ -102,8 +105,11 @@ fn the_train_command_runs_on_wgpu() {
     assert_eq!(valid.len(), 2, "{log}");
     assert!(
         valid[1] < 2.5,
-        "validation loss after 40 steps on wgpu: {valid:?}"
+        "validation loss after 40 steps on wgpu in f16: {valid:?}"
     );
+    let config = std::fs::read_to_string(dir.path().join("art/config.json")).unwrap();
+    let config: serde_json::Value = serde_json::from_str(&config).unwrap();
+    assert_eq!(config["train"]["precision"], "f16", "{config}");
 }
 
 #[test]

@@ -2,17 +2,19 @@
 //! attention forward and backward ([`attention`]), LayerNorm and the cross-entropy ([`rows`]),
 //! GELU, dropout and AdamW ([`pointwise`]). Each kernel reads any float storage type and computes
 //! in `f32`; what they do not take (a head dimension over [`MAX_HEAD_DIM`], more elements than
-//! 32-bit indices reach) goes to the composed form. The softmax and the linear layer stay
-//! composed: burn's own (autotuned) matmul and reductions are what they would call.
+//! 32-bit indices reach) goes to the composed form. The softmax stays composed and the linear
+//! layer is burn's own (autotuned) matmul, its products in half precision when asked
+//! ([`linear`]).
 
 mod attention;
+mod linear;
 mod pointwise;
 mod rows;
 
 use super::{composed, AdamWStep, DropoutMask, LabBackend};
 use attention::{LayoutLaunch, TILE};
 use burn::prelude::*;
-use burn::tensor::TensorMetadata;
+use burn::tensor::{FloatDType, TensorMetadata};
 use burn_cubecl::kernel::{into_contiguous, slice};
 use burn_cubecl::ops::numeric::empty_device_dtype;
 use burn_cubecl::ops::{permute, reshape};
@@ -83,6 +85,29 @@ where
     I: IntElement,
     BT: BoolElement,
 {
+    fn mixed_precision(device: &Self::Device, dtype: FloatDType) -> bool {
+        Self::supports_dtype(device, dtype.into())
+    }
+
+    fn fused_linear(x: CubeTensor<R>, w: CubeTensor<R>, b: Option<CubeTensor<R>>) -> CubeTensor<R> {
+        match super::precision().half() {
+            Some(half) => linear::forward::<Self, R>(x, w, b, half),
+            None => composed::linear::<Self>(x, w, b),
+        }
+    }
+
+    fn fused_linear_backward(
+        x: CubeTensor<R>,
+        w: CubeTensor<R>,
+        dy: CubeTensor<R>,
+        bias: bool,
+    ) -> (CubeTensor<R>, CubeTensor<R>, Option<CubeTensor<R>>) {
+        match super::precision().half() {
+            Some(half) => linear::backward::<Self, R>(x, w, dy, bias, half),
+            None => composed::linear_backward::<Self>(x, w, dy, bias),
+        }
+    }
+
     fn fused_gelu(x: CubeTensor<R>) -> CubeTensor<R> {
         let x = into_contiguous(x);
         let y = empty(&x, x.shape());
@@ -422,7 +447,8 @@ where
         }
         // dq `[b, h, t, k]`, then dk and dv `[b, h, s, k]` one after the other in one buffer.
         let dq = empty(&q, [b, h, t, kd]);
-        let dkv = empty(&q, [2 * b * h * s * kd]);
+        let n = b * h * s * kd;
+        let dkv = empty(&q, [2 * n]);
         let inputs = AttentionInputs {
             q,
             k,
@@ -435,8 +461,7 @@ where
             (&dq, [h * t * kd, t * kd, kd, 0]),
             (&dkv, [h * s * kd, s * kd, kd, 0]),
         ];
-        attention_backward::<R>(inputs, grads, b * h * s * kd, causal, pad, dropout);
-        let n = b * h * s * kd;
+        attention_backward::<R>(inputs, grads, n, causal, pad, dropout);
         // One range: the buffer has one dimension.
         let half = |i: usize| {
             let range = i * n..(i + 1) * n;
