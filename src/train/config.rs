@@ -50,8 +50,9 @@ pub struct TrainConfig {
     pub schedule: ScheduleKind,
     /// Label smoothing ε of the cross-entropy (the paper uses 0.1).
     pub label_smoothing: f32,
-    /// Data-loading threads (batches are prepared ahead of the training step; the batches
-    /// are the same whatever the number).
+    /// Data-loading threads: they read the items of the next batches ahead of the training
+    /// step (the batch's tensors are made on the training thread); the batches are the same
+    /// whatever the number.
     pub num_workers: usize,
     /// Batch items of similar lengths together (translators and classifiers, whose sentences
     /// are padded to the longest of their batch): each epoch reads the same items, sorted by

@@ -289,26 +289,24 @@ where
         let items: usize = epoch_batches.iter().map(Vec::len).sum();
         let batches = epoch_batches.len();
         let workers = self.workers.min(batches.max(1));
-        // Worker `w` makes batches w, w + workers, …; the iterator takes them round-robin, so
-        // they come out in order however the threads are scheduled.
+        // Worker `w` reads the items of batches w, w + workers, …; the iterator takes them
+        // round-robin, so they come out in order however the threads are scheduled. The
+        // batch's tensors are made by the iterator, on the training thread: on burn's GPU
+        // backends each thread has its own stream, and tensors made on a loader thread that
+        // ends with the epoch were measured to corrupt a validation now and then on wgpu.
+        let seed = mix(self.seed, epoch as u64);
         let receivers = (0..workers)
             .map(|w| {
                 let (sender, receiver) = sync_channel(2);
-                let (epoch_batches, dataset, batch, device) = (
-                    epoch_batches.clone(),
-                    self.dataset.clone(),
-                    self.batch.clone(),
-                    self.device.clone(),
-                );
-                let seed = mix(self.seed, epoch as u64);
+                let (epoch_batches, dataset) = (epoch_batches.clone(), self.dataset.clone());
                 std::thread::Builder::new()
                     .name(format!("loader-{w}"))
                     .spawn(move || {
                         for j in (w..batches).step_by(workers) {
                             let chunk = &epoch_batches[j];
-                            let items = chunk.iter().filter_map(|&i| dataset.get(i)).collect();
-                            let made = batch(items, mix(seed, j as u64), &device);
-                            if sender.send((made, chunk.len())).is_err() {
+                            let items: Vec<I> =
+                                chunk.iter().filter_map(|&i| dataset.get(i)).collect();
+                            if sender.send((items, chunk.len())).is_err() {
                                 return; // the epoch was cut short
                             }
                         }
@@ -317,8 +315,11 @@ where
                 receiver
             })
             .collect();
-        Box::new(EpochIter {
+        Box::new(EpochIter::<B, I, O> {
             receivers,
+            batch: self.batch.clone(),
+            device: self.device.clone(),
+            seed,
             next: 0,
             batches,
             progress: Progress::new(0, items),
@@ -343,32 +344,38 @@ where
     }
 }
 
-struct EpochIter<O> {
-    receivers: Vec<Receiver<(O, usize)>>,
+struct EpochIter<B: Backend, I, O> {
+    /// Each batch's items, with how many were asked for.
+    receivers: Vec<Receiver<(Vec<I>, usize)>>,
+    batch: BatchFn<B, I, O>,
+    device: B::Device,
+    /// The epoch's seed, mixed with each batch's index for its batch function.
+    seed: u64,
     next: usize,
     batches: usize,
     progress: Progress,
 }
 
-impl<O> Iterator for EpochIter<O> {
+impl<B: Backend, I, O> Iterator for EpochIter<B, I, O> {
     type Item = O;
 
     fn next(&mut self) -> Option<O> {
         if self.next >= self.batches {
             return None;
         }
-        // A worker only stops early when its batch function panicked: an epoch silently cut
+        // A worker only stops early when reading an item panicked: an epoch silently cut
         // short would train fewer steps than it reports.
-        let (batch, items) = self.receivers[self.next % self.receivers.len()]
+        let (items, asked) = self.receivers[self.next % self.receivers.len()]
             .recv()
             .expect("a data-loading thread failed (see its message above)");
+        let made = (self.batch)(items, mix(self.seed, self.next as u64), &self.device);
         self.next += 1;
-        self.progress.items_processed += items;
-        Some(batch)
+        self.progress.items_processed += asked;
+        Some(made)
     }
 }
 
-impl<O> DataLoaderIterator<O> for EpochIter<O> {
+impl<B: Backend, I, O> DataLoaderIterator<O> for EpochIter<B, I, O> {
     fn progress(&self) -> Progress {
         self.progress.clone()
     }

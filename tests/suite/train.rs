@@ -240,3 +240,48 @@ fn batches_by_length_read_the_same_items_with_less_padding() {
         assert_eq!(loader.batches(epoch as usize), expected);
     }
 }
+
+#[test]
+fn batches_are_made_on_the_training_thread_in_order() {
+    // Loader threads only read items: a GPU backend gives each thread its own stream, and
+    // tensors made on a loader thread that ends with its epoch corrupted validations on wgpu.
+    use burn::data::dataloader::DataLoader;
+    use burn::data::dataset::InMemDataset;
+    use std::sync::{Arc, Mutex};
+    use transformer_lab::train::{BatchFn, Draw, EpochLoader};
+
+    let made_on = Arc::new(Mutex::new(Vec::new()));
+    let record = made_on.clone();
+    let batch: BatchFn<B, usize, (Vec<usize>, u64)> = Arc::new(move |items, seed, _device| {
+        record.lock().unwrap().push(std::thread::current().id());
+        (items, seed)
+    });
+    let epoch = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let loader = |workers| {
+        EpochLoader::<B, _, _>::new(
+            InMemDataset::new((0..60).collect::<Vec<usize>>()),
+            batch.clone(),
+            Default::default(),
+            Draw::Replacement { batches: 7 },
+            4,
+            workers,
+            9,
+            epoch.clone(),
+        )
+    };
+    let one: Vec<_> = loader(1).iter().collect();
+    epoch.store(0, std::sync::atomic::Ordering::SeqCst);
+    let three: Vec<_> = loader(3).iter().collect();
+    assert_eq!(one.len(), 7);
+    assert_eq!(
+        one, three,
+        "the same batches, in order, whatever the number of workers"
+    );
+    let here = std::thread::current().id();
+    let made_on = made_on.lock().unwrap();
+    assert_eq!(made_on.len(), 14);
+    assert!(
+        made_on.iter().all(|&id| id == here),
+        "a batch made on a loader thread"
+    );
+}

@@ -49,6 +49,62 @@ pub struct Layout {
     pub drop_scale: f32,
 }
 
+/// Where a unit of the three kernels stands: the head of its cube and the row it owns.
+#[derive(CubeType, Clone, Copy)]
+struct Place {
+    /// The head's index over batch items and heads, `b · heads + h`.
+    bh: usize,
+    /// The batch item.
+    b: usize,
+    /// The head.
+    h: usize,
+    /// Query positions.
+    t: usize,
+    /// Key positions.
+    s: usize,
+    /// The unit's row: a query row, or in the key kernel a key row.
+    row: usize,
+    /// Whether that row exists (the last cube's units may run past the end).
+    live: bool,
+    /// `1/√k`.
+    scale: f32,
+    /// The first of this batch item's padding flags.
+    pad_row: usize,
+}
+
+/// The [`Place`] of this unit: cube `(x, y)` takes rows `x·TILE..` of head `y`; its rows are
+/// keys when `keys` is set, queries otherwise.
+#[cube]
+fn place<F: Float>(
+    q: &Tensor<F>,
+    k: &Tensor<F>,
+    layout: &Layout,
+    #[comptime] kd: usize,
+    #[comptime] keys: bool,
+) -> Place {
+    let bh = CUBE_POS_Y as usize;
+    let heads = layout.heads as usize;
+    let b = bh / heads;
+    let t = q.shape(2);
+    let s = k.shape(2);
+    let row = CUBE_POS_X as usize * TILE as usize + UNIT_POS_X as usize;
+    let mut rows = t;
+    if keys {
+        rows = s;
+    }
+    Place {
+        bh,
+        b,
+        h: bh % heads,
+        t,
+        s,
+        row,
+        live: row < rows,
+        scale: 1.0f32 / f32::sqrt(f32::cast_from(kd as u32)),
+        pad_row: b * s,
+    }
+}
+
 /// Whether key `j` is masked for query `i`.
 #[cube]
 fn is_masked<F: Float>(
@@ -138,16 +194,9 @@ pub fn attention_forward_kernel<F: Float>(
     #[comptime] has_dropout: bool,
     #[define(F)] _dtype: StorageType,
 ) {
-    let bh = CUBE_POS_Y as usize;
-    let heads = layout.heads as usize;
-    let b = bh / heads;
-    let h = bh % heads;
-    let t = q.shape(2);
-    let s = k.shape(2);
-    let i = CUBE_POS_X as usize * TILE as usize + UNIT_POS_X as usize;
-    let live = i < t;
-    let scale = 1.0f32 / f32::sqrt(f32::cast_from(kd as u32));
-    let pad_row = b * s;
+    let place = place::<F>(q, k, layout, kd, false);
+    let (bh, b, h, t, s, i) = (place.bh, place.b, place.h, place.t, place.s, place.row);
+    let (live, scale, pad_row) = (place.live, place.scale, place.pad_row);
 
     let mut qr = Array::<f32>::new(kd);
     let mut acc = Array::<f32>::new(kd);
@@ -265,16 +314,9 @@ pub fn attention_backward_queries_kernel<F: Float>(
     #[comptime] has_dropout: bool,
     #[define(F)] _dtype: StorageType,
 ) {
-    let bh = CUBE_POS_Y as usize;
-    let heads = layout.heads as usize;
-    let b = bh / heads;
-    let h = bh % heads;
-    let t = q.shape(2);
-    let s = k.shape(2);
-    let i = CUBE_POS_X as usize * TILE as usize + UNIT_POS_X as usize;
-    let live = i < t;
-    let scale = 1.0f32 / f32::sqrt(f32::cast_from(kd as u32));
-    let pad_row = b * s;
+    let place = place::<F>(q, k, layout, kd, false);
+    let (bh, b, h, t, s, i) = (place.bh, place.b, place.h, place.t, place.s, place.row);
+    let (live, scale, pad_row) = (place.live, place.scale, place.pad_row);
 
     let mut qr = Array::<f32>::new(kd);
     let mut dor = Array::<f32>::new(kd);
@@ -366,16 +408,9 @@ pub fn attention_backward_keys_kernel<F: Float>(
     #[comptime] has_dropout: bool,
     #[define(F)] _dtype: StorageType,
 ) {
-    let bh = CUBE_POS_Y as usize;
-    let heads = layout.heads as usize;
-    let b = bh / heads;
-    let h = bh % heads;
-    let t = q.shape(2);
-    let s = k.shape(2);
-    let j = CUBE_POS_X as usize * TILE as usize + UNIT_POS_X as usize;
-    let live = j < s;
-    let scale = 1.0f32 / f32::sqrt(f32::cast_from(kd as u32));
-    let pad_row = b * s;
+    let place = place::<F>(q, k, layout, kd, true);
+    let (bh, b, h, t, s, j) = (place.bh, place.b, place.h, place.t, place.s, place.row);
+    let (live, scale, pad_row) = (place.live, place.scale, place.pad_row);
 
     let mut kr = Array::<f32>::new(kd);
     let mut vr = Array::<f32>::new(kd);
