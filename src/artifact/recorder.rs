@@ -10,19 +10,23 @@ use burn::record::{
 };
 use serde::{de::DeserializeOwned, Serialize};
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
 
 /// The recorder for weights, optimizer and scheduler state: named MessagePack, full precision,
 /// written atomically.
 pub type ArtifactRecorder = AtomicRecorder<NamedMpkFileRecorder<FullPrecisionSettings>>;
 
 /// What the checkpoint writers share with the training that started them: the first write
-/// that failed (training stops and reports it), and the run that `train --force` moved aside,
-/// removed once the new run's first checkpoint is complete.
+/// that failed (training stops and reports it), the run that `train --force` moved aside,
+/// removed once the new run's first checkpoint is complete, and the records whose tensors the
+/// checkpoint thread is still reading (see [`Self::wait_for_reads`]).
 #[derive(Debug)]
 pub struct CheckpointWatch {
     failure: Mutex<Option<String>>,
     replaced: Mutex<Option<(ArtifactDir, PathBuf)>>,
+    reads: Mutex<usize>,
+    read: Condvar,
     /// Epoch whose checkpoint fails as if the disk were full (`TRANSFORMER_LAB_FAIL_CHECKPOINT`,
     /// for testing what a full disk does to a run).
     fail_epoch: Option<usize>,
@@ -34,6 +38,10 @@ impl Default for CheckpointWatch {
     }
 }
 
+/// How long the training waits for a checkpoint's records to be read (see
+/// [`CheckpointWatch::wait_for_reads`]); reading a model and its optimizer state takes seconds.
+const READ_WAIT: Duration = Duration::from_secs(300);
+
 /// The environment variable that makes epoch N's checkpoint fail with "no space left".
 pub const FAIL_CHECKPOINT_ENV: &str = "TRANSFORMER_LAB_FAIL_CHECKPOINT";
 
@@ -43,6 +51,8 @@ impl CheckpointWatch {
         Self {
             failure: Mutex::new(None),
             replaced: Mutex::new(None),
+            reads: Mutex::new(0),
+            read: Condvar::new(),
             fail_epoch: std::env::var(FAIL_CHECKPOINT_ENV)
                 .ok()
                 .and_then(|v| v.parse().ok()),
@@ -69,6 +79,40 @@ impl CheckpointWatch {
     fn fail(&self, message: String) {
         if let Ok(mut failure) = self.failure.lock() {
             failure.get_or_insert(message);
+        }
+    }
+
+    /// Notes `records` records handed to the checkpoint thread, each read (its tensors brought
+    /// to the host) before the recorder writes it.
+    pub fn reading(&self, records: usize) {
+        *self.reads.lock().unwrap_or_else(|e| e.into_inner()) += records;
+    }
+
+    /// Called by the recorder once a record's tensors are on the host.
+    fn record_read(&self) {
+        let mut reads = self.reads.lock().unwrap_or_else(|e| e.into_inner());
+        *reads = reads.saturating_sub(1);
+        self.read.notify_all();
+    }
+
+    /// Waits until the checkpoint thread has read every record handed to it. The training
+    /// thread calls it before its next tensor operation: burn 0.21's fusion loses tensor handles
+    /// when one thread reads tensors while another runs operations on them (burn issue #4347,
+    /// measured here as "Should have handle for tensor" when a checkpoint read the optimizer
+    /// state during the next step), so the device work of the two threads never overlaps. The
+    /// writing itself (serializing, disk) still overlaps the training. Gives up after
+    /// `READ_WAIT`, should the checkpoint thread have died.
+    pub fn wait_for_reads(&self) {
+        let began = Instant::now();
+        let mut reads = self.reads.lock().unwrap_or_else(|e| e.into_inner());
+        while *reads > 0 {
+            let Some(left) = READ_WAIT.checked_sub(began.elapsed()) else {
+                return;
+            };
+            reads = match self.read.wait_timeout(reads, left) {
+                Ok((reads, _)) => reads,
+                Err(poisoned) => poisoned.into_inner().0,
+            };
         }
     }
 
@@ -118,6 +162,10 @@ impl<B: LabBackend> Recorder<B> for AtomicRecorder<NamedMpkFileRecorder<FullPrec
     type LoadArgs = PathBuf;
 
     fn save_item<I: Serialize>(&self, item: I, file: PathBuf) -> Result<(), RecorderError> {
+        // `Recorder::record` made `item` from the record: its tensors are read.
+        if let Some(watch) = &self.watch {
+            watch.record_read();
+        }
         let target = file.with_extension("mpk");
         let result = (|| -> std::io::Result<()> {
             let bytes = rmp_serde::to_vec_named(&item).map_err(std::io::Error::other)?;

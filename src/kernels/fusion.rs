@@ -96,16 +96,19 @@ impl<B: FusionBackend + LabBackend> LabBackend for Fusion<B> {
     /// In `f32`, fusion's own matmul; in half precision, one custom operation running the inner
     /// backend's mixed-precision product (fusion's matmul returns its inputs' type).
     fn fused_linear(x: Tensor<B>, w: Tensor<B>, b: Option<Tensor<B>>) -> Tensor<B> {
-        if super::precision().is_f32() {
+        let precision = super::precision();
+        if precision.is_f32() {
             return composed::linear::<Self>(x, w, b);
         }
         let shape = Shape::new([x.shape[0], w.shape[1]]);
         let mut inputs = vec![x, w];
         inputs.extend(b);
-        let [y] = custom::<B, 1>("linear", inputs, vec![], [shape], |f, _| {
+        // The operation runs on fusion's server thread: the precision goes with it.
+        let [y] = custom::<B, 1>("linear", inputs, vec![], [shape], move |f, _| {
             let mut f = f.into_iter();
             let (x, w) = (f.next().unwrap(), f.next().unwrap());
-            vec![B::fused_linear(x, w, f.next())]
+            let y = super::with_precision(precision, || B::fused_linear(x, w, f.next()));
+            vec![y]
         });
         y
     }
@@ -116,14 +119,16 @@ impl<B: FusionBackend + LabBackend> LabBackend for Fusion<B> {
         dy: Tensor<B>,
         bias: bool,
     ) -> (Tensor<B>, Tensor<B>, Option<Tensor<B>>) {
-        if super::precision().is_f32() {
+        let precision = super::precision();
+        if precision.is_f32() {
             return composed::linear_backward::<Self>(x, w, dy, bias);
         }
         let (dx, dw) = (x.shape.clone(), w.shape.clone());
         let inputs = vec![x, w, dy];
         let run = move |f: Vec<FloatTensor<B>>| {
             let [x, w, dy] = take(f);
-            let (dx, dw, db) = B::fused_linear_backward(x, w, dy, bias);
+            let (dx, dw, db) =
+                super::with_precision(precision, || B::fused_linear_backward(x, w, dy, bias));
             [dx, dw].into_iter().chain(db).collect()
         };
         if bias {

@@ -7,7 +7,7 @@
 //! metric logger when the epoch's end reaches it, so every decision depends on the numbers
 //! alone and a resumed run decides as the uninterrupted one did.
 
-use crate::artifact::{write_atomic, ArtifactDir};
+use crate::artifact::{write_atomic, ArtifactDir, CheckpointWatch};
 use burn::train::checkpoint::{CheckpointingAction, CheckpointingStrategy};
 use burn::train::metric::store::EventStoreClient;
 use burn::train::EarlyStoppingStrategy;
@@ -98,15 +98,27 @@ pub struct KeepCheckpoints {
     artifact: ArtifactDir,
     keep: usize,
     losses: ValidLosses,
+    watch: Arc<CheckpointWatch>,
 }
+
+/// The records burn-train's Learner saves per checkpoint: model, optimizer, scheduler.
+const RECORDS_PER_CHECKPOINT: usize = 3;
 
 impl KeepCheckpoints {
     /// The strategy for a run in `artifact`.
-    pub fn new(artifact: ArtifactDir, keep: usize, losses: ValidLosses) -> Self {
+    /// `watch` is the checkpoint recorder's: each save is counted there until its records are
+    /// read, so the loaders make no batch meanwhile.
+    pub fn new(
+        artifact: ArtifactDir,
+        keep: usize,
+        losses: ValidLosses,
+        watch: Arc<CheckpointWatch>,
+    ) -> Self {
         Self {
             artifact,
             keep: keep.max(1),
             losses,
+            watch,
         }
     }
 }
@@ -130,6 +142,8 @@ impl CheckpointingStrategy for KeepCheckpoints {
                 .best_of(before.iter().copied().chain([epoch]))
                 .map(|b| b.0),
         );
+        // The Learner hands the records over right after this returns.
+        self.watch.reading(RECORDS_PER_CHECKPOINT);
         let mut actions = vec![CheckpointingAction::Save];
         actions.extend(
             before

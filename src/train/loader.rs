@@ -7,6 +7,7 @@
 //! random stream shared by all epochs (a resumed run had to reseed it), and with several workers
 //! batches arrive in whichever order the threads finish them.
 
+use crate::artifact::CheckpointWatch;
 use burn::data::dataloader::batcher::Batcher;
 use burn::data::dataloader::{DataLoader, DataLoaderIterator, Progress};
 use burn::data::dataset::Dataset;
@@ -148,6 +149,8 @@ pub struct EpochLoader<B: Backend, I, O> {
     range: Option<Range<usize>>,
     /// Each item's length, when batches group similar lengths (see [`Self::by_length`]).
     lengths: Option<Arc<Vec<usize>>>,
+    /// The run's checkpoints, whose reads every batch waits for (see [`Self::after_checkpoints`]).
+    checkpoints: Option<Arc<CheckpointWatch>>,
 }
 
 impl<B: Backend, I, O> Clone for EpochLoader<B, I, O> {
@@ -164,6 +167,7 @@ impl<B: Backend, I, O> Clone for EpochLoader<B, I, O> {
             reseed_backend: self.reseed_backend,
             range: self.range.clone(),
             lengths: self.lengths.clone(),
+            checkpoints: self.checkpoints.clone(),
         }
     }
 }
@@ -199,6 +203,7 @@ where
             reseed_backend: false,
             range: None,
             lengths: None,
+            checkpoints: None,
         }
     }
 
@@ -215,6 +220,13 @@ where
     /// of `(seed, epoch)`. No effect on [`Draw::Fixed`].
     pub fn by_length(mut self, lengths: Vec<usize>) -> Self {
         self.lengths = Some(Arc::new(lengths));
+        self
+    }
+
+    /// Makes no batch (no tensor operation) while the checkpoint thread of `watch` is still
+    /// reading a checkpoint's tensors: see [`CheckpointWatch::wait_for_reads`].
+    pub fn after_checkpoints(mut self, watch: Arc<CheckpointWatch>) -> Self {
+        self.checkpoints = Some(watch);
         self
     }
 }
@@ -281,6 +293,9 @@ where
     O: Send + 'static,
 {
     fn iter<'a>(&'a self) -> Box<dyn DataLoaderIterator<O> + 'a> {
+        if let Some(watch) = &self.checkpoints {
+            watch.wait_for_reads();
+        }
         let epoch = self.epoch.fetch_add(1, Ordering::SeqCst) + 1;
         if self.reseed_backend {
             crate::kernels::seed::<B>(&self.device, mix(self.seed, (epoch as u64) << 32 | 0xd409));
@@ -323,6 +338,7 @@ where
             next: 0,
             batches,
             progress: Progress::new(0, items),
+            checkpoints: self.checkpoints.clone(),
         })
     }
 
@@ -354,6 +370,7 @@ struct EpochIter<B: Backend, I, O> {
     next: usize,
     batches: usize,
     progress: Progress,
+    checkpoints: Option<Arc<CheckpointWatch>>,
 }
 
 impl<B: Backend, I, O> Iterator for EpochIter<B, I, O> {
@@ -368,6 +385,9 @@ impl<B: Backend, I, O> Iterator for EpochIter<B, I, O> {
         let (items, asked) = self.receivers[self.next % self.receivers.len()]
             .recv()
             .expect("a data-loading thread failed (see its message above)");
+        if let Some(watch) = &self.checkpoints {
+            watch.wait_for_reads();
+        }
         let made = (self.batch)(items, mix(self.seed, self.next as u64), &self.device);
         self.next += 1;
         self.progress.items_processed += asked;

@@ -141,7 +141,8 @@ impl Session {
             train_batch,
             self.epoch.clone(),
             lengths,
-        );
+        )
+        .after_checkpoints(self.watch.clone());
         let loader_valid = EpochLoader::new(
             valid_set,
             valid_batch,
@@ -151,7 +152,8 @@ impl Session {
             train.num_workers,
             config.seed ^ 0x5eed,
             Arc::new(AtomicUsize::new(0)),
-        );
+        )
+        .after_checkpoints(self.watch.clone());
         (Arc::new(loader_train), Arc::new(loader_valid))
     }
 
@@ -351,6 +353,7 @@ where
             artifact.clone(),
             train.keep_checkpoints,
             losses.clone(),
+            session.watch.clone(),
         ))
         .num_epochs(epochs)
         .summary();

@@ -20,10 +20,12 @@ type Gpu = Autodiff<Inner>;
 
 use crate::common::normal as random;
 
-/// Runs `f` and asserts that it launched at least `expected` of our kernels.
+/// Runs `f` and asserts that it launched at least `expected` of our kernels (after running
+/// what `f` queued: with fusion, operations run when the stream is flushed).
 fn launching<R>(expected: u64, f: impl FnOnce() -> R) -> R {
     let before = cube::launches();
     let out = f();
+    Inner::sync(&Default::default()).unwrap();
     let ran = cube::launches() - before;
     assert!(
         ran >= expected,

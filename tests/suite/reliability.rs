@@ -211,6 +211,16 @@ fn a_run_killed_and_resumed_equals_the_uninterrupted_run_on_flex_with_two_worker
     killed_and_resumed_equals_uninterrupted("flex", 2);
 }
 
+/// On the GPU backend as well: with burn's fusion, the checkpoint thread reads tensors the
+/// training thread made, and a resumed run's weights are restored on that thread.
+#[cfg(feature = "wgpu")]
+#[test]
+fn a_run_killed_and_resumed_equals_the_uninterrupted_run_on_wgpu() {
+    if crate::wgpu_backend::wgpu_runs() {
+        killed_and_resumed_equals_uninterrupted("wgpu", 1);
+    }
+}
+
 #[test]
 fn a_checkpoint_that_cannot_be_written_stops_the_run_with_one_line() {
     let run = Run::new();
