@@ -25,18 +25,18 @@ pub type Cpu = burn::backend::NdArray<f32>;
 pub type Flex = burn::backend::Flex;
 
 /// The GPU backend.
-#[cfg(feature = "wgpu")]
+#[cfg(feature = "wgpu-backend")]
 pub type Gpu = burn::backend::Wgpu<f32, i32>;
 
 /// The CUDA backend.
-#[cfg(feature = "cuda")]
+#[cfg(feature = "cuda-backend")]
 pub type CudaGpu = burn::backend::Cuda<f32, i32>;
 
 /// The backend used when `--backend` is absent: wgpu when it is compiled in and a hardware GPU
 /// is present; otherwise the fastest CPU backend compiled in (flex, then ndarray), which on a
 /// CPU is several times faster than wgpu running through a software Vulkan driver (lavapipe).
 pub fn default_backend() -> BackendKind {
-    #[cfg(feature = "wgpu")]
+    #[cfg(feature = "wgpu-backend")]
     if !(cfg!(feature = "ndarray") || cfg!(feature = "flex")) || hardware_gpu_present() {
         return BackendKind::Wgpu;
     }
@@ -53,7 +53,7 @@ pub fn cpu_default() -> BackendKind {
 }
 
 /// The adapters of the graphics API burn's wgpu backend runs on (Metal on macOS, else Vulkan).
-#[cfg(feature = "wgpu")]
+#[cfg(feature = "wgpu-backend")]
 fn wgpu_adapters() -> Vec<wgpu::Adapter> {
     use std::future::Future;
     use std::task::{Context, Poll, Waker};
@@ -78,13 +78,13 @@ fn wgpu_adapters() -> Vec<wgpu::Adapter> {
 }
 
 /// Whether wgpu finds any adapter (a GPU, or a CPU driver such as lavapipe) to run on.
-#[cfg(feature = "wgpu")]
+#[cfg(feature = "wgpu-backend")]
 pub fn wgpu_adapter_present() -> bool {
     !wgpu_adapters().is_empty()
 }
 
 /// Whether wgpu sees a real (discrete, integrated or virtual) GPU, not just a CPU adapter.
-#[cfg(feature = "wgpu")]
+#[cfg(feature = "wgpu-backend")]
 pub fn hardware_gpu_present() -> bool {
     wgpu_adapters().iter().any(|adapter| {
         matches!(
@@ -102,8 +102,8 @@ pub fn check_available(kind: BackendKind) -> Result<()> {
     let compiled = match kind {
         BackendKind::Ndarray => cfg!(feature = "ndarray"),
         BackendKind::Flex => cfg!(feature = "flex"),
-        BackendKind::Wgpu => cfg!(feature = "wgpu"),
-        BackendKind::Cuda => cfg!(feature = "cuda"),
+        BackendKind::Wgpu => cfg!(feature = "wgpu-backend"),
+        BackendKind::Cuda => cfg!(feature = "cuda-backend"),
     };
     if !compiled {
         bail!(
@@ -111,7 +111,7 @@ pub fn check_available(kind: BackendKind) -> Result<()> {
             format!("{kind:?}").to_lowercase()
         );
     }
-    #[cfg(feature = "wgpu")]
+    #[cfg(feature = "wgpu-backend")]
     if kind == BackendKind::Wgpu && !wgpu_adapter_present() {
         bail!(
             "--backend wgpu: wgpu finds no {} device (no GPU driver installed); install \

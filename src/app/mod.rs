@@ -29,9 +29,9 @@ pub fn dispatch(kind: Option<BackendKind>, task: impl BackendTask) -> Result<()>
         BackendKind::Ndarray => task.run::<crate::backend::Cpu>(Default::default()),
         #[cfg(feature = "flex")]
         BackendKind::Flex => task.run::<crate::backend::Flex>(Default::default()),
-        #[cfg(feature = "wgpu")]
+        #[cfg(feature = "wgpu-backend")]
         BackendKind::Wgpu => task.run::<crate::backend::Gpu>(Default::default()),
-        #[cfg(feature = "cuda")]
+        #[cfg(feature = "cuda-backend")]
         BackendKind::Cuda => task.run::<crate::backend::CudaGpu>(Default::default()),
         #[allow(unreachable_patterns)]
         _ => unreachable!("check_available refuses backends left out of the build"),

@@ -1,7 +1,7 @@
-//! The fused operations on burn's fusion backend (`--features fusion`): each is registered in the
-//! fusion stream as one custom operation that, when the stream runs, calls the inner backend's
-//! kernel ([`super::cube`] on wgpu and CUDA) on the inner tensors. burn's own fusion goes on
-//! fusing the element-wise operations around them.
+//! The fused operations on burn's fusion backend (on with `--features wgpu` or `cuda`): each is
+//! registered in the fusion stream as one custom operation that, when the stream runs, calls the
+//! inner backend's kernel ([`super::cube`] on wgpu and CUDA) on the inner tensors. burn's own
+//! fusion goes on fusing the element-wise operations around them.
 
 use super::{composed, AdamWStep, DropoutMask, LabBackend};
 use burn::tensor::ops::{FloatTensor, IntTensor};

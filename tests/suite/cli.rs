@@ -427,7 +427,7 @@ fn cuda_is_one_clear_error_where_it_cannot_run() {
         .args(["--backend", "cuda", "explain"])
         .output()
         .unwrap();
-    if !cfg!(feature = "cuda") {
+    if !cfg!(feature = "cuda-backend") {
         crate::common::assert_clean_error(&out, "rebuild with --features cuda");
     } else if std::env::var_os("CI_EXPECT_NO_GPU").is_some() {
         // CI has no NVIDIA driver: the driver library is asked before burn loads it.

@@ -17,7 +17,7 @@ mod data;
 mod flex_backend;
 mod generate;
 mod gpt2;
-#[cfg(all(feature = "wgpu", feature = "flex"))]
+#[cfg(all(feature = "wgpu-backend", feature = "flex"))]
 mod gpu_kernels;
 mod heads;
 mod images;
@@ -35,5 +35,5 @@ mod seq2seq;
 mod tokenizer;
 mod train;
 mod vit;
-#[cfg(feature = "wgpu")]
+#[cfg(feature = "wgpu-backend")]
 mod wgpu_backend;

@@ -213,7 +213,7 @@ fn a_run_killed_and_resumed_equals_the_uninterrupted_run_on_flex_with_two_worker
 
 /// On the GPU backend as well: with burn's fusion, the checkpoint thread reads tensors the
 /// training thread made, and a resumed run's weights are restored on that thread.
-#[cfg(feature = "wgpu")]
+#[cfg(feature = "wgpu-backend")]
 #[test]
 fn a_run_killed_and_resumed_equals_the_uninterrupted_run_on_wgpu() {
     if crate::wgpu_backend::wgpu_runs() {
