@@ -107,7 +107,7 @@ const RECORDS_PER_CHECKPOINT: usize = 3;
 impl KeepCheckpoints {
     /// The strategy for a run in `artifact`.
     /// `watch` is the checkpoint recorder's: each save is counted there until its records are
-    /// read, so the loaders make no batch meanwhile.
+    /// read, so the loaders begin no epoch meanwhile.
     pub fn new(
         artifact: ArtifactDir,
         keep: usize,

@@ -149,7 +149,7 @@ pub struct EpochLoader<B: Backend, I, O> {
     range: Option<Range<usize>>,
     /// Each item's length, when batches group similar lengths (see [`Self::by_length`]).
     lengths: Option<Arc<Vec<usize>>>,
-    /// The run's checkpoints, whose reads every batch waits for (see [`Self::after_checkpoints`]).
+    /// The run's checkpoints, whose reads every epoch waits for (see [`Self::after_checkpoints`]).
     checkpoints: Option<Arc<CheckpointWatch>>,
 }
 
@@ -223,8 +223,10 @@ where
         self
     }
 
-    /// Makes no batch (no tensor operation) while the checkpoint thread of `watch` is still
-    /// reading a checkpoint's tensors: see [`CheckpointWatch::wait_for_reads`].
+    /// Begins no epoch (no tensor operation) while the checkpoint thread of `watch` is still
+    /// reading a checkpoint's tensors: see [`CheckpointWatch::wait_for_reads`]. burn-train saves
+    /// checkpoints between epochs (train, validate, checkpoint), so one wait per epoch, before
+    /// its first tensor operation, keeps every batch clear of the reads.
     pub fn after_checkpoints(mut self, watch: Arc<CheckpointWatch>) -> Self {
         self.checkpoints = Some(watch);
         self
@@ -338,7 +340,6 @@ where
             next: 0,
             batches,
             progress: Progress::new(0, items),
-            checkpoints: self.checkpoints.clone(),
         })
     }
 
@@ -370,7 +371,6 @@ struct EpochIter<B: Backend, I, O> {
     next: usize,
     batches: usize,
     progress: Progress,
-    checkpoints: Option<Arc<CheckpointWatch>>,
 }
 
 impl<B: Backend, I, O> Iterator for EpochIter<B, I, O> {
@@ -385,9 +385,6 @@ impl<B: Backend, I, O> Iterator for EpochIter<B, I, O> {
         let (items, asked) = self.receivers[self.next % self.receivers.len()]
             .recv()
             .expect("a data-loading thread failed (see its message above)");
-        if let Some(watch) = &self.checkpoints {
-            watch.wait_for_reads();
-        }
         let made = (self.batch)(items, mix(self.seed, self.next as u64), &self.device);
         self.next += 1;
         self.progress.items_processed += asked;
