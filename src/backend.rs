@@ -131,6 +131,46 @@ pub fn check_available(kind: BackendKind) -> Result<()> {
     Ok(())
 }
 
+/// The device `kind` runs on, in words that change with the hardware and its driver: the
+/// wgpu adapter burn picks (name, driver), the first CUDA device (name, driver version), or
+/// the CPU.
+pub fn describe_device(kind: BackendKind) -> String {
+    match kind {
+        BackendKind::Ndarray | BackendKind::Flex => format!(
+            "cpu, {} threads",
+            std::thread::available_parallelism().map_or(1, |n| n.get())
+        ),
+        #[cfg(feature = "wgpu-backend")]
+        BackendKind::Wgpu => {
+            // burn's default device: the first discrete, then integrated, virtual, CPU adapter.
+            let rank = |t: wgpu::DeviceType| match t {
+                wgpu::DeviceType::DiscreteGpu => 0,
+                wgpu::DeviceType::IntegratedGpu => 1,
+                wgpu::DeviceType::VirtualGpu => 2,
+                wgpu::DeviceType::Cpu => 3,
+                wgpu::DeviceType::Other => 4,
+            };
+            let adapters = wgpu_adapters();
+            match adapters
+                .iter()
+                .min_by_key(|a| rank(a.get_info().device_type))
+            {
+                Some(adapter) => {
+                    let info = adapter.get_info();
+                    format!(
+                        "{} ({:?}, driver {} {})",
+                        info.name, info.backend, info.driver, info.driver_info
+                    )
+                }
+                None => "no adapter".into(),
+            }
+        }
+        BackendKind::Cuda => cuda_driver::describe(),
+        #[allow(unreachable_patterns)]
+        _ => format!("{kind:?}"),
+    }
+}
+
 /// Whether the NVIDIA driver can be used, asked of the driver library itself before burn loads
 /// it (burn's CUDA runtime panics where it cannot).
 mod cuda_driver {
@@ -178,5 +218,45 @@ mod cuda_driver {
     #[cfg(not(unix))]
     pub fn check() -> Result<()> {
         Ok(())
+    }
+
+    /// The first CUDA device's name and the driver's version (`cuda` where the driver cannot
+    /// be asked).
+    #[cfg(unix)]
+    pub fn describe() -> String {
+        use std::ffi::{c_char, c_int, CStr};
+        // SAFETY: as in `check` (which the caller ran first); cuDeviceGetName(char*, int,
+        // CUdevice) writes a NUL-terminated name into the buffer of the given length, and
+        // cuDriverGetVersion(int*) one integer.
+        unsafe {
+            let library = libc::dlopen(c"libcuda.so.1".as_ptr(), libc::RTLD_NOW);
+            if library.is_null() {
+                return "cuda".into();
+            }
+            let symbol = |name: &CStr| libc::dlsym(library, name.as_ptr() as *const c_char);
+            let (name, version) = (symbol(c"cuDeviceGetName"), symbol(c"cuDriverGetVersion"));
+            if name.is_null() || version.is_null() {
+                return "cuda".into();
+            }
+            let name: extern "C" fn(*mut c_char, c_int, c_int) -> c_int = std::mem::transmute(name);
+            let version: extern "C" fn(*mut c_int) -> c_int = std::mem::transmute(version);
+            let mut buffer = [0 as c_char; 256];
+            let mut driver: c_int = 0;
+            if name(buffer.as_mut_ptr(), 256, 0) != 0 || version(&mut driver) != 0 {
+                return "cuda".into();
+            }
+            let device = CStr::from_ptr(buffer.as_ptr()).to_string_lossy();
+            format!(
+                "{device} (CUDA driver {}.{})",
+                driver / 1000,
+                driver % 1000 / 10
+            )
+        }
+    }
+
+    /// Elsewhere: the backend's name only.
+    #[cfg(not(unix))]
+    pub fn describe() -> String {
+        "cuda".into()
     }
 }

@@ -18,9 +18,32 @@ pub struct Cli {
     /// attention): the reference the kernels are tested against, for comparisons.
     #[arg(long, global = true)]
     pub no_fused: bool,
+    /// Check the fused kernels against their composed forms on the device before using them
+    /// (once per device, driver and binary; cached in ~/.cache/transformer-lab): auto = on a
+    /// GPU (cuda, wgpu on a hardware adapter). An operation that disagrees warns and runs
+    /// composed.
+    #[arg(
+        long,
+        global = true,
+        value_enum,
+        default_value = "auto",
+        env = "TRANSFORMER_LAB_KERNEL_CHECK"
+    )]
+    pub kernel_check: KernelCheck,
     /// What to do.
     #[command(subcommand)]
     pub command: Command,
+}
+
+/// When the fused kernels are checked on the device before a command uses them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum KernelCheck {
+    /// On a GPU: cuda, and wgpu on a hardware adapter (not on a CPU driver such as lavapipe).
+    Auto,
+    /// On every backend.
+    Always,
+    /// Never (`doctor` still checks).
+    Never,
 }
 
 /// The subcommands.
@@ -100,6 +123,11 @@ pub enum Command {
     /// means), or burn's epoch logs (train/epoch-N/*.log) for runs older than metrics.csv.
     /// Runs of different kinds overlay where they share the metric.
     Curves(CurvesArgs),
+    /// Check every fused kernel (attention, LayerNorm, GELU, dropout, cross-entropy, AdamW,
+    /// the linear layer, softmax) against its composed form on this backend's device: outputs
+    /// and gradients on small random inputs, one row per operation with its largest relative
+    /// error. Exits non-zero when one disagrees (runs then use its composed form).
+    Doctor,
 }
 
 /// `curves` options.
@@ -154,6 +182,11 @@ pub struct TrainArgs {
     /// optimizer state, norms, attention and the loss stay f32.
     #[arg(long, value_enum)]
     pub precision: Option<Precision>,
+    /// The peak learning rate for this invocation, replacing the experiment's `train.lr`
+    /// (`min_lr` scaled with it); allowed with --resume: how a run that diverged continues
+    /// from its last good checkpoint.
+    #[arg(long, value_name = "LR")]
+    pub lr: Option<f64>,
     #[command(flatten)]
     pub data: DataArgs,
 }

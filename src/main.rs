@@ -18,7 +18,7 @@ fn main() -> ExitCode {
     // A closed stdout or stderr (`train | head -1`) must not stop the work: see `stdio`.
     let stdio = transformer_lab::stdio::guard();
     transformer_lab::kernels::set_fused(!cli.no_fused);
-    let code = match run(cli.backend, cli.command) {
+    let code = match run(cli.backend, cli.kernel_check, cli.command) {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {
             eprintln!("error: {err:#}");

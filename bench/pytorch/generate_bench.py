@@ -5,7 +5,7 @@ same machine, in the same sitting, at the same shape, so the two can be interlea
 
     python3 bench/pytorch/generate_bench.py [--threads 2] [--d-model 384] [--layers 6] [--heads 6]
         [--context 256] [--vocab 65] [--prompt-len 1] [--tokens 255] [--batch 1,8] [--runs 3]
-        [--cached-only]
+        [--cached-only] [--device cpu|cuda]
 
 Model: `GPT2LMHeadModel` with random weights at the `shakespeare-char-gpu` shape (6 layers,
 6 heads, d_model 384, context 256, vocabulary 65), eval mode, float32. Decoding is greedy
@@ -36,7 +36,9 @@ def main():
     p.add_argument("--batch", default="1,8")
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--cached-only", action="store_true")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     a = p.parse_args()
+    device = torch.device(a.device)
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
     config = GPT2Config(
@@ -54,16 +56,17 @@ def main():
         eos_token_id=None,
         pad_token_id=0,
     )
-    model = GPT2LMHeadModel(config).eval()
+    model = GPT2LMHeadModel(config).eval().to(device)
+    where = f"{a.threads} threads" if device.type == "cpu" else torch.cuda.get_device_name(device)
     print(
         f"transformers {__import__('transformers').__version__} GPT-2 generate on torch "
-        f"{torch.__version__}, {a.threads} threads: d_model {a.d_model}, {a.layers} layers, "
+        f"{torch.__version__}, {where}: d_model {a.d_model}, {a.layers} layers, "
         f"{a.heads} heads, {a.prompt_len} prompt token(s), {a.tokens} new, greedy; "
         f"median of {a.runs} runs"
     )
     print(f"{'decoding':<10} {'batch':>5} {'prefill ms':>12} {'per-token ms':>14} {'total s':>10} {'tokens/s':>10}")
     for batch in [int(b) for b in a.batch.split(",")]:
-        prompt = torch.randint(0, a.vocab, (batch, a.prompt_len))
+        prompt = torch.randint(0, a.vocab, (batch, a.prompt_len)).to(device)
         mask = torch.ones_like(prompt)
         for use_cache in [True] if a.cached_only else [True, False]:
 
@@ -78,6 +81,8 @@ def main():
                         do_sample=False,
                         use_cache=use_cache,
                     )
+                    if device.type == "cuda":
+                        torch.cuda.synchronize()
                     elapsed = time.perf_counter() - start
                 assert out.shape == (batch, a.prompt_len + n)
                 return elapsed

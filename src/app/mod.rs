@@ -3,12 +3,13 @@
 
 mod bench;
 mod checkpoints;
+mod doctor;
 mod inspect;
 mod text;
 mod train;
 
 use crate::backend::{check_available, default_backend, BackendKind};
-use crate::cli::Command;
+use crate::cli::{Command, KernelCheck};
 use crate::kernels::LabBackend;
 use crate::nn::without_weights;
 use anyhow::{Context, Result};
@@ -39,11 +40,37 @@ pub fn dispatch(kind: Option<BackendKind>, task: impl BackendTask) -> Result<()>
 }
 
 /// Runs `command`: on the backend `kind` names (the default one when `None`), or on none when
-/// it computes nothing (`curves` reads files and draws).
-pub fn run(kind: Option<BackendKind>, command: Command) -> Result<()> {
+/// it computes nothing (`curves` reads files and draws). Commands that compute check the
+/// fused kernels on the device first, as `check` says ([`doctor::prepare`]).
+pub fn run(kind: Option<BackendKind>, check: KernelCheck, command: Command) -> Result<()> {
+    let kind = kind.unwrap_or_else(default_backend);
     match command {
         Command::Curves(args) => run_curves(args),
-        command => dispatch(kind, command),
+        command => dispatch(
+            Some(kind),
+            Checked {
+                kind,
+                check,
+                command,
+            },
+        ),
+    }
+}
+
+/// A command run after the kernel check.
+struct Checked {
+    kind: BackendKind,
+    check: KernelCheck,
+    command: Command,
+}
+
+impl BackendTask for Checked {
+    fn run<B: LabBackend>(self, device: B::Device) -> Result<()> {
+        if let Command::Doctor = self.command {
+            return doctor::run_doctor::<B>(self.kind, &device);
+        }
+        doctor::prepare::<B>(self.kind, self.check, &device)?;
+        self.command.run::<B>(device)
     }
 }
 
@@ -76,6 +103,7 @@ impl BackendTask for Command {
             Command::Import(args) => checkpoints::run_import::<B>(args, device),
             Command::Export(args) => checkpoints::run_export::<B>(args, device),
             Command::Curves(args) => run_curves(args),
+            Command::Doctor => unreachable!("doctor runs through Checked"),
         }
     }
 }

@@ -29,6 +29,7 @@ pub(super) fn run_train<B: LabBackend>(args: TrainArgs, device: B::Device) -> Re
         force: args.force,
         plain: args.plain,
         precision: args.precision,
+        lr: args.lr,
     };
     let artifact = request.artifact.clone();
     let report = crate::kinds::train::<Autodiff<B>>(request, device)?;

@@ -21,6 +21,7 @@
 //! which recomputes the probabilities tile by tile — the `t × s` score matrix is never stored.
 
 mod autodiff;
+pub mod check;
 mod composed;
 pub mod cpu;
 #[cfg(feature = "cube-kernels")]
@@ -40,7 +41,7 @@ use burn::tensor::Bool;
 use composed::{prim, tensor};
 pub use dropout::DropoutMask;
 use std::cell::Cell;
-use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU16, AtomicU8, Ordering};
 use std::thread::LocalKey;
 
 /// A backend with the fused operations of this crate. Every method has a composed default.
@@ -322,6 +323,83 @@ pub fn fused() -> bool {
         .unwrap_or_else(|| FUSED.load(Ordering::Relaxed))
 }
 
+/// The fused operations, each of which can fall back to its composed form on its own (when
+/// the on-device check finds it wrong, see [`check`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Op {
+    /// [`gelu`], forward and backward.
+    Gelu,
+    /// [`layer_norm`], forward and backward (input, γ, β).
+    LayerNorm,
+    /// [`softmax`], forward and backward.
+    Softmax,
+    /// [`attention`]: causal, padded, with dropout; forward and backward.
+    Attention,
+    /// [`packed_self_attention`], forward and backward.
+    PackedAttention,
+    /// [`dropout`] (the mask drawn in the kernel), forward and backward.
+    Dropout,
+    /// [`cross_entropy`], forward and backward.
+    CrossEntropy,
+    /// [`adamw`], the optimizer's update.
+    AdamW,
+    /// [`product`], the linear layers (their products in the training precision).
+    Linear,
+}
+
+impl Op {
+    /// Every operation, in the order the check runs them.
+    pub const ALL: [Op; 9] = [
+        Op::Gelu,
+        Op::LayerNorm,
+        Op::Softmax,
+        Op::Attention,
+        Op::PackedAttention,
+        Op::Dropout,
+        Op::CrossEntropy,
+        Op::AdamW,
+        Op::Linear,
+    ];
+
+    /// Its name in tables, warnings and the check's cache.
+    pub fn name(self) -> &'static str {
+        match self {
+            Op::Gelu => "gelu",
+            Op::LayerNorm => "layer_norm",
+            Op::Softmax => "softmax",
+            Op::Attention => "attention",
+            Op::PackedAttention => "packed_attention",
+            Op::Dropout => "dropout",
+            Op::CrossEntropy => "cross_entropy",
+            Op::AdamW => "adamw",
+            Op::Linear => "linear",
+        }
+    }
+
+    /// The operation called `name`.
+    pub fn from_name(name: &str) -> Option<Op> {
+        Op::ALL.into_iter().find(|op| op.name() == name)
+    }
+
+    fn bit(self) -> u16 {
+        1 << self as u16
+    }
+}
+
+/// The operations that run composed although the fused kernels are on.
+static FALLBACK: AtomicU16 = AtomicU16::new(0);
+
+/// Makes `op` run as its composed form for the rest of the process (the others stay fused).
+pub fn fall_back(op: Op) {
+    FALLBACK.fetch_or(op.bit(), Ordering::Relaxed);
+}
+
+/// Whether `op` runs as its fused kernel on this thread: the fused kernels are on and `op`
+/// has not fallen back.
+pub fn uses(op: Op) -> bool {
+    fused() && FALLBACK.load(Ordering::Relaxed) & op.bit() == 0
+}
+
 /// The number type of the linear layers' products (nanoGPT's `dtype`, PyTorch's autocast):
 /// `f32`, or `f16`/`bf16` on a GPU backend. In half precision the inputs of each product are
 /// cast to the half type, the product accumulates and returns `f32`, and everything else stays
@@ -426,11 +504,12 @@ pub fn precision() -> Precision {
 
 /// GELU (exact, erf form), any shape.
 pub fn gelu<B: LabBackend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
-    if !fused() {
+    if !uses(Op::Gelu) {
         return reference::gelu(x);
     }
     let shape = x.shape();
-    tensor::<B, 1>(B::fused_gelu(prim(x.reshape([-1])))).reshape(shape)
+    let y = tensor::<B, 1>(B::fused_gelu(prim(x.reshape([-1])))).reshape(shape);
+    check::sabotage(Op::Gelu, y)
 }
 
 /// `norm` applied to the last dimension of `x`.
@@ -438,7 +517,7 @@ pub fn layer_norm<B: LabBackend, const D: usize>(
     norm: &LayerNorm<B>,
     x: Tensor<B, D>,
 ) -> Tensor<B, D> {
-    if !fused() {
+    if !uses(Op::LayerNorm) {
         return norm.forward(x);
     }
     let shape = x.shape();
@@ -449,7 +528,7 @@ pub fn layer_norm<B: LabBackend, const D: usize>(
         norm.beta.as_ref().map(|beta| prim(beta.val())),
         LAYER_NORM_EPSILON,
     );
-    tensor::<B, 2>(y).reshape(shape)
+    check::sabotage(Op::LayerNorm, tensor::<B, 2>(y).reshape(shape))
 }
 
 /// The epsilon of every LayerNorm in the crate (burn's `LayerNormConfig` default).
@@ -457,12 +536,13 @@ pub const LAYER_NORM_EPSILON: f64 = 1e-5;
 
 /// Softmax over the last dimension, any shape.
 pub fn softmax<B: LabBackend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
-    if !fused() {
+    if !uses(Op::Softmax) {
         return burn::tensor::activation::softmax(x, D - 1);
     }
     let shape = x.shape();
     let s = shape[D - 1];
-    tensor::<B, 2>(B::fused_softmax(prim(x.reshape([-1, s as i32])))).reshape(shape)
+    let y = tensor::<B, 2>(B::fused_softmax(prim(x.reshape([-1, s as i32])))).reshape(shape);
+    check::sabotage(Op::Softmax, y)
 }
 
 /// Softmax attention without its weights: `softmax(Q·Kᵀ/√k + mask)·V`, masked scores set to
@@ -481,17 +561,18 @@ pub fn attention<B: LabBackend>(
 ) -> Tensor<B, 4> {
     debug_assert!(!causal || q.dims()[2] == k.dims()[2]);
     let pad = pad.map(|pad| pad.clone().float());
-    if !fused() {
+    if !uses(Op::Attention) {
         return reference::attention_forward(q, k, v, causal, pad, dropout).0;
     }
-    tensor(B::fused_attention(
+    let o = tensor(B::fused_attention(
         prim(q),
         prim(k),
         prim(v),
         causal,
         pad.map(prim),
         dropout,
-    ))
+    ));
+    check::sabotage(Op::Attention, o)
 }
 
 /// Dropout of probability `prob` in training (`B` tracks gradients), the identity elsewhere:
@@ -505,12 +586,13 @@ pub fn dropout<B: LabBackend, const D: usize>(
     if !B::ad_enabled(&x.device()) || module.prob == 0.0 {
         return x;
     }
-    if !fused() {
+    if !uses(Op::Dropout) {
         return module.forward(x);
     }
     let shape = x.shape();
     let mask = dropout::next_mask(module.prob);
-    tensor::<B, 1>(B::fused_dropout(prim(x.reshape([-1])), mask)).reshape(shape)
+    let y = tensor::<B, 1>(B::fused_dropout(prim(x.reshape([-1])), mask)).reshape(shape);
+    check::sabotage(Op::Dropout, y)
 }
 
 /// A fresh mask for attention dropout of probability `prob` in training, none elsewhere.
@@ -569,8 +651,11 @@ pub fn product<B: LabBackend>(
     w: Tensor<B, 2>,
     b: Option<Tensor<B, 1>>,
 ) -> Tensor<B, 2> {
-    if fused() {
-        tensor(B::fused_linear(prim(x), prim(w), b.map(prim)))
+    if uses(Op::Linear) {
+        check::sabotage(
+            Op::Linear,
+            tensor(B::fused_linear(prim(x), prim(w), b.map(prim))),
+        )
     } else {
         reference::linear_forward(x, w, b)
     }
@@ -587,18 +672,19 @@ pub fn packed_self_attention<B: LabBackend>(
     dropout: Option<DropoutMask>,
 ) -> Tensor<B, 3> {
     let pad = pad.map(|pad| pad.clone().float());
-    if !fused() {
+    if !uses(Op::PackedAttention) {
         let (q, k, v) = reference::split_packed(qkv, heads);
         let o = reference::attention_forward(q, k, v, causal, pad, dropout).0;
         return reference::merge_heads(o);
     }
-    tensor(B::fused_packed_attention(
+    let o = tensor(B::fused_packed_attention(
         prim(qkv),
         heads,
         causal,
         pad.map(prim),
         dropout,
-    ))
+    ));
+    check::sabotage(Op::PackedAttention, o)
 }
 
 /// The settings of one AdamW step (PyTorch's `AdamW`, burn's `AdamW`): for gradient `g`,
@@ -632,13 +718,17 @@ pub fn adamw<B: LabBackend, const D: usize>(
     let shape = param.shape();
     let flat = |x: Tensor<B, D>| prim(x.reshape([-1]));
     let moments = moments.map(|(m, v)| (flat(m), flat(v)));
-    let (p, m, v) = if fused() {
+    let (p, m, v) = if uses(Op::AdamW) {
         B::fused_adamw(flat(param), flat(grad), moments, step)
     } else {
         composed::adamw::<B>(flat(param), flat(grad), moments, step)
     };
     let back = |x| tensor::<B, 1>(x).reshape(shape.clone());
-    (back(p), back(m), back(v))
+    let p = match uses(Op::AdamW) {
+        true => check::sabotage(Op::AdamW, back(p)),
+        false => back(p),
+    };
+    (p, back(m), back(v))
 }
 
 /// The cross-entropy of each row of `logits` `[n, v]` against its class in `targets` `[n]`,
@@ -655,13 +745,14 @@ pub fn cross_entropy<B: LabBackend>(
     smoothing: f32,
     ignore: Option<usize>,
 ) -> Tensor<B, 1> {
-    if !fused() {
+    if !uses(Op::CrossEntropy) {
         return reference::cross_entropy_forward(logits, targets, smoothing, ignore).0;
     }
-    tensor(B::fused_cross_entropy(
+    let loss = tensor(B::fused_cross_entropy(
         prim(logits),
         targets.into_primitive(),
         smoothing,
         ignore,
-    ))
+    ));
+    check::sabotage(Op::CrossEntropy, loss)
 }

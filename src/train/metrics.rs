@@ -11,7 +11,45 @@ use burn::train::metric::store::{EpochSummary, MetricsUpdate, Split};
 use burn::train::metric::{MetricDefinition, MetricId, NumericEntry};
 use std::collections::{BTreeMap, HashMap};
 use std::io::Write;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
+
+/// The first training step whose loss was not finite (NaN or ±∞), and the handle that stops
+/// the run there: the Learner leaves the epoch without validating or checkpointing it.
+#[derive(Clone)]
+pub struct Divergence {
+    step: Arc<AtomicUsize>,
+    interrupter: burn::train::Interrupter,
+}
+
+impl Divergence {
+    /// Stops training through `interrupter` (the one the Learner checks after every step).
+    pub fn new(interrupter: burn::train::Interrupter) -> Self {
+        Self {
+            step: Arc::new(AtomicUsize::new(0)),
+            interrupter,
+        }
+    }
+
+    /// The first non-finite loss was at `step` (counted from 1): stop.
+    fn trip(&self, step: usize) {
+        let first = self
+            .step
+            .compare_exchange(0, step, Ordering::SeqCst, Ordering::SeqCst);
+        if first.is_ok() {
+            self.interrupter
+                .stop(Some("the training loss is not finite"));
+        }
+    }
+
+    /// The step whose loss was not finite, if one was.
+    pub fn step(&self) -> Option<usize> {
+        match self.step.load(Ordering::SeqCst) {
+            0 => None,
+            step => Some(step),
+        }
+    }
+}
 
 /// Counts training steps as their metrics are logged. burn 0.21 passes a resumed run's first
 /// epoch to the loggers as epoch 1 (its event store restarts its count), so the step and epoch
@@ -102,18 +140,21 @@ pub struct CsvLogger {
     /// Validation `(Σ value·count, Σ count)` per metric over the epoch so far.
     valid: BTreeMap<String, (f64, f64)>,
     failure: Arc<Mutex<Option<String>>>,
+    divergence: Divergence,
 }
 
 impl CsvLogger {
     /// Opens `metrics.csv` of `artifact` for a run starting after checkpoint `start` (0 for a
     /// fresh run), keeping the rows of epochs `1..=start` (taken from burn's epoch logs when a
     /// run older than the table is resumed). The returned slot receives the first write that
-    /// failed (the run goes on; its end reports the table incomplete).
+    /// failed (the run goes on; its end reports the table incomplete). A training loss that
+    /// is not finite trips `divergence`.
     pub fn open(
         artifact: &ArtifactDir,
         steps_per_epoch: usize,
         start: usize,
         losses: ValidLosses,
+        divergence: Divergence,
     ) -> Result<(Self, Arc<Mutex<Option<String>>>)> {
         let path = artifact.metrics();
         let kept = match start {
@@ -134,6 +175,7 @@ impl CsvLogger {
             steps: StepCounter::new(steps_per_epoch, start),
             valid: BTreeMap::new(),
             failure: failure.clone(),
+            divergence,
         };
         Ok((logger, failure))
     }
@@ -186,6 +228,9 @@ impl MetricLogger for CsvLogger {
                         continue;
                     };
                     let (value, _) = value_and_count(&metric.numeric_entry);
+                    if name == "loss" && !value.is_finite() {
+                        self.divergence.trip(step);
+                    }
                     self.write(Row {
                         step,
                         epoch,

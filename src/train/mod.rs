@@ -57,7 +57,7 @@ pub use checkpoint::{prune, KeepCheckpoints, Patience, ValidLosses};
 pub use loader::{
     mix, padding_fraction, replacement_batches, unseeded, BatchFn, Draw, EpochLoader,
 };
-pub use optim::{clip_global_norm, reference_adamw, LabAdamW, ReferenceOptimizer};
+pub use optim::{clip_global_norm, reference_adamw, LabAdamW, ReferenceOptimizer, NAN_ENV};
 pub use renderer::{PlainRenderer, Throughput};
 pub use run::{launch, train_loader, Session};
 pub use schedule::WarmupSchedule;
@@ -86,6 +86,9 @@ pub struct TrainRequest {
     /// The precision of the products, replacing the experiment's (a resumed run keeps its
     /// own: a different one is an error).
     pub precision: Option<crate::kernels::Precision>,
+    /// The peak learning rate, replacing the experiment's for this invocation (also on
+    /// resume); `min_lr` is scaled with it.
+    pub lr: Option<f64>,
 }
 
 /// What a finished (or stopped) training reports.

@@ -27,7 +27,13 @@ pub struct ReferenceOptimizer<O> {
     inner: O,
     weight_decay: f64,
     max_grad_norm: f32,
+    /// Steps taken by this process (for [`NAN_ENV`]).
+    steps: usize,
 }
+
+/// `TRANSFORMER_LAB_NAN_AFTER_STEPS=N`: every optimizer step after the process's N-th gets
+/// NaN gradients, as a diverging run does (how the tests check that divergence stops loudly).
+pub const NAN_ENV: &str = "TRANSFORMER_LAB_NAN_AFTER_STEPS";
 
 impl<O> ReferenceOptimizer<O> {
     /// Decays matrices by `weight_decay` (λ) and clips to `max_grad_norm` around `inner`.
@@ -36,6 +42,7 @@ impl<O> ReferenceOptimizer<O> {
             inner,
             weight_decay,
             max_grad_norm,
+            steps: 0,
         }
     }
 }
@@ -122,6 +129,15 @@ where
     type Record = O::Record;
 
     fn step(&mut self, lr: f64, module: M, grads: GradientsParams) -> M {
+        self.steps += 1;
+        let poisoned = std::env::var(NAN_ENV)
+            .ok()
+            .and_then(|n| n.parse::<usize>().ok())
+            .is_some_and(|n| self.steps > n);
+        let grads = match poisoned {
+            true => poison::<B, M>(&module, grads),
+            false => grads,
+        };
         let grads = if self.max_grad_norm > 0.0 {
             clip_global_norm::<B, M>(&module, grads, self.max_grad_norm)
         } else {
@@ -175,6 +191,20 @@ pub fn clip_global_norm<B: AutodiffBackend, M: AutodiffModule<B>>(
         .recip()
         .mul_scalar(max_norm)
         .clamp_max(1.0); // [1]
+    let mut rescale = Rescale::<B> { grads, scale };
+    module.visit(&mut rescale);
+    rescale.grads
+}
+
+/// Every gradient of `module` made NaN.
+fn poison<B: AutodiffBackend, M: AutodiffModule<B>>(
+    module: &M,
+    grads: GradientsParams,
+) -> GradientsParams {
+    let Some(device) = module.devices().into_iter().next() else {
+        return grads;
+    };
+    let scale = Tensor::<B::InnerBackend, 1>::from_floats([f32::NAN], &device);
     let mut rescale = Rescale::<B> { grads, scale };
     module.visit(&mut rescale);
     rescale.grads

@@ -69,6 +69,8 @@ pub(super) fn prepare_artifact(
         } else {
             None
         };
+        let mut saved = saved;
+        set_lr(&mut saved, request.lr)?;
         return Ok((saved, tokenizers));
     }
     if artifact.holds_run() && !request.force {
@@ -85,8 +87,21 @@ pub(super) fn prepare_artifact(
     if let Some(precision) = request.precision {
         config.train.precision = precision;
     }
+    set_lr(&mut config, request.lr)?;
     config.validate()?;
     Ok((config, None))
+}
+
+/// `--lr`: the peak learning rate replaced, `min_lr` scaled with it (the schedule's shape kept).
+fn set_lr(config: &mut ExperimentConfig, lr: Option<f64>) -> Result<()> {
+    let Some(lr) = lr else { return Ok(()) };
+    if !(lr.is_finite() && lr > 0.0) {
+        bail!("--lr {lr}: the learning rate must be a positive number");
+    }
+    let train = &mut config.train;
+    train.min_lr *= lr / train.lr;
+    train.lr = lr;
+    Ok(())
 }
 
 /// Refuses a batch whose activations alone would not fit in this machine's free memory (a

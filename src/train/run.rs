@@ -4,7 +4,7 @@
 
 use super::checkpoint::{prune, KeepCheckpoints, Patience, ValidLosses};
 use super::loader::{BatchFn, Draw, EpochLoader};
-use super::metrics::{CsvLogger, EpochCorrected};
+use super::metrics::{CsvLogger, Divergence, EpochCorrected};
 use super::{
     reference_adamw, Outcome, PlainRenderer, Throughput, Tokenizers, TrainReport, TrainRequest,
     WarmupSchedule,
@@ -319,8 +319,15 @@ where
         return Ok(report);
     }
     session.epoch.store(start, Ordering::SeqCst);
-    let (csv, csv_failure) =
-        CsvLogger::open(artifact, train.steps_per_epoch, start, losses.clone())?;
+    let interrupter = burn::train::Interrupter::new();
+    let divergence = Divergence::new(interrupter.clone());
+    let (csv, csv_failure) = CsvLogger::open(
+        artifact,
+        train.steps_per_epoch,
+        start,
+        losses.clone(),
+        divergence.clone(),
+    )?;
 
     let accuracy = || match pad {
         Some(pad) => AccuracyMetric::new().with_pad_token(pad),
@@ -331,6 +338,7 @@ where
         None => PerplexityMetric::new(),
     };
     let mut training = SupervisedTraining::new(artifact.root(), loaders.0, loaders.1)
+        .with_interrupter(interrupter)
         .with_metric_logger(EpochCorrected::new(
             FileMetricLogger::new(artifact.root()),
             train.steps_per_epoch,
@@ -406,6 +414,9 @@ where
         };
         bail!("{failure}; training stopped, {next}");
     }
+    if let Some(step) = divergence.step() {
+        bail!("{}", diverged(artifact, train, step)?);
+    }
     if done < epochs && !stops_early(done) {
         // Stopped by the user (the dashboard's `q`): nothing is written as if finished.
         report.outcome = Outcome::Interrupted;
@@ -417,6 +428,41 @@ where
     write_model(artifact, result.model)?;
     report.best = prune(artifact, train.keep_checkpoints, &losses)?;
     Ok(report)
+}
+
+/// After a non-finite loss at `step`: removes the checkpoints written from that step's epoch on
+/// (the metrics logger may see the loss after the epoch's checkpoint was written; those weights
+/// are not finite) and says which checkpoint is kept and how to continue.
+fn diverged(
+    artifact: &ArtifactDir,
+    train: &crate::config::TrainConfig,
+    step: usize,
+) -> Result<String> {
+    let epoch = step.div_ceil(train.steps_per_epoch);
+    for bad in artifact
+        .complete_checkpoints()
+        .into_iter()
+        .filter(|&e| e >= epoch)
+    {
+        artifact.remove_checkpoint(bad)?;
+    }
+    let dir = artifact.root().display();
+    let next = match artifact.latest_checkpoint() {
+        Some(good) => format!(
+            "the checkpoint of step {} is kept; continue it with a lower learning rate: \
+             transformer-lab train --artifact-dir {dir} --resume --lr {:.1e}",
+            good * train.steps_per_epoch,
+            train.lr / 4.0
+        ),
+        None => format!(
+            "no checkpoint came before it; train again with a lower learning rate (--lr {:.1e} \
+             --force)",
+            train.lr / 4.0
+        ),
+    };
+    Ok(format!(
+        "training diverged: the loss is not finite at step {step}; {next}"
+    ))
 }
 
 fn write_model<B: crate::kernels::LabBackend, M: burn::module::Module<B>>(

@@ -32,6 +32,8 @@ pub struct RunTimes {
     pub backward: Vec<f64>,
     /// Clipping, decay and the AdamW update.
     pub optimizer: Vec<f64>,
+    /// Whole untimed warm-up steps (the first compiles kernels and autotunes on a GPU).
+    pub warmup: Vec<f64>,
 }
 
 impl RunTimes {
@@ -105,6 +107,16 @@ impl BenchReport {
             fwd + bwd + opt,
             unit = self.unit,
         );
+        if let Some(first) = self.runs.first().filter(|r| !r.warmup.is_empty()) {
+            text.push_str(&format!(
+                "warm-up, not counted above: the first step {:.2} s (kernel compilation, autotune), \
+                 {} warm-up steps {:.2} s in the first run, {:.2} s in the last\n",
+                first.warmup[0],
+                first.warmup.len(),
+                first.warmup.iter().sum::<f64>(),
+                self.runs.last().map_or(0.0, |r| r.warmup.iter().sum::<f64>()),
+            ));
+        }
         for note in &self.notes {
             text.push_str(note);
             text.push('\n');
@@ -173,6 +185,17 @@ where
                 times.forward.push(forward);
                 times.backward.push(backward);
                 times.optimizer.push(optimizer_time);
+            } else {
+                times.warmup.push(began.elapsed().as_secs_f64());
+                if run == 0 && step == 0 {
+                    eprintln!(
+                        "bench: the first step took {:.1} s (kernel compilation and autotune on \
+                         a GPU); timing {} runs of {} steps",
+                        began.elapsed().as_secs_f64(),
+                        plan.runs,
+                        plan.steps
+                    );
+                }
             }
         }
         runs.push(times);

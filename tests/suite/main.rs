@@ -22,6 +22,7 @@ mod gpu_kernels;
 mod heads;
 mod images;
 mod inspect;
+mod kernel_check;
 #[cfg(feature = "flex")]
 mod kernels;
 mod layers;

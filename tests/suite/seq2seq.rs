@@ -227,6 +227,7 @@ fn the_copy_task_is_solved_exactly_by_greedy_decoding() {
             force: false,
             plain: true,
             precision: None,
+            lr: None,
         },
         Default::default(),
     )

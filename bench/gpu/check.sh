@@ -1,0 +1,146 @@
+#!/usr/bin/env bash
+# The GPU check: on a machine with an NVIDIA GPU, PyTorch and no Rust toolchain or network,
+# with a binary built elsewhere by `cargo build --release --features wgpu,cuda`:
+#
+#   bench/gpu/check.sh [BIN] [DATA_DIR] [OUT_DIR]
+#
+# BIN defaults to .gpu/transformer-lab (or .gpu/transformer-lab.xz, unpacked), DATA_DIR to
+# .gpu/data (holding tinyshakespeare/input.txt), OUT_DIR to $OUT or ./gpu-check. Runs within
+# six minutes (each step has its own limit and the whole a deadline) and prints one table last:
+#
+#   - `doctor` on cuda and wgpu: every fused kernel against its composed form on the device;
+#   - a learning check per backend: experiments/shakespeare-char-gpu.json cut to 150 steps must
+#     end below the unigram loss of its text (cuda with the kernel check, cuda without it —
+#     the raw fused path — and wgpu);
+#   - `bench train` at f32 and bf16 on cuda, f32 on wgpu; `bench generate` (cached) at batch 1
+#     and 8 on cuda;
+#   - the PyTorch peers on the same GPU: bench/pytorch/train_bench.py at f32, bf16 and compiled
+#     bf16, bench/pytorch/generate_bench.py (transformers) at batch 1 and 8.
+#
+# Every log goes to OUT_DIR; CI_EXPECT_CUDA=1 is set for anything that reads it.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+
+BIN=${1:-.gpu/transformer-lab}
+DATA=${2:-.gpu/data}
+OUT_DIR=${3:-${OUT:-gpu-check}}
+DEADLINE=${GPU_CHECK_SECONDS:-360}
+mkdir -p "$OUT_DIR"
+export CI_EXPECT_CUDA=1 TRANSFORMER_LAB_DATA="$DATA" TRANSFORMER_LAB_CACHE_DIR="$OUT_DIR/cache"
+export XDG_RUNTIME_DIR="${XDG_RUNTIME_DIR:-$(mktemp -d)}" PYTHONUNBUFFERED=1
+
+if [ ! -x "$BIN" ] && [ -f "$BIN.xz" ]; then
+  xz -dkf "$BIN.xz" && chmod +x "$BIN"
+fi
+[ -x "$BIN" ] || { echo "error: no binary at $BIN (build with --features wgpu,cuda, strip, xz)"; exit 2; }
+[ -f "$DATA/tinyshakespeare/input.txt" ] || { echo "error: no $DATA/tinyshakespeare/input.txt"; exit 2; }
+
+ROWS=()
+row() { ROWS+=("$(printf '%-34s %-14s %s' "$1" "$2" "$3")"); }
+
+# Runs NAME LIMIT CMD...: logs to OUT_DIR/NAME.log, at most LIMIT seconds or what is left.
+step() {
+  local name=$1 limit=$2; shift 2
+  local left=$((DEADLINE - SECONDS - 5))
+  if [ "$left" -lt 10 ]; then echo "skipped (deadline)" >"$OUT_DIR/$name.log"; return 124; fi
+  [ "$limit" -gt "$left" ] && limit=$left
+  echo "== $name (limit ${limit}s, ${SECONDS}s in)" >&2
+  local start=$SECONDS
+  timeout -k 5 "$limit" "$@" >"$OUT_DIR/$name.log" 2>&1
+  local rc=$?
+  echo "   exit $rc after $((SECONDS - start)) s" >&2
+  echo "exit $rc after $((SECONDS - start)) s" >>"$OUT_DIR/$name.log"
+  return $rc
+}
+
+status() { case $1 in 0) echo ok;; 124|137) echo "timed out";; *) echo "exit $1";; esac; }
+
+# 1. The kernels on each backend.
+for backend in cuda wgpu; do
+  step "doctor-$backend" 150 "$BIN" --backend "$backend" doctor
+  rc=$?
+  summary=$(grep -o '[0-9]* of [0-9]* operations agree' "$OUT_DIR/doctor-$backend.log" || true)
+  wrong=$(grep -o 'fused kernels wrong on this device: .*(' "$OUT_DIR/doctor-$backend.log" | sed 's/fused kernels wrong on this device: //; s/ (//' || true)
+  row "kernels ($backend)" "$(status $rc)" "${summary:-no table}${wrong:+; fallback: $wrong}"
+done
+
+# 2. Learning: 150 steps of the GPU experiment, against the unigram loss of its text.
+python3 - "$OUT_DIR/learn.json" <<'EOF'
+import json, sys
+c = json.load(open("experiments/shakespeare-char-gpu.json"))
+c["name"] = "gpu-check-learn"
+c["train"].update(steps=150, steps_per_epoch=75, eval_batches=20, warmup_steps=30, decay_steps=150)
+json.dump(c, open(sys.argv[1], "w"), indent=1)
+EOF
+UNIGRAM=$(python3 - "$DATA/tinyshakespeare/input.txt" <<'EOF'
+import collections, math, sys
+text = open(sys.argv[1], encoding="utf-8").read()
+counts = collections.Counter(text)
+n = len(text)
+print(f"{-sum(c / n * math.log(c / n) for c in counts.values()):.4f}")
+EOF
+)
+learn() {
+  local name=$1 backend=$2; shift 2
+  step "learn-$name" 150 "$BIN" --backend "$backend" "$@" train -e "$OUT_DIR/learn.json" \
+    --artifact-dir "$OUT_DIR/art-$name" --force --plain
+  local rc=$?
+  local valid speed
+  valid=$(grep ' valid ' "$OUT_DIR/learn-$name.log" | tail -1 | sed -E 's/.*loss ([0-9.a-zA-Z]+).*/\1/')
+  speed=$(grep -o '[0-9]* tok/s' "$OUT_DIR/learn-$name.log" | tail -1)
+  local verdict="no validation"
+  if [ -n "$valid" ]; then
+    verdict=$(python3 -c "print('learns' if float('$valid') < $UNIGRAM else 'DOES NOT LEARN')" 2>/dev/null || echo "?")
+  fi
+  row "learning ($name)" "$(status $rc)" "valid ${valid:-?} vs unigram $UNIGRAM: $verdict; ${speed:-}"
+}
+learn cuda cuda
+learn cuda-unchecked cuda --kernel-check never
+learn wgpu wgpu
+
+# 3. Training speed, ours.
+bench_train() {
+  local name=$1 backend=$2; shift 2
+  step "bench-train-$name" 120 "$BIN" --backend "$backend" bench train \
+    -e experiments/shakespeare-char-gpu.json --steps 20 --warmup 5 --runs 3 "$@"
+  local rc=$?
+  row "bench train ($name)" "$(status $rc)" "$(grep -E 'tokens/s|tok/s' "$OUT_DIR/bench-train-$name.log" | head -1)"
+  local split; split=$(grep -E 'step .* ms' "$OUT_DIR/bench-train-$name.log" | head -1)
+  [ -n "$split" ] && row "" "" "$split"
+}
+bench_train cuda-f32 cuda
+bench_train cuda-bf16 cuda --precision bf16
+bench_train wgpu-f32 wgpu
+
+# 4. Generation speed, ours.
+step bench-generate-cuda 90 "$BIN" --backend cuda bench generate \
+  -e experiments/shakespeare-char-gpu.json --cached-only --batch 1,8
+rc=$?
+for b in 1 8; do
+  line=$(awk -v b="$b" '$1 == "cached" && $2 == b' "$OUT_DIR/bench-generate-cuda.log")
+  row "bench generate (cuda, batch $b)" "$(status $rc)" "${line:-none}"
+done
+
+# 5. The PyTorch peers on the same GPU.
+peer() {
+  local name=$1; shift
+  step "pytorch-$name" 100 python3 bench/pytorch/train_bench.py --data-dir "$DATA" --config gpu \
+    --device cuda --adamw fused --steps 20 --warmup 5 --runs 3 "$@"
+  local rc=$?
+  row "pytorch train ($name)" "$(status $rc)" "$(grep 'tokens/s' "$OUT_DIR/pytorch-$name.log" | sed -E 's/.*: ([0-9]+ tokens\/s).*/\1/')"
+}
+peer f32 --dtype f32
+peer bf16 --dtype bf16
+peer bf16-compiled --dtype bf16 --compile
+step transformers-generate 90 python3 bench/pytorch/generate_bench.py --device cuda --cached-only --batch 1,8 --runs 3
+rc=$?
+for b in 1 8; do
+  line=$(awk -v b="$b" '$1 == "cached" && $2 == b' "$OUT_DIR/transformers-generate.log")
+  row "transformers generate (batch $b)" "$(status $rc)" "${line:-none}"
+done
+
+# The table.
+echo
+echo "GPU check, $(date -u +%Y-%m-%d), $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -1), ${SECONDS}s"
+printf '%-34s %-14s %s\n' "check" "status" "result"
+for r in "${ROWS[@]}"; do echo "$r"; done

@@ -1,0 +1,239 @@
+//! The on-device check of the fused kernels (`kernels::check`): before a command first uses
+//! them on a GPU backend, and as the `doctor` command. A disagreeing operation prints one
+//! warning line and runs composed for the rest of the process; the result is cached per
+//! backend, device, driver and binary in the user's cache directory, so the check runs once.
+
+use crate::backend::{describe_device, BackendKind};
+use crate::cli::KernelCheck;
+use crate::files::write_atomic;
+use crate::kernels::check::{check_all, OpCheck};
+use crate::kernels::{fall_back, fused, LabBackend, Op};
+use anyhow::{bail, Result};
+use burn::backend::Autodiff;
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::time::Instant;
+
+/// The environment variable that moves the check's cache (tests give each run its own).
+pub const CACHE_ENV: &str = "TRANSFORMER_LAB_CACHE_DIR";
+
+/// One operation's result as the cache keeps it.
+#[derive(Serialize, Deserialize, Clone, Copy)]
+struct Cached {
+    error: f32,
+    tolerance: f32,
+}
+
+/// The cache file: each device identity's results, by operation name.
+#[derive(Serialize, Deserialize, Default)]
+struct Cache {
+    checks: BTreeMap<String, BTreeMap<String, Cached>>,
+}
+
+/// Runs before a command on backend `kind`: unless `mode` says otherwise (or the fused kernels
+/// are off), checks the fused operations on `device` (or reads the cached check) and makes
+/// each one that disagrees fall back to its composed form, with one warning line each.
+pub fn prepare<B: LabBackend>(
+    kind: BackendKind,
+    mode: KernelCheck,
+    device: &B::Device,
+) -> Result<()> {
+    let wanted = match mode {
+        KernelCheck::Auto => on_gpu(kind),
+        KernelCheck::Always => true,
+        KernelCheck::Never => false,
+    };
+    if !wanted || !fused() {
+        return Ok(());
+    }
+    let identity = identity(kind);
+    let mut cache = read_cache();
+    let results = match cache.checks.get(&identity) {
+        Some(results) => results.clone(),
+        None => {
+            eprintln!(
+                "checking the fused kernels on {} against their composed forms (once per \
+                 device, driver and binary; --kernel-check never skips it)",
+                describe_device(kind)
+            );
+            let results = to_cache(&check_all::<Autodiff<B>>(device, head_dim(kind)));
+            cache.checks.insert(identity, results.clone());
+            write_cache(&cache);
+            results
+        }
+    };
+    for (name, result) in &results {
+        if result.error <= result.tolerance {
+            continue;
+        }
+        if let Some(op) = Op::from_name(name) {
+            fall_back(op);
+            eprintln!(
+                "warning: the fused {name} kernel disagrees with its composed form on this \
+                 device (relative error {} > {:.0e}): {name} runs composed in this run \
+                 (`transformer-lab doctor` shows every operation)",
+                show_error(result.error),
+                result.tolerance
+            );
+        }
+    }
+    Ok(())
+}
+
+/// `doctor`: checks every fused operation on `device` now (whatever the cache holds), prints
+/// one table row per operation, and caches the result. Fails where an operation disagrees.
+pub fn run_doctor<B: LabBackend>(kind: BackendKind, device: &B::Device) -> Result<()> {
+    anyhow::ensure!(fused(), "doctor checks the fused kernels: drop --no-fused");
+    let name = describe_device(kind);
+    let started = Instant::now();
+    let checks = check_all::<Autodiff<B>>(device, head_dim(kind));
+    let seconds = started.elapsed().as_secs_f64();
+    let backend = format!("{kind:?}").to_lowercase();
+    println!(
+        "{:<8} {:<40} {:<18} {:>10} {:>9}  result",
+        "backend", "device", "operation", "max error", "tolerance"
+    );
+    for check in &checks {
+        println!(
+            "{:<8} {:<40} {:<18} {:>10} {:>9.0e}  {}",
+            backend,
+            truncate(&name, 40),
+            check.op.name(),
+            show_error(check.error),
+            check.tolerance,
+            if check.passed() { "pass" } else { "fallback" }
+        );
+    }
+    let mut cache = read_cache();
+    cache.checks.insert(identity(kind), to_cache(&checks));
+    write_cache(&cache);
+    let failed: Vec<&str> = checks
+        .iter()
+        .filter(|c| !c.passed())
+        .map(|c| c.op.name())
+        .collect();
+    println!(
+        "{} of {} operations agree with their composed forms ({seconds:.1} s, compilation \
+         included)",
+        checks.len() - failed.len(),
+        checks.len()
+    );
+    if !failed.is_empty() {
+        bail!(
+            "fused kernels wrong on this device: {} (runs use their composed forms)",
+            failed.join(", ")
+        );
+    }
+    Ok(())
+}
+
+/// Whether `kind` runs on a GPU: cuda, or wgpu on a hardware adapter (not a CPU driver such
+/// as Mesa's lavapipe, whose kernels the test suite covers).
+fn on_gpu(kind: BackendKind) -> bool {
+    #[cfg(feature = "wgpu-backend")]
+    if kind == BackendKind::Wgpu {
+        return crate::backend::hardware_gpu_present();
+    }
+    kind == BackendKind::Cuda
+}
+
+/// The attention head dimension the check compiles: 64, the common one, except on wgpu without
+/// a hardware GPU (Mesa's lavapipe takes minutes to compile that kernel; 8 there).
+fn head_dim(kind: BackendKind) -> usize {
+    match kind == BackendKind::Wgpu && !on_gpu(kind) {
+        true => 8,
+        false => 64,
+    }
+}
+
+fn show_error(error: f32) -> String {
+    match error.is_finite() {
+        true => format!("{error:.1e}"),
+        false => "non-finite".into(),
+    }
+}
+
+fn truncate(text: &str, width: usize) -> String {
+    match text.chars().count() > width {
+        true => text.chars().take(width - 1).chain(['…']).collect(),
+        false => text.to_string(),
+    }
+}
+
+fn to_cache(checks: &[OpCheck]) -> BTreeMap<String, Cached> {
+    checks
+        .iter()
+        .map(|c| {
+            let error = if c.error.is_finite() {
+                c.error
+            } else {
+                f32::MAX
+            };
+            let cached = Cached {
+                error,
+                tolerance: c.tolerance,
+            };
+            (c.op.name().to_string(), cached)
+        })
+        .collect()
+}
+
+/// What a cached check is valid for: backend, device and driver, this binary (its version,
+/// size and modification time: a rebuild compiles other kernels).
+fn identity(kind: BackendKind) -> String {
+    let binary = std::env::current_exe()
+        .and_then(std::fs::metadata)
+        .map(|m| {
+            let modified = m
+                .modified()
+                .ok()
+                .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+                .map_or(0, |d| d.as_secs());
+            format!("{} bytes, modified {modified}", m.len())
+        })
+        .unwrap_or_default();
+    format!(
+        "{kind:?} | {} | transformer-lab {} ({binary})",
+        describe_device(kind),
+        env!("CARGO_PKG_VERSION"),
+    )
+}
+
+/// `$TRANSFORMER_LAB_CACHE_DIR`, else `$XDG_CACHE_HOME/transformer-lab`, else
+/// `~/.cache/transformer-lab`.
+fn cache_file() -> Option<PathBuf> {
+    let var = |name| {
+        std::env::var_os(name)
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from)
+    };
+    let dir = var(CACHE_ENV)
+        .or_else(|| var("XDG_CACHE_HOME").map(|d| d.join("transformer-lab")))
+        .or_else(|| var("HOME").map(|d| d.join(".cache").join("transformer-lab")))?;
+    Some(dir.join("kernel-check.json"))
+}
+
+/// The cache, empty where there is none or it cannot be read (the check then runs again).
+fn read_cache() -> Cache {
+    cache_file()
+        .and_then(|path| std::fs::read(path).ok())
+        .and_then(|bytes| serde_json::from_slice(&bytes).ok())
+        .unwrap_or_default()
+}
+
+/// Writes the cache whole; a cache that cannot be written only costs a check next time.
+fn write_cache(cache: &Cache) {
+    let Some(path) = cache_file() else { return };
+    let written = path
+        .parent()
+        .map_or(Ok(()), std::fs::create_dir_all)
+        .map_err(anyhow::Error::from)
+        .and_then(|()| Ok(serde_json::to_vec_pretty(cache)?))
+        .and_then(|bytes| write_atomic(&path, &bytes));
+    if let Err(err) = written {
+        eprintln!(
+            "note: the kernel check's cache was not written ({err:#}); it runs again next time"
+        );
+    }
+}

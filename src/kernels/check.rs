@@ -1,0 +1,343 @@
+//! Each fused operation checked against its composed form on the device it will run on: small
+//! random inputs, the outputs and every input's gradient compared. A GPU kernel can pass every
+//! test on one driver and be wrong on another (a missing barrier, a read of memory nobody
+//! wrote, an assumption about the plane size): the composed form is built from the backend's
+//! own well-tested operations, so a disagreement means the kernel is wrong *here*, and that
+//! operation falls back to the composed form ([`super::fall_back`]).
+//!
+//! The shapes are small but not trivial: several query and key tiles with a partial last one,
+//! padded and fully masked rows, dropout drawn in the kernel, and the attention head dimension
+//! the caller names (each head dimension compiles its own attention kernel; 64 is the common
+//! one on a GPU — a CPU's software Vulkan driver takes minutes to compile that one, so a
+//! smaller head is checked there).
+
+use super::{adamw, attention, cross_entropy, dropout::DropoutMask, gelu, layer_norm};
+use super::{packed_self_attention, product, softmax, with_fused, AdamWStep, LabAutodiff};
+use super::{with_precision, LabBackend, Op, Precision};
+use burn::module::Param;
+use burn::nn::LayerNormConfig;
+use burn::prelude::*;
+use burn::tensor::{Bool, TensorPrimitive};
+use rand::rngs::StdRng;
+use rand::{RngExt, SeedableRng};
+use std::sync::OnceLock;
+
+/// The largest relative difference (to the largest reference magnitude) an `f32` operation may
+/// show: summation order and fused multiply–adds give ~1e-6; a GPU whose composed products run
+/// on TF32 tensor cores gives ~1e-3; a wrong kernel gives 1e-2 and more.
+pub const F32_TOLERANCE: f32 = 5e-3;
+
+/// The same for the linear layers' products in half precision (bf16 keeps 8 significant bits).
+pub const HALF_TOLERANCE: f32 = 5e-2;
+
+/// The environment variable that breaks named fused operations on purpose (comma-separated
+/// names, see [`Op::name`]): their outputs are scaled by 1.1. How the tests check that a wrong
+/// kernel is caught and falls back.
+pub const BREAK_ENV: &str = "TRANSFORMER_LAB_BREAK_KERNEL";
+
+/// One operation's check: the largest relative difference between its fused and composed
+/// forms over the outputs and the gradients, and the tolerance it was held to.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct OpCheck {
+    /// The operation.
+    pub op: Op,
+    /// The largest relative difference (infinite where the fused form gave a NaN or an
+    /// infinity).
+    pub error: f32,
+    /// The largest the check accepts.
+    pub tolerance: f32,
+}
+
+impl OpCheck {
+    /// Whether the fused form agrees with the composed form.
+    pub fn passed(&self) -> bool {
+        self.error <= self.tolerance
+    }
+}
+
+/// Checks every fused operation on `device` of the training backend `B` (the fused path of
+/// the inner backend is what it exercises), attention with heads of `head_dim`.
+pub fn check_all<B: LabAutodiff>(device: &B::Device, head_dim: usize) -> Vec<OpCheck> {
+    Op::ALL
+        .into_iter()
+        .map(|op| check::<B>(op, device, head_dim))
+        .collect()
+}
+
+/// Checks one fused operation on `device` (attention with heads of `head_dim`).
+pub fn check<B: LabAutodiff>(op: Op, device: &B::Device, head_dim: usize) -> OpCheck {
+    let error = match op {
+        Op::Gelu => compare::<B, 3, 1>([random([2, 67, 48], 1, 2.0, device)], |[x]| gelu(x)),
+        Op::LayerNorm => layer_norm_error::<B>(device),
+        Op::Softmax => compare::<B, 3, 1>([random([2, 67, 70], 2, 3.0, device)], |[x]| softmax(x)),
+        Op::Attention => attention_error::<B>(device, head_dim),
+        Op::PackedAttention => packed_attention_error::<B>(device, head_dim),
+        Op::Dropout => dropout_error::<B>(device),
+        Op::CrossEntropy => cross_entropy_error::<B>(device),
+        Op::AdamW => adamw_error::<B::InnerBackend>(device),
+        Op::Linear => return linear_check::<B>(device),
+    };
+    OpCheck {
+        op,
+        error,
+        tolerance: F32_TOLERANCE,
+    }
+}
+
+/// The linear layer's product with bias, in `f32` and in each half type the device runs
+/// (held to the half tolerance then).
+fn linear_check<B: LabAutodiff>(device: &B::Device) -> OpCheck {
+    let inputs = [
+        random([67, 48], 3, 1.0, device),
+        random([48, 40], 4, 0.2, device),
+    ];
+    let b = random::<B, 1>([40], 5, 1.0, device);
+    let run = || compare::<B, 2, 2>(inputs.clone(), |[x, w]| product(x, w, Some(b.clone())));
+    let mut error = with_precision(Precision::F32, run);
+    let mut tolerance = F32_TOLERANCE;
+    for half in [Precision::F16, Precision::Bf16] {
+        let dtype = half.half().expect("a half precision");
+        if B::InnerBackend::mixed_precision(device, dtype) {
+            error = error.max(with_precision(half, run));
+            tolerance = HALF_TOLERANCE;
+        }
+    }
+    OpCheck {
+        op: Op::Linear,
+        error,
+        tolerance,
+    }
+}
+
+/// `x` scaled by 1.1 where [`BREAK_ENV`] names `op`, else `x` (one atomic read).
+pub(crate) fn sabotage<B: Backend, const D: usize>(op: Op, x: Tensor<B, D>) -> Tensor<B, D> {
+    static BROKEN: OnceLock<Vec<Op>> = OnceLock::new();
+    let broken = BROKEN.get_or_init(|| {
+        std::env::var(BREAK_ENV)
+            .unwrap_or_default()
+            .split(',')
+            .filter_map(|name| Op::from_name(name.trim()))
+            .collect()
+    });
+    match broken.contains(&op) {
+        true => x.mul_scalar(1.1),
+        false => x,
+    }
+}
+
+/// A seeded tensor of uniform values with standard deviation `scale`.
+fn random<B: Backend, const D: usize>(
+    shape: [usize; D],
+    seed: u64,
+    scale: f32,
+    device: &B::Device,
+) -> Tensor<B, D> {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let n = shape.iter().product();
+    let half_width = scale * 3f32.sqrt();
+    let values: Vec<f32> = (0..n)
+        .map(|_| rng.random_range(-half_width..half_width))
+        .collect();
+    Tensor::from_data(TensorData::new(values, shape), device)
+}
+
+/// The largest `|a − b|` relative to the largest `|b|`; infinite where `a` is not finite.
+fn rel_error<B: Backend, const D: usize>(a: Tensor<B, D>, b: Tensor<B, D>) -> f32 {
+    let read = |x: Tensor<B, D>| -> Vec<f32> {
+        x.into_data().convert::<f32>().to_vec().unwrap_or_default()
+    };
+    let (a, b) = (read(a), read(b));
+    if a.len() != b.len() || a.iter().any(|x| !x.is_finite()) {
+        return f32::INFINITY;
+    }
+    let scale = b.iter().fold(1e-6f32, |m, x| m.max(x.abs()));
+    let worst = a
+        .iter()
+        .zip(&b)
+        .fold(0.0f32, |m, (x, y)| m.max((x - y).abs()));
+    worst / scale
+}
+
+/// Runs `f` on fresh leaves made from `inputs`, fused and composed: the largest relative
+/// difference of the outputs and of each input's gradient (of `Σ y ⊙ w`, random `w`).
+fn compare<B: LabAutodiff, const D: usize, const N: usize>(
+    inputs: [Tensor<B, D>; N],
+    f: impl Fn([Tensor<B, D>; N]) -> Tensor<B, D>,
+) -> f32 {
+    let run = |on: bool| {
+        with_fused(on, || {
+            let leaves = inputs.clone().map(|x| x.detach().require_grad());
+            let y = f(leaves.clone());
+            let w = random::<B, D>(y.dims(), 99, 1.0, &y.device());
+            let grads = (y.clone() * w).sum().backward();
+            let dx = leaves.map(|x| x.grad(&grads).map(|g| g.reshape([-1])));
+            (y.inner(), dx)
+        })
+    };
+    let (y_fused, dx_fused) = run(true);
+    let (y_ref, dx_ref) = run(false);
+    let mut error = rel_error(y_fused, y_ref);
+    for (a, b) in dx_fused.into_iter().zip(dx_ref) {
+        error = error.max(match (a, b) {
+            (Some(a), Some(b)) => rel_error::<B::InnerBackend, 1>(a, b),
+            (None, None) => 0.0,
+            _ => f32::INFINITY,
+        });
+    }
+    error
+}
+
+/// LayerNorm with random γ and β: outputs and the gradients of the input, γ and β.
+fn layer_norm_error<B: LabAutodiff>(device: &B::Device) -> f32 {
+    let d = 96;
+    let mut norm = LayerNormConfig::new(d).init::<B>(device);
+    norm.gamma = Param::from_tensor(random::<B, 1>([d], 6, 1.0, device).add_scalar(1.0));
+    norm.beta = Some(Param::from_tensor(random::<B, 1>([d], 7, 1.0, device)));
+    let x = random::<B, 3>([2, 67, d], 8, 2.0, device).add_scalar(1.0);
+    let run = |on: bool| {
+        with_fused(on, || {
+            let x = x.clone().require_grad();
+            let y = layer_norm(&norm, x.clone());
+            let w = random::<B, 3>(y.dims(), 99, 1.0, device);
+            let grads = (y.clone() * w).sum().backward();
+            let gamma = norm.gamma.val().grad(&grads);
+            let beta = norm.beta.as_ref().and_then(|beta| beta.val().grad(&grads));
+            let dx = x.grad(&grads).map(|g| g.reshape([-1]));
+            (y.inner(), [dx, gamma, beta])
+        })
+    };
+    let (y_fused, grads_fused) = run(true);
+    let (y_ref, grads_ref) = run(false);
+    let mut error = rel_error(y_fused, y_ref);
+    for (a, b) in grads_fused.into_iter().zip(grads_ref) {
+        error = error.max(match (a, b) {
+            (Some(a), Some(b)) => rel_error::<B::InnerBackend, 1>(a, b),
+            _ => f32::INFINITY,
+        });
+    }
+    error
+}
+
+/// A padding mask `[b, s]` whose first row pads its last third and whose second row pads
+/// every key (a fully masked row attends uniformly).
+fn padding<B: Backend>(b: usize, s: usize, device: &B::Device) -> Tensor<B, 2, Bool> {
+    let flags: Vec<bool> = (0..b * s)
+        .map(|e| match e / s {
+            0 => e % s >= s - s / 3,
+            1 => true,
+            _ => false,
+        })
+        .collect();
+    Tensor::from_data(TensorData::new(flags, [b, s]), device)
+}
+
+/// Attention with `k`-wide heads over three key tiles: causal, padded (keys longer than
+/// queries, one fully masked row), and causal with dropout.
+fn attention_error<B: LabAutodiff>(device: &B::Device, k: usize) -> f32 {
+    let qkv = |t: usize, s: usize, seed: u64| {
+        [
+            random::<B, 4>([2, 3, t, k], seed, 1.0, device),
+            random::<B, 4>([2, 3, s, k], seed + 1, 1.0, device),
+            random::<B, 4>([2, 3, s, k], seed + 2, 1.0, device),
+        ]
+    };
+    let causal = compare::<B, 4, 3>(qkv(67, 67, 10), |[q, k, v]| {
+        attention(q, k, v, true, None, None)
+    });
+    let pad = padding::<B>(2, 80, device);
+    let [q, k, v] = qkv(45, 80, 20);
+    let padded = compare::<B, 4, 3>([q, k, v], |[q, k, v]| {
+        attention(q, k, v, false, Some(&pad), None)
+    });
+    let mask = DropoutMask::new(0.2, 4242);
+    let dropped = compare::<B, 4, 3>(qkv(67, 67, 30), |[q, k, v]| {
+        attention(q, k, v, true, None, Some(mask))
+    });
+    causal.max(padded).max(dropped)
+}
+
+/// Packed self-attention (2 heads of `k`): causal with dropout, and padded.
+fn packed_attention_error<B: LabAutodiff>(device: &B::Device, k: usize) -> f32 {
+    let qkv = random::<B, 3>([2, 67, 3 * 2 * k], 40, 1.0, device);
+    let mask = DropoutMask::new(0.2, 77);
+    let causal = compare::<B, 3, 1>([qkv.clone()], |[x]| {
+        packed_self_attention(x, 2, true, None, Some(mask))
+    });
+    let pad = padding::<B>(2, 67, device);
+    let padded = compare::<B, 3, 1>([qkv], |[x]| {
+        packed_self_attention(x, 2, false, Some(&pad), None)
+    });
+    causal.max(padded)
+}
+
+/// Dropout drawn in the kernel against the CPU stream's mask, values and gradients.
+fn dropout_error<B: LabAutodiff>(device: &B::Device) -> f32 {
+    let n = 4099;
+    let mask = DropoutMask::new(0.25, 4242);
+    let multipliers = Tensor::<B, 1>::from_data(TensorData::new(mask.multipliers(n), [n]), device);
+    let x = random::<B, 1>([n], 50, 1.0, device).require_grad();
+    let w = random::<B, 1>([n], 51, 1.0, device);
+    let y = with_fused(true, || {
+        let y = B::fused_dropout(x.clone().into_primitive().tensor(), mask);
+        sabotage(
+            Op::Dropout,
+            Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(y)),
+        )
+    });
+    let grads = (y.clone() * w.clone()).sum().backward();
+    let dx = x.grad(&grads);
+    let values = rel_error(y.inner(), (x.clone() * multipliers.clone()).inner());
+    let gradient = match dx {
+        Some(dx) => rel_error(dx, (w * multipliers).inner()),
+        None => f32::INFINITY,
+    };
+    values.max(gradient)
+}
+
+/// Label-smoothed cross-entropy with ignored rows: row losses and the logits' gradient.
+fn cross_entropy_error<B: LabAutodiff>(device: &B::Device) -> f32 {
+    let (n, v) = (70, 65);
+    let logits = random::<B, 2>([n, v], 60, 3.0, device);
+    let mut rng = StdRng::seed_from_u64(61);
+    let classes: Vec<i64> = (0..n).map(|_| rng.random_range(0..v as i64)).collect();
+    let targets = Tensor::<B, 1, Int>::from_data(TensorData::new(classes, [n]), device);
+    compare::<B, 2, 1>([logits], |[x]| {
+        cross_entropy(x, targets.clone(), 0.1, Some(3)).unsqueeze_dim(1)
+    })
+}
+
+/// Two AdamW steps (the first, without moments, and a later one): parameter and moments.
+fn adamw_error<B: LabBackend>(device: &B::Device) -> f32 {
+    let shape = [67, 48];
+    let param = random::<B, 2>(shape, 70, 1.0, device);
+    let grad = random::<B, 2>(shape, 71, 0.1, device);
+    let moments = (
+        random::<B, 2>(shape, 72, 0.01, device),
+        random::<B, 2>(shape, 73, 0.001, device).abs(),
+    );
+    let step = |time| AdamWStep {
+        lr: 3e-3,
+        beta_1: 0.9,
+        beta_2: 0.99,
+        epsilon: 1e-8,
+        weight_decay: 0.1,
+        time,
+    };
+    let mut error = 0.0f32;
+    for (moments, time) in [(None, 1), (Some(moments), 7)] {
+        let run = |on: bool| {
+            with_fused(on, || {
+                adamw(param.clone(), grad.clone(), moments.clone(), step(time))
+            })
+        };
+        let (p1, m1, v1) = run(true);
+        let (p2, m2, v2) = run(false);
+        // The update is small beside the parameter: compare the change, not the result.
+        let update = rel_error(p1 - param.clone(), p2 - param.clone());
+        error = error
+            .max(update)
+            .max(rel_error(m1, m2))
+            .max(rel_error(v1, v2));
+    }
+    error
+}
