@@ -174,18 +174,34 @@ fn compare<B: LabAutodiff, const D: usize, const N: usize>(
             (y.inner(), dx)
         })
     };
-    let (y_fused, dx_fused) = run(true);
-    let (y_ref, dx_ref) = run(false);
+    worst::<B, D>(run(true), run(false))
+}
+
+/// The largest relative error of the fused run's output and gradients against the composed
+/// run's; infinite where only one of them has a gradient.
+fn worst<B: LabAutodiff, const D: usize>(
+    (y_fused, grads_fused): (
+        Tensor<B::InnerBackend, D>,
+        impl IntoIterator<Item = Grad<B>>,
+    ),
+    (y_ref, grads_ref): (
+        Tensor<B::InnerBackend, D>,
+        impl IntoIterator<Item = Grad<B>>,
+    ),
+) -> f32 {
     let mut error = rel_error(y_fused, y_ref);
-    for (a, b) in dx_fused.into_iter().zip(dx_ref) {
+    for (a, b) in grads_fused.into_iter().zip(grads_ref) {
         error = error.max(match (a, b) {
-            (Some(a), Some(b)) => rel_error::<B::InnerBackend, 1>(a, b),
+            (Some(a), Some(b)) => rel_error(a, b),
             (None, None) => 0.0,
             _ => f32::INFINITY,
         });
     }
     error
 }
+
+/// A flattened gradient, where there is one.
+type Grad<B> = Option<Tensor<<B as burn::tensor::backend::AutodiffBackend>::InnerBackend, 1>>;
 
 /// LayerNorm with random γ and β: outputs and the gradients of the input, γ and β.
 fn layer_norm_error<B: LabAutodiff>(device: &B::Device) -> f32 {
@@ -206,16 +222,7 @@ fn layer_norm_error<B: LabAutodiff>(device: &B::Device) -> f32 {
             (y.inner(), [dx, gamma, beta])
         })
     };
-    let (y_fused, grads_fused) = run(true);
-    let (y_ref, grads_ref) = run(false);
-    let mut error = rel_error(y_fused, y_ref);
-    for (a, b) in grads_fused.into_iter().zip(grads_ref) {
-        error = error.max(match (a, b) {
-            (Some(a), Some(b)) => rel_error::<B::InnerBackend, 1>(a, b),
-            _ => f32::INFINITY,
-        });
-    }
-    error
+    worst::<B, 3>(run(true), run(false))
 }
 
 /// A padding mask `[b, s]` whose first row pads its last third and whose second row pads
