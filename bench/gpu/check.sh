@@ -42,7 +42,7 @@ row() { ROWS+=("$(printf '%-34s %-14s %s' "$1" "$2" "$3")"); }
 step() {
   local name=$1 limit=$2; shift 2
   local left=$((DEADLINE - SECONDS - 5))
-  if [ "$left" -lt 10 ]; then echo "skipped (deadline)" >"$OUT_DIR/$name.log"; return 124; fi
+  if [ "$left" -lt 10 ]; then echo "skipped (deadline)" >"$OUT_DIR/$name.log"; return 125; fi
   [ "$limit" -gt "$left" ] && limit=$left
   echo "== $name (limit ${limit}s, ${SECONDS}s in)" >&2
   local start=$SECONDS
@@ -53,7 +53,9 @@ step() {
   return $rc
 }
 
-status() { case $1 in 0) echo ok;; 124|137) echo "timed out";; *) echo "exit $1";; esac; }
+status() { case $1 in 0) echo ok;; 124|137) echo "timed out";; 125) echo skipped;; *) echo "exit $1";; esac; }
+# The first error line of a step's log (what a failed step said).
+why() { grep -m1 '^error' "$OUT_DIR/$1.log" | cut -c1-100; }
 
 # 1. The kernels on each backend.
 for backend in cuda wgpu; do
@@ -61,7 +63,7 @@ for backend in cuda wgpu; do
   rc=$?
   summary=$(grep -o '[0-9]* of [0-9]* operations agree' "$OUT_DIR/doctor-$backend.log" || true)
   wrong=$(grep -o 'fused kernels wrong on this device: .*(' "$OUT_DIR/doctor-$backend.log" | sed 's/fused kernels wrong on this device: //; s/ (//' || true)
-  row "kernels ($backend)" "$(status $rc)" "${summary:-no table}${wrong:+; fallback: $wrong}"
+  row "kernels ($backend)" "$(status $rc)" "${summary:-$(why "doctor-$backend")}${wrong:+; fallback: $wrong}"
 done
 
 # 2. Learning: 150 steps of the GPU experiment, against the unigram loss of its text.
@@ -88,7 +90,7 @@ learn() {
   local valid speed
   valid=$(grep ' valid ' "$OUT_DIR/learn-$name.log" | tail -1 | sed -E 's/.*loss ([0-9.a-zA-Z]+).*/\1/')
   speed=$(grep -o '[0-9]* tok/s' "$OUT_DIR/learn-$name.log" | tail -1)
-  local verdict="no validation"
+  local verdict="no validation $(why "learn-$name")"
   if [ -n "$valid" ]; then
     verdict=$(python3 -c "print('learns' if float('$valid') < $UNIGRAM else 'DOES NOT LEARN')" 2>/dev/null || echo "?")
   fi
