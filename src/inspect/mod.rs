@@ -104,10 +104,12 @@ pub fn check_head(
     Ok(())
 }
 
-/// `"token weight"` of the three keys a row of weights gives most to, largest first.
+/// `"token weight"` of the three keys a row of weights gives most to, largest first; keys of
+/// weight 0 — those the mask hides from this query — are no candidates and are left out.
 pub fn strongest_keys(row: &[f32], keys: &[String]) -> String {
     let top: Vec<String> = crate::classify::top_classes(row, 3)
         .into_iter()
+        .filter(|&(_, w)| w > 0.0)
         .map(|(k, w)| format!("{} {w:.2}", keys[k]))
         .collect();
     top.join(", ")

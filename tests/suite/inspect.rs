@@ -295,6 +295,18 @@ fn attention_command_writes_every_format_and_names_what_exists() {
         "{stdout}"
     );
     assert!(stdout.contains("by position:"), "{stdout}");
+    // A causal query's candidates are the keys it sees: 1, 2, then 3 of them; never a masked one.
+    let strongest: Vec<&str> = stdout
+        .lines()
+        .skip_while(|l| !l.starts_with("strongest keys of each query"))
+        .skip(1)
+        .take_while(|l| l.contains('→'))
+        .collect();
+    assert_eq!(strongest.len(), 12, "{stdout}");
+    for (query, line) in strongest.iter().enumerate() {
+        let listed = line.split('→').nth(1).unwrap().split(", ").count();
+        assert_eq!(listed, (query + 1).min(3), "query {query}: {line}");
+    }
     let png = image::open(dir.path().join("view/attention.png")).unwrap();
     assert!(png.width() > 400 && png.height() > 300);
     let page = std::fs::read_to_string(dir.path().join("view/attention.html")).unwrap();
