@@ -14,8 +14,9 @@ pub struct Cli {
     /// Compute backend (the ones compiled in; default: wgpu when built with it and a GPU is present, else flex, else ndarray).
     #[arg(long, global = true, value_enum)]
     pub backend: Option<BackendKind>,
-    /// Use the composed tensor ops instead of the fused kernels (GELU, LayerNorm, softmax,
-    /// attention): the reference the kernels are tested against, for comparisons.
+    /// Use the composed tensor ops instead of the fused kernels (attention, packed
+    /// self-attention, LayerNorm, GELU, softmax, dropout, cross-entropy, AdamW, the linear
+    /// layer): the reference the kernels are tested against, for comparisons.
     #[arg(long, global = true)]
     pub no_fused: bool,
     /// Check the fused kernels against their composed forms on the device before using them
@@ -239,12 +240,14 @@ pub struct EvalArgs {
     /// Sequences per evaluation batch.
     #[arg(long, default_value_t = 64)]
     pub batch_size: usize,
-    /// Translators and classifiers: evaluate only the first N test examples.
+    /// Translators, classifiers and ViTs: evaluate only the first N test examples; clip
+    /// models: the first N of each dataset's test images.
     #[arg(long, value_name = "N")]
     pub limit: Option<usize>,
     /// Translators: also write source, reference and translation of every test sentence here
-    /// (tab-separated). Classifiers: where the confusion-matrix PNG goes (default:
-    /// ARTIFACT_DIR/confusion.png).
+    /// (tab-separated). Classifiers and ViTs: where the confusion-matrix PNG goes (default:
+    /// ARTIFACT_DIR/confusion.png). Clip models: the folder for similarity.png and
+    /// embeddings.png (default: ARTIFACT_DIR).
     #[arg(long, value_name = "FILE")]
     pub output: Option<PathBuf>,
     /// Language models: evaluate on windows of N tokens instead of the model's context. Above
@@ -421,8 +424,8 @@ pub struct BenchArgs {
 /// The benchmarks.
 #[derive(Subcommand, Debug)]
 pub enum BenchCommand {
-    /// Train a language-model experiment for a few steps and print tokens/s (median of several
-    /// runs, warm-up excluded) and the forward / backward / optimizer split of a step.
+    /// Train an experiment (any kind) for a few steps and print its throughput (median of
+    /// several runs, warm-up excluded) and the forward / backward / optimizer split of a step.
     Train(BenchTrainArgs),
     /// Time (forward, forward+backward) and peak memory of one causal self-attention layer per
     /// token mixer against sequence length; writes a CSV and a log-log PNG and prints growth

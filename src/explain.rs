@@ -183,7 +183,8 @@ pub fn model_walkthrough<B: LabBackend>(
         .map_or("hyena", |attention| attention.mixer().name());
     if mixer != "full" {
         bail!(
-            "explain walks through full softmax attention, but this model's mixer is {mixer};              `attention` shows what its layers do"
+            "explain walks through full softmax attention, but this model's mixer is {mixer}; \
+             `attention` shows what its layers do"
         );
     }
     let relative = stack.blocks[0].attention().relative();

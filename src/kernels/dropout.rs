@@ -8,7 +8,7 @@
 //! fresh seed from one stream ([`next_mask`]), which [`reseed`] restarts: reseeded with the
 //! backend at every epoch, the masks of a resumed run are those of the run it replaced.
 
-use std::sync::Mutex;
+use std::cell::Cell;
 
 /// One dropout mask: element `e` is kept (scaled by `1/(1−prob)`) or dropped (zero) by the
 /// Philox block of `(seed, e / 4)`, word `e % 4`, compared with `prob · 2³²`.
@@ -258,19 +258,26 @@ pub fn philox(mut counter: [u32; 4], mut key: [u32; 2]) -> [u32; 4] {
     counter
 }
 
-/// The stream's key and how many masks it has given since [`reseed`].
-static STREAM: Mutex<(u64, u64)> = Mutex::new((0x5eed, 0));
-
-/// Restarts the stream of dropout seeds from `seed`.
-pub fn reseed(seed: u64) {
-    *STREAM.lock().unwrap_or_else(|e| e.into_inner()) = (seed, 0);
+thread_local! {
+    /// The stream's key and how many masks it has given since [`reseed`]. One per thread: a
+    /// run draws its masks on the thread that seeded it (burn-train's single-device learner
+    /// trains on the calling thread), so runs side by side in one process — tests — cannot
+    /// take each other's masks.
+    static STREAM: Cell<(u64, u64)> = const { Cell::new((0x5eed, 0)) };
 }
 
-/// A fresh mask of probability `prob`, the next seed of the stream.
+/// Restarts this thread's stream of dropout seeds from `seed`.
+pub fn reseed(seed: u64) {
+    STREAM.with(|stream| stream.set((seed, 0)));
+}
+
+/// A fresh mask of probability `prob`, the next seed of this thread's stream.
 pub fn next_mask(prob: f64) -> DropoutMask {
-    let mut stream = STREAM.lock().unwrap_or_else(|e| e.into_inner());
-    let (key, count) = *stream;
-    stream.1 += 1;
+    let (key, count) = STREAM.with(|stream| {
+        let (key, count) = stream.get();
+        stream.set((key, count + 1));
+        (key, count)
+    });
     // The mask's seed: a Philox block of the stream's key at counter `count`.
     let words = philox(
         [count as u32, (count >> 32) as u32, 0xd409, 0],

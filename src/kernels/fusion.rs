@@ -20,6 +20,9 @@ struct Custom<B: FusionBackend> {
     /// How many of the inputs are float tensors (the rest are int tensors).
     floats: usize,
     run: Arc<Run<B>>,
+    /// The thread that queued it: fusion may run it on the device's thread.
+    #[cfg_attr(not(feature = "cube-kernels"), allow(dead_code))]
+    owner: std::thread::ThreadId,
 }
 
 impl<B: FusionBackend> std::fmt::Debug for Custom<B> {
@@ -42,6 +45,9 @@ impl<B: FusionBackend> Operation<B::FusionRuntime> for Custom<B> {
             .iter()
             .map(|ir| handles.get_int_tensor::<B>(ir))
             .collect();
+        #[cfg(feature = "cube-kernels")]
+        let outputs = super::cube::on_behalf_of(self.owner, || (self.run)(floats, ints));
+        #[cfg(not(feature = "cube-kernels"))]
         let outputs = (self.run)(floats, ints);
         for (ir, tensor) in self.desc.outputs.iter().zip(outputs) {
             handles.register_float_tensor::<B>(&ir.id, tensor);
@@ -76,6 +82,7 @@ fn custom<B: FusionBackend, const N: usize>(
         desc: desc.clone(),
         floats: count,
         run: Arc::new(run),
+        owner: std::thread::current().id(),
     };
     let out = client.register(streams, OperationIr::Custom(desc), op);
     out.try_into()

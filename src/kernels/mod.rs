@@ -1,17 +1,19 @@
 //! Fused kernels, through burn's backend-extension mechanism.
 //!
 //! [`LabBackend`] extends burn's `Backend` with the operations that dominate a transformer's
-//! training step when they are composed from small tensor ops: GELU, LayerNorm, the softmax of
-//! attention, and attention itself. Every method has a default written with burn's own tensor
-//! ops (so any backend works — ndarray and wgpu use the defaults), a backend may override it with
-//! a kernel (flex does, in [`cpu`]), and `Autodiff<B>` overrides the differentiable entry points
-//! with one graph node each whose backward pass calls the inner backend's fused backward
-//! ([`autodiff`]), instead of a dozen recorded element-wise ops.
+//! training step when they are composed from small tensor ops ([`Op`]: attention and packed
+//! self-attention, LayerNorm, GELU, the softmax, dropout, cross-entropy, AdamW's update, the
+//! linear layer). Every method has a default written with burn's own tensor ops (so any backend
+//! works — ndarray uses the defaults), a backend may override it with a kernel (flex does, in
+//! [`cpu`]; wgpu and CUDA in [`cube`]), and `Autodiff<B>` overrides the differentiable entry
+//! points with one graph node each whose backward pass calls the inner backend's fused
+//! backward ([`autodiff`]), instead of a dozen recorded element-wise ops.
 //!
 //! The model code calls the free functions of this module ([`gelu`], [`layer_norm`],
-//! [`softmax`], [`attention`]); each falls back to the composed reference ([`reference`]) when
-//! fused kernels are switched off ([`set_fused`], `--no-fused` on the command line), which is how
-//! the tests and `bench kernels` compare the two.
+//! [`softmax`], [`attention`], …); each falls back to the composed reference ([`reference`])
+//! when fused kernels are switched off ([`set_fused`], `--no-fused` on the command line) or
+//! when its operation failed the on-device check ([`check`], [`fall_back`]) — which is also
+//! how the tests and `bench kernels` compare the two.
 //!
 //! On burn's CubeCL backends (wgpu, CUDA) the methods are CubeCL kernels ([`cube`]); with burn's
 //! fusion on, each is one custom operation in the fusion stream that runs that kernel.

@@ -29,7 +29,8 @@ pub struct LmConfig {
     pub n_layers: usize,
     /// Context length (block size): the longest sequence the model sees.
     pub context: usize,
-    /// Positional encoding: `learned` or `sinusoidal`.
+    /// Position encoding: `learned` or `sinusoidal` (added to the embeddings), `rope` or
+    /// `alibi` (inside attention), or `none`.
     pub position: PositionKind,
     /// Share the token embedding with the output projection (Press & Wolf 2017).
     pub tie_weights: bool,

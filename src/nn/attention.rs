@@ -41,9 +41,11 @@ pub fn without_weights<R>(f: impl FnOnce() -> R) -> R {
 
 /// `softmax(Q·Kᵀ/√d_k + mask)·V`, returning the context and the attention weights.
 ///
-/// This and [`attention_weights`] are the one attention computation in the crate: every layer of
-/// every model goes through them, so they are the single place where masks are applied and where
-/// a fused or sub-quadratic kernel can later be swapped in.
+/// The composed form, which builds the `t × s` weights: what inspection reads. The layers
+/// themselves run [`MultiHeadAttention`]'s mixer — in training and weight-free inference
+/// ([`without_weights`]) the fused kernel ([`crate::kernels::attention`],
+/// [`crate::kernels::packed_self_attention`]), which computes the same function without
+/// storing the weights and is tested against this one.
 ///
 /// # Shapes
 /// - `q`: `[b, h, t, k]`, `k`: `[b, h, s, k]`, `v`: `[b, h, s, k]`
@@ -139,18 +141,19 @@ pub struct MultiHeadAttentionConfig {
 /// Multi-head attention: `MultiHead(Q,K,V) = Concat(head_1..head_h)·W^O`,
 /// `head_i = Attention(Q·W_i^Q, K·W_i^K, V·W_i^V)`.
 ///
-/// The per-head projections are stored as one `d_model × d_model` matrix each (head `i` owns
-/// columns `i·k..(i+1)·k`). Self-attention passes the same sequence as `query` and `memory`;
+/// The per-head projections are stored as one `d_model × h·k` matrix each (head `i` owns
+/// columns `i·k..(i+1)·k`; `h·k = d_model` until heads are pruned, when the removed heads'
+/// columns go: see [`crate::nn::remove_heads`]). Self-attention passes the same sequence as `query` and `memory`;
 /// cross-attention passes the decoder state as `query` and the encoder output as `memory`.
 #[derive(Module, Debug)]
 pub struct MultiHeadAttention<B: LabBackend> {
-    /// W^Q, `[d, d]`.
+    /// W^Q, `[d, h·k]`.
     pub query: Linear<B>,
-    /// W^K, `[d, d]`.
+    /// W^K, `[d, h·k]`.
     pub key: Linear<B>,
-    /// W^V, `[d, d]`.
+    /// W^V, `[d, h·k]`.
     pub value: Linear<B>,
-    /// W^O, `[d, d]`.
+    /// W^O, `[h·k, d]`.
     pub output: Linear<B>,
     dropout: Dropout,
     n_heads: usize,

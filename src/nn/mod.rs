@@ -1,8 +1,10 @@
 //! The one transformer implementation, generic over `B: LabBackend`.
 //!
 //! Every model in [`crate::models`] is built from these pieces; none has attention or blocks of
-//! its own. Attention is a pure function ([`attention::scaled_dot_product_attention`]) that
-//! returns its weights, so every layer's and head's attention can be read from a forward pass.
+//! its own. Attention runs as the fused kernel in training and weight-free inference
+//! ([`crate::kernels::attention`]) and in its composed form
+//! ([`attention::scaled_dot_product_attention`], which returns the weights) everywhere else, so
+//! every layer's and head's attention can be read from a forward pass.
 
 pub mod attention;
 pub mod block;

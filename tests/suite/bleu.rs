@@ -81,3 +81,74 @@ fn tokenize_13a_splits_punctuation_like_mteval() {
     // 13a leaves apostrophes and word-internal dashes alone.
     assert_eq!(tokenize_13a("C'est l'été."), ["C'est", "l'été", "."]);
 }
+
+#[test]
+fn a_hand_made_corpus_scores_what_sacrebleu_gives() {
+    // Expected values from sacreBLEU 2.6.0, `sacrebleu.corpus_bleu(hyps, [refs1, refs2])`
+    // (13a tokenization, exp smoothing): punctuation, quotes, a number, a hyphenated word,
+    // a sentence with no 4-gram match, two references per sentence.
+    let hyps: Vec<String> = [
+        "The cat sat on the mat.",
+        "A man is riding a horse, quickly!",
+        "Two dogs play in the snow",
+        "She said: \"it's 3.5 km-long\".",
+        "nothing here matches",
+    ]
+    .map(String::from)
+    .to_vec();
+    let refs1 = [
+        "The cat is sitting on the mat.",
+        "A man rides a horse quickly.",
+        "Two dogs are playing in the snow.",
+        "She said: \"it is 3.5 km long\".",
+        "a completely different sentence",
+    ];
+    let refs2 = [
+        "A cat sat on the mat.",
+        "A man is riding a brown horse!",
+        "Two dogs play outside in snow",
+        "She said it's 3.5 km-long.",
+        "nothing matches here at all",
+    ];
+    let close = |a: f64, b: f64| (a - b).abs() < 1e-9;
+    let two: Vec<Vec<String>> = refs1
+        .iter()
+        .zip(&refs2)
+        .map(|(a, b)| vec![a.to_string(), b.to_string()])
+        .collect();
+    let b = corpus_bleu(&hyps, &two);
+    assert!(close(b.score, 54.42009043215425), "{b}");
+    let precisions = [
+        97.05882352941177,
+        72.41379310344827,
+        50.0,
+        31.57894736842105,
+    ];
+    assert!(
+        b.precisions
+            .iter()
+            .zip(precisions)
+            .all(|(&p, q)| close(p, q)),
+        "{b}"
+    );
+    assert!(close(b.brevity_penalty, 0.9428731438548749), "{b}");
+    assert_eq!((b.hypothesis_len, b.reference_len), (34, 36));
+    // One reference each: a shorter effective reference length and lower precisions.
+    let one: Vec<Vec<String>> = refs1.iter().map(|r| vec![r.to_string()]).collect();
+    let b = corpus_bleu(&hyps, &one);
+    assert!(close(b.score, 25.38714650246794), "{b}");
+    assert!(close(b.brevity_penalty, 0.8890097654027757), "{b}");
+    assert_eq!((b.hypothesis_len, b.reference_len), (34, 38));
+    // A hypothesis shorter than four tokens has no 4-grams: sacreBLEU scores it 0, with the
+    // zero 3-gram count smoothed to 100 / (2 · 1) = 50.
+    let b = corpus_bleu(
+        &["the the cat".into()],
+        &[vec!["the cat sat on the mat".into()]],
+    );
+    assert_eq!(b.score, 0.0, "{b}");
+    assert!(
+        close(b.precisions[2], 50.0) && close(b.precisions[1], 50.0),
+        "{b}"
+    );
+    assert!(close(b.brevity_penalty, 0.36787944117144233), "{b}");
+}

@@ -284,7 +284,13 @@ fn a_killed_run_resumes_from_its_last_complete_checkpoint() {
         .unwrap();
     wait_for(&sb.path("art/checkpoint/scheduler-2.mpk"), &mut child);
     child.kill().unwrap(); // SIGKILL: no chance to clean up
-    child.wait().unwrap();
+    let status = child.wait().unwrap();
+    use std::os::unix::process::ExitStatusExt;
+    assert_eq!(
+        status.signal(),
+        Some(9),
+        "the run ended ({status}) before the kill"
+    );
     // A half-written file from the killed process must be ignored.
     std::fs::write(sb.path("art/checkpoint/.model-9-partial-1.mpk"), b"garbage").unwrap();
 

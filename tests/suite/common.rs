@@ -89,10 +89,42 @@ pub fn overfit<B: LabAutodiff>(config: &LmConfig, steps: usize, device: &B::Devi
     (losses[0], *losses.last().unwrap())
 }
 
-/// The loss at each of `steps` AdamW steps on the fixed [`batch`], from a seeded model.
+/// The loss at each of `steps` AdamW steps on the fixed [`batch`], from a model whose weights
+/// are a function of the config alone ([`explicit_weights`]).
 pub fn losses<B: LabAutodiff>(config: &LmConfig, steps: usize, device: &B::Device) -> Vec<f32> {
-    B::seed(device, 7);
-    train_losses(config.init::<B>(device), steps, device)
+    train_losses(explicit_weights(config.init::<B>(device), 7), steps, device)
+}
+
+/// `model` with each randomly initialised parameter replaced by values from a generator of its
+/// own: uniform in `±1/√n`, `n` the parameter's first dimension (fan-in of a linear layer's
+/// weight, rows of an embedding, length of a bias). Parameters that start constant (norms'
+/// gains and shifts) are kept. Unlike `B::seed` + `init`, whose generator is one for the whole
+/// process and reseeded by the tests running beside, the weights depend on `seed` alone.
+pub fn explicit_weights<B: Backend, M: Module<B>>(model: M, seed: u64) -> M {
+    use burn::module::{ModuleMapper, Param};
+    use rand::{rngs::StdRng, RngExt, SeedableRng};
+    struct Fill(StdRng);
+    impl<B: Backend> ModuleMapper<B> for Fill {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+            let (id, tensor, mapper) = param.consume();
+            let values: Vec<f32> = tensor.to_data().convert::<f32>().to_vec().unwrap();
+            if values.iter().all(|&v| v == values[0]) {
+                return Param::from_mapped_value(id, tensor, mapper);
+            }
+            let dims = tensor.dims();
+            let bound = 1.0 / (dims[0] as f32).sqrt();
+            let fresh: Vec<f32> = (0..values.len())
+                .map(|_| self.0.random_range(-bound..bound))
+                .collect();
+            let require_grad = tensor.is_require_grad();
+            let mut fresh = Tensor::from_data(TensorData::new(fresh, dims), &tensor.device());
+            if require_grad {
+                fresh = fresh.require_grad();
+            }
+            Param::from_mapped_value(id, fresh, mapper)
+        }
+    }
+    model.map(&mut Fill(StdRng::seed_from_u64(seed)))
 }
 
 /// The loss at each of `steps` AdamW steps of `model` on the fixed [`batch`].

@@ -211,3 +211,104 @@ fn prompts_are_checked_against_the_context() {
     .validate()
     .is_err());
 }
+
+/// The distribution a sampler must draw from, computed independently: softmax of the logits
+/// over the temperature, the `k` most likely kept, then the smallest most-likely-first prefix
+/// whose mass reaches `p`, renormalised after each cut. Returns `(token, probability)`.
+fn exact_distribution(
+    logits: &[f32],
+    temperature: f64,
+    top_k: Option<usize>,
+    top_p: Option<f64>,
+) -> Vec<(usize, f64)> {
+    let weights: Vec<f64> = logits
+        .iter()
+        .map(|&l| (l as f64 / temperature).exp())
+        .collect();
+    let mut ranked: Vec<usize> = (0..logits.len()).collect();
+    ranked.sort_by(|&a, &b| weights[b].total_cmp(&weights[a]));
+    ranked.truncate(top_k.unwrap_or(logits.len()));
+    let total: f64 = ranked.iter().map(|&i| weights[i]).sum();
+    let mut dist: Vec<(usize, f64)> = ranked.iter().map(|&i| (i, weights[i] / total)).collect();
+    if let Some(p) = top_p {
+        let mut kept = 0;
+        let mut mass = 0.0;
+        while mass < p {
+            mass += dist[kept].1;
+            kept += 1;
+        }
+        dist.truncate(kept);
+        dist.iter_mut().for_each(|d| d.1 /= mass);
+    }
+    dist
+}
+
+/// The chi-square statistic's 99.9% quantile for `df` degrees of freedom (Wilson–Hilferty;
+/// within 1% of the tables for df ≥ 2).
+fn chi_square_999(df: usize) -> f64 {
+    let df = df as f64;
+    let z = 3.0902; // the standard normal's 99.9% quantile
+    df * (1.0 - 2.0 / (9.0 * df) + z * (2.0 / (9.0 * df)).sqrt()).powi(3)
+}
+
+#[test]
+fn temperature_top_k_and_top_p_draw_from_the_exact_distribution() {
+    let l = logits(21, 12);
+    let settings = [
+        (1.0, None, None),
+        (0.5, None, None),
+        (2.5, None, None),
+        (1.0, Some(4), None),
+        (0.7, None, Some(0.8)),
+        (1.5, Some(6), Some(0.9)),
+    ];
+    let draws = 40_000;
+    for (case, (temperature, top_k, top_p)) in settings.into_iter().enumerate() {
+        let expected = exact_distribution(&l, temperature, top_k, top_p);
+        let s = Sampling {
+            temperature,
+            top_k,
+            top_p,
+            greedy: false,
+        };
+        // The candidates are that distribution, to rounding.
+        let got = s.candidates(&l);
+        assert_eq!(got.len(), expected.len(), "case {case}: {got:?}");
+        for ((t, p), (u, q)) in got.iter().zip(&expected) {
+            assert_eq!(t, u, "case {case}");
+            assert!((p - q).abs() < 1e-9, "case {case}: token {t}: {p} vs {q}");
+        }
+        // And the draws follow it: Pearson's chi-square over the kept tokens (tokens outside
+        // them must never appear) below its 99.9% quantile, on a fixed seed.
+        let mut counts = vec![0usize; l.len()];
+        let mut rng = StdRng::seed_from_u64(100 + case as u64);
+        for _ in 0..draws {
+            counts[s.sample(&l, &mut rng)] += 1;
+        }
+        let inside: usize = expected.iter().map(|&(t, _)| counts[t]).sum();
+        assert_eq!(inside, draws, "case {case}: a token outside the kept set");
+        // Bins of at least 5 expected draws (the test's validity condition): the rarest
+        // tokens pool into one bin, merged into the last token's if still too small.
+        let mut bins: Vec<(f64, f64)> = Vec::new(); // (observed, expected)
+        let mut pool = (0.0, 0.0);
+        for &(token, p) in &expected {
+            let e = p * draws as f64;
+            if e >= 5.0 {
+                bins.push((counts[token] as f64, e));
+            } else {
+                pool = (pool.0 + counts[token] as f64, pool.1 + e);
+            }
+        }
+        if pool.1 >= 5.0 {
+            bins.push(pool);
+        } else if let Some(last) = bins.last_mut() {
+            *last = (last.0 + pool.0, last.1 + pool.1);
+        }
+        let chi2: f64 = bins.iter().map(|(o, e)| (o - e).powi(2) / e).sum();
+        let limit = chi_square_999(bins.len().max(2) - 1);
+        assert!(
+            chi2 < limit,
+            "case {case} (T {temperature}, k {top_k:?}, p {top_p:?}): chi-square {chi2:.1} ≥ {limit:.1}; counts {counts:?}, expected {expected:?}"
+        );
+    }
+}

@@ -35,6 +35,36 @@ fn launching<R>(expected: u64, f: impl FnOnce() -> R) -> R {
 }
 
 #[test]
+fn gpu_launches_count_for_the_thread_whose_work_they_do() {
+    if !wgpu_runs() {
+        return;
+    }
+    // Kernels another thread queues (fusion runs them on the device's thread) are that
+    // thread's: a test here never sees them as its own.
+    let before = cube::launches();
+    let theirs = std::thread::spawn(|| {
+        launching(1, || {
+            let x = random::<Gpu, 2>([8, 33], 11, &Default::default());
+            kernels::gelu(x).into_data()
+        });
+        cube::launches()
+    })
+    .join()
+    .unwrap();
+    Inner::sync(&Default::default()).unwrap();
+    assert!(theirs >= 1);
+    assert_eq!(
+        cube::launches(),
+        before,
+        "another thread's launches were counted here"
+    );
+    // …and this thread's own are.
+    launching(1, || {
+        kernels::gelu(random::<Gpu, 2>([8, 33], 12, &Default::default()))
+    });
+}
+
+#[test]
 fn gpu_gelu_and_dropout_equal_the_composed_forms() {
     if !wgpu_runs() {
         return;

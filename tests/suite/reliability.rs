@@ -114,6 +114,16 @@ fn weights_of(dir: &Path, file: &Path) -> Vec<Vec<f32>> {
     values.0
 }
 
+/// Fails unless the process ended by SIGKILL (not by finishing before the kill).
+fn assert_killed(status: std::process::ExitStatus, epoch: usize) {
+    use std::os::unix::process::ExitStatusExt;
+    assert_eq!(
+        status.signal(),
+        Some(9),
+        "the run ended ({status}) before the kill after epoch {epoch}"
+    );
+}
+
 fn wait_for(path: &Path, child: &mut std::process::Child) {
     let start = Instant::now();
     while !path.exists() {
@@ -146,8 +156,10 @@ fn same_seed_same_weights_whatever_the_number_of_workers() {
     assert_eq!(one, first, "model.mpk is the last epoch's checkpoint");
 }
 
-/// Kills `train` at random moments (after a checkpoint appears, plus a random delay), resumes
-/// each time, and compares the end with the uninterrupted run: bit-identical weights.
+/// Kills `train` as soon as the checkpoint of epoch 1, then 3, then 4 appears (mid-step of the
+/// next epoch, or mid-way through writing the rest of that checkpoint), resumes each time, and
+/// compares the end with the uninterrupted run: bit-identical weights. Each kill must land —
+/// a run that finished first would leave nothing to resume.
 fn killed_and_resumed_equals_uninterrupted(backend: &str, workers: usize) {
     let run = Run::new();
     run.experiment("tiny.json", workers, "{}");
@@ -160,7 +172,6 @@ fn killed_and_resumed_equals_uninterrupted(backend: &str, workers: usize) {
         .unwrap();
     assert_success(&out);
     let mut args = vec!["train", "-e", "tiny.json", "--artifact-dir", "cut"];
-    let mut seed = 0x2545_f491_4f6c_dd1d_u64 ^ workers as u64;
     for epoch in [1, 3, 4] {
         let mut child = run
             .command(backend, &args)
@@ -172,12 +183,8 @@ fn killed_and_resumed_equals_uninterrupted(backend: &str, workers: usize) {
             &run.path(&format!("cut/checkpoint/scheduler-{epoch}.mpk")),
             &mut child,
         );
-        seed ^= seed << 13;
-        seed ^= seed >> 7;
-        seed ^= seed << 17;
-        std::thread::sleep(Duration::from_millis(seed % 40));
-        child.kill().unwrap(); // SIGKILL, wherever it is: mid-step, mid-checkpoint
-        child.wait().unwrap();
+        child.kill().unwrap(); // SIGKILL: no chance to clean up
+        assert_killed(child.wait().unwrap(), epoch);
         args = vec!["train", "--artifact-dir", "cut", "--resume"];
     }
     let out = run.command(backend, &args).output().unwrap();

@@ -13,6 +13,8 @@ use transformer_lab::nn::StackConfig;
 use transformer_lab::train::TrainRequest;
 use transformer_lab::translate::{beam_search, greedy, translate_texts, SearchConfig};
 
+use crate::common::explicit_weights;
+
 type B = NdArray<f32>;
 
 fn tiny(vocab: usize) -> Seq2SeqConfig {
@@ -253,6 +255,27 @@ fn the_copy_task_is_solved_exactly_by_greedy_decoding() {
         "{} of 100 copied wrongly: {wrong:?}",
         wrong.len()
     );
+    // `eval` scores those exact copies 100 BLEU, greedy and with a beam.
+    for beam in ["1", "3"] {
+        let out = crate::common::run(
+            dir.path(),
+            &[
+                "eval",
+                "--artifact-dir",
+                "copy",
+                "--limit",
+                "100",
+                "--beam",
+                beam,
+            ],
+        );
+        let printed = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "{}", crate::common::stderr(&out));
+        assert!(
+            printed.contains("BLEU = 100.00 100.0/100.0/100.0/100.0"),
+            "beam {beam}: {printed}"
+        );
+    }
 }
 
 #[test]
@@ -261,5 +284,266 @@ fn special_ids_are_the_first_four() {
         Special::ALL.map(Special::id),
         [0, 1, 2, 3],
         "pad, bos, eos, unk"
+    );
+}
+
+// ---- Beam search against independent references ----
+
+/// The next-token log-probabilities the search chooses from, after `prefix` (which starts
+/// with `<s>`), from a full uncached decode and a host-side log-softmax over the words and
+/// `</s>` (`<pad>`, `<s>`, `<unk>` can never come next).
+fn next_log_probs(m: &Seq2Seq<B>, source: &[i64], prefix: &[usize]) -> Vec<f64> {
+    let memory = m.encode(ids(&[source]));
+    let target: Vec<i64> = prefix.iter().map(|&t| t as i64).collect();
+    let logits = m.decode(&memory, ids(&[&target])).logits; // [1, t, v]
+    let [_, t, v] = logits.dims();
+    let last: Vec<f32> = logits
+        .slice([0..1, t - 1..t, 0..v])
+        .into_data()
+        .to_vec()
+        .unwrap();
+    let allowed = |id: usize| id == Special::Eos.id() || id > Special::Unk.id();
+    let max = (0..v)
+        .filter(|&i| allowed(i))
+        .map(|i| last[i] as f64)
+        .fold(f64::NEG_INFINITY, f64::max);
+    let z: f64 = (0..v)
+        .filter(|&i| allowed(i))
+        .map(|i| (last[i] as f64 - max).exp())
+        .sum();
+    (0..v)
+        .map(|i| {
+            if allowed(i) {
+                last[i] as f64 - max - z.ln()
+            } else {
+                f64::NEG_INFINITY
+            }
+        })
+        .collect()
+}
+
+/// GNMT's length penalty, written out.
+fn penalty(generated: usize, alpha: f64) -> f64 {
+    ((5.0 + generated as f64) / 6.0).powf(alpha)
+}
+
+/// Every hypothesis of at most `max_len` generated tokens — words then `</s>`, or `max_len`
+/// words cut off — scored; the best `(tokens, score)`.
+fn exhaustive_best(
+    m: &Seq2Seq<B>,
+    source: &[i64],
+    max_len: usize,
+    alpha: f64,
+) -> (Vec<usize>, f64) {
+    let words: Vec<usize> = (Special::Unk.id() + 1..m.tgt_vocab_size()).collect();
+    let eos = Special::Eos.id();
+    let mut best = (Vec::new(), f64::NEG_INFINITY);
+    // Depth-first over word prefixes: each prefix ends with `</s>` here, or grows.
+    let mut stack = vec![(Vec::<usize>::new(), 0.0f64)];
+    while let Some((words_so_far, log_prob)) = stack.pop() {
+        let mut prefix = vec![Special::Bos.id()];
+        prefix.extend(&words_so_far);
+        let next = next_log_probs(m, source, &prefix);
+        let n = words_so_far.len();
+        let ended = log_prob + next[eos];
+        if ended / penalty(n + 1, alpha) > best.1 {
+            best = (words_so_far.clone(), ended / penalty(n + 1, alpha));
+        }
+        for &w in &words {
+            let mut longer = words_so_far.clone();
+            longer.push(w);
+            let lp = log_prob + next[w];
+            if n + 1 == max_len {
+                // Cut off at the limit without `</s>`.
+                if lp / penalty(max_len, alpha) > best.1 {
+                    best = (longer, lp / penalty(max_len, alpha));
+                }
+            } else {
+                stack.push((longer, lp));
+            }
+        }
+    }
+    best
+}
+
+/// Textbook beam search over one sentence, one uncached decode per hypothesis: expand every
+/// live hypothesis by every token, best first; `</s>` ends a hypothesis, the first `k` others
+/// live on; stop at `max_len`, or once `k` have ended and no live one scores above the worst
+/// of them at the current length.
+fn reference_beam(
+    m: &Seq2Seq<B>,
+    source: &[i64],
+    k: usize,
+    max_len: usize,
+    alpha: f64,
+) -> (Vec<usize>, f64) {
+    let eos = Special::Eos.id();
+    let mut live = vec![(vec![Special::Bos.id()], 0.0f64)];
+    let mut ended: Vec<(Vec<usize>, f64)> = Vec::new(); // (tokens, score)
+    for step in 1..=max_len {
+        let mut expansions = Vec::new();
+        for (prefix, log_prob) in &live {
+            for (token, lp) in next_log_probs(m, source, prefix).into_iter().enumerate() {
+                if lp.is_finite() {
+                    let mut longer = prefix.clone();
+                    longer.push(token);
+                    expansions.push((longer, log_prob + lp));
+                }
+            }
+        }
+        expansions.sort_by(|a, b| b.1.total_cmp(&a.1));
+        let mut next = Vec::new();
+        for (hyp, log_prob) in expansions {
+            if next.len() == k {
+                break;
+            }
+            if *hyp.last().unwrap() == eos {
+                ended.push((
+                    hyp[1..hyp.len() - 1].to_vec(),
+                    log_prob / penalty(step, alpha),
+                ));
+            } else {
+                next.push((hyp, log_prob));
+            }
+        }
+        if step == max_len {
+            for (hyp, log_prob) in next.drain(..) {
+                ended.push((hyp[1..].to_vec(), log_prob / penalty(step, alpha)));
+            }
+        }
+        live = next;
+        let worst = ended.iter().map(|e| e.1).fold(f64::INFINITY, f64::min);
+        let best_live = live.iter().map(|l| l.1).fold(f64::NEG_INFINITY, f64::max);
+        if live.is_empty() || (ended.len() >= k && best_live / penalty(step, alpha) <= worst) {
+            break;
+        }
+    }
+    ended
+        .into_iter()
+        .max_by(|a, b| a.1.total_cmp(&b.1))
+        .unwrap()
+}
+
+/// Tiny translators whose outputs are short: `words` target words, source sentences of them.
+fn tiny_search_cases(words: usize) -> Vec<(Seq2Seq<B>, Vec<Vec<i64>>)> {
+    let device = Default::default();
+    let first = Special::Unk.id() as i64 + 1;
+    let w = |i: i64| first + i % words as i64;
+    (0..6)
+        .map(|seed| {
+            let model = explicit_weights(tiny(4 + words).init(&device), 40 + seed);
+            let sources = (0..4)
+                .map(|s| {
+                    let len = 2 + (s + seed as i64) % 3;
+                    let mut ids: Vec<i64> =
+                        (0..len).map(|i| w(i * (s + 1) + seed as i64)).collect();
+                    ids.push(Special::Eos.id() as i64);
+                    ids
+                })
+                .collect();
+            (model, sources)
+        })
+        .collect()
+}
+
+/// Pads source rows into one batch.
+fn padded(sources: &[Vec<i64>]) -> Tensor<B, 2, Int> {
+    let n = sources.iter().map(Vec::len).max().unwrap();
+    let rows: Vec<Vec<i64>> = sources
+        .iter()
+        .map(|s| {
+            let mut row = s.clone();
+            row.resize(n, Special::Pad.id() as i64);
+            row
+        })
+        .collect();
+    let refs: Vec<&[i64]> = rows.iter().map(Vec::as_slice).collect();
+    ids(&refs)
+}
+
+#[test]
+fn a_beam_as_wide_as_every_prefix_finds_the_exhaustive_optimum() {
+    // (target words, max_len): a beam of words^(max_len − 1) keeps every prefix that can still
+    // grow at the last step, so nothing is pruned and the search is exact.
+    let mut greedy_was_worse = 0;
+    for (words, max_len) in [(2usize, 4usize), (3, 3)] {
+        let k = words.pow(max_len as u32 - 1);
+        for (model, sources) in tiny_search_cases(words) {
+            for alpha in [0.0, 1.0] {
+                let search = SearchConfig {
+                    beam_size: k,
+                    length_penalty: alpha,
+                    max_len,
+                    cached: true,
+                };
+                let found = beam_search(&model, padded(&sources), &search);
+                let greedy = greedy(
+                    &model,
+                    padded(&sources),
+                    &SearchConfig {
+                        beam_size: 1,
+                        ..search
+                    },
+                );
+                for ((source, hyp), g) in sources.iter().zip(&found).zip(&greedy) {
+                    let (tokens, score) = exhaustive_best(&model, source, max_len, alpha);
+                    assert_eq!(
+                        hyp.tokens, tokens,
+                        "{source:?}, k {k}, α {alpha}: {hyp:?} vs {score}"
+                    );
+                    assert!(
+                        (hyp.score - score).abs() < 1e-4,
+                        "{source:?}: {hyp:?} vs {score}"
+                    );
+                    greedy_was_worse += usize::from(g.score < score - 1e-4);
+                }
+            }
+        }
+    }
+    // The cases include some where greedy decoding misses the optimum (else a beam search
+    // degraded to greedy would pass).
+    assert!(
+        greedy_was_worse >= 3,
+        "greedy missed the optimum only {greedy_was_worse} times"
+    );
+}
+
+#[test]
+fn narrow_beams_match_a_textbook_beam_search() {
+    let mut differs_from_greedy = 0;
+    for (model, sources) in tiny_search_cases(3) {
+        for (k, alpha) in [(2, 0.6), (3, 0.0)] {
+            let search = SearchConfig {
+                beam_size: k,
+                length_penalty: alpha,
+                max_len: 6,
+                cached: true,
+            };
+            let found = beam_search(&model, padded(&sources), &search);
+            let greedy = greedy(
+                &model,
+                padded(&sources),
+                &SearchConfig {
+                    beam_size: 1,
+                    ..search
+                },
+            );
+            for ((source, hyp), g) in sources.iter().zip(&found).zip(&greedy) {
+                let (tokens, score) = reference_beam(&model, source, k, 6, alpha);
+                assert_eq!(
+                    hyp.tokens, tokens,
+                    "{source:?}, k {k}, α {alpha}: {hyp:?} vs {score}"
+                );
+                assert!(
+                    (hyp.score - score).abs() < 1e-4,
+                    "{source:?}: {hyp:?} vs {score}"
+                );
+                differs_from_greedy += usize::from(g.tokens != tokens);
+            }
+        }
+    }
+    assert!(
+        differs_from_greedy >= 3,
+        "beam differed from greedy only {differs_from_greedy} times"
     );
 }

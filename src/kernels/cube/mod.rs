@@ -22,15 +22,53 @@ use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
 use cubecl::calculate_cube_count_elemwise;
 use cubecl::prelude::*;
+pub use launches::{launches, on_behalf_of};
 use rows::{GRAD_CHUNK, ROW_UNITS};
-use std::sync::atomic::{AtomicU64, Ordering};
 
-static LAUNCHES: AtomicU64 = AtomicU64::new(0);
+/// Counting launches, for the tests that check that the kernels ran (not a fallback to the
+/// composed form). Each count goes to the thread whose work the kernel does: the caller's, or —
+/// with burn's fusion, which runs a thread's queued operations on the device's own thread —
+/// the thread that queued it ([`on_behalf_of`]), so tests side by side never count each
+/// other's launches.
+mod launches {
+    use std::cell::Cell;
+    use std::collections::HashMap;
+    use std::sync::{LazyLock, Mutex};
+    use std::thread::{self, ThreadId};
 
-/// How many of these kernels the process has launched (tests check that the kernels ran, not a
-/// fallback to the composed form).
-pub fn launches() -> u64 {
-    LAUNCHES.load(Ordering::Relaxed)
+    static LAUNCHES: LazyLock<Mutex<HashMap<ThreadId, u64>>> = LazyLock::new(Default::default);
+
+    thread_local! {
+        static OWNER: Cell<Option<ThreadId>> = const { Cell::new(None) };
+    }
+
+    /// How many of these kernels were launched for this thread's work.
+    pub fn launches() -> u64 {
+        let counts = LAUNCHES.lock().unwrap_or_else(|e| e.into_inner());
+        counts.get(&thread::current().id()).copied().unwrap_or(0)
+    }
+
+    /// Runs `f`, counting the kernels it launches as `owner`'s.
+    pub fn on_behalf_of<R>(owner: ThreadId, f: impl FnOnce() -> R) -> R {
+        let before = OWNER.with(|o| o.replace(Some(owner)));
+        struct Restore(Option<ThreadId>);
+        impl Drop for Restore {
+            fn drop(&mut self) {
+                OWNER.with(|o| o.set(self.0));
+            }
+        }
+        let _restore = Restore(before);
+        f()
+    }
+
+    /// Counts one launch.
+    pub(super) fn count() {
+        let owner = OWNER
+            .with(Cell::get)
+            .unwrap_or_else(|| thread::current().id());
+        let mut counts = LAUNCHES.lock().unwrap_or_else(|e| e.into_inner());
+        *counts.entry(owner).or_default() += 1;
+    }
 }
 
 /// The largest head dimension the attention kernels take (a row of it lives in registers).
@@ -113,7 +151,7 @@ where
         let y = empty(&x, x.shape());
         let (count, dim) = elementwise(&x);
         let dtype = x.dtype;
-        LAUNCHES.fetch_add(1, Ordering::Relaxed);
+        launches::count();
 
         pointwise::gelu_kernel::launch::<R>(
             &x.client,
@@ -131,7 +169,7 @@ where
         let (y, d) = (empty(&x, x.shape()), empty(&x, x.shape()));
         let (count, dim) = elementwise(&x);
         let dtype = x.dtype;
-        LAUNCHES.fetch_add(1, Ordering::Relaxed);
+        launches::count();
 
         pointwise::gelu_forward_kernel::launch::<R>(
             &x.client,
@@ -150,7 +188,7 @@ where
         let dx = empty(&x, x.shape());
         let (count, dim) = elementwise(&x);
         let dtype = x.dtype;
-        LAUNCHES.fetch_add(1, Ordering::Relaxed);
+        launches::count();
 
         pointwise::gelu_backward_kernel::launch::<R>(
             &x.client,
@@ -172,7 +210,7 @@ where
         let y = empty(&x, x.shape());
         let (count, dim) = elementwise(&x);
         let dtype = x.dtype;
-        LAUNCHES.fetch_add(1, Ordering::Relaxed);
+        launches::count();
 
         pointwise::dropout_kernel::launch::<R>(
             &x.client,
@@ -210,7 +248,7 @@ where
         );
         let (count, dim) = elementwise(&param);
         let dtype = param.dtype;
-        LAUNCHES.fetch_add(1, Ordering::Relaxed);
+        launches::count();
 
         pointwise::adamw_kernel::launch::<R>(
             &param.client,
@@ -250,7 +288,7 @@ where
         let (y, mean, rstd) = (empty(&x, x.shape()), empty(&x, [n]), empty(&x, [n]));
         let (count, dim) = row_grid(n);
         let dtype = x.dtype;
-        LAUNCHES.fetch_add(1, Ordering::Relaxed);
+        launches::count();
 
         rows::layer_norm_forward_kernel::launch::<R>(
             &x.client,
@@ -282,7 +320,7 @@ where
         let client = x.client.clone();
         let dx = empty(&x, [n, d]);
         let (count, dim) = row_grid(n);
-        LAUNCHES.fetch_add(1, Ordering::Relaxed);
+        launches::count();
 
         rows::layer_norm_backward_kernel::launch::<R>(
             &client,
@@ -300,7 +338,7 @@ where
         let chunks = n.div_ceil(GRAD_CHUNK as usize).max(1);
         let partial = empty_f32(&x, [2, chunks, d]);
         let columns = 64u32;
-        LAUNCHES.fetch_add(1, Ordering::Relaxed);
+        launches::count();
 
         rows::layer_norm_grad_partial_kernel::launch::<R>(
             &client,
@@ -315,7 +353,7 @@ where
         );
         let (dgamma, dbeta) = (empty(&x, [d]), empty(&x, [d]));
         let (count, dim) = elementwise(&dgamma);
-        LAUNCHES.fetch_add(1, Ordering::Relaxed);
+        launches::count();
 
         rows::layer_norm_grad_reduce_kernel::launch::<R>(
             &client,
@@ -341,7 +379,7 @@ where
         let (loss, lse) = (empty(&logits, [n]), empty(&logits, [n]));
         let (count, dim) = row_grid(n);
         let dtypes = [logits.dtype.into(), targets.dtype.into()];
-        LAUNCHES.fetch_add(1, Ordering::Relaxed);
+        launches::count();
 
         rows::cross_entropy_forward_kernel::launch::<R>(
             &logits.client,
@@ -370,7 +408,7 @@ where
         let dx = empty(&logits, logits.shape());
         let (count, dim) = elementwise(&logits);
         let dtypes = [logits.dtype.into(), targets.dtype.into()];
-        LAUNCHES.fetch_add(1, Ordering::Relaxed);
+        launches::count();
 
         rows::cross_entropy_backward_kernel::launch::<R>(
             &logits.client,
@@ -590,7 +628,7 @@ fn attention_forward<R: CubeRuntime>(
     let [b, h, t, kd] = q.shape().dims();
     let lse = empty(q, [b, h, t]);
     let (pad, has_pad) = pad_arg(pad, q);
-    LAUNCHES.fetch_add(1, Ordering::Relaxed);
+    launches::count();
 
     attention::attention_forward_kernel::launch::<R>(
         &q.client,
@@ -648,7 +686,7 @@ fn attention_backward<R: CubeRuntime>(
     let client = q.client.clone();
     let dtype = q.dtype;
     let [(dq, dq_strides), (dkv, dkv_strides)] = grads;
-    LAUNCHES.fetch_add(1, Ordering::Relaxed);
+    launches::count();
 
     attention::attention_backward_queries_kernel::launch::<R>(
         &client,
@@ -671,7 +709,7 @@ fn attention_backward<R: CubeRuntime>(
         dtype.into(),
     );
     let dv_offset = dkv_strides[3] + dv_offset;
-    LAUNCHES.fetch_add(1, Ordering::Relaxed);
+    launches::count();
 
     attention::attention_backward_keys_kernel::launch::<R>(
         &client,
