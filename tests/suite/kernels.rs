@@ -668,12 +668,23 @@ fn a_dropout_mask_is_a_function_of_its_seed_and_position() {
     let dropped = whole.iter().filter(|&&m| m == 0.0).count() as f64 / whole.len() as f64;
     assert!((dropped - 0.3).abs() < 0.015, "dropped {dropped}");
     assert_ne!(DropoutMask::new(0.3, 12346).multipliers(64), whole[..64]);
-    // The stream of masks restarts with its seed.
+    // The stream of masks restarts with its seed…
     reseed(9);
     let first = [next_mask(0.1), next_mask(0.1)];
     reseed(9);
     assert_eq!(first, [next_mask(0.1), next_mask(0.1)]);
     assert_ne!(first[0], first[1]);
+    // …and is this thread's: another thread reseeding and drawing (a test beside this one)
+    // takes nothing from it.
+    reseed(9);
+    let one = next_mask(0.1);
+    std::thread::spawn(|| {
+        reseed(1);
+        next_mask(0.1)
+    })
+    .join()
+    .unwrap();
+    assert_eq!([one, next_mask(0.1)], first);
 }
 
 #[test]
