@@ -257,6 +257,14 @@ impl ExperimentConfig {
                 bail!("data: {name}_fraction must be in (0, 0.5)");
             }
         }
+        match (data.train_examples, self.model.kind()) {
+            (Some(0), _) => bail!("data: train_examples must be at least 1"),
+            (Some(_), "lm") => bail!(
+                "data: train_examples is for datasets of examples (sentences, pairs, images); \
+                 a language model trains on windows of its text"
+            ),
+            _ => {}
+        }
         if data.tokenizer == TokenizerKind::Bpe && data.bpe_vocab_size < 300 {
             bail!(
                 "data: bpe_vocab_size must be at least 300 (4 special + 256 byte tokens + merges)"

@@ -224,6 +224,14 @@ pub struct CaptionSplit {
 }
 
 impl CaptionSplit {
+    /// Keeps the first `n` images.
+    pub fn truncate(&mut self, n: usize) {
+        let n = n.min(self.len());
+        self.pixels.truncate(n * self.size * self.size);
+        self.groups.truncate(n);
+        self.pool_of.truncate(n);
+    }
+
     /// Number of images.
     pub fn len(&self) -> usize {
         self.groups.len()
@@ -278,6 +286,7 @@ impl CaptionCorpus {
         dataset: &str,
         data_dir: &Path,
         valid_fraction: f64,
+        train_examples: Option<usize>,
         seed: u64,
     ) -> Result<Self> {
         let names = caption_datasets(dataset)?;
@@ -286,6 +295,7 @@ impl CaptionCorpus {
         for (name, range) in &classes.datasets {
             let (train, test) = ImageSet::load(name, data_dir)?;
             let (train, valid) = train.split(valid_fraction, seed);
+            let train = train.first(train_examples);
             let offset = range.start;
             let made = [
                 CaptionSplit::from_images(&train, offset, &classes.train),

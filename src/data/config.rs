@@ -43,6 +43,21 @@ pub struct DataConfig {
     pub copy: CopyTaskConfig,
     /// Images: shift each training image by up to this many pixels each way (0 = off).
     pub augment_shift: usize,
+    /// Train on only this many training examples of the seeded split — sentences, sentence
+    /// pairs, images (for clip on several image datasets, this many of each); tokenizers are
+    /// fitted on them alone. A quick run, or a learning curve over data size; validation and
+    /// test stay whole. Not for language models, whose text is cut into windows.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub train_examples: Option<usize>,
+}
+
+impl DataConfig {
+    /// Cuts a training split to [`Self::train_examples`].
+    pub fn limit_train<T>(&self, train: &mut Vec<T>) {
+        if let Some(n) = self.train_examples {
+            train.truncate(n);
+        }
+    }
 }
 
 impl Default for DataConfig {
@@ -61,6 +76,7 @@ impl Default for DataConfig {
             max_tokens: 64,
             copy: CopyTaskConfig::default(),
             augment_shift: 0,
+            train_examples: None,
         }
     }
 }

@@ -98,6 +98,14 @@ impl ImageSet {
         (self.select(train), self.select(valid))
     }
 
+    /// The first `n` images (all with `None`): a seeded split's are a random sample.
+    pub fn first(&self, n: Option<usize>) -> Self {
+        match n {
+            Some(n) if n < self.len() => self.select(&(0..n).collect::<Vec<_>>()),
+            _ => self.clone(),
+        }
+    }
+
     /// The images at `indices`, in that order.
     pub fn select(&self, indices: &[usize]) -> Self {
         let size = self.rows * self.cols;

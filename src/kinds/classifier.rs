@@ -305,13 +305,14 @@ fn sentences(
     EncodedSentences,
 )> {
     let data = &config.data;
-    let corpus = SentimentCorpus::load(
+    let mut corpus = SentimentCorpus::load(
         &data.dataset,
         data_dir,
         data.valid_fraction,
         data.test_fraction,
         config.seed,
     )?;
+    data.limit_train(&mut corpus.train);
     let tokenizer = match tokenizers {
         Some(tokenizers) => tokenizers.target,
         None => Tokenizer::fit(

@@ -85,16 +85,26 @@ impl ModelSection for ClipConfig {
 fn corpus(config: &ExperimentConfig, data_dir: &Path) -> Result<CaptionCorpus> {
     let (data, clip) = (&config.data, config.model_as::<ClipConfig>()?);
     match &data.captions_file {
-        Some(path) => CaptionCorpus::from_file(
-            path,
-            clip.image.image_size,
+        Some(path) => {
+            let mut corpus = CaptionCorpus::from_file(
+                path,
+                clip.image.image_size,
+                data.valid_fraction,
+                data.test_fraction,
+                config.seed,
+            )?;
+            if let Some(n) = data.train_examples {
+                corpus.train.truncate(n);
+            }
+            Ok(corpus)
+        }
+        None => CaptionCorpus::for_classes(
+            &data.dataset,
+            data_dir,
             data.valid_fraction,
-            data.test_fraction,
+            data.train_examples,
             config.seed,
         ),
-        None => {
-            CaptionCorpus::for_classes(&data.dataset, data_dir, data.valid_fraction, config.seed)
-        }
     }
 }
 

@@ -414,7 +414,8 @@ impl TranslationData {
         tokenizers: Option<Tokenizers>,
     ) -> Result<Self> {
         let data = &config.data;
-        let corpus = TranslationCorpus::load(data, data_dir, config.seed)?;
+        let mut corpus = TranslationCorpus::load(data, data_dir, config.seed)?;
+        data.limit_train(&mut corpus.train);
         let tokenizers = match tokenizers {
             Some(tokenizers) => tokenizers,
             None => {

@@ -104,6 +104,7 @@ impl ModelKind for VitConfig {
     ) -> Result<TrainReport> {
         let (train_set, test) = ImageSet::load(&config.data.dataset, data_dir)?;
         let (train_set, valid) = train_set.split(config.data.valid_fraction, config.seed);
+        let train_set = train_set.first(config.data.train_examples);
         println!(
             "{}: {} training, {} validation, {} test images of {}×{}; {} patches of {}×{} per image",
             config.data.dataset,
@@ -149,6 +150,7 @@ impl ModelKind for VitConfig {
     ) -> Result<BenchReport> {
         let (train_set, _) = ImageSet::load(&config.data.dataset, data_dir)?;
         let (train_set, _) = train_set.split(config.data.valid_fraction, config.seed);
+        let train_set = train_set.first(config.data.train_examples);
         let (rows, cols) = (train_set.rows, train_set.cols);
         let augmenting = ImageBatcher::new(rows, cols, config.data.augment_shift, config.seed);
         let batcher = Arc::new(move |items, seed, device: &B::Device| {

@@ -97,6 +97,14 @@ fn mistakes_are_clear_errors() {
         ),
         (r#"{"model": {"kind": "gan"}}"#, "unknown variant `gan`"),
         (
+            r#"{"data": {"train_examples": 100}}"#,
+            "train_examples is for datasets of examples",
+        ),
+        (
+            r#"{"model": {"kind": "vit"}, "data": {"dataset": "mnist", "train_examples": 0}}"#,
+            "train_examples must be at least 1",
+        ),
+        (
             r#"{"model": {"kind": "vit"}}"#,
             "a vit needs an image dataset",
         ),

@@ -31,6 +31,7 @@ mod mask;
 mod mixer;
 mod old_artifacts;
 mod position;
+mod real_data;
 mod reliability;
 mod seq2seq;
 mod tokenizer;
