@@ -431,9 +431,10 @@ pub enum BenchCommand {
     /// token mixer against sequence length; writes a CSV and a log-log PNG and prints growth
     /// exponents and where each mixer overtakes full attention.
     Mixers(BenchMixersArgs),
-    /// Time each fused kernel (GELU, LayerNorm, attention, softmax) against the composed ops it
-    /// replaces, forward + backward at an experiment's shapes, with a linear layer and the loss
-    /// beside them for scale: the per-operation profile of a training step.
+    /// Time each fused kernel (GELU, LayerNorm, causal attention, the masked softmax, the
+    /// linear layer, the cross-entropy) against the composed ops it replaces, forward +
+    /// backward at a language-model experiment's shapes: the per-operation profile of a
+    /// training step.
     Kernels(BenchKernelsArgs),
     /// Time greedy generation of a language model — an experiment's shape with random weights,
     /// or a trained artifact — with the key–value cache and recomputing every window: prefill,

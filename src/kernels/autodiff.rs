@@ -1,5 +1,5 @@
 //! The fused operations on `Autodiff<B>`: one graph node each, whose backward pass is the inner
-//! backend's fused backward (a kernel on flex, the composed form elsewhere).
+//! backend's fused backward (a kernel on flex, wgpu and CUDA; the composed form on ndarray).
 
 use super::{DropoutMask, LabBackend};
 use burn::backend::autodiff::checkpoint::base::Checkpointer;

@@ -51,6 +51,29 @@ pub fn small_lm() -> LmConfig {
     }
 }
 
+/// The text [`tiny_text_experiment`] repeats.
+#[allow(dead_code)]
+pub const TINY_TEXT: &str = "to be or not to be, that is the question. ";
+
+/// The entropy (nats) of the items' frequencies: the loss of the best model that ignores context
+/// (a unigram model), which a model that learned to use attention goes well below.
+#[allow(dead_code)]
+pub fn unigram_entropy<T: std::hash::Hash + Eq>(items: impl IntoIterator<Item = T>) -> f64 {
+    let mut counts = std::collections::HashMap::new();
+    let mut n = 0usize;
+    for item in items {
+        *counts.entry(item).or_insert(0usize) += 1;
+        n += 1;
+    }
+    counts
+        .values()
+        .map(|&c| {
+            let p = c as f64 / n as f64;
+            -p * p.ln()
+        })
+        .sum()
+}
+
 /// The validation losses in a plain training log.
 #[allow(dead_code)]
 pub fn valid_losses(log: &str) -> Vec<f64> {
@@ -300,11 +323,7 @@ pub fn translator_artifact(dir: &Path) {
 /// experiment on it with the given `"train"` section (a JSON object).
 #[allow(dead_code)]
 pub fn tiny_text_experiment(dir: &Path, train: &str) {
-    std::fs::write(
-        dir.join("corpus.txt"),
-        "to be or not to be, that is the question. ".repeat(40),
-    )
-    .unwrap();
+    std::fs::write(dir.join("corpus.txt"), TINY_TEXT.repeat(40)).unwrap();
     std::fs::write(
         dir.join("tiny.json"),
         format!(

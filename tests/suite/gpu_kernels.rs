@@ -379,5 +379,12 @@ fn gpu_a_tiny_model_trains_in_f16_as_in_f32() {
         worst < 1e-3 && worst > 0.0,
         "f16 losses {half:?} leave f32's {exact:?} by {worst}"
     );
-    assert!(half[steps - 1] < half[0] / 2.0, "f16 losses {half:?}");
+    // The targets' frequencies alone give 2.56 nats.
+    let targets = crate::common::batch::<Inner>(&device).targets;
+    let targets: Vec<i64> = targets.into_data().convert::<i64>().to_vec().unwrap();
+    let unigram = crate::common::unigram_entropy(targets);
+    assert!(
+        (half[steps - 1] as f64) < unigram - 1.0,
+        "f16 losses {half:?}, not below the unigram {unigram:.2} − 1"
+    );
 }

@@ -52,12 +52,17 @@ impl Run {
         Self { dir, data }
     }
 
+    /// Runs a command that reads the data; its stdout.
     fn run(&self, args: &[&str]) -> String {
+        let data = ["--data-dir", self.data.to_str().unwrap()];
+        self.run_plain(&[args, &data].concat())
+    }
+
+    /// Runs a command; its stdout.
+    fn run_plain(&self, args: &[&str]) -> String {
         let out: Output = Command::new(BIN)
             .args(["--backend", "flex"])
             .args(args)
-            .arg("--data-dir")
-            .arg(&self.data)
             .current_dir(self.dir.path())
             .output()
             .unwrap();
@@ -288,6 +293,26 @@ fn a_classifier_learns_the_uci_sentences() {
     let out = run.eval(&[]);
     let accuracy = number_before(&out, "% on 300 test sentences");
     assert!(accuracy > 62.0, "UCI test accuracy {accuracy}%: {out}");
+    // `classify` gets plain reviews right, and is sure of them (measured p > 0.96 on four
+    // seeds; an untrained model says about 0.5).
+    let sentences = [
+        ("This is a great phone, I love it.", "positive"),
+        ("Excellent product, works perfectly.", "positive"),
+        ("Terrible, a complete waste of money.", "negative"),
+        ("The worst movie I have ever seen.", "negative"),
+    ];
+    let mut args = vec!["classify", "--artifact-dir", "art"];
+    args.extend(sentences.iter().map(|s| s.0));
+    let out = run.run_plain(&args);
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(lines.len(), sentences.len(), "{out}");
+    for (line, (text, label)) in lines.iter().zip(sentences) {
+        let fields: Vec<&str> = line.split('\t').collect();
+        assert_eq!(fields[0], label, "{text}: {line}");
+        let p: f64 = fields[1].parse().unwrap();
+        assert!(p > 0.8, "{text}: {line}");
+        assert_eq!(fields[2], text);
+    }
 }
 
 #[test]

@@ -103,9 +103,12 @@ fn the_train_command_runs_on_wgpu() {
     );
     let valid = common::valid_losses(&log);
     assert_eq!(valid.len(), 2, "{log}");
+    // The characters' frequencies alone give 2.38 nats; the text repeats, so a model that
+    // reads its context goes far below.
+    let unigram = common::unigram_entropy(common::TINY_TEXT.chars());
     assert!(
-        valid[1] < 2.5,
-        "validation loss after 40 steps on wgpu in f16: {valid:?}"
+        valid[1] < unigram - 1.0,
+        "validation loss on wgpu in f16: {valid:?}, not below the unigram {unigram:.2} − 1"
     );
     let config = std::fs::read_to_string(dir.path().join("art/config.json")).unwrap();
     let config: serde_json::Value = serde_json::from_str(&config).unwrap();
