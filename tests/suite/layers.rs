@@ -150,3 +150,41 @@ fn the_train_config_leaf_imports_only_layers_below_the_config() {
             .unwrap();
     assert!(!text.contains("super::"));
 }
+
+#[test]
+fn every_test_lives_in_the_suite() {
+    // Cargo.toml builds neither the library nor the binary in test mode (`test = false`,
+    // `doctest = false`: a second compile of the crate, minutes on two cores), so a test or a
+    // Rust example in a doc comment under src/ would never run. They belong in tests/suite.
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut files = Vec::new();
+    rust_files(&src, &mut files);
+    let mut stray = Vec::new();
+    for file in files {
+        let rel = file.strip_prefix(&src).unwrap().display().to_string();
+        let mut in_fence = false;
+        for (n, line) in std::fs::read_to_string(&file).unwrap().lines().enumerate() {
+            let line = line.trim();
+            let doc = line
+                .strip_prefix("//!")
+                .or_else(|| line.strip_prefix("///"))
+                .map(str::trim);
+            let runs = match doc.and_then(|d| d.strip_prefix("```")) {
+                // An opening fence is Rust (a doctest) unless it names another language.
+                Some(tag) if !in_fence => {
+                    in_fence = true;
+                    tag.is_empty() || tag.starts_with("rust") || tag.starts_with("no_run")
+                }
+                Some(_) => {
+                    in_fence = false;
+                    false
+                }
+                None => line.starts_with("#[test]") || line.starts_with("#[cfg(test)]"),
+            };
+            if runs {
+                stray.push(format!("{rel}:{}: {line}", n + 1));
+            }
+        }
+    }
+    assert!(stray.is_empty(), "tests that would never run:\n{}", stray.join("\n"));
+}
