@@ -55,8 +55,14 @@ pub fn blues(v: f64) -> RGBColor {
     RGBColor(mix(247.0, 8.0), mix(251.0, 48.0), mix(255.0, 107.0))
 }
 
+/// The side in pixels of a cell of [`confusion_png`]'s matrix.
+pub const CONFUSION_CELL: u32 = 56;
+/// The top-left corner of [`confusion_png`]'s matrix: cell (true `i`, predicted `j`) starts at
+/// `(x + CONFUSION_CELL·j, y + CONFUSION_CELL·i)`.
+pub const CONFUSION_ORIGIN: (u32, u32) = (150, 70);
+
 /// Writes a confusion matrix (rows = true class, columns = predicted class) as a PNG heatmap
-/// with the count in each cell, shaded by the share of its row.
+/// with the count in each cell, shaded by the share of its row (darker = more).
 pub fn confusion_png(
     path: &Path,
     title: &str,
@@ -64,8 +70,8 @@ pub fn confusion_png(
     counts: &[Vec<usize>],
 ) -> Result<()> {
     let n = classes.len();
-    let cell = 56u32;
-    let (left, top) = (150u32, 70u32);
+    let cell = CONFUSION_CELL;
+    let (left, top) = CONFUSION_ORIGIN;
     let size = (left + cell * n as u32 + 30, top + cell * n as u32 + 130);
     render_png(path, size, |root| {
         let err = |e: DrawingAreaErrorKind<_>| anyhow!("cannot draw the confusion matrix: {e:?}");

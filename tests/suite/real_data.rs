@@ -122,6 +122,25 @@ fn number_after(text: &str, label: &str) -> f64 {
     rest[..end].parse().unwrap()
 }
 
+/// In the confusion-matrix PNG of `n` classes, each true class's row is darkest (its largest
+/// share) on the diagonal: the model predicts each class most often as itself.
+fn assert_diagonal_darkest(path: &std::path::Path, n: u32) {
+    use transformer_lab::plot::{CONFUSION_CELL, CONFUSION_ORIGIN};
+    let png = image::open(path).unwrap().to_rgb8();
+    let (x0, y0) = CONFUSION_ORIGIN;
+    for i in 0..n {
+        // A pixel near each cell's corner: the fill, clear of the border and the count.
+        let darkness: Vec<u32> = (0..n)
+            .map(|j| {
+                let p = png.get_pixel(x0 + CONFUSION_CELL * j + 5, y0 + CONFUSION_CELL * i + 5);
+                765 - p.0.iter().map(|&c| c as u32).sum::<u32>()
+            })
+            .collect();
+        let darkest = (0..n as usize).max_by_key(|&j| darkness[j]).unwrap();
+        assert_eq!(darkest, i as usize, "row {i} of {}: {darkness:?}", path.display());
+    }
+}
+
 fn data_config(dataset: &str, source: &str, target: &str) -> DataConfig {
     DataConfig {
         dataset: dataset.into(),
@@ -279,7 +298,7 @@ fn a_classifier_learns_sst2() {
     let out = run.eval(&[]);
     let accuracy = number_before(&out, "% on 872 test sentences");
     assert!(accuracy > 63.0, "SST-2 dev accuracy {accuracy}%: {out}");
-    assert!(run.path("art/confusion.png").exists());
+    assert_diagonal_darkest(&run.path("art/confusion.png"), 2);
 }
 
 #[test]
@@ -293,6 +312,7 @@ fn a_classifier_learns_the_uci_sentences() {
     let out = run.eval(&[]);
     let accuracy = number_before(&out, "% on 300 test sentences");
     assert!(accuracy > 62.0, "UCI test accuracy {accuracy}%: {out}");
+    assert_diagonal_darkest(&run.path("art/confusion.png"), 2);
     // `classify` gets plain reviews right, and is sure of them (measured p > 0.96 on four
     // seeds; an untrained model says about 0.5).
     let sentences = [

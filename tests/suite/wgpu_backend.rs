@@ -78,7 +78,7 @@ fn the_train_command_runs_on_wgpu() {
     let dir = tempfile::tempdir().unwrap();
     tiny_text_experiment(
         dir.path(),
-        r#"{"batch_size": 8, "steps": 40, "steps_per_epoch": 20, "eval_batches": 2, "warmup_steps": 5, "lr": 0.01}"#,
+        r#"{"batch_size": 8, "steps": 80, "steps_per_epoch": 40, "eval_batches": 2, "warmup_steps": 5, "lr": 0.01}"#,
     );
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_transformer-lab"))
         .args([
@@ -104,7 +104,7 @@ fn the_train_command_runs_on_wgpu() {
     let valid = common::valid_losses(&log);
     assert_eq!(valid.len(), 2, "{log}");
     // The characters' frequencies alone give 2.38 nats; the text repeats, so a model that
-    // reads its context goes far below.
+    // reads its context goes far below (measured 1.06 after 80 steps).
     let unigram = common::unigram_entropy(common::TINY_TEXT.chars());
     assert!(
         valid[1] < unigram - 1.0,
