@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use transformer_lab::artifact::metrics::{self, Row};
 use transformer_lab::artifact::ArtifactDir;
-use transformer_lab::curves::{overlay, Run};
+use transformer_lab::curves::{overlay, run_panels, Run};
 
 /// A temp dir with a corpus and a tiny char LM of 3 epochs × 10 steps.
 struct Sandbox {
@@ -124,6 +124,31 @@ fn the_table_holds_exactly_the_steps_trained_across_a_resume() {
             "{art}: two rows of two panels"
         );
     }
+    // What curves.png draws: a point per training step and one per validation, at its step,
+    // the value the table holds — the resumed run's as the uninterrupted one's.
+    let panels = run_panels(&rows);
+    let labels: Vec<&str> = panels.iter().map(|p| p.y_label.as_str()).collect();
+    assert_eq!(
+        panels.len(),
+        4,
+        "loss, learning rate, accuracy, perplexity: {labels:?}"
+    );
+    let loss = &panels[0].series;
+    let xs = |i: usize| {
+        loss[i]
+            .points
+            .iter()
+            .map(|p| p.0 as usize)
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(xs(0), (1..=30).collect::<Vec<_>>(), "{}", loss[0].label);
+    assert_eq!(xs(1), [10, 20, 30], "{}", loss[1].label);
+    assert_eq!(loss[1].points[2].1, last_valid.value);
+    assert_eq!(run_panels(&sandbox.rows("whole")).len(), 4);
+    assert_eq!(
+        run_panels(&sandbox.rows("whole"))[0].series[0].points,
+        loss[0].points
+    );
 }
 
 #[test]

@@ -186,5 +186,9 @@ fn every_test_lives_in_the_suite() {
             }
         }
     }
-    assert!(stray.is_empty(), "tests that would never run:\n{}", stray.join("\n"));
+    assert!(
+        stray.is_empty(),
+        "tests that would never run:\n{}",
+        stray.join("\n")
+    );
 }

@@ -137,7 +137,12 @@ fn assert_diagonal_darkest(path: &std::path::Path, n: u32) {
             })
             .collect();
         let darkest = (0..n as usize).max_by_key(|&j| darkness[j]).unwrap();
-        assert_eq!(darkest, i as usize, "row {i} of {}: {darkness:?}", path.display());
+        assert_eq!(
+            darkest,
+            i as usize,
+            "row {i} of {}: {darkness:?}",
+            path.display()
+        );
     }
 }
 
