@@ -291,33 +291,41 @@ fn classifier_experiment(dataset: &str, valid: f64, test: f64) -> String {
     )
 }
 
+/// Trains [`classifier_experiment`] on `dataset`, checks `eval`'s test accuracy over `test`
+/// sentences against `floor` and the confusion matrix's diagonal; the run, for more checks.
+fn classifier_learns(
+    dataset: &str,
+    valid: f64,
+    test: f64,
+    sentences: usize,
+    floor: f64,
+) -> Option<Run> {
+    let dir = real_data(&[dataset])?;
+    let run = Run::new(dir, &classifier_experiment(dataset, valid, test));
+    run.train();
+    let out = run.eval(&[]);
+    let accuracy = number_before(&out, &format!("% on {sentences} test sentences"));
+    assert!(
+        accuracy > floor,
+        "{dataset} test accuracy {accuracy}%: {out}"
+    );
+    assert_diagonal_darkest(&run.path("art/confusion.png"), 2);
+    Some(run)
+}
+
 #[test]
 fn a_classifier_learns_sst2() {
-    let Some(dir) = real_data(&["sst2"]) else {
-        return;
-    };
-    let run = Run::new(dir, &classifier_experiment("sst2", 0.01, 0.05));
-    run.train();
     // Measured 68.9–71.3% over four seeds (300 steps of 32 sentences, 14% of one epoch); the
     // dev set is half positive, so a model that learned nothing scores about 50%.
-    let out = run.eval(&[]);
-    let accuracy = number_before(&out, "% on 872 test sentences");
-    assert!(accuracy > 63.0, "SST-2 dev accuracy {accuracy}%: {out}");
-    assert_diagonal_darkest(&run.path("art/confusion.png"), 2);
+    classifier_learns("sst2", 0.01, 0.05, 872, 63.0);
 }
 
 #[test]
 fn a_classifier_learns_the_uci_sentences() {
-    let Some(dir) = real_data(&["uci-sentiment"]) else {
+    // Measured 67.7–75.3% over four seeds; balanced classes: chance is 50%.
+    let Some(run) = classifier_learns("uci-sentiment", 0.1, 0.1, 300, 62.0) else {
         return;
     };
-    let run = Run::new(dir, &classifier_experiment("uci-sentiment", 0.1, 0.1));
-    run.train();
-    // Measured 67.7–75.3% over four seeds; balanced classes: chance is 50%.
-    let out = run.eval(&[]);
-    let accuracy = number_before(&out, "% on 300 test sentences");
-    assert!(accuracy > 62.0, "UCI test accuracy {accuracy}%: {out}");
-    assert_diagonal_darkest(&run.path("art/confusion.png"), 2);
     // `classify` gets plain reviews right, and is sure of them (measured p > 0.96 on four
     // seeds; an untrained model says about 0.5).
     let sentences = [

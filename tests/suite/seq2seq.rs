@@ -11,7 +11,7 @@ use transformer_lab::kinds::{load_as, train};
 use transformer_lab::models::{Seq2Seq, Seq2SeqBatch};
 use transformer_lab::nn::StackConfig;
 use transformer_lab::train::TrainRequest;
-use transformer_lab::translate::{beam_search, greedy, translate_texts, SearchConfig};
+use transformer_lab::translate::{beam_search, greedy, translate_texts, Hypothesis, SearchConfig};
 
 use crate::common::explicit_weights;
 
@@ -461,6 +461,44 @@ fn padded(sources: &[Vec<i64>]) -> Tensor<B, 2, Int> {
     ids(&refs)
 }
 
+/// Beam search of `search` and greedy decoding over the padded batch of `sources`, each
+/// sentence's beam result held to `reference(source)`'s `(tokens, score)`; per sentence,
+/// `(greedy's hypothesis, the reference's)`.
+fn checked_against(
+    model: &Seq2Seq<B>,
+    sources: &[Vec<i64>],
+    search: SearchConfig,
+    reference: impl Fn(&[i64]) -> (Vec<usize>, f64),
+) -> Vec<(Hypothesis, (Vec<usize>, f64))> {
+    let found = beam_search(model, padded(sources), &search);
+    let greedy = greedy(
+        model,
+        padded(sources),
+        &SearchConfig {
+            beam_size: 1,
+            ..search
+        },
+    );
+    sources
+        .iter()
+        .zip(found)
+        .zip(greedy)
+        .map(|((source, hyp), g)| {
+            let (tokens, score) = reference(source);
+            let what = format!(
+                "{source:?}, k {}, α {}",
+                search.beam_size, search.length_penalty
+            );
+            assert_eq!(hyp.tokens, tokens, "{what}: {hyp:?} vs {score}");
+            assert!(
+                (hyp.score - score).abs() < 1e-4,
+                "{what}: {hyp:?} vs {score}"
+            );
+            (g, (tokens, score))
+        })
+        .collect()
+}
+
 #[test]
 fn a_beam_as_wide_as_every_prefix_finds_the_exhaustive_optimum() {
     // (target words, max_len): a beam of words^(max_len − 1) keeps every prefix that can still
@@ -476,26 +514,9 @@ fn a_beam_as_wide_as_every_prefix_finds_the_exhaustive_optimum() {
                     max_len,
                     cached: true,
                 };
-                let found = beam_search(&model, padded(&sources), &search);
-                let greedy = greedy(
-                    &model,
-                    padded(&sources),
-                    &SearchConfig {
-                        beam_size: 1,
-                        ..search
-                    },
-                );
-                for ((source, hyp), g) in sources.iter().zip(&found).zip(&greedy) {
-                    let (tokens, score) = exhaustive_best(&model, source, max_len, alpha);
-                    assert_eq!(
-                        hyp.tokens, tokens,
-                        "{source:?}, k {k}, α {alpha}: {hyp:?} vs {score}"
-                    );
-                    assert!(
-                        (hyp.score - score).abs() < 1e-4,
-                        "{source:?}: {hyp:?} vs {score}"
-                    );
-                    greedy_was_worse += usize::from(g.score < score - 1e-4);
+                let exhaustive = |source: &[i64]| exhaustive_best(&model, source, max_len, alpha);
+                for (g, (_, best)) in checked_against(&model, &sources, search, exhaustive) {
+                    greedy_was_worse += usize::from(g.score < best - 1e-4);
                 }
             }
         }
@@ -519,25 +540,8 @@ fn narrow_beams_match_a_textbook_beam_search() {
                 max_len: 6,
                 cached: true,
             };
-            let found = beam_search(&model, padded(&sources), &search);
-            let greedy = greedy(
-                &model,
-                padded(&sources),
-                &SearchConfig {
-                    beam_size: 1,
-                    ..search
-                },
-            );
-            for ((source, hyp), g) in sources.iter().zip(&found).zip(&greedy) {
-                let (tokens, score) = reference_beam(&model, source, k, 6, alpha);
-                assert_eq!(
-                    hyp.tokens, tokens,
-                    "{source:?}, k {k}, α {alpha}: {hyp:?} vs {score}"
-                );
-                assert!(
-                    (hyp.score - score).abs() < 1e-4,
-                    "{source:?}: {hyp:?} vs {score}"
-                );
+            let textbook = |source: &[i64]| reference_beam(&model, source, k, 6, alpha);
+            for (g, (tokens, _)) in checked_against(&model, &sources, search, textbook) {
                 differs_from_greedy += usize::from(g.tokens != tokens);
             }
         }
