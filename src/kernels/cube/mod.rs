@@ -50,15 +50,7 @@ mod launches {
 
     /// Runs `f`, counting the kernels it launches as `owner`'s.
     pub fn on_behalf_of<R>(owner: ThreadId, f: impl FnOnce() -> R) -> R {
-        let before = OWNER.with(|o| o.replace(Some(owner)));
-        struct Restore(Option<ThreadId>);
-        impl Drop for Restore {
-            fn drop(&mut self) {
-                OWNER.with(|o| o.set(self.0));
-            }
-        }
-        let _restore = Restore(before);
-        f()
+        crate::kernels::with_local(&OWNER, owner, f)
     }
 
     /// Counts one launch.
