@@ -20,10 +20,16 @@ fn main() -> ExitCode {
     transformer_lab::kernels::set_fused(!cli.no_fused);
     let code = match run(cli.backend, cli.kernel_check, cli.command) {
         Ok(()) => ExitCode::SUCCESS,
-        Err(err) => {
-            eprintln!("error: {err:#}");
-            ExitCode::FAILURE
-        }
+        Err(err) => match err.downcast_ref::<transformer_lab::train::stop::Stopped>() {
+            Some(stopped) => {
+                eprintln!("{stopped}");
+                ExitCode::from(transformer_lab::train::stop::STOPPED_STATUS)
+            }
+            None => {
+                eprintln!("error: {err:#}");
+                ExitCode::FAILURE
+            }
+        },
     };
     drop(stdio);
     code

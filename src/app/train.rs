@@ -5,6 +5,7 @@ use crate::cli::TrainArgs;
 use crate::config::ExperimentConfig;
 use crate::data::data_dir;
 use crate::kernels::LabBackend;
+use crate::train::stop::Stopped;
 use crate::train::{Outcome, TrainRequest};
 use anyhow::Result;
 use burn::backend::Autodiff;
@@ -32,6 +33,7 @@ pub(super) fn run_train<B: LabBackend>(args: TrainArgs, device: B::Device) -> Re
         lr: args.lr,
     };
     let artifact = request.artifact.clone();
+    crate::train::stop::install()?;
     let report = crate::kinds::train::<Autodiff<B>>(request, device)?;
     let step = |epoch: usize| epoch * report.steps_per_epoch;
     let dir = artifact.root().display();
@@ -44,13 +46,14 @@ pub(super) fn run_train<B: LabBackend>(args: TrainArgs, device: B::Device) -> Re
         Err(err) => eprintln!("warning: no curves.png: {err:#}"),
     }
     if report.outcome == Outcome::Interrupted {
-        println!(
-            "stopped after step {} of {}; model.mpk not written. Continue with: \
-             transformer-lab train --artifact-dir {dir} --resume",
-            step(report.epoch),
-            step(report.epochs)
-        );
-        return Ok(());
+        let saved = report.saved_step.unwrap_or(step(report.epoch));
+        return Err(Stopped(format!(
+            "stopped: step {saved} of {} is saved in {}; continue with: transformer-lab train \
+             --artifact-dir {dir} --resume",
+            step(report.epochs),
+            artifact.checkpoints().display()
+        ))
+        .into());
     }
     if report.steps > 0 {
         println!(

@@ -161,12 +161,6 @@ fn burn_log_values(text: &str) -> Vec<(f64, f64)> {
         .collect()
 }
 
-/// Keeps the rows of the first `epochs` epochs (what a run resumed from checkpoint `epochs`
-/// keeps; the rest is trained again).
-pub fn keep_epochs(rows: Vec<Row>, epochs: usize) -> Vec<Row> {
-    rows.into_iter().filter(|row| row.epoch <= epochs).collect()
-}
-
 /// `metric,split` pairs present in `rows`, for error messages.
 pub fn available(rows: &[Row]) -> String {
     let mut names: Vec<String> = rows

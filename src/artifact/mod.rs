@@ -281,6 +281,49 @@ impl ArtifactDir {
         Ok(())
     }
 
+    /// The mid-epoch checkpoint of global step `step`: `checkpoint/step-STEP.json` (where the
+    /// run stood), written after its model, optimizer and scheduler files
+    /// (`{model,optim,scheduler}-step-STEP.mpk`) were complete.
+    pub fn step_marker(&self, step: usize) -> PathBuf {
+        self.checkpoints().join(format!("step-{step}.json"))
+    }
+
+    /// Every step with a complete mid-epoch checkpoint (its marker and three files), oldest
+    /// first.
+    pub fn step_checkpoints(&self) -> Vec<usize> {
+        let Ok(entries) = std::fs::read_dir(self.checkpoints()) else {
+            return Vec::new();
+        };
+        let names: Vec<String> = entries
+            .filter_map(|e| e.ok()?.file_name().into_string().ok())
+            .collect();
+        let has = |kind: &str, step: usize| names.contains(&format!("{kind}-step-{step}.mpk"));
+        let mut steps: Vec<usize> = names
+            .iter()
+            .filter_map(|n| n.strip_prefix("step-")?.strip_suffix(".json")?.parse().ok())
+            .filter(|&s| has("model", s) && has("optim", s) && has("scheduler", s))
+            .collect();
+        steps.sort_unstable();
+        steps
+    }
+
+    /// Deletes the mid-epoch checkpoint of `step`: its marker first, so that what is left of it
+    /// is never taken for complete.
+    pub fn remove_step_checkpoint(&self, step: usize) -> Result<()> {
+        let marker = self.step_marker(step);
+        let files = ["model", "optim", "scheduler"]
+            .map(|kind| self.checkpoints().join(format!("{kind}-step-{step}.mpk")));
+        for path in std::iter::once(marker).chain(files) {
+            match std::fs::remove_file(&path) {
+                Err(err) if err.kind() != std::io::ErrorKind::NotFound => {
+                    return Err(err).with_context(|| format!("cannot remove {}", path.display()))
+                }
+                _ => {}
+            }
+        }
+        Ok(())
+    }
+
     /// Deletes epoch `epoch`'s three checkpoint files.
     pub fn remove_checkpoint(&self, epoch: usize) -> Result<()> {
         for kind in ["model", "optim", "scheduler"] {

@@ -62,6 +62,11 @@ pub struct TrainConfig {
     pub batch_by_length: bool,
     /// Checkpoints kept: the last `keep_checkpoints` epochs, plus the best by validation loss.
     pub keep_checkpoints: usize,
+    /// A mid-epoch checkpoint as well, every so many minutes or steps (`{"minutes": 10}` or
+    /// `{"steps": 500}`), for runs whose epochs are long: only the newest is kept, and it goes
+    /// once a later epoch checkpoint is complete. Epoch checkpoints are unaffected.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub checkpoint_every: Option<CheckpointEvery>,
     /// Stop when the validation loss has not improved for a number of epochs (none: train all
     /// `steps`).
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -70,6 +75,16 @@ pub struct TrainConfig {
     /// on a GPU backend, with `f32` master weights (see [`Precision`]).
     #[serde(skip_serializing_if = "Precision::is_f32")]
     pub precision: Precision,
+}
+
+/// How often a run writes a mid-epoch checkpoint.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "snake_case")]
+pub enum CheckpointEvery {
+    /// After the first step that ends this many minutes after the last checkpoint.
+    Minutes(f64),
+    /// After every step that is a multiple of this.
+    Steps(usize),
 }
 
 /// Early stopping on the validation loss.
@@ -101,6 +116,7 @@ impl Default for TrainConfig {
             num_workers: 1,
             batch_by_length: false,
             keep_checkpoints: 2,
+            checkpoint_every: None,
             early_stopping: None,
             precision: Precision::F32,
         }
@@ -164,6 +180,15 @@ impl TrainConfig {
         }
         if self.keep_checkpoints == 0 {
             bail!("train: keep_checkpoints must be at least 1 (resuming needs a checkpoint)");
+        }
+        match self.checkpoint_every {
+            Some(CheckpointEvery::Minutes(m)) if !(m.is_finite() && m > 0.0) => {
+                bail!("train: checkpoint_every.minutes must be above 0, got {m}")
+            }
+            Some(CheckpointEvery::Steps(0)) => {
+                bail!("train: checkpoint_every.steps must be at least 1")
+            }
+            _ => {}
         }
         if self
             .early_stopping

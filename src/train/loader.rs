@@ -1,7 +1,8 @@
 //! Deterministic data loading for training: every epoch's batches — which items, in which
-//! order, and each batch's augmentation — are a pure function of `(seed, epoch)`, whatever the
-//! number of worker threads. A run resumed after epoch `k` therefore sees exactly the batches
-//! the uninterrupted run saw from epoch `k + 1` on.
+//! order, and each batch's augmentation and dropout masks — are a pure function of
+//! `(seed, epoch, batch)`, whatever the number of worker threads. A run resumed after batch `j`
+//! of epoch `k` therefore sees exactly the batches the uninterrupted run saw from there on: the
+//! loader skips the first `j` (see [`EpochLoader::skipping`]) without reading their items.
 //!
 //! burn's own loaders cannot promise this: with replacement sampling the items come from one
 //! random stream shared by all epochs (a resumed run had to reseed it), and with several workers
@@ -143,8 +144,11 @@ pub struct EpochLoader<B: Backend, I, O> {
     /// Epochs begun so far, shared with the copies `to_device` makes (and with the session, which
     /// sets it to the epoch a resumed run starts after).
     epoch: Arc<AtomicUsize>,
-    /// Reseed the backend's generator (dropout) at the start of every epoch.
+    /// Reseed the backend's generator and the dropout stream before every batch.
     reseed_backend: bool,
+    /// Batches the next epoch begins with as if already read (a run resumed mid-epoch); taken
+    /// (reset to 0) when the epoch begins.
+    skip: Option<Arc<AtomicUsize>>,
     /// The part of each epoch's items this loader serves (`slice`).
     range: Option<Range<usize>>,
     /// Each item's length, when batches group similar lengths (see [`Self::by_length`]).
@@ -165,6 +169,7 @@ impl<B: Backend, I, O> Clone for EpochLoader<B, I, O> {
             seed: self.seed,
             epoch: self.epoch.clone(),
             reseed_backend: self.reseed_backend,
+            skip: self.skip.clone(),
             range: self.range.clone(),
             lengths: self.lengths.clone(),
             checkpoints: self.checkpoints.clone(),
@@ -201,16 +206,26 @@ where
             seed,
             epoch,
             reseed_backend: false,
+            skip: None,
             range: None,
             lengths: None,
             checkpoints: None,
         }
     }
 
-    /// Also reseeds the backend's random generator (dropout masks) from `(seed, epoch)` when an
-    /// epoch begins, so a resumed run draws the masks the uninterrupted run drew.
+    /// Also reseeds the backend's random generator and the dropout stream from
+    /// `(seed, epoch, batch)` as each batch is made (on the training thread, right before the
+    /// step that uses it), so a run resumed at any batch draws the masks the uninterrupted run
+    /// drew.
     pub fn reseeding_backend(mut self) -> Self {
         self.reseed_backend = true;
+        self
+    }
+
+    /// The next epoch to begin starts after the number of batches in `skip` (then set back to
+    /// 0): what a run resumed mid-epoch trained already. Their items are not read.
+    pub fn skipping(mut self, skip: Arc<AtomicUsize>) -> Self {
+        self.skip = Some(skip);
         self
     }
 
@@ -299,13 +314,16 @@ where
             watch.wait_for_reads();
         }
         let epoch = self.epoch.fetch_add(1, Ordering::SeqCst) + 1;
-        if self.reseed_backend {
-            crate::kernels::seed::<B>(&self.device, mix(self.seed, (epoch as u64) << 32 | 0xd409));
-        }
         let epoch_batches = Arc::new(self.batches(epoch));
         let items: usize = epoch_batches.iter().map(Vec::len).sum();
         let batches = epoch_batches.len();
-        let workers = self.workers.min(batches.max(1));
+        let skip = self
+            .skip
+            .as_ref()
+            .map_or(0, |skip| skip.swap(0, Ordering::SeqCst))
+            .min(batches);
+        let skipped: usize = epoch_batches[..skip].iter().map(Vec::len).sum();
+        let workers = self.workers.min((batches - skip).max(1));
         // Worker `w` reads the items of batches w, w + workers, …; the iterator takes them
         // round-robin, so they come out in order however the threads are scheduled. The
         // batch's tensors are made by the iterator, on the training thread: on burn's GPU
@@ -319,7 +337,7 @@ where
                 std::thread::Builder::new()
                     .name(format!("loader-{w}"))
                     .spawn(move || {
-                        for j in (w..batches).step_by(workers) {
+                        for j in (skip + w..batches).step_by(workers) {
                             let chunk = &epoch_batches[j];
                             let items: Vec<I> =
                                 chunk.iter().filter_map(|&i| dataset.get(i)).collect();
@@ -337,9 +355,11 @@ where
             batch: self.batch.clone(),
             device: self.device.clone(),
             seed,
-            next: 0,
+            reseed: self.reseed_backend.then(|| mix(self.seed, (epoch as u64) << 32 | 0xd409)),
+            first: skip,
+            next: skip,
             batches,
-            progress: Progress::new(0, items),
+            progress: Progress::new(skipped, items),
         })
     }
 
@@ -368,6 +388,11 @@ struct EpochIter<B: Backend, I, O> {
     device: B::Device,
     /// The epoch's seed, mixed with each batch's index for its batch function.
     seed: u64,
+    /// The epoch's seed of the backend's generator and the dropout stream, mixed with each
+    /// batch's index, when they are reseeded.
+    reseed: Option<u64>,
+    /// The first batch the epoch reads (after those skipped).
+    first: usize,
     next: usize,
     batches: usize,
     progress: Progress,
@@ -382,9 +407,13 @@ impl<B: Backend, I, O> Iterator for EpochIter<B, I, O> {
         }
         // A worker only stops early when reading an item panicked: an epoch silently cut
         // short would train fewer steps than it reports.
-        let (items, asked) = self.receivers[self.next % self.receivers.len()]
+        let worker = (self.next - self.first) % self.receivers.len();
+        let (items, asked) = self.receivers[worker]
             .recv()
             .expect("a data-loading thread failed (see its message above)");
+        if let Some(seed) = self.reseed {
+            crate::kernels::seed::<B>(&self.device, mix(seed, self.next as u64));
+        }
         let made = (self.batch)(items, mix(self.seed, self.next as u64), &self.device);
         self.next += 1;
         self.progress.items_processed += asked;

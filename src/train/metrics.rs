@@ -2,7 +2,8 @@
 //! and learning rate, and each epoch's validation means at the epoch's last step.
 
 use super::checkpoint::ValidLosses;
-use crate::artifact::metrics::{self, keep_epochs, metric_key, to_csv, Row};
+use super::strategy::StepPoint;
+use crate::artifact::metrics::{self, metric_key, to_csv, Row};
 use crate::artifact::ArtifactDir;
 use crate::files::write_atomic;
 use anyhow::{Context, Result};
@@ -12,7 +13,8 @@ use burn::train::metric::{MetricDefinition, MetricId, NumericEntry};
 use std::collections::{BTreeMap, HashMap};
 use std::io::Write;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::Duration;
 
 /// The first training step whose loss was not finite (NaN or ±∞), and the handle that stops
 /// the run there: the Learner leaves the epoch without validating or checkpointing it.
@@ -61,11 +63,11 @@ pub struct StepCounter {
 }
 
 impl StepCounter {
-    /// A counter for a run resuming after checkpoint `start` (0: a fresh run).
-    pub fn new(steps_per_epoch: usize, start: usize) -> Self {
+    /// A counter for a run resuming after `done` steps (0: a fresh run).
+    pub fn new(steps_per_epoch: usize, done: usize) -> Self {
         Self {
             steps_per_epoch,
-            done: start * steps_per_epoch,
+            done,
         }
     }
 
@@ -89,11 +91,11 @@ pub struct EpochCorrected<L> {
 }
 
 impl<L> EpochCorrected<L> {
-    /// Wraps `inner` for a run resuming after checkpoint `start`.
-    pub fn new(inner: L, steps_per_epoch: usize, start: usize) -> Self {
+    /// Wraps `inner` for a run resuming after `done` steps.
+    pub fn new(inner: L, steps_per_epoch: usize, done: usize) -> Self {
         Self {
             inner,
-            steps: StepCounter::new(steps_per_epoch, start),
+            steps: StepCounter::new(steps_per_epoch, done),
         }
     }
 }
@@ -126,9 +128,33 @@ impl<L: MetricLogger> MetricLogger for EpochCorrected<L> {
     }
 }
 
-/// A metric logger appending to `metrics.csv`. A run resumed from checkpoint `E` first drops
-/// the rows after epoch `E` (a killed run may have logged steps it never checkpointed), so the
-/// table of a resumed run is the table of the run it replaced. Each epoch's mean validation loss
+/// The last training step whose row `metrics.csv` holds (written and flushed), for a checkpoint
+/// of that step to wait for: the metrics are logged on burn's processor thread, behind the
+/// training.
+#[derive(Clone, Default)]
+pub struct Logged(Arc<(Mutex<usize>, Condvar)>);
+
+impl Logged {
+    fn set(&self, step: usize) {
+        *self.0 .0.lock().unwrap_or_else(|e| e.into_inner()) = step;
+        self.0 .1.notify_all();
+    }
+
+    /// Waits up to `timeout` for step `step`'s row; whether it came.
+    pub fn wait_for(&self, step: usize, timeout: Duration) -> bool {
+        let guard = self.0 .0.lock().unwrap_or_else(|e| e.into_inner());
+        let (guard, _) = self
+            .0
+             .1
+            .wait_timeout_while(guard, timeout, |logged| *logged < step)
+            .unwrap_or_else(|e| e.into_inner());
+        *guard >= step
+    }
+}
+
+/// A metric logger appending to `metrics.csv`, flushed at every step. A run resumed from a
+/// checkpoint first drops the rows after its step (a killed run may have logged steps it never
+/// checkpointed), so the table of a resumed run is the table of the run it replaced. Each epoch's mean validation loss
 /// also goes to the [`ValidLosses`] that keep the best checkpoint and stop early — when the
 /// epoch's end reaches the logger, after all of the epoch's values, in order.
 pub struct CsvLogger {
@@ -141,25 +167,34 @@ pub struct CsvLogger {
     valid: BTreeMap<String, (f64, f64)>,
     failure: Arc<Mutex<Option<String>>>,
     divergence: Divergence,
+    logged: Logged,
 }
 
 impl CsvLogger {
-    /// Opens `metrics.csv` of `artifact` for a run starting after checkpoint `start` (0 for a
-    /// fresh run), keeping the rows of epochs `1..=start` (taken from burn's epoch logs when a
-    /// run older than the table is resumed). The returned slot receives the first write that
-    /// failed (the run goes on; its end reports the table incomplete). A training loss that
-    /// is not finite trips `divergence`.
+    /// Opens `metrics.csv` of `artifact` for a run starting at `start` (step 0 for a fresh
+    /// run), keeping the training rows up to its step and the validation rows of the epochs
+    /// before its own (taken from burn's epoch logs when a run older than the table is resumed).
+    /// The returned slot receives the first write that failed (the run goes on; its end reports
+    /// the table incomplete). A training loss that is not finite trips `divergence`; each step's
+    /// rows, once flushed, are announced to `logged`.
     pub fn open(
         artifact: &ArtifactDir,
         steps_per_epoch: usize,
-        start: usize,
+        start: StepPoint,
         losses: ValidLosses,
         divergence: Divergence,
+        logged: Logged,
     ) -> Result<(Self, Arc<Mutex<Option<String>>>)> {
         let path = artifact.metrics();
-        let kept = match start {
+        let kept: Vec<Row> = match start.step {
             0 => Vec::new(),
-            _ => keep_epochs(metrics::read(artifact, steps_per_epoch)?, start),
+            _ => metrics::read(artifact, steps_per_epoch)?
+                .into_iter()
+                .filter(|row| match row.split.as_str() {
+                    "train" => row.step <= start.step,
+                    _ => row.epoch < start.epoch,
+                })
+                .collect(),
         };
         write_atomic(&path, to_csv(&kept).as_bytes())?;
         let file = std::fs::OpenOptions::new()
@@ -172,10 +207,11 @@ impl CsvLogger {
             out: Some(std::io::BufWriter::new(file)),
             steps_per_epoch,
             names: HashMap::new(),
-            steps: StepCounter::new(steps_per_epoch, start),
+            steps: StepCounter::new(steps_per_epoch, start.step),
             valid: BTreeMap::new(),
             failure: failure.clone(),
             divergence,
+            logged,
         };
         Ok((logger, failure))
     }
@@ -239,6 +275,8 @@ impl MetricLogger for CsvLogger {
                         value,
                     });
                 }
+                self.flush();
+                self.logged.set(step);
             }
             Split::Valid => {
                 for metric in update.entries_numeric {

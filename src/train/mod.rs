@@ -47,11 +47,14 @@ pub mod config;
 mod loader;
 mod metrics;
 mod optim;
+mod perplexity;
 mod preflight;
 mod renderer;
 mod run;
 mod schedule;
 pub mod speed;
+pub mod stop;
+mod strategy;
 
 pub use checkpoint::{prune, KeepCheckpoints, Patience, ValidLosses};
 pub use loader::{
@@ -60,7 +63,9 @@ pub use loader::{
 pub use optim::{clip_global_norm, reference_adamw, LabAdamW, ReferenceOptimizer, NAN_ENV};
 pub use renderer::{PlainRenderer, Throughput};
 pub use run::{launch, train_loader, Session};
+pub use perplexity::{EpochPerplexity, NllSums};
 pub use schedule::WarmupSchedule;
+pub use strategy::{StepMarker, StepPoint, PAUSE_STEP_SAVE_ENV};
 
 use crate::artifact::{ArtifactDir, Tokenizers};
 use crate::config::ExperimentConfig;
@@ -118,6 +123,8 @@ pub struct TrainReport {
     pub use_with: &'static str,
     /// Why `metrics.csv` stopped being written, if it did (a full disk).
     pub metrics_failure: Option<String>,
+    /// The step whose checkpoint a stopped run saved (`Outcome::Interrupted`).
+    pub saved_step: Option<usize>,
 }
 
 /// How a training invocation ended.
@@ -130,7 +137,8 @@ pub enum Outcome {
     /// Every step was already trained (a run killed before writing `model.mpk`); `model.mpk`
     /// written from the last checkpoint.
     WrittenFromCheckpoint,
-    /// Stopped by the user (the dashboard's `q`); no `model.mpk`, `--resume` continues.
+    /// Stopped on request (SIGTERM, SIGINT, the dashboard's `q`) after a step whose checkpoint
+    /// was saved (`saved_step`); no `model.mpk`, `--resume` continues from that step.
     Interrupted,
 }
 

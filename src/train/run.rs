@@ -4,7 +4,12 @@
 
 use super::checkpoint::{prune, KeepCheckpoints, Patience, ValidLosses};
 use super::loader::{BatchFn, Draw, EpochLoader};
-use super::metrics::{CsvLogger, Divergence, EpochCorrected};
+use super::metrics::{CsvLogger, Divergence, EpochCorrected, Logged};
+use super::perplexity::{EpochPerplexity, NllSums};
+use super::stop::StopRequest;
+use super::strategy::{
+    remove_step_checkpoints, remove_superseded_steps, StepMarker, StepPoint, StepStrategy,
+};
 use super::{
     reference_adamw, Outcome, PlainRenderer, Throughput, Tokenizers, TrainReport, TrainRequest,
     WarmupSchedule,
@@ -23,8 +28,10 @@ use burn::optim::Optimizer;
 use burn::record::Recorder;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::train::logger::FileMetricLogger;
-use burn::train::metric::{AccuracyMetric, LearningRateMetric, LossMetric, PerplexityMetric};
-use burn::train::{ClassificationOutput, InferenceStep, Learner, SupervisedTraining, TrainStep};
+use burn::train::metric::{AccuracyMetric, LearningRateMetric, LossMetric};
+use burn::train::{
+    ClassificationOutput, InferenceStep, Learner, SupervisedTraining, TrainStep, TrainingStrategy,
+};
 use std::io::IsTerminal;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -55,6 +62,8 @@ pub struct Session {
     /// Epochs done: the epoch a resumed run starts after, then counted up by the training
     /// loader as epochs begin.
     epoch: Arc<AtomicUsize>,
+    /// Batches the training loader skips at the next epoch's start (a run resumed mid-epoch).
+    skip: Arc<AtomicUsize>,
     watch: Arc<CheckpointWatch>,
 }
 
@@ -65,6 +74,7 @@ impl Session {
             resume: request.resume,
             plain: request.plain,
             epoch: Arc::new(AtomicUsize::new(0)),
+            skip: Arc::new(AtomicUsize::new(0)),
             watch: Arc::new(CheckpointWatch::new()),
         }
     }
@@ -142,6 +152,7 @@ impl Session {
             self.epoch.clone(),
             lengths,
         )
+        .skipping(self.skip.clone())
         .after_checkpoints(self.watch.clone());
         let loader_valid = EpochLoader::new(
             valid_set,
@@ -174,8 +185,29 @@ impl Session {
     }
 }
 
-/// The newest checkpoint whose model, optimizer and scheduler files all load, saying which
-/// newer ones were skipped and why; 0 when the run has no checkpoint yet.
+/// Where a run starts.
+#[derive(Clone, Copy, Debug)]
+enum Start {
+    /// From the initial weights.
+    Fresh,
+    /// After epoch `E`'s checkpoint.
+    Epoch(usize),
+    /// From a mid-epoch checkpoint.
+    Step(StepMarker),
+}
+
+impl Start {
+    fn point(&self, steps_per_epoch: usize) -> StepPoint {
+        match self {
+            Start::Fresh => StepPoint::after_epoch(0, steps_per_epoch),
+            Start::Epoch(epoch) => StepPoint::after_epoch(*epoch, steps_per_epoch),
+            Start::Step(marker) => marker.point,
+        }
+    }
+}
+
+/// The newest checkpoint — an epoch's, or a mid-epoch one — whose model, optimizer and
+/// scheduler files all load, saying which newer ones were skipped and why.
 fn newest_loadable<B, M, O, S>(
     artifact: &ArtifactDir,
     model: &M,
@@ -183,7 +215,7 @@ fn newest_loadable<B, M, O, S>(
     _schedule: &S,
     steps_per_epoch: usize,
     device: &B::Device,
-) -> Result<usize>
+) -> Result<Start>
 where
     B: LabAutodiff,
     M: AutodiffModule<B>,
@@ -191,9 +223,22 @@ where
     S: LrScheduler,
 {
     let epochs = artifact.complete_checkpoints();
+    // Newest first; of an epoch's checkpoint and a mid-epoch one at the same step (stopped
+    // after the epoch's last step, before its validation), the epoch's has done more.
+    let mut candidates: Vec<(usize, bool, String)> = epochs
+        .iter()
+        .map(|&e| (e * steps_per_epoch, true, e.to_string()))
+        .chain(
+            artifact
+                .step_checkpoints()
+                .into_iter()
+                .map(|s| (s, false, format!("step-{s}"))),
+        )
+        .collect();
+    candidates.sort_by(|a, b| (b.0, b.1).cmp(&(a.0, a.1)));
     let mut reasons = Vec::new();
-    for &epoch in epochs.iter().rev() {
-        let file = |kind: &str| artifact.checkpoints().join(format!("{kind}-{epoch}"));
+    for (step, is_epoch, suffix) in &candidates {
+        let file = |kind: &str| artifact.checkpoints().join(format!("{kind}-{suffix}"));
         let first_line = |e: &dyn std::fmt::Display| {
             e.to_string().lines().next().unwrap_or_default().to_string()
         };
@@ -213,25 +258,32 @@ where
             })
             .map_err(|e| format!("{}.mpk: {}", file("scheduler").display(), first_line(&e)))
         };
-        match check() {
-            Ok(()) => {
+        let start = check().and_then(|()| match is_epoch {
+            true => Ok(Start::Epoch(step / steps_per_epoch)),
+            false => StepMarker::load(artifact, *step)
+                .map(Start::Step)
+                .map_err(|e| format!("{e:#}")),
+        });
+        match start {
+            Ok(start) => {
                 for reason in &reasons {
                     eprintln!("warning: {reason}");
                 }
-                return Ok(epoch);
+                return Ok(start);
             }
-            Err(why) => reasons.push(format!(
-                "skipped the checkpoint of epoch {epoch} (step {}): {why}",
-                epoch * steps_per_epoch
+            Err(why) if *is_epoch => reasons.push(format!(
+                "skipped the checkpoint of epoch {} (step {step}): {why}",
+                step / steps_per_epoch
             )),
+            Err(why) => reasons.push(format!("skipped the checkpoint of step {step}: {why}")),
         }
     }
-    if epochs.is_empty() {
-        return Ok(0);
+    if candidates.is_empty() {
+        return Ok(Start::Fresh);
     }
     bail!(
         "none of the {} checkpoints in {} can be loaded; {}",
-        epochs.len(),
+        candidates.len(),
         artifact.checkpoints().display(),
         reasons.join("; ")
     )
@@ -279,7 +331,7 @@ where
     let schedule = WarmupSchedule::from_config(train);
     let epochs = train.epochs();
     let device = model.devices()[0].clone();
-    let start = if session.resume {
+    let resumed = if session.resume {
         newest_loadable(
             artifact,
             &model,
@@ -289,8 +341,12 @@ where
             &device,
         )?
     } else {
-        0
+        Start::Fresh
     };
+    let spe = train.steps_per_epoch;
+    let point = resumed.point(spe);
+    // The epoch checkpoint the run starts after (or stands at).
+    let start = point.epoch - 1;
     let losses = ValidLosses::load(artifact, start);
     let patience = train.early_stopping.as_ref().map(|e| e.patience);
     let stops_early = |epoch: usize| patience.is_some_and(|p| losses.no_improvement(epoch, p));
@@ -298,7 +354,7 @@ where
         outcome: Outcome::Finished,
         epoch: start,
         epochs,
-        steps_per_epoch: train.steps_per_epoch,
+        steps_per_epoch: spe,
         valid_loss: None,
         best: None,
         steps: 0,
@@ -307,42 +363,70 @@ where
         unit: throughput.unit,
         use_with: config.model.command(),
         metrics_failure: None,
+        saved_step: None,
     };
-    if start > 0 && (start >= epochs || stops_early(start)) {
-        // Killed between the last checkpoint and model.mpk: finish the job.
-        let checkpoint = artifact.checkpoints().join(format!("model-{start}"));
-        let model = load_weights(model, &checkpoint, &device)?;
-        write_model(artifact, model)?;
-        report.outcome = Outcome::WrittenFromCheckpoint;
-        report.valid_loss = losses.get(start);
-        report.best = prune(artifact, train.keep_checkpoints, &losses)?;
-        return Ok(report);
+    if let Start::Epoch(start) = resumed {
+        if start >= epochs || stops_early(start) {
+            // Killed between the last checkpoint and model.mpk: finish the job.
+            let checkpoint = artifact.checkpoints().join(format!("model-{start}"));
+            let model = load_weights(model, &checkpoint, &device)?;
+            write_model(artifact, model)?;
+            report.outcome = Outcome::WrittenFromCheckpoint;
+            report.valid_loss = losses.get(start);
+            report.best = prune(artifact, train.keep_checkpoints, &losses)?;
+            remove_step_checkpoints(artifact, |_| true)?;
+            return Ok(report);
+        }
     }
+    remove_superseded_steps(artifact, spe)?;
     session.epoch.store(start, Ordering::SeqCst);
     let interrupter = burn::train::Interrupter::new();
     let divergence = Divergence::new(interrupter.clone());
+    let logged = Logged::default();
     let (csv, csv_failure) = CsvLogger::open(
         artifact,
-        train.steps_per_epoch,
-        start,
+        spe,
+        point,
         losses.clone(),
         divergence.clone(),
+        logged.clone(),
     )?;
 
     let accuracy = || match pad {
         Some(pad) => AccuracyMetric::new().with_pad_token(pad),
         None => AccuracyMetric::new(),
     };
-    let perplexity_metric = || match pad {
-        Some(pad) => PerplexityMetric::new().with_pad_token(pad),
-        None => PerplexityMetric::new(),
+    let train_perplexity = EpochPerplexity::new(
+        pad,
+        match resumed {
+            Start::Step(marker) => marker.perplexity.unwrap_or_default(),
+            _ => NllSums::default(),
+        },
+    );
+    let strategy = StepStrategy {
+        artifact: artifact.clone(),
+        steps_per_epoch: spe,
+        resume: match resumed {
+            Start::Step(marker) => Some(marker.point),
+            _ => None,
+        },
+        every: train.checkpoint_every,
+        request: StopRequest::installed().unwrap_or_default(),
+        skip: session.skip.clone(),
+        logged,
+        perplexity: perplexity.then(|| train_perplexity.sums()),
+        divergence: divergence.clone(),
+        watch: session.watch.clone(),
+        saved: Arc::default(),
     };
+    let saved = strategy.saved.clone();
     let mut training = SupervisedTraining::new(artifact.root(), loaders.0, loaders.1)
         .with_interrupter(interrupter)
+        .with_training_strategy(TrainingStrategy::Custom(Arc::new(strategy)))
         .with_metric_logger(EpochCorrected::new(
             FileMetricLogger::new(artifact.root()),
-            train.steps_per_epoch,
-            start,
+            spe,
+            point.step,
         ))
         .with_metric_logger(csv)
         .metric_train_numeric(LossMetric::new())
@@ -351,8 +435,8 @@ where
         .metric_valid_numeric(accuracy());
     if perplexity {
         training = training
-            .metric_train_numeric(perplexity_metric())
-            .metric_valid_numeric(perplexity_metric());
+            .metric_train_numeric(train_perplexity)
+            .metric_valid_numeric(EpochPerplexity::new(pad, NllSums::default()));
     }
     let mut training = training
         .metric_train_numeric(LearningRateMetric::new())
@@ -368,23 +452,19 @@ where
     if let Some(patience) = patience {
         training = training.early_stopping(Patience::new(patience, losses.clone()));
     }
-    if start > 0 {
+    if let Start::Epoch(start) = resumed {
         training = training.checkpoint(start);
     }
     if session.plain || !std::io::stdout().is_terminal() {
-        training = training.renderer(PlainRenderer::new(
-            train.steps_per_epoch,
-            train.steps,
-            throughput,
-        ));
+        training = training.renderer(PlainRenderer::new(spe, train.steps, throughput));
     }
     println!(
         "training {} ({} parameters) for {} steps{}; artifacts in {}",
         config.name,
         model.num_params(),
         train.steps,
-        if start > 0 {
-            format!(", resuming after step {}", start * train.steps_per_epoch)
+        if point.step > 0 {
+            format!(", resuming after step {}", point.step)
         } else {
             String::new()
         },
@@ -395,8 +475,9 @@ where
     let result = training.launch(Learner::new(model, optimizer, schedule));
     report.seconds = began.elapsed().as_secs_f64();
     let done = artifact.latest_checkpoint().unwrap_or(start).max(start);
+    let saved = *saved.lock().unwrap_or_else(|e| e.into_inner());
     report.epoch = done;
-    report.steps = (done - start) * train.steps_per_epoch;
+    report.steps = saved.unwrap_or(done * spe).saturating_sub(point.step);
     report.per_second = (report.steps * throughput.per_step) as f64 / report.seconds;
     report.valid_loss = losses.get(done);
     report.metrics_failure = csv_failure.lock().unwrap_or_else(|e| e.into_inner()).take();
@@ -405,7 +486,7 @@ where
             Some(epoch) => format!(
                 "the checkpoint of step {} is complete: free space (or fix the directory) and \
                  run `train --resume --artifact-dir {}`",
-                epoch * train.steps_per_epoch,
+                epoch * spe,
                 artifact.root().display()
             ),
             None => "no checkpoint was complete: free space (or fix the directory) and train \
@@ -417,8 +498,13 @@ where
     if let Some(step) = divergence.step() {
         bail!("{}", diverged(artifact, train, step)?);
     }
+    if saved.is_some() {
+        report.outcome = Outcome::Interrupted;
+        report.saved_step = saved;
+        return Ok(report);
+    }
     if done < epochs && !stops_early(done) {
-        // Stopped by the user (the dashboard's `q`): nothing is written as if finished.
+        // Stopped on request, but its step could not be saved (see the warning above).
         report.outcome = Outcome::Interrupted;
         return Ok(report);
     }
@@ -427,6 +513,7 @@ where
     }
     write_model(artifact, result.model)?;
     report.best = prune(artifact, train.keep_checkpoints, &losses)?;
+    remove_step_checkpoints(artifact, |_| true)?;
     Ok(report)
 }
 
@@ -439,6 +526,8 @@ fn diverged(
     step: usize,
 ) -> Result<String> {
     let epoch = step.div_ceil(train.steps_per_epoch);
+    // A mid-epoch checkpoint of the step before holds the weights that gave the bad loss.
+    remove_step_checkpoints(artifact, |s| s + 1 >= step)?;
     for bad in artifact
         .complete_checkpoints()
         .into_iter()
