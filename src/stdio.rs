@@ -20,8 +20,8 @@ mod unix {
         copier: JoinHandle<()>,
     }
 
-    /// Restores the real descriptors and waits until everything written reached them.
-    pub struct Guard(Vec<Redirect>);
+    /// Restores the real descriptors when dropped (see [`finish`]).
+    pub struct Guard(());
 
     fn dup(fd: i32) -> Option<OwnedFd> {
         // SAFETY: dup returns a new descriptor we own, or -1.
@@ -73,36 +73,54 @@ mod unix {
         }
     }
 
+    /// The descriptors redirected by [`guard`], until [`finish`] restores them.
+    static REDIRECTS: std::sync::Mutex<Vec<Redirect>> = std::sync::Mutex::new(Vec::new());
+
     /// Guards stdout and stderr where they are not terminals (a terminal keeps its own
-    /// descriptor, so the dashboard and colours still see one).
+    /// descriptor, so the dashboard and colours still see one), until the returned guard is
+    /// dropped.
     pub fn guard() -> Guard {
-        let mut redirects = Vec::new();
+        let mut redirects = REDIRECTS.lock().unwrap_or_else(|e| e.into_inner());
         if !std::io::stdout().is_terminal() {
             redirects.extend(redirect(1));
         }
         if !std::io::stderr().is_terminal() {
             redirects.extend(redirect(2));
         }
-        Guard(redirects)
+        Guard(())
+    }
+
+    /// Restores the real descriptors and waits until everything written reached them.
+    pub fn finish() {
+        let _ = std::io::stdout().flush();
+        let _ = std::io::stderr().flush();
+        let redirects: Vec<Redirect> =
+            std::mem::take(&mut *REDIRECTS.lock().unwrap_or_else(|e| e.into_inner()));
+        for redirect in redirects {
+            // Pointing the descriptor back at the original closes the pipe's last writer, so
+            // the copier sees the end, writes what is left, and returns.
+            // SAFETY: both descriptors are open.
+            unsafe { libc::dup2(redirect.original.as_raw_fd(), redirect.fd) };
+            let _ = redirect.copier.join();
+        }
     }
 
     impl Drop for Guard {
         fn drop(&mut self) {
-            let _ = std::io::stdout().flush();
-            let _ = std::io::stderr().flush();
-            for redirect in self.0.drain(..) {
-                // Pointing the descriptor back at the original closes the pipe's last writer, so
-                // the copier sees the end, writes what is left, and returns.
-                // SAFETY: both descriptors are open.
-                unsafe { libc::dup2(redirect.original.as_raw_fd(), redirect.fd) };
-                let _ = redirect.copier.join();
-            }
+            finish();
         }
     }
 }
 
 #[cfg(unix)]
-pub use unix::{guard, Guard};
+pub use unix::{finish, guard, Guard};
+
+/// Exits the process with `code` at once (no destructors run), after everything written to
+/// stdout and stderr reached them.
+pub fn exit(code: i32) -> ! {
+    finish();
+    std::process::exit(code)
+}
 
 /// Elsewhere a no-op.
 #[cfg(not(unix))]
@@ -113,3 +131,7 @@ pub struct Guard;
 pub fn guard() -> Guard {
     Guard
 }
+
+/// Elsewhere a no-op.
+#[cfg(not(unix))]
+pub fn finish() {}

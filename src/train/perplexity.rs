@@ -16,7 +16,9 @@ use std::sync::{Arc, Mutex};
 /// The epoch's running sums: negative log-likelihood and tokens (padding excluded).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct NllSums {
-    /// Σ −log p(target).
+    /// Σ −log p(target) (as text: serde_json's own reading of a number may be off in the last
+    /// bit, and a resumed run must continue from exactly this sum).
+    #[serde(with = "exact")]
     pub nll: f64,
     /// Tokens counted.
     pub tokens: usize,
@@ -29,6 +31,21 @@ impl NllSums {
         } else {
             (self.nll / self.tokens as f64).exp()
         }
+    }
+}
+
+/// An `f64` written as the shortest text that Rust reads back as the same bits.
+mod exact {
+    use serde::{de::Error, Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(value: &f64, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.serialize_str(&value.to_string())
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(deserializer: D) -> Result<f64, D::Error> {
+        String::deserialize(deserializer)?
+            .parse()
+            .map_err(D::Error::custom)
     }
 }
 

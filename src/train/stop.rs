@@ -96,7 +96,7 @@ pub fn install() -> anyhow::Result<()> {
                         "{name}: asked to stop a second time, exiting now; the newest complete \
                          checkpoint is kept (train --resume continues from it)"
                     );
-                    std::process::exit(128 + signal);
+                    crate::stdio::exit(128 + signal);
                 }
                 eprintln!(
                     "{name}: stopping after the step in progress and saving it (send it again \

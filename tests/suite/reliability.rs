@@ -233,6 +233,283 @@ fn a_run_killed_and_resumed_equals_the_uninterrupted_run_on_wgpu() {
     }
 }
 
+/// The last training step whose rows `metrics.csv` in `art` holds (0 before the first); the
+/// table is flushed at every step.
+fn logged_step(art: &Path) -> usize {
+    let text = std::fs::read_to_string(art.join("metrics.csv")).unwrap_or_default();
+    text.lines()
+        .filter_map(|line| {
+            let fields: Vec<&str> = line.split(',').collect();
+            match fields.as_slice() {
+                [step, _, "train", "lr", value] if value.parse::<f64>().is_ok() => {
+                    step.parse().ok()
+                }
+                _ => None,
+            }
+        })
+        .max()
+        .unwrap_or(0)
+}
+
+/// Waits until `child`'s `metrics.csv` in `art` reaches step `step` (the child still running).
+fn wait_for_step(art: &Path, step: usize, child: &mut std::process::Child) {
+    let start = Instant::now();
+    while logged_step(art) < step {
+        assert!(
+            child.try_wait().unwrap().is_none(),
+            "training ended before step {step}"
+        );
+        assert!(start.elapsed() < Duration::from_secs(120), "timed out");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+fn send(child: &std::process::Child, signal: i32) {
+    // SAFETY: kill(2) on the pid of a child not yet waited for.
+    assert_eq!(unsafe { libc::kill(child.id() as i32, signal) }, 0);
+}
+
+fn stderr_of(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+/// The step that a stopped run's last line says is saved.
+fn saved_step(out: &Output) -> usize {
+    let err = stderr_of(out);
+    let line = err
+        .lines()
+        .find(|l| l.starts_with("stopped: step "))
+        .unwrap_or_else(|| panic!("no `stopped:` line in {err}"));
+    line["stopped: step ".len()..]
+        .split(' ')
+        .next()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no step in {line}"))
+}
+
+/// Stops `train` with each of `signals` in turn, once `metrics.csv` shows a step drawn at random
+/// (seeded) from the next 60, checks the stop (status 75, one line naming the saved step, a
+/// checkpoint of that step, within a bound), resumes each time, and compares the end with the
+/// uninterrupted run: bit-identical weights and `metrics.csv`.
+fn stopped_and_resumed_equals_uninterrupted(
+    backend: &str,
+    workers: usize,
+    seed: u64,
+    signals: &[i32],
+) {
+    use rand::{RngExt, SeedableRng};
+    let run = Run::new();
+    run.experiment("tiny.json", workers, r#"{"steps": 240}"#);
+    let whole = run
+        .command(backend, &["train", "-e", "tiny.json", "--artifact-dir", "whole"])
+        .output()
+        .unwrap();
+    assert_success(&whole);
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let mut args = vec!["train", "-e", "tiny.json", "--artifact-dir", "cut"];
+    let cut = run.path("cut");
+    let mut saved = 0;
+    for &signal in signals {
+        let target = rng.random_range(saved + 1..saved + 60);
+        let mut child = run
+            .command(backend, &args)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        wait_for_step(&cut, target, &mut child);
+        let sent = Instant::now();
+        send(&child, signal);
+        let out = child.wait_with_output().unwrap();
+        let took = sent.elapsed();
+        assert_eq!(
+            out.status.code(),
+            Some(75),
+            "signal {signal} at step {target}: {}",
+            stderr_of(&out)
+        );
+        let step = saved_step(&out);
+        assert!(
+            (target..240).contains(&step),
+            "signal {signal} sent at step {target}, step {step} saved"
+        );
+        assert!(took < Duration::from_secs(20), "the stop took {took:?}");
+        let checkpoint = cut.join("checkpoint");
+        assert!(
+            checkpoint.join(format!("step-{step}.json")).exists()
+                || step % 20 == 0 && checkpoint.join(format!("scheduler-{}.mpk", step / 20)).exists(),
+            "no checkpoint of step {step}"
+        );
+        assert!(
+            stderr_of(&out).contains(&format!("--artifact-dir cut --resume")),
+            "the line names the command that continues: {}",
+            stderr_of(&out)
+        );
+        saved = step;
+        args = vec!["train", "--artifact-dir", "cut", "--resume"];
+    }
+    let out = run.command(backend, &args).output().unwrap();
+    assert_success(&out);
+    assert!(
+        stdout(&out).contains(&format!("resuming after step {saved}")),
+        "{}",
+        stdout(&out)
+    );
+    assert_eq!(
+        run.weights("cut"),
+        run.weights("whole"),
+        "{backend}: the resumed run's weights differ"
+    );
+    assert_same_table(&run, "cut", "whole");
+    let left: Vec<String> = std::fs::read_dir(cut.join("checkpoint"))
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().into_string().ok())
+        .filter(|n| n.contains("step-"))
+        .collect();
+    assert!(left.is_empty(), "mid-epoch checkpoints left: {left:?}");
+}
+
+#[test]
+fn sigterm_and_sigint_at_random_steps_then_resume_equal_the_uninterrupted_run_on_ndarray() {
+    stopped_and_resumed_equals_uninterrupted(
+        "ndarray",
+        1,
+        1,
+        &[libc::SIGTERM, libc::SIGINT, libc::SIGTERM],
+    );
+    stopped_and_resumed_equals_uninterrupted("ndarray", 1, 2, &[libc::SIGINT, libc::SIGTERM]);
+}
+
+#[cfg(feature = "flex")]
+#[test]
+fn sigterm_and_sigint_at_random_steps_then_resume_equal_the_uninterrupted_run_on_flex() {
+    stopped_and_resumed_equals_uninterrupted("flex", 2, 3, &[libc::SIGTERM, libc::SIGINT]);
+}
+
+/// Fails at the first line where `metrics.csv` of `a` and `b` differ.
+fn assert_same_table(run: &Run, a: &str, b: &str) {
+    let table = |art: &str| std::fs::read_to_string(run.path(art).join("metrics.csv")).unwrap();
+    let (ta, tb) = (table(a), table(b));
+    let (la, lb): (Vec<&str>, Vec<&str>) = (ta.lines().collect(), tb.lines().collect());
+    for (i, (x, y)) in la.iter().zip(&lb).enumerate() {
+        assert_eq!(x, y, "metrics.csv of {a} and {b} differ at line {}", i + 1);
+    }
+    assert_eq!(la.len(), lb.len(), "metrics.csv of {a} and {b}: line counts");
+}
+
+/// The marker steps of the mid-epoch checkpoints in `art`.
+fn step_markers(art: &Path) -> Vec<usize> {
+    let mut steps: Vec<usize> = std::fs::read_dir(art.join("checkpoint"))
+        .map(|entries| {
+            entries
+                .filter_map(|e| {
+                    let name = e.ok()?.file_name().into_string().ok()?;
+                    name.strip_prefix("step-")?.strip_suffix(".json")?.parse().ok()
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    steps.sort_unstable();
+    steps
+}
+
+/// A second SIGTERM while the first one's checkpoint is being written (held open between its
+/// records and its marker) exits at once with 128 + 15; the half-written checkpoint is not
+/// taken for one, and `--resume` continues from the epoch checkpoint before it, to the end of
+/// the uninterrupted run.
+#[test]
+fn a_second_sigterm_during_the_save_exits_at_once_and_the_run_still_resumes() {
+    let run = Run::new();
+    run.experiment("tiny.json", 1, r#"{"steps": 360, "steps_per_epoch": 120}"#);
+    run.train("whole");
+    let cut = run.path("cut");
+    let mut child = run
+        .command("ndarray", &["train", "-e", "tiny.json", "--artifact-dir", "cut"])
+        .env(transformer_lab::train::PAUSE_STEP_SAVE_ENV, "60000")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_for_step(&cut, 130, &mut child);
+    send(&child, libc::SIGTERM);
+    let start = Instant::now();
+    let written = |dir: &Path| {
+        std::fs::read_dir(dir.join("checkpoint"))
+            .unwrap()
+            .filter_map(|e| e.ok()?.file_name().into_string().ok())
+            .any(|n| n.starts_with("scheduler-step-"))
+    };
+    while !written(&cut) {
+        assert!(start.elapsed() < Duration::from_secs(60), "no save began");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    send(&child, libc::SIGTERM);
+    let out = child.wait_with_output().unwrap();
+    assert!(start.elapsed() < Duration::from_secs(30), "the second signal did not exit at once");
+    assert_eq!(out.status.code(), Some(128 + 15), "{}", stderr_of(&out));
+    assert!(
+        stderr_of(&out).contains("asked to stop a second time, exiting now"),
+        "{}",
+        stderr_of(&out)
+    );
+    assert!(step_markers(&cut).is_empty(), "an unfinished checkpoint has its marker");
+    let out = run.run(&["train", "--artifact-dir", "cut", "--resume"]);
+    assert_success(&out);
+    assert!(stdout(&out).contains("resuming after step 120"), "{}", stdout(&out));
+    assert_eq!(run.weights("cut"), run.weights("whole"));
+    assert_same_table(&run, "cut", "whole");
+}
+
+/// `checkpoint_every` writes a mid-epoch checkpoint at every multiple of its steps, keeps only
+/// the newest, and one taken by a `kill -9` resumes to the uninterrupted run; a finished run
+/// keeps none. A period of 0 is refused in one line.
+#[test]
+fn checkpoint_every_writes_what_it_says_and_a_kill_resumes_from_it() {
+    let run = Run::new();
+    let every = r#"{"steps": 240, "steps_per_epoch": 120, "checkpoint_every": {"steps": 25}}"#;
+    run.experiment("tiny.json", 1, every);
+    run.train("whole");
+    assert!(step_markers(&run.path("whole")).is_empty(), "a finished run keeps none");
+    let cut = run.path("cut");
+    let mut child = run
+        .command("ndarray", &["train", "-e", "tiny.json", "--artifact-dir", "cut"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let start = Instant::now();
+    while !step_markers(&cut).iter().any(|&s| s >= 150) {
+        assert!(child.try_wait().unwrap().is_none(), "training ended first");
+        assert!(start.elapsed() < Duration::from_secs(120), "timed out");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    child.kill().unwrap();
+    assert_killed(child.wait().unwrap(), 1);
+    // The newest, and the one before it only if the kill came between the newest's marker
+    // and the removal of the older one.
+    let markers = step_markers(&cut);
+    assert!(
+        !markers.is_empty()
+            && markers.len() <= 2
+            && markers.iter().all(|&s| s % 25 == 0 && s > 120 && s % 120 != 0),
+        "mid-epoch checkpoints after the kill: {markers:?}"
+    );
+    let newest = markers[markers.len() - 1];
+    let out = run.run(&["train", "--artifact-dir", "cut", "--resume"]);
+    assert_success(&out);
+    assert!(
+        stdout(&out).contains(&format!("resuming after step {newest}")),
+        "{}",
+        stdout(&out)
+    );
+    assert_eq!(run.weights("cut"), run.weights("whole"));
+    assert_same_table(&run, "cut", "whole");
+
+    run.experiment("zero.json", 1, r#"{"checkpoint_every": {"minutes": 0}}"#);
+    let out = run.run(&["train", "-e", "zero.json", "--artifact-dir", "zero"]);
+    assert_clean_error(&out, "checkpoint_every.minutes must be above 0");
+}
+
 #[test]
 fn a_checkpoint_that_cannot_be_written_stops_the_run_with_one_line() {
     let run = Run::new();
