@@ -116,13 +116,9 @@ pub fn install() -> anyhow::Result<()> {
 
 /// Inside burn's dashboard the terminal is in raw mode, where Ctrl-C is a key the dashboard
 /// ignores; this turns the terminal's signal keys back on so that Ctrl-C stops the run as it
-/// does outside. Nothing when stdin is not a terminal.
+/// does outside. Nothing when stdin is not a terminal (the call fails).
 #[cfg(unix)]
 pub fn signal_keys_on() {
-    use std::io::IsTerminal;
-    if !std::io::stdin().is_terminal() {
-        return;
-    }
     // SAFETY: tcgetattr/tcsetattr on fd 0 with a zeroed termios they fill in.
     unsafe {
         let mut term: libc::termios = std::mem::zeroed();

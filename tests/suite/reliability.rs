@@ -397,6 +397,106 @@ fn assert_same_table(run: &Run, a: &str, b: &str) {
     assert_eq!(la.len(), lb.len(), "metrics.csv of {a} and {b}: line counts");
 }
 
+/// Runs `train` with a terminal (a pseudo-terminal of its own, so burn's dashboard is shown),
+/// types `keys` once its `metrics.csv` reaches step 30, and returns its exit code and what the
+/// terminal showed.
+fn stopped_in_the_dashboard(run: &Run, art: &str, keys: &[&[u8]]) -> (Option<i32>, String) {
+    use std::io::{Read, Write};
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+    use std::os::unix::process::CommandExt;
+    let (mut master, mut slave) = (0, 0);
+    let size = libc::winsize {
+        ws_row: 40,
+        ws_col: 120,
+        ws_xpixel: 0,
+        ws_ypixel: 0,
+    };
+    // SAFETY: openpty fills two descriptors that we then own.
+    let opened = unsafe {
+        libc::openpty(
+            &mut master,
+            &mut slave,
+            std::ptr::null_mut(),
+            std::ptr::null(),
+            &size,
+        )
+    };
+    assert_eq!(opened, 0, "no pseudo-terminal");
+    let (master, slave) = unsafe { (OwnedFd::from_raw_fd(master), OwnedFd::from_raw_fd(slave)) };
+    let mut command = run.command("ndarray", &["train", "-e", "tiny.json", "--artifact-dir", art]);
+    command
+        .env("TERM", "xterm")
+        .stdin(Stdio::from(slave.try_clone().unwrap()))
+        .stdout(Stdio::from(slave.try_clone().unwrap()))
+        .stderr(Stdio::from(slave.try_clone().unwrap()));
+    let terminal = slave.as_raw_fd();
+    // SAFETY: only async-signal-safe calls between fork and exec: a new session whose
+    // controlling terminal is the pseudo-terminal (Ctrl-C there signals the session).
+    unsafe {
+        command.pre_exec(move || {
+            libc::setsid();
+            libc::ioctl(terminal, libc::TIOCSCTTY, 0);
+            Ok(())
+        });
+    }
+    let mut child = command.spawn().unwrap();
+    // The terminal ends (the reader sees EIO) once no process holds its other side.
+    drop(command);
+    drop(slave);
+    let mut reader = std::fs::File::from(master.try_clone().unwrap());
+    let shown = std::thread::spawn(move || {
+        let mut all = Vec::new();
+        let mut buffer = [0u8; 4096];
+        // Ends with EIO once the child and its terminal are gone.
+        while let Ok(n) = reader.read(&mut buffer) {
+            if n == 0 {
+                break;
+            }
+            all.extend_from_slice(&buffer[..n]);
+        }
+        String::from_utf8_lossy(&all).into_owned()
+    });
+    wait_for_step(&run.path(art), 30, &mut child);
+    let mut writer = std::fs::File::from(master);
+    for key in keys {
+        writer.write_all(key).unwrap();
+        std::thread::sleep(Duration::from_millis(400));
+    }
+    let start = Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        assert!(start.elapsed() < Duration::from_secs(60), "the dashboard did not stop");
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    drop(writer);
+    (status.code(), shown.join().unwrap())
+}
+
+/// In burn's dashboard Ctrl-C (which its raw terminal mode turns into a key) and `q` then `s`
+/// (its "stop the training") stop the run as SIGTERM does: status 75, the saved step named, a
+/// complete checkpoint of that step.
+#[test]
+fn the_dashboard_stops_on_ctrl_c_and_on_q_with_the_step_saved() {
+    let run = Run::new();
+    run.experiment("tiny.json", 1, r#"{"steps": 2400, "steps_per_epoch": 1200}"#);
+    for (art, keys) in [("ctrl-c", vec![&b"\x03"[..]]), ("q", vec![&b"q"[..], &b"s"[..]])] {
+        let (code, shown) = stopped_in_the_dashboard(&run, art, &keys);
+        let line = shown
+            .lines()
+            .find(|l| l.contains("stopped: step "))
+            .unwrap_or_else(|| panic!("{art}: exit {code:?}, no `stopped:` line"));
+        assert_eq!(code, Some(75), "{art}: {line}");
+        let markers = step_markers(&run.path(art));
+        assert_eq!(markers.len(), 1, "{art}: {markers:?}");
+        assert!(
+            markers[0] >= 30 && line.contains(&format!("stopped: step {} of 2400", markers[0])),
+            "{art}: {line}, checkpoints {markers:?}"
+        );
+    }
+}
+
 /// The marker steps of the mid-epoch checkpoints in `art`.
 fn step_markers(art: &Path) -> Vec<usize> {
     let mut steps: Vec<usize> = std::fs::read_dir(art.join("checkpoint"))
