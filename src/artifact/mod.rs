@@ -100,6 +100,12 @@ impl ArtifactDir {
         self.root.join(".replaced-run")
     }
 
+    /// `.replaced-run.partial/`: where the previous run's files go one by one before the whole
+    /// is renamed [`ArtifactDir::replaced_run`]; found after a kill, it goes back in full.
+    pub fn replacing_run(&self) -> PathBuf {
+        self.root.join(".replaced-run.partial")
+    }
+
     /// `checkpoint/valid-loss.json`: each checkpointed epoch's validation loss.
     pub fn valid_losses(&self) -> PathBuf {
         self.checkpoints().join("valid-loss.json")
@@ -133,22 +139,30 @@ impl ArtifactDir {
 
     /// Moves what a previous run wrote (and nothing else the directory may hold) into
     /// [`ArtifactDir::replaced_run`], returning that directory. Renames within one directory:
-    /// nothing is copied, nothing is lost if the process dies half-way.
+    /// nothing is copied, nothing is lost if the process dies half-way — the files gather in
+    /// [`ArtifactDir::replacing_run`], renamed `replaced_run` only once all are in, so a run
+    /// moved aside is always whole (a partial move is put back whole by
+    /// [`ArtifactDir::settle_replaced_run`]).
     pub fn move_run_aside(&self) -> Result<PathBuf> {
-        let aside = self.replaced_run();
-        if aside.exists() {
-            std::fs::remove_dir_all(&aside)
-                .with_context(|| format!("cannot remove {}", aside.display()))?;
+        let (aside, partial) = (self.replaced_run(), self.replacing_run());
+        if aside.exists() || partial.exists() {
+            bail!(
+                "{} still holds a run moved aside by an earlier `train --force`; run `train \
+                 --resume` once to settle it",
+                self.root.display()
+            );
         }
-        std::fs::create_dir(&aside)
-            .with_context(|| format!("cannot create {}", aside.display()))?;
+        std::fs::create_dir(&partial)
+            .with_context(|| format!("cannot create {}", partial.display()))?;
         for name in RUN_FILES {
             let path = self.root.join(name);
             if path.exists() {
-                std::fs::rename(&path, aside.join(name))
+                std::fs::rename(&path, partial.join(name))
                     .with_context(|| format!("cannot move {} aside", path.display()))?;
             }
         }
+        std::fs::rename(&partial, &aside)
+            .with_context(|| format!("cannot rename {}", partial.display()))?;
         Ok(aside)
     }
 
@@ -180,6 +194,21 @@ impl ArtifactDir {
     /// checkpoint (only the deletion is left to do), else put back. Returns whether it was put
     /// back.
     pub fn settle_replaced_run(&self) -> Result<bool> {
+        let partial = self.replacing_run();
+        if partial.exists() {
+            // Killed while moving the old run aside: no new run has begun; what was moved goes
+            // back beside what was not.
+            for name in RUN_FILES {
+                let (moved, path) = (partial.join(name), self.root.join(name));
+                if moved.exists() && !path.exists() {
+                    std::fs::rename(&moved, &path)
+                        .with_context(|| format!("cannot restore {}", path.display()))?;
+                }
+            }
+            std::fs::remove_dir(&partial)
+                .with_context(|| format!("cannot remove {}", partial.display()))?;
+            return Ok(true);
+        }
         let aside = self.replaced_run();
         if !aside.exists() {
             return Ok(false);

@@ -355,7 +355,9 @@ where
             batch: self.batch.clone(),
             device: self.device.clone(),
             seed,
-            reseed: self.reseed_backend.then(|| mix(self.seed, (epoch as u64) << 32 | 0xd409)),
+            reseed: self
+                .reseed_backend
+                .then(|| mix(self.seed, (epoch as u64) << 32 | 0xd409)),
             first: skip,
             next: skip,
             batches,

@@ -61,9 +61,9 @@ pub use loader::{
     mix, padding_fraction, replacement_batches, unseeded, BatchFn, Draw, EpochLoader,
 };
 pub use optim::{clip_global_norm, reference_adamw, LabAdamW, ReferenceOptimizer, NAN_ENV};
+pub use perplexity::{EpochPerplexity, NllSums};
 pub use renderer::{PlainRenderer, Throughput};
 pub use run::{launch, train_loader, Session};
-pub use perplexity::{EpochPerplexity, NllSums};
 pub use schedule::WarmupSchedule;
 pub use strategy::{StepMarker, StepPoint, PAUSE_STEP_SAVE_ENV};
 

@@ -115,7 +115,11 @@ fn batch_nll(input: &NllInput, pad: Option<usize>) -> NllSums {
             continue;
         }
         let max = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v)) as f64;
-        let log_sum: f64 = row.iter().map(|&v| (v as f64 - max).exp()).sum::<f64>().ln();
+        let log_sum: f64 = row
+            .iter()
+            .map(|&v| (v as f64 - max).exp())
+            .sum::<f64>()
+            .ln();
         sums.nll += log_sum + max - row[target] as f64;
         sums.tokens += 1;
     }

@@ -29,8 +29,8 @@ use burn::train::metric::store::EventStoreClient;
 use burn::train::{
     EventProcessorTraining, InferenceStep, Interrupter, Learner, LearnerEvent,
     LearningCheckpointer, LearningComponentsTypes, SupervisedLearningStrategy,
-    SupervisedTrainingEventProcessor, TrainLoader, TrainingComponents, TrainingItem,
-    TrainingModel, ValidLoader,
+    SupervisedTrainingEventProcessor, TrainLoader, TrainingComponents, TrainingItem, TrainingModel,
+    ValidLoader,
 };
 use serde::{Deserialize, Serialize};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -182,7 +182,10 @@ impl StepStrategy {
             .map_err(anyhow::Error::from)
             .and_then(|text| write_atomic(&self.artifact.step_marker(point.step), text.as_bytes()));
         if let Err(err) = written {
-            eprintln!("warning: the checkpoint of step {} is incomplete: {err:#}", point.step);
+            eprintln!(
+                "warning: the checkpoint of step {} is incomplete: {err:#}",
+                point.step
+            );
             return false;
         }
         if let Err(err) = remove_step_checkpoints(&self.artifact, |s| s != point.step) {

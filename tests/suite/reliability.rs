@@ -222,7 +222,6 @@ fn a_run_killed_and_resumed_equals_the_uninterrupted_run_on_flex_with_two_worker
     killed_and_resumed_equals_uninterrupted("flex", 2, &[1, 3, 4]);
 }
 
-
 /// The last training step whose rows `metrics.csv` in `art` holds (0 before the first); the
 /// table is flushed at every step.
 fn logged_step(art: &Path) -> usize {
@@ -295,7 +294,10 @@ fn stopped_and_resumed_equals_uninterrupted(
     let steps = if backend == "wgpu" { 120 } else { 240 };
     run.experiment("tiny.json", workers, &format!(r#"{{"steps": {steps}}}"#));
     let whole = run
-        .command(backend, &["train", "-e", "tiny.json", "--artifact-dir", "whole"])
+        .command(
+            backend,
+            &["train", "-e", "tiny.json", "--artifact-dir", "whole"],
+        )
         .output()
         .unwrap();
     assert_success(&whole);
@@ -310,7 +312,10 @@ fn stopped_and_resumed_equals_uninterrupted(
             .stderr(Stdio::null())
             .spawn()
             .unwrap();
-        wait_for(&cut.join(format!("checkpoint/scheduler-{epoch}.mpk")), &mut child);
+        wait_for(
+            &cut.join(format!("checkpoint/scheduler-{epoch}.mpk")),
+            &mut child,
+        );
         child.kill().unwrap();
         assert_killed(child.wait().unwrap(), epoch);
         // The killed run's rows past its checkpoint stay until the next run rewrites the table:
@@ -346,7 +351,10 @@ fn stopped_and_resumed_equals_uninterrupted(
         let checkpoint = cut.join("checkpoint");
         assert!(
             checkpoint.join(format!("step-{step}.json")).exists()
-                || step % 20 == 0 && checkpoint.join(format!("scheduler-{}.mpk", step / 20)).exists(),
+                || step % 20 == 0
+                    && checkpoint
+                        .join(format!("scheduler-{}.mpk", step / 20))
+                        .exists(),
             "no checkpoint of step {step}"
         );
         assert!(
@@ -387,13 +395,7 @@ fn sigterm_and_sigint_at_random_steps_then_resume_equal_the_uninterrupted_run_on
         None,
         &[libc::SIGTERM, libc::SIGINT, libc::SIGTERM],
     );
-    stopped_and_resumed_equals_uninterrupted(
-        "ndarray",
-        1,
-        2,
-        None,
-        &[libc::SIGINT, libc::SIGTERM],
-    );
+    stopped_and_resumed_equals_uninterrupted("ndarray", 1, 2, None, &[libc::SIGINT, libc::SIGTERM]);
 }
 
 #[cfg(feature = "flex")]
@@ -422,7 +424,11 @@ fn assert_same_table(run: &Run, a: &str, b: &str) {
     for (i, (x, y)) in la.iter().zip(&lb).enumerate() {
         assert_eq!(x, y, "metrics.csv of {a} and {b} differ at line {}", i + 1);
     }
-    assert_eq!(la.len(), lb.len(), "metrics.csv of {a} and {b}: line counts");
+    assert_eq!(
+        la.len(),
+        lb.len(),
+        "metrics.csv of {a} and {b}: line counts"
+    );
 }
 
 /// Runs `train` with a terminal (a pseudo-terminal of its own, so burn's dashboard is shown),
@@ -451,7 +457,10 @@ fn stopped_in_the_dashboard(run: &Run, art: &str, keys: &[&[u8]]) -> (Option<i32
     };
     assert_eq!(opened, 0, "no pseudo-terminal");
     let (master, slave) = unsafe { (OwnedFd::from_raw_fd(master), OwnedFd::from_raw_fd(slave)) };
-    let mut command = run.command("ndarray", &["train", "-e", "tiny.json", "--artifact-dir", art]);
+    let mut command = run.command(
+        "ndarray",
+        &["train", "-e", "tiny.json", "--artifact-dir", art],
+    );
     command
         .env("TERM", "xterm")
         .stdin(Stdio::from(slave.try_clone().unwrap()))
@@ -495,7 +504,10 @@ fn stopped_in_the_dashboard(run: &Run, art: &str, keys: &[&[u8]]) -> (Option<i32
         if let Some(status) = child.try_wait().unwrap() {
             break status;
         }
-        assert!(start.elapsed() < Duration::from_secs(60), "the dashboard did not stop");
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "the dashboard did not stop"
+        );
         std::thread::sleep(Duration::from_millis(10));
     };
     drop(writer);
@@ -508,8 +520,15 @@ fn stopped_in_the_dashboard(run: &Run, art: &str, keys: &[&[u8]]) -> (Option<i32
 #[test]
 fn the_dashboard_stops_on_ctrl_c_and_on_q_with_the_step_saved() {
     let run = Run::new();
-    run.experiment("tiny.json", 1, r#"{"steps": 2400, "steps_per_epoch": 1200}"#);
-    for (art, keys) in [("ctrl-c", vec![&b"\x03"[..]]), ("q", vec![&b"q"[..], &b"s"[..]])] {
+    run.experiment(
+        "tiny.json",
+        1,
+        r#"{"steps": 2400, "steps_per_epoch": 1200}"#,
+    );
+    for (art, keys) in [
+        ("ctrl-c", vec![&b"\x03"[..]]),
+        ("q", vec![&b"q"[..], &b"s"[..]]),
+    ] {
         let (code, shown) = stopped_in_the_dashboard(&run, art, &keys);
         let line = shown
             .lines()
@@ -532,7 +551,10 @@ fn step_markers(art: &Path) -> Vec<usize> {
             entries
                 .filter_map(|e| {
                     let name = e.ok()?.file_name().into_string().ok()?;
-                    name.strip_prefix("step-")?.strip_suffix(".json")?.parse().ok()
+                    name.strip_prefix("step-")?
+                        .strip_suffix(".json")?
+                        .parse()
+                        .ok()
                 })
                 .collect()
         })
@@ -552,7 +574,10 @@ fn a_second_sigterm_during_the_save_exits_at_once_and_the_run_still_resumes() {
     run.train("whole");
     let cut = run.path("cut");
     let mut child = run
-        .command("ndarray", &["train", "-e", "tiny.json", "--artifact-dir", "cut"])
+        .command(
+            "ndarray",
+            &["train", "-e", "tiny.json", "--artifact-dir", "cut"],
+        )
         .env(transformer_lab::train::PAUSE_STEP_SAVE_ENV, "60000")
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
@@ -573,17 +598,27 @@ fn a_second_sigterm_during_the_save_exits_at_once_and_the_run_still_resumes() {
     }
     send(&child, libc::SIGTERM);
     let out = child.wait_with_output().unwrap();
-    assert!(start.elapsed() < Duration::from_secs(30), "the second signal did not exit at once");
+    assert!(
+        start.elapsed() < Duration::from_secs(30),
+        "the second signal did not exit at once"
+    );
     assert_eq!(out.status.code(), Some(128 + 15), "{}", stderr_of(&out));
     assert!(
         stderr_of(&out).contains("asked to stop a second time, exiting now"),
         "{}",
         stderr_of(&out)
     );
-    assert!(step_markers(&cut).is_empty(), "an unfinished checkpoint has its marker");
+    assert!(
+        step_markers(&cut).is_empty(),
+        "an unfinished checkpoint has its marker"
+    );
     let out = run.run(&["train", "--artifact-dir", "cut", "--resume"]);
     assert_success(&out);
-    assert!(stdout(&out).contains("resuming after step 120"), "{}", stdout(&out));
+    assert!(
+        stdout(&out).contains("resuming after step 120"),
+        "{}",
+        stdout(&out)
+    );
     assert_eq!(run.weights("cut"), run.weights("whole"));
     assert_same_table(&run, "cut", "whole");
 }
@@ -597,10 +632,16 @@ fn checkpoint_every_writes_what_it_says_and_a_kill_resumes_from_it() {
     let every = r#"{"steps": 240, "steps_per_epoch": 120, "checkpoint_every": {"steps": 25}}"#;
     run.experiment("tiny.json", 1, every);
     run.train("whole");
-    assert!(step_markers(&run.path("whole")).is_empty(), "a finished run keeps none");
+    assert!(
+        step_markers(&run.path("whole")).is_empty(),
+        "a finished run keeps none"
+    );
     let cut = run.path("cut");
     let mut child = run
-        .command("ndarray", &["train", "-e", "tiny.json", "--artifact-dir", "cut"])
+        .command(
+            "ndarray",
+            &["train", "-e", "tiny.json", "--artifact-dir", "cut"],
+        )
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
@@ -619,7 +660,9 @@ fn checkpoint_every_writes_what_it_says_and_a_kill_resumes_from_it() {
     assert!(
         !markers.is_empty()
             && markers.len() <= 2
-            && markers.iter().all(|&s| s % 25 == 0 && s > 120 && s % 120 != 0),
+            && markers
+                .iter()
+                .all(|&s| s % 25 == 0 && s > 120 && s % 120 != 0),
         "mid-epoch checkpoints after the kill: {markers:?}"
     );
     let newest = markers[markers.len() - 1];
@@ -745,12 +788,33 @@ fn force_keeps_the_old_run_until_the_new_one_has_a_checkpoint() {
     child.kill().unwrap();
     child.wait().unwrap();
     let out = run.run(&["train", "--artifact-dir", "art", "--resume"]);
-    assert!(stdout(&out).contains("put back"), "{}", stdout(&out));
+    assert!(
+        stdout(&out).contains("put back"),
+        "{}{}",
+        stdout(&out),
+        stderr_of(&out)
+    );
     assert_clean_error(&out, "already finished");
     assert_eq!(run.weights("art"), before, "the old run survived");
     assert_eq!(
         std::fs::read_to_string(run.path("art/config.json")).unwrap(),
         config
+    );
+    // Killed half-way through moving the old run aside (some files moved, the checkpoints not
+    // yet): it goes back whole, not mistaken for a new run with a checkpoint.
+    let partial = run.path("art/.replaced-run.partial");
+    std::fs::create_dir(&partial).unwrap();
+    for name in ["model.mpk", "config.json"] {
+        std::fs::rename(run.path("art").join(name), partial.join(name)).unwrap();
+    }
+    let out = run.run(&["train", "--artifact-dir", "art", "--resume"]);
+    assert!(stdout(&out).contains("put back"), "{}", stdout(&out));
+    assert_clean_error(&out, "already finished");
+    assert!(!partial.exists());
+    assert_eq!(
+        run.weights("art"),
+        before,
+        "the old run survived a partial move"
     );
     // A --force that works replaces it, and nothing of the old run is left.
     assert_success(&run.run(&FORCE));
