@@ -235,7 +235,7 @@ where
                 .map(|s| (s, false, format!("step-{s}"))),
         )
         .collect();
-    candidates.sort_by(|a, b| (b.0, b.1).cmp(&(a.0, a.1)));
+    candidates.sort_by_key(|c| std::cmp::Reverse((c.0, c.1)));
     let mut reasons = Vec::new();
     for (step, is_epoch, suffix) in &candidates {
         let file = |kind: &str| artifact.checkpoints().join(format!("{kind}-{suffix}"));

@@ -351,14 +351,14 @@ fn stopped_and_resumed_equals_uninterrupted(
         let checkpoint = cut.join("checkpoint");
         assert!(
             checkpoint.join(format!("step-{step}.json")).exists()
-                || step % 20 == 0
+                || step.is_multiple_of(20)
                     && checkpoint
                         .join(format!("scheduler-{}.mpk", step / 20))
                         .exists(),
             "no checkpoint of step {step}"
         );
         assert!(
-            stderr_of(&out).contains(&format!("--artifact-dir cut --resume")),
+            stderr_of(&out).contains("--artifact-dir cut --resume"),
             "the line names the command that continues: {}",
             stderr_of(&out)
         );
