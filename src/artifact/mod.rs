@@ -191,8 +191,8 @@ impl ArtifactDir {
     }
 
     /// Settles a run that `train --force` moved aside: deleted if the newer run has a complete
-    /// checkpoint (only the deletion is left to do), else put back. Returns whether it was put
-    /// back.
+    /// checkpoint, an epoch's or a mid-epoch one (only the deletion is left to do), else put
+    /// back. Returns whether it was put back.
     pub fn settle_replaced_run(&self) -> Result<bool> {
         let partial = self.replacing_run();
         if partial.exists() {
@@ -213,7 +213,7 @@ impl ArtifactDir {
         if !aside.exists() {
             return Ok(false);
         }
-        if self.latest_checkpoint().is_some() {
+        if self.latest_checkpoint().is_some() || !self.step_checkpoints().is_empty() {
             std::fs::remove_dir_all(&aside)
                 .with_context(|| format!("cannot remove {}", aside.display()))?;
             return Ok(false);

@@ -816,6 +816,27 @@ fn force_keeps_the_old_run_until_the_new_one_has_a_checkpoint() {
         before,
         "the old run survived a partial move"
     );
+    // Stopped by SIGTERM before its first epoch checkpoint: the step it saved is the new run's
+    // first checkpoint, so the old run goes and `--resume` continues the new one.
+    let mut child = run
+        .command("ndarray", &FORCE)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Once the old run (its metrics.csv too) is aside, the table read is the new run's.
+    wait_for(&run.path("art/.replaced-run"), &mut child);
+    wait_for_step(&run.path("art"), 3, &mut child);
+    send(&child, libc::SIGTERM);
+    let out = child.wait_with_output().unwrap();
+    assert_eq!(out.status.code(), Some(75), "{}", stderr_of(&out));
+    let step = saved_step(&out);
+    assert!(step < 20, "saved step {step}: not before the first epoch checkpoint");
+    assert_eq!(step_markers(&run.path("art")), [step]);
+    assert!(!run.path("art/.replaced-run").exists(), "the old run is still kept");
+    let out = run.run(&["train", "--artifact-dir", "art", "--resume"]);
+    assert_success(&out);
+    assert!(stdout(&out).contains(&format!("resuming after step {step}")));
     // A --force that works replaces it, and nothing of the old run is left.
     assert_success(&run.run(&FORCE));
     assert!(!run.path("art/.replaced-run").exists());
