@@ -831,9 +831,15 @@ fn force_keeps_the_old_run_until_the_new_one_has_a_checkpoint() {
     let out = child.wait_with_output().unwrap();
     assert_eq!(out.status.code(), Some(75), "{}", stderr_of(&out));
     let step = saved_step(&out);
-    assert!(step < 20, "saved step {step}: not before the first epoch checkpoint");
+    assert!(
+        step < 20,
+        "saved step {step}: not before the first epoch checkpoint"
+    );
     assert_eq!(step_markers(&run.path("art")), [step]);
-    assert!(!run.path("art/.replaced-run").exists(), "the old run is still kept");
+    assert!(
+        !run.path("art/.replaced-run").exists(),
+        "the old run is still kept"
+    );
     let out = run.run(&["train", "--artifact-dir", "art", "--resume"]);
     assert_success(&out);
     assert!(stdout(&out).contains(&format!("resuming after step {step}")));
