@@ -6,7 +6,7 @@
 //! Every dropout of a training step — on the attention weights (inside the fused attention
 //! kernel), the embeddings, the feed-forward activation and the residual branches — takes a
 //! fresh seed from one stream ([`next_mask`]), which [`reseed`] restarts: reseeded with the
-//! backend at every epoch, the masks of a resumed run are those of the run it replaced.
+//! backend before every batch, the masks of a resumed run are those of the run it replaced.
 
 use std::cell::Cell;
 

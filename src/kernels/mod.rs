@@ -603,7 +603,7 @@ pub fn attention_dropout<B: LabBackend>(prob: f64, device: &B::Device) -> Option
 }
 
 /// Reseeds the backend's generator and the stream of dropout masks: what every run does before
-/// it draws its first random number, and each epoch of training.
+/// it draws its first random number, and before each training batch.
 pub fn seed<B: Backend>(device: &B::Device, seed: u64) {
     B::seed(device, seed);
     dropout::reseed(seed);
