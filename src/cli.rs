@@ -11,29 +11,54 @@ pub use crate::kernels::Precision;
 #[derive(Parser, Debug)]
 #[command(name = "transformer-lab", version, about, long_about = None)]
 pub struct Cli {
+    /// The backend options, for every command that computes (also accepted after the
+    /// command's name, where its --help lists them).
+    #[command(flatten)]
+    pub compute: ComputeArgs,
+    /// What to do.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// Where a command computes: the backend, and whether the fused kernels run (checked first).
+#[derive(Args, Debug, Clone, Default, PartialEq)]
+#[command(next_help_heading = "Backend")]
+pub struct ComputeArgs {
     /// Compute backend (the ones compiled in; default: wgpu when built with it and a GPU is present, else flex, else ndarray).
-    #[arg(long, global = true, value_enum)]
+    #[arg(long, value_enum)]
     pub backend: Option<BackendKind>,
     /// Use the composed tensor ops instead of the fused kernels (attention, packed
     /// self-attention, LayerNorm, GELU, softmax, dropout, cross-entropy, AdamW, the linear
     /// layer): the reference the kernels are tested against, for comparisons.
-    #[arg(long, global = true)]
+    #[arg(long)]
     pub no_fused: bool,
     /// Check the fused kernels against their composed forms on the device before using them
     /// (once per device, driver and binary; cached in ~/.cache/transformer-lab): auto = on a
     /// GPU (cuda, wgpu on a hardware adapter). An operation that disagrees warns and runs
-    /// composed.
-    #[arg(
-        long,
-        global = true,
-        value_enum,
-        default_value = "auto",
-        env = "TRANSFORMER_LAB_KERNEL_CHECK"
-    )]
-    pub kernel_check: KernelCheck,
-    /// What to do.
-    #[command(subcommand)]
-    pub command: Command,
+    /// composed. [default: auto]
+    #[arg(long, value_enum, env = "TRANSFORMER_LAB_KERNEL_CHECK")]
+    pub kernel_check: Option<KernelCheck>,
+}
+
+impl ComputeArgs {
+    /// These options, each taken from `outer` (given before the command's name) where not given
+    /// here.
+    pub fn or(self, outer: &ComputeArgs) -> ComputeArgs {
+        ComputeArgs {
+            backend: self.backend.or(outer.backend),
+            no_fused: self.no_fused || outer.no_fused,
+            kernel_check: self.kernel_check.or(outer.kernel_check),
+        }
+    }
+}
+
+/// The backend alone, for commands that compare the fused and composed forms themselves.
+#[derive(Args, Debug, Clone, Default)]
+#[command(next_help_heading = "Backend")]
+pub struct BackendArgs {
+    /// Compute backend (the ones compiled in; default: wgpu when built with it and a GPU is present, else flex, else ndarray).
+    #[arg(long, value_enum)]
+    pub backend: Option<BackendKind>,
 }
 
 /// When the fused kernels are checked on the device before a command uses them.
@@ -137,7 +162,7 @@ pub enum Command {
     /// the linear layer, softmax) against its composed form on this backend's device: outputs
     /// and gradients on small random inputs, one row per operation with its largest relative
     /// error. Exits non-zero when one disagrees (runs then use its composed form).
-    Doctor,
+    Doctor(BackendArgs),
 }
 
 /// `curves` options.
@@ -152,9 +177,10 @@ pub struct CurvesArgs {
     /// Which values: valid (each epoch's validation mean) or train (every step).
     #[arg(long, default_value = "valid")]
     pub split: String,
-    /// Where the PNG goes.
-    #[arg(long, value_name = "FILE", default_value = "curves.png")]
-    pub out: PathBuf,
+    /// Where the PNG goes. Default: beside the runs, DIR/../curves-SPLIT-METRIC.png for the
+    /// first DIR (e.g. artifacts/curves-valid-loss.png).
+    #[arg(long, value_name = "FILE")]
+    pub out: Option<PathBuf>,
     /// Also write every run's metrics as one CSV (a leading `run` column).
     #[arg(long, value_name = "FILE")]
     pub csv: Option<PathBuf>,
@@ -199,6 +225,8 @@ pub struct TrainArgs {
     pub lr: Option<f64>,
     #[command(flatten)]
     pub data: DataArgs,
+    #[command(flatten)]
+    pub compute: ComputeArgs,
 }
 
 /// `generate` options.
@@ -238,6 +266,8 @@ pub struct GenerateArgs {
     /// full, so it sees between context/2 and context tokens.
     #[arg(long)]
     pub no_cache: bool,
+    #[command(flatten)]
+    pub compute: ComputeArgs,
 }
 
 /// `eval` options.
@@ -268,6 +298,8 @@ pub struct EvalArgs {
     pub search: SearchArgs,
     #[command(flatten)]
     pub data: DataArgs,
+    #[command(flatten)]
+    pub compute: ComputeArgs,
 }
 
 /// The checkpoint formats `import` and `export` speak.
@@ -331,6 +363,8 @@ pub struct HeadsArgs {
     pub png: Option<PathBuf>,
     #[command(flatten)]
     pub data: DataArgs,
+    #[command(flatten)]
+    pub compute: ComputeArgs,
 }
 
 /// How a translator searches.
@@ -364,6 +398,8 @@ pub struct TranslateArgs {
     pub batch_size: usize,
     #[command(flatten)]
     pub search: SearchArgs,
+    #[command(flatten)]
+    pub compute: ComputeArgs,
 }
 
 /// `predict` options.
@@ -378,6 +414,8 @@ pub struct PredictArgs {
     /// How many classes to show per image.
     #[arg(long, default_value_t = 3)]
     pub top: usize,
+    #[command(flatten)]
+    pub compute: ComputeArgs,
 }
 
 /// `zero-shot` options.
@@ -392,6 +430,8 @@ pub struct ZeroShotArgs {
     /// Image files (PNG or JPEG).
     #[arg(required = true)]
     pub images: Vec<PathBuf>,
+    #[command(flatten)]
+    pub compute: ComputeArgs,
 }
 
 /// `classify` options.
@@ -402,6 +442,8 @@ pub struct ClassifyArgs {
     pub artifact_dir: PathBuf,
     /// Texts to classify; none = read stdin line by line.
     pub texts: Vec<String>,
+    #[command(flatten)]
+    pub compute: ComputeArgs,
 }
 
 /// `embed` options.
@@ -420,6 +462,8 @@ pub struct EmbedArgs {
     /// How many leading dimensions of each vector to print (0 = all).
     #[arg(long, default_value_t = 8)]
     pub dims: usize,
+    #[command(flatten)]
+    pub compute: ComputeArgs,
 }
 
 /// `bench` options.
@@ -479,6 +523,8 @@ pub struct BenchGenerateArgs {
     /// Timed runs per point (after one warm-up); medians are reported.
     #[arg(long, default_value_t = 3)]
     pub runs: usize,
+    #[command(flatten)]
+    pub compute: ComputeArgs,
 }
 
 /// `bench kernels` options.
@@ -494,6 +540,8 @@ pub struct BenchKernelsArgs {
     /// Shakespeare's characters).
     #[arg(long, default_value_t = 65)]
     pub vocab: usize,
+    #[command(flatten)]
+    pub backend: BackendArgs,
 }
 
 /// `bench mixers` options.
@@ -544,6 +592,8 @@ pub struct BenchMixersArgs {
     /// Where `mixers.csv` and `mixers.png` go.
     #[arg(long, value_name = "DIR", default_value = "artifacts/bench")]
     pub out: PathBuf,
+    #[command(flatten)]
+    pub compute: ComputeArgs,
 }
 
 /// `bench train` options.
@@ -571,6 +621,8 @@ pub struct BenchTrainArgs {
     pub precision: Option<Precision>,
     #[command(flatten)]
     pub data: DataArgs,
+    #[command(flatten)]
+    pub compute: ComputeArgs,
 }
 
 fn parse_on_off(text: &str) -> Result<bool, String> {
@@ -623,6 +675,8 @@ pub struct AttentionArgs {
     /// Seed of the shuffle behind --stats.
     #[arg(long, default_value_t = 1337)]
     pub seed: u64,
+    #[command(flatten)]
+    pub compute: ComputeArgs,
 }
 
 /// `explain` options.
@@ -653,4 +707,6 @@ pub struct ExplainArgs {
     /// Value projection W_V.
     #[arg(long, default_value = crate::explain::DEFAULT_WV, allow_hyphen_values = true)]
     pub wv: String,
+    #[command(flatten)]
+    pub compute: ComputeArgs,
 }

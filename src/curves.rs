@@ -141,18 +141,32 @@ pub fn merged_csv(runs: &[Run]) -> String {
     text
 }
 
-/// Reads `dirs`, draws `metric` of each in `split` to `out`, and writes the merged table to
-/// `csv` when given.
+/// Where `compare` draws when not told: beside the runs, in the first run's parent directory
+/// (`artifacts/` for runs under it), named by what it shows — never over a run's own
+/// `curves.png`, never in the working directory unless the runs are there.
+pub fn default_out(dirs: &[PathBuf], metric: &str, split: &str) -> PathBuf {
+    let split = if metric == "lr" { "train" } else { split };
+    let name = format!("curves-{split}-{metric}.png");
+    match dirs.first().and_then(|dir| dir.parent()) {
+        Some(parent) => parent.join(name),
+        None => PathBuf::from(name),
+    }
+}
+
+/// Reads `dirs`, draws `metric` of each in `split` to `out` (by default [`default_out`]), and
+/// writes the merged table to `csv` when given.
 pub fn compare(
     dirs: &[PathBuf],
     metric: &str,
     split: &str,
-    out: &Path,
+    out: Option<&Path>,
     csv: Option<&Path>,
 ) -> Result<()> {
     if !matches!(split, "train" | "valid") {
         bail!("--split is train or valid, not {split:?}");
     }
+    let out = out.map_or_else(|| default_out(dirs, metric, split), Path::to_path_buf);
+    let out = out.as_path();
     let runs = dirs
         .iter()
         .map(|dir| Run::load(dir))
@@ -161,10 +175,18 @@ pub fn compare(
     let names: Vec<&str> = runs.iter().map(|r| r.name.as_str()).collect();
     let title = match names.join(" vs ") {
         short if short.len() <= 60 => format!("{}: {short}", panel.y_label),
-        _ => format!("{} of {} runs", panel.y_label, runs.len()),
+        _ => format!(
+            "{} of {}",
+            panel.y_label,
+            crate::stdio::count(runs.len(), "run")
+        ),
     };
     line_panels_png(out, &title, &[panel]).context("cannot draw the curves")?;
-    println!("curves of {} runs written to {}", runs.len(), out.display());
+    println!(
+        "curves of {} written to {}",
+        crate::stdio::count(runs.len(), "run"),
+        out.display()
+    );
     if let Some(csv) = csv {
         crate::files::write_atomic(csv, merged_csv(&runs).as_bytes())?;
         println!("merged table written to {}", csv.display());

@@ -17,8 +17,7 @@ fn main() -> ExitCode {
     transformer_lab::memory::keep_freed_memory();
     // A closed stdout or stderr (`train | head -1`) must not stop the work: see `stdio`.
     let stdio = transformer_lab::stdio::guard();
-    transformer_lab::kernels::set_fused(!cli.no_fused);
-    let code = match run(cli.backend, cli.kernel_check, cli.command) {
+    let code = match run(cli.compute, cli.command) {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => match err.downcast_ref::<transformer_lab::train::stop::Stopped>() {
             Some(stopped) => {

@@ -135,3 +135,11 @@ pub fn guard() -> Guard {
 /// Elsewhere a no-op.
 #[cfg(not(unix))]
 pub fn finish() {}
+
+/// `n` and `noun`, the noun in the plural unless `n` is 1: "1 run", "2 runs".
+pub fn count(n: usize, noun: &str) -> String {
+    match n {
+        1 => format!("1 {noun}"),
+        n => format!("{n} {noun}s"),
+    }
+}

@@ -9,7 +9,7 @@ mod text;
 mod train;
 
 use crate::backend::{check_available, default_backend, BackendKind};
-use crate::cli::{Command, KernelCheck};
+use crate::cli::{BenchCommand, Command, ComputeArgs, KernelCheck};
 use crate::kernels::LabBackend;
 use crate::nn::without_weights;
 use anyhow::{Context, Result};
@@ -39,21 +39,85 @@ pub fn dispatch(kind: Option<BackendKind>, task: impl BackendTask) -> Result<()>
     }
 }
 
-/// Runs `command`: on the backend `kind` names (the default one when `None`), or on none when
-/// it computes nothing (`curves` reads files and draws). Commands that compute check the
-/// fused kernels on the device first, as `check` says ([`doctor::prepare`]).
-pub fn run(kind: Option<BackendKind>, check: KernelCheck, command: Command) -> Result<()> {
-    let kind = kind.unwrap_or_else(default_backend);
-    match command {
-        Command::Curves(args) => run_curves(args),
-        command => dispatch(
-            Some(kind),
-            Checked {
-                kind,
-                check,
-                command,
+/// What a command computes on.
+enum Needs {
+    /// Nothing: it reads files and draws.
+    Nothing,
+    /// The default CPU backend: it moves weights between formats and computes nothing.
+    Cpu,
+    /// A backend, with the fused kernels as they are (it compares them with the composed
+    /// forms itself).
+    Backend(Option<BackendKind>),
+    /// A backend, fused or composed, with the kernel check before.
+    Compute(ComputeArgs),
+}
+
+impl Command {
+    /// The backend options this command takes (its own, before those given before its name).
+    fn needs(&self, outer: &ComputeArgs) -> Needs {
+        let compute = |own: &ComputeArgs| Needs::Compute(own.clone().or(outer));
+        match self {
+            Command::Curves(_) => Needs::Nothing,
+            Command::Import(_) | Command::Export(_) => Needs::Cpu,
+            Command::Doctor(args) => Needs::Backend(args.backend.or(outer.backend)),
+            Command::Train(args) => compute(&args.compute),
+            Command::Generate(args) => compute(&args.compute),
+            Command::Eval(args) => compute(&args.compute),
+            Command::Translate(args) => compute(&args.compute),
+            Command::Predict(args) => compute(&args.compute),
+            Command::ZeroShot(args) => compute(&args.compute),
+            Command::Classify(args) => compute(&args.compute),
+            Command::Embed(args) => compute(&args.compute),
+            Command::Attention(args) => compute(&args.compute),
+            Command::Explain(args) => compute(&args.compute),
+            Command::Heads(args) => compute(&args.compute),
+            Command::Bench(args) => match &args.what {
+                BenchCommand::Train(args) => compute(&args.compute),
+                BenchCommand::Mixers(args) => compute(&args.compute),
+                BenchCommand::Generate(args) => compute(&args.compute),
+                BenchCommand::Kernels(args) => {
+                    Needs::Backend(args.backend.backend.or(outer.backend))
+                }
             },
-        ),
+        }
+    }
+}
+
+/// Runs `command` on the backend its options (or `outer`, the options given before its name)
+/// choose, the default one where none is named; commands that compute nothing run on none
+/// (`curves`) or on the CPU (`import`, `export`) and take no backend options (those given
+/// before their name are for the commands that compute). Commands that compute check the
+/// fused kernels on the device first ([`doctor::prepare`]).
+pub fn run(outer: ComputeArgs, command: Command) -> Result<()> {
+    match command.needs(&outer) {
+        Needs::Nothing => match command {
+            Command::Curves(args) => run_curves(args),
+            _ => unreachable!("only curves needs nothing"),
+        },
+        Needs::Cpu => dispatch(Some(crate::backend::cpu_default()), command),
+        Needs::Backend(kind) => {
+            let kind = kind.unwrap_or_else(default_backend);
+            dispatch(
+                Some(kind),
+                Checked {
+                    kind,
+                    check: KernelCheck::Never,
+                    command,
+                },
+            )
+        }
+        Needs::Compute(compute) => {
+            let kind = compute.backend.unwrap_or_else(default_backend);
+            crate::kernels::set_fused(!compute.no_fused);
+            dispatch(
+                Some(kind),
+                Checked {
+                    kind,
+                    check: compute.kernel_check.unwrap_or(KernelCheck::Auto),
+                    command,
+                },
+            )
+        }
     }
 }
 
@@ -66,7 +130,7 @@ struct Checked {
 
 impl BackendTask for Checked {
     fn run<B: LabBackend>(self, device: B::Device) -> Result<()> {
-        if let Command::Doctor = self.command {
+        if let Command::Doctor(_) = self.command {
             return doctor::run_doctor::<B>(self.kind, &device);
         }
         doctor::prepare::<B>(self.kind, self.check, &device)?;
@@ -79,7 +143,7 @@ fn run_curves(args: crate::cli::CurvesArgs) -> Result<()> {
         &args.dirs,
         &args.metric,
         &args.split,
-        &args.out,
+        args.out.as_deref(),
         args.csv.as_deref(),
     )
 }
@@ -103,7 +167,7 @@ impl BackendTask for Command {
             Command::Import(args) => checkpoints::run_import::<B>(args, device),
             Command::Export(args) => checkpoints::run_export::<B>(args, device),
             Command::Curves(args) => run_curves(args),
-            Command::Doctor => unreachable!("doctor runs through Checked"),
+            Command::Doctor(_) => unreachable!("doctor runs through Checked"),
         }
     }
 }

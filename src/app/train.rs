@@ -74,11 +74,14 @@ pub(super) fn run_train<B: LabBackend>(args: TrainArgs, device: B::Device) -> Re
             "all {} steps were already trained; model.mpk written from the last checkpoint",
             step(report.epochs)
         ),
-        _ => format!("all {} steps trained", step(report.epochs)),
+        _ => match step(report.epochs) {
+            1 => "the 1 step trained".to_string(),
+            steps => format!("all {steps} steps trained"),
+        },
     };
     let loss = report
         .valid_loss
-        .map(|l| format!(", validation loss {l:.4}"))
+        .map(|l| format!(", validation loss {l:.4} over {}", report.valid_over))
         .unwrap_or_default();
     let best = match report.best {
         Some((epoch, best)) if epoch != report.epoch => format!(

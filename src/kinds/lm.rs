@@ -190,8 +190,9 @@ impl ModelKind for LmConfig {
             device,
         )?;
         println!(
-            "{}: validation loss {loss:.4}, perplexity {perplexity:.3} over {tokens} tokens \
-             (windows of {context})",
+            "{}: validation loss {loss:.4}, perplexity {perplexity:.3} over the whole validation \
+             split: {tokens} tokens in windows of {context} (train's figures are over a fixed \
+             sample of it)",
             trained.config.name
         );
         Ok(())

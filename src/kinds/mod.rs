@@ -460,7 +460,10 @@ fn study_heads<K: ModelKind, B: LabAutodiff>(
     let (full, importance) = heads::importance(&trained.model, &held_out, &gradients);
     print!("{}", heads::render_table(full, &importance));
 
-    eprintln!("pruning greedily, {steps} heads, every remaining head re-evaluated at each step…");
+    eprintln!(
+        "pruning greedily, {}, every remaining head re-evaluated at each step…",
+        crate::stdio::count(steps, "head")
+    );
     let greedy = heads::prune_greedily(&trained.model, &held_out, steps, |step| {
         if let Some((layer, head)) = &step.head {
             eprintln!(

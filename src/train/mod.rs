@@ -121,6 +121,8 @@ pub struct TrainReport {
     pub unit: &'static str,
     /// The command that uses the trained model ("generate", "translate", …).
     pub use_with: &'static str,
+    /// What the validation figures are computed over ("1280 of 111284 validation examples").
+    pub valid_over: String,
     /// Why `metrics.csv` stopped being written, if it did (a full disk).
     pub metrics_failure: Option<String>,
     /// The step whose checkpoint a stopped run saved (`Outcome::Interrupted`).

@@ -32,6 +32,8 @@ pub struct PlainRenderer {
     total_steps: usize,
     throughput: Throughput,
     last_line: Option<(Instant, usize)>,
+    /// What the validation means are over ("1280 of 111284 validation examples").
+    valid_over: String,
 }
 
 /// Per-metric means over the current epoch (weighted by each entry's count), and the last
@@ -67,8 +69,14 @@ impl Averages {
 
 impl PlainRenderer {
     /// A renderer for a run of `total_steps` steps in epochs of `steps_per_epoch`, each step
-    /// consuming `throughput.per_step` items (tokens, images, sentences).
-    pub fn new(steps_per_epoch: usize, total_steps: usize, throughput: Throughput) -> Self {
+    /// consuming `throughput.per_step` items (tokens, images, sentences), whose validation is
+    /// over `valid_over`.
+    pub fn new(
+        steps_per_epoch: usize,
+        total_steps: usize,
+        throughput: Throughput,
+        valid_over: String,
+    ) -> Self {
         Self {
             names: HashMap::new(),
             train: Averages::default(),
@@ -77,6 +85,7 @@ impl PlainRenderer {
             total_steps,
             throughput,
             last_line: None,
+            valid_over,
         }
     }
 
@@ -158,11 +167,12 @@ impl MetricsRendererTraining for PlainRenderer {
             .map(|p| format!("  perplexity {p:.3}"))
             .unwrap_or_default();
         println!(
-            "epoch {:>2}/{}  valid  loss {:.4}  accuracy {:.2}%{perplexity}",
+            "epoch {:>2}/{}  valid  loss {:.4}  accuracy {:.2}%{perplexity}  over {}",
             item.global_progress.items_processed,
             item.global_progress.items_total,
             self.valid.mean("Loss").unwrap_or(f64::NAN),
             self.valid.mean("Accuracy").unwrap_or(f64::NAN),
+            self.valid_over,
         );
         self.valid = Averages::default();
         // Validation time is not training throughput.

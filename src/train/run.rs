@@ -34,7 +34,7 @@ use burn::train::{
 };
 use std::io::IsTerminal;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Instant;
 
 /// The training and validation loaders of a model trained through [`launch`].
@@ -65,6 +65,8 @@ pub struct Session {
     /// Batches the training loader skips at the next epoch's start (a run resumed mid-epoch).
     skip: Arc<AtomicUsize>,
     watch: Arc<CheckpointWatch>,
+    /// The validation examples each epoch is judged on, of how many (set by `loaders`).
+    valid_sample: OnceLock<(usize, usize)>,
 }
 
 impl Session {
@@ -76,6 +78,19 @@ impl Session {
             epoch: Arc::new(AtomicUsize::new(0)),
             skip: Arc::new(AtomicUsize::new(0)),
             watch: Arc::new(CheckpointWatch::new()),
+            valid_sample: OnceLock::new(),
+        }
+    }
+
+    /// What the validation figures of a training run are computed over, for the lines that
+    /// print them: "1280 of 111284 validation examples" (the same ones every epoch).
+    pub fn valid_over(&self) -> String {
+        match self.valid_sample.get() {
+            Some(&(items, total)) if items == total => {
+                format!("all {}", crate::stdio::count(total, "validation example"))
+            }
+            Some(&(items, total)) => format!("{items} of {total} validation examples"),
+            None => "the validation examples".to_string(),
         }
     }
 
@@ -144,6 +159,7 @@ impl Session {
     {
         let train = &config.train;
         let valid_items = (train.eval_batches * train.batch_size).min(valid_set.len());
+        let _ = self.valid_sample.set((valid_items, valid_set.len()));
         let loader_train = train_loader(
             config,
             device,
@@ -362,6 +378,7 @@ where
         per_second: 0.0,
         unit: throughput.unit,
         use_with: config.model.command(),
+        valid_over: session.valid_over(),
         metrics_failure: None,
         saved_step: None,
     };
@@ -456,7 +473,12 @@ where
         training = training.checkpoint(start);
     }
     if session.plain || !std::io::stdout().is_terminal() {
-        training = training.renderer(PlainRenderer::new(spe, train.steps, throughput));
+        training = training.renderer(PlainRenderer::new(
+            spe,
+            train.steps,
+            throughput,
+            session.valid_over(),
+        ));
     }
     println!(
         "training {} ({} parameters) for {} steps{}; artifacts in {}",

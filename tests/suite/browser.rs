@@ -195,7 +195,7 @@ fn the_attention_page_works_in_a_real_browser() {
             std::env::var_os("CI_EXPECT_BROWSER").is_none(),
             "CI_EXPECT_BROWSER is set but {CHROMIUM} or {CHROMEDRIVER} is missing"
         );
-        eprintln!("skipped: install Debian's chromium and chromium-driver to run this test");
+        crate::common::skip("no browser: install Debian's chromium and chromium-driver");
         return;
     }
     let dir = tempfile::tempdir().unwrap();

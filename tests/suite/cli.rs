@@ -99,6 +99,20 @@ fn train_generate_eval_end_to_end() {
     );
     let valid = common::valid_losses(&log);
     assert_eq!(valid.len(), 2, "{log}");
+    // Every validation figure says what it is over: eval_batches (2) × batch_size (8) of the
+    // split's windows, the same sample each epoch; eval's is over the whole split.
+    let over: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains(" valid ") || l.contains("validation loss"))
+        .map(|l| l.split(" over ").nth(1).unwrap_or("nothing"))
+        .map(|o| o.split(';').next().unwrap())
+        .collect();
+    assert_eq!(over.len(), 3, "{log}");
+    assert!(
+        over[0].starts_with("16 of ") && over[0].ends_with(" validation examples"),
+        "{log}"
+    );
+    assert!(over.iter().all(|o| o == &over[0]), "{over:?}");
     assert!(
         valid[1] < 2.2,
         "a 40-step run on a repetitive corpus learns: {valid:?}"
@@ -137,14 +151,14 @@ fn train_generate_eval_end_to_end() {
         String::from_utf8_lossy(&eval.stderr)
     );
     assert!(
-        stdout(&eval).contains("validation loss"),
+        stdout(&eval).contains("over the whole validation split"),
         "{}",
         stdout(&eval)
     );
     // Shorter windows are fine; a learned table refuses windows past its end, in one line.
     let short = sb.run(&["eval", "--artifact-dir", "art", "--context", "4"]);
     assert!(
-        stdout(&short).contains("(windows of 4)"),
+        stdout(&short).contains("in windows of 4"),
         "{}",
         stdout(&short)
     );

@@ -16,6 +16,21 @@ use transformer_lab::models::{LanguageModel, LmBatch};
 use transformer_lab::nn::StackConfig;
 use transformer_lab::train::ReferenceOptimizer;
 
+/// Says on stderr that the running test skips (all or part of its checks) for want of what
+/// it needs, and records it for the closing lines `cargo test` prints after the suite
+/// (tests/summary), where the test would otherwise count as passed without a word.
+pub fn skip(why: &str) {
+    eprintln!("skipped: {why}");
+    let test = std::thread::current()
+        .name()
+        .unwrap_or("a test")
+        .to_string();
+    let file = crate::skips::this_run(Path::new(env!("CARGO_TARGET_TMPDIR")));
+    if let Err(err) = crate::skips::record(&file, &test, why) {
+        eprintln!("cannot record the skip in {}: {err}", file.display());
+    }
+}
+
 /// A tensor of standard-normal values drawn from its own seeded generator. The backend's
 /// `B::seed` is one generator shared by every test thread, so draws from it race with the tests
 /// running beside; comparisons that need the same numbers twice use this.

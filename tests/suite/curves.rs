@@ -3,7 +3,7 @@
 //! logs, and refuses what is not a run with one line.
 
 use crate::common::{assert_clean_error, BIN};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Command, Output};
 use transformer_lab::artifact::metrics::{self, Row};
 use transformer_lab::artifact::ArtifactDir;
@@ -232,8 +232,45 @@ fn what_is_not_a_run_is_one_clear_error() {
     assert_clean_error(&curves(&["a", "empty"]), "not an artifact directory");
     assert_clean_error(&curves(&["a", "--metric", "bleu"]), "has no bleu");
     assert_clean_error(&curves(&["a", "--split", "test"]), "--split");
+    let drawn: Vec<_> = std::fs::read_dir(sandbox.dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .filter(|name| name.to_string_lossy().ends_with(".png"))
+        .collect();
+    assert!(drawn.is_empty(), "nothing drawn on an error: {drawn:?}");
+}
+
+#[test]
+fn curves_not_told_where_draw_beside_the_runs_not_over_them() {
+    let sandbox = Sandbox::new();
+    sandbox.train("runs/a");
+    let own = std::fs::read(sandbox.path("runs/a/curves.png")).unwrap();
+    let out = sandbox.run(&["curves", "runs/a"], None);
     assert!(
-        !Path::new(&sandbox.path("curves.png")).exists(),
-        "nothing drawn on an error"
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
     );
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).trim(),
+        "curves of 1 run written to runs/curves-valid-loss.png"
+    );
+    assert!(image::open(sandbox.path("runs/curves-valid-loss.png")).is_ok());
+    assert_eq!(
+        std::fs::read(sandbox.path("runs/a/curves.png")).unwrap(),
+        own,
+        "the run's own curves.png is untouched"
+    );
+    let out = sandbox.run(&["curves", "runs/a", "--metric", "lr"], None);
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("runs/curves-train-lr.png"),
+        "lr is a training series: {}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    let in_working_dir: Vec<_> = std::fs::read_dir(sandbox.dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .filter(|name| name.to_string_lossy().ends_with(".png"))
+        .collect();
+    assert!(in_working_dir.is_empty(), "{in_working_dir:?}");
 }

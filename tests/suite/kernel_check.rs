@@ -55,7 +55,7 @@ fn every_fused_operation_agrees_with_its_composed_form_on_cuda() {
             std::env::var("CI_EXPECT_CUDA").as_deref() != Ok("1"),
             "CI_EXPECT_CUDA=1 but {why:#}"
         );
-        eprintln!("skipped: {why:#}");
+        crate::common::skip(&format!("no CUDA: {why:#}"));
         return;
     }
     every_operation_agrees::<burn::backend::Cuda<f32, i32>>(&Default::default(), 64);
@@ -181,10 +181,13 @@ fn a_short_run_learns_on_cuda() {
     use transformer_lab::backend::{check_available, BackendKind};
     match check_available(BackendKind::Cuda) {
         Ok(()) => learns("cuda"),
-        Err(why) => assert!(
-            std::env::var("CI_EXPECT_CUDA").as_deref() != Ok("1"),
-            "CI_EXPECT_CUDA=1 but {why:#}"
-        ),
+        Err(why) => {
+            assert!(
+                std::env::var("CI_EXPECT_CUDA").as_deref() != Ok("1"),
+                "CI_EXPECT_CUDA=1 but {why:#}"
+            );
+            crate::common::skip(&format!("no CUDA: {why:#}"));
+        }
     }
 }
 

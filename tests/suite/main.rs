@@ -29,11 +29,14 @@ mod layers;
 mod lm;
 mod mask;
 mod mixer;
+mod newcomer;
 mod old_artifacts;
 mod position;
 mod real_data;
 mod reliability;
 mod seq2seq;
+#[path = "../summary/skips.rs"]
+mod skips;
 mod tokenizer;
 mod train;
 mod vit;

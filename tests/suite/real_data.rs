@@ -30,12 +30,15 @@ fn real_data(datasets: &[&str]) -> Option<PathBuf> {
         return dir;
     }
     let why = format!(
-        "real-data test skipped: {} not under $TRANSFORMER_LAB_DATA ({})",
-        missing.join(", "),
+        "the datasets are not under $TRANSFORMER_LAB_DATA ({}): see README, Data",
         dir.map_or("unset".into(), |d| d.display().to_string())
     );
-    assert!(std::env::var_os("CI_EXPECT_DATA").is_none(), "{why}");
-    eprintln!("{why}");
+    assert!(
+        std::env::var_os("CI_EXPECT_DATA").is_none(),
+        "{why}; missing: {}",
+        missing.join(", ")
+    );
+    crate::common::skip(&why);
     None
 }
 

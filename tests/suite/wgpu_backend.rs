@@ -26,7 +26,7 @@ pub(crate) fn wgpu_runs() -> bool {
         std::env::var_os("CI_EXPECT_WGPU").is_none(),
         "CI_EXPECT_WGPU is set but wgpu finds no Vulkan adapter (install mesa-vulkan-drivers)"
     );
-    eprintln!("skipped: wgpu finds no adapter; install mesa-vulkan-drivers to run this test");
+    common::skip("wgpu finds no adapter: install mesa-vulkan-drivers and libvulkan1");
     false
 }
 
