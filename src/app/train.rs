@@ -6,7 +6,7 @@ use crate::config::ExperimentConfig;
 use crate::data::data_dir;
 use crate::kernels::LabBackend;
 use crate::train::stop::Stopped;
-use crate::train::{Outcome, TrainRequest};
+use crate::train::{AlreadyFinished, Outcome, TrainRequest};
 use anyhow::Result;
 use burn::backend::Autodiff;
 use std::path::PathBuf;
@@ -34,7 +34,13 @@ pub(super) fn run_train<B: LabBackend>(args: TrainArgs, device: B::Device) -> Re
     };
     let artifact = request.artifact.clone();
     crate::train::stop::install()?;
-    let report = crate::kinds::train::<Autodiff<B>>(request, device)?;
+    let report = match crate::kinds::train::<Autodiff<B>>(request, device) {
+        Err(err) if err.is::<AlreadyFinished>() => {
+            println!("{err}");
+            return Ok(());
+        }
+        result => result?,
+    };
     let step = |epoch: usize| epoch * report.steps_per_epoch;
     let dir = artifact.root().display();
     if let Some(failure) = &report.metrics_failure {

@@ -49,6 +49,7 @@ mod metrics;
 mod optim;
 mod perplexity;
 mod preflight;
+pub use preflight::AlreadyFinished;
 mod renderer;
 mod run;
 mod schedule;

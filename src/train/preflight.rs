@@ -7,6 +7,19 @@ use crate::artifact::ArtifactDir;
 use crate::config::ExperimentConfig;
 use anyhow::{bail, Result};
 
+/// `train --resume` of a run that already finished: nothing to do, which is not a failure (a
+/// job re-run after its run completed succeeds); the message says so.
+#[derive(Debug)]
+pub struct AlreadyFinished(pub String);
+
+impl std::fmt::Display for AlreadyFinished {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for AlreadyFinished {}
+
 /// A run that `train --force` moved aside and that a kill left there: deleted if the new run
 /// reached a complete checkpoint (only the deletion was interrupted), else put back.
 pub(super) fn recover_replaced_run(artifact: &ArtifactDir) -> Result<()> {
@@ -58,11 +71,13 @@ pub(super) fn prepare_artifact(
             }
         }
         if artifact.model_file().exists() {
-            bail!(
-                "{} already finished ({} exists); use --force to start over",
+            return Err(AlreadyFinished(format!(
+                "{} already finished: {} holds its trained weights, nothing to resume (--force \
+                 starts over)",
                 artifact.root().display(),
                 artifact.model_file().display()
-            );
+            ))
+            .into());
         }
         let tokenizers = if saved.model.reads_text() {
             Some(Tokenizers::open(artifact, &saved)?)

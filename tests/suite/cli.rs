@@ -334,9 +334,22 @@ fn a_killed_run_resumes_from_its_last_complete_checkpoint() {
         .run(&["generate", "--artifact-dir", "art", "--max-new-tokens", "5"])
         .status
         .success());
-    assert_error(
-        &sb.run(&["train", "--artifact-dir", "art", "--resume"]),
-        "already finished",
+    // Resuming a finished run has nothing to do: it says so and succeeds (a job re-run).
+    let again = sb.run(&["train", "--artifact-dir", "art", "--resume"]);
+    assert!(
+        again.status.success(),
+        "{}",
+        String::from_utf8_lossy(&again.stderr)
+    );
+    assert!(
+        stdout(&again).contains("already finished"),
+        "{}",
+        stdout(&again)
+    );
+    assert!(
+        stdout(&again).contains("nothing to resume"),
+        "{}",
+        stdout(&again)
     );
     assert_error(
         &sb.run(&["train", "--artifact-dir", "fresh", "--resume"]),
