@@ -681,6 +681,67 @@ fn checkpoint_every_writes_what_it_says_and_a_kill_resumes_from_it() {
     assert_clean_error(&out, "checkpoint_every.minutes must be above 0");
 }
 
+/// `checkpoint_every` in minutes counts the time since the last checkpoint: a period shorter
+/// than a step checkpoints after every step (a kill loses at most the step in flight), one
+/// longer than the run never mid-epoch (a kill goes back to the epoch's checkpoint); both
+/// resume to the uninterrupted run.
+#[test]
+fn checkpoint_every_minutes_counts_the_time_since_the_last_checkpoint() {
+    let run = Run::new();
+    let shape = r#""steps": 240, "steps_per_epoch": 120"#;
+    run.experiment("tiny.json", 1, &format!("{{{shape}}}"));
+    run.train("whole");
+    for (name, minutes) in [("often", "1e-7"), ("rare", "1000")] {
+        let every = format!(r#"{{{shape}, "checkpoint_every": {{"minutes": {minutes}}}}}"#);
+        run.experiment(&format!("{name}.json"), 1, &every);
+        let art = run.path(name);
+        let mut child = run
+            .command(
+                "ndarray",
+                &[
+                    "train",
+                    "-e",
+                    &format!("{name}.json"),
+                    "--artifact-dir",
+                    name,
+                ],
+            )
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        wait_for_step(&art, 150, &mut child);
+        child.kill().unwrap();
+        assert_killed(child.wait().unwrap(), 1);
+        let (logged, markers) = (logged_step(&art), step_markers(&art));
+        let resumed_after = match name {
+            "often" => {
+                // The step whose rows are logged may not have its checkpoint yet; the one
+                // before it has (the newest, with its predecessor if the kill came between).
+                let newest = *markers.last().expect("a mid-epoch checkpoint");
+                assert!(
+                    newest + 1 >= logged && markers.len() <= 2,
+                    "killed after step {logged}, mid-epoch checkpoints {markers:?}"
+                );
+                newest
+            }
+            _ => {
+                assert!(markers.is_empty(), "none in 1000 minutes: {markers:?}");
+                120
+            }
+        };
+        let out = run.run(&["train", "--artifact-dir", name, "--resume"]);
+        assert_success(&out);
+        assert!(
+            stdout(&out).contains(&format!("resuming after step {resumed_after}")),
+            "{name}: {}",
+            stdout(&out)
+        );
+        assert_eq!(run.weights(name), run.weights("whole"), "{name}");
+        assert_same_table(&run, name, "whole");
+    }
+}
+
 #[test]
 fn a_checkpoint_that_cannot_be_written_stops_the_run_with_one_line() {
     let run = Run::new();
