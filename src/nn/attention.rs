@@ -7,7 +7,7 @@ use super::mask::{
     local_allows, local_mask, pattern_rows, strided_allows, strided_mask, AttentionMask,
 };
 use super::mixer::Mixer;
-use super::relative::{alibi_bias, alibi_slopes, rope, RelativePosition};
+use super::relative::{alibi_bias, alibi_slopes, rope, rope_packed, RelativePosition};
 use super::sparse::{local_attention, strided_attention};
 use crate::kernels::reference::{merge_heads, split_packed};
 use crate::kernels::{self, softmax, LabAutodiff, LabBackend};
@@ -260,11 +260,17 @@ impl<B: LabBackend> MultiHeadAttention<B> {
         mask: Option<&AttentionMask<B>>,
     ) -> AttentionOutput<B> {
         let qkv = kernels::linear_parts(&[&self.query, &self.key, &self.value], x); // [b, t, 3d]
-        if self.relative != RelativePosition::None || !self.uses_attention_kernel(&qkv.device()) {
-            let (q, k, v) = split_packed(qkv, self.n_heads); // views, [b, h, t, k]
-            let (q, k) = self.rotate(q, k, 0);
-            return self.output(self.attend(q, k, v, mask));
-        }
+        let qkv = match self.relative {
+            RelativePosition::None if self.uses_attention_kernel(&qkv.device()) => qkv,
+            RelativePosition::Rope if self.uses_attention_kernel(&qkv.device()) => {
+                rope_packed(qkv, self.n_heads, 0)
+            }
+            _ => {
+                let (q, k, v) = split_packed(qkv, self.n_heads); // views, [b, h, t, k]
+                let (q, k) = self.rotate(q, k, 0);
+                return self.output(self.attend(q, k, v, mask));
+            }
+        };
         let causal = mask.is_some_and(AttentionMask::is_causal);
         let pad = mask.and_then(AttentionMask::pad);
         let dropout = kernels::attention_dropout::<B>(self.dropout.prob, &qkv.device());

@@ -39,7 +39,7 @@ pub use pool::{pool, Pooling};
 pub use position::{
     sincos_2d_table, sinusoid_table, PositionEncoding, PositionEncodingConfig, PositionKind,
 };
-pub use relative::{alibi_slopes, rope, RelativePosition};
+pub use relative::{alibi_slopes, rope, rope_packed, RelativePosition};
 pub use stack::{StackOutput, TransformerStack, TransformerStackConfig};
 
 /// `layer` on the last dimension as one flat product (see [`crate::kernels::linear`]).

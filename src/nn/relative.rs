@@ -41,6 +41,43 @@ pub fn rope<B: LabBackend>(x: Tensor<B, 4>, start: usize) -> Tensor<B, 4> {
     x * cos + rotated * sin
 }
 
+/// [`rope`] on the queries and keys of `qkv` (`[b, t, 3·h·k]`: Q, K and V side by side, as one
+/// product against `W^Q`, `W^K`, `W^V` gives them) at positions `start..start + t`; V is left as
+/// it is. The same rotation, value for value, computed on the contiguous packed tensor so that
+/// the packed attention kernel reads it in place: on the CPU backends the element-wise products
+/// on strided heads that [`rope`] sees cost several times the whole layer.
+///
+/// The swap of the halves is a product with [`half_turn`] (one ±1 per column: exact).
+pub fn rope_packed<B: LabBackend>(qkv: Tensor<B, 3>, heads: usize, start: usize) -> Tensor<B, 3> {
+    let [b, t, width] = qkv.dims();
+    let k = width / 3 / heads;
+    let device = qkv.device();
+    let (cos, sin) = rope_tables::<B>(start, t, k, &device); // [1, 1, t, k]
+                                                             // Rows (batch, position, head of Q, K or V), each k wide: Q's and K's heads turn, V's keep
+                                                             // cos 1 and sin 0.
+    let table = |angles: Tensor<B, 4>, v: f32| {
+        let turned = angles.reshape([t, 1, k]).repeat_dim(1, 2 * heads);
+        let kept = Tensor::full([t, heads, k], v, &device);
+        Tensor::cat(vec![turned, kept], 1)
+            .reshape([t * 3 * heads, k])
+            .repeat_dim(0, b)
+    };
+    let rows = qkv.reshape([b * t * 3 * heads, k]);
+    let swapped = rows.clone().matmul(half_turn::<B>(k, &device)); // [-x₂, x₁]
+    (rows * table(cos, 1.0) + swapped * table(sin, 0.0)).reshape([b, t, width])
+}
+
+/// The `k × k` matrix `R` with `x·R = [-x₂, x₁]` for a row `x = [x₁, x₂]` of two halves.
+fn half_turn<B: LabBackend>(k: usize, device: &B::Device) -> Tensor<B, 2> {
+    let half = k / 2;
+    let mut r = vec![0.0f32; k * k];
+    for c in 0..half {
+        r[(c + half) * k + c] = -1.0; // output c (first half) is -x₂[c]
+        r[c * k + c + half] = 1.0; // output c + k/2 is x₁[c]
+    }
+    Tensor::from_data(TensorData::new(r, [k, k]), device)
+}
+
 /// `cos(pos · θ)` and `sin(pos · θ)` for positions `start..start + t`, each frequency written
 /// twice (once per half), `[1, 1, t, k]`.
 fn rope_tables<B: LabBackend>(

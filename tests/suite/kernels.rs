@@ -345,6 +345,43 @@ fn fused_attention_inside_multi_head_attention_matches_on_strided_heads() {
 }
 
 #[test]
+fn rope_on_the_packed_heads_is_rope_on_each_head() {
+    // Q and K of every head rotated value for value as `rope` rotates them apart; V untouched.
+    use transformer_lab::kernels::reference::split_packed;
+    use transformer_lab::nn::{rope, rope_packed};
+    let device = Default::default();
+    let (b, t, h, k) = (2, 7, 3, 6);
+    let qkv = random::<NdArray, 3>([b, t, 3 * h * k], 61, &device);
+    for start in [0, 5] {
+        let (q, kk, v) = split_packed(qkv.clone(), h);
+        let (q2, k2, v2) = split_packed(rope_packed(qkv.clone(), h, start), h);
+        for (name, want, got) in [
+            ("queries", rope(q, start), q2),
+            ("keys", rope(kk, start), k2),
+            ("values", v, v2),
+        ] {
+            let (want, got) = (want.into_data(), got.into_data());
+            assert_eq!(want, got, "{name} at start {start}");
+        }
+    }
+}
+
+#[test]
+fn fused_rope_attention_equals_the_composed_layer() {
+    // With RoPE, training rotates Q and K inside the packed product and runs the packed kernel;
+    // composed, the heads are split and rotated apart: the same layer, outputs and gradients.
+    use transformer_lab::nn::RelativePosition;
+    let device = Default::default();
+    let mut config = MultiHeadAttentionConfig::new(24, 3);
+    config.relative = RelativePosition::Rope;
+    let mha = config.init::<Ad>(&device);
+    let x = random::<Ad, 3>([2, 13, 24], 23, &device);
+    let mask = AttentionMask::causal(13, &device);
+    let case = compare([x], |[x]| mha.forward_self(x, Some(&mask)).context);
+    assert_close("rope self-attention", case, 2e-5);
+}
+
+#[test]
 fn packed_self_attention_equals_the_composed_form() {
     // Q, K and V side by side in one [b, t, 3·d] tensor, read in place; the gradient is written
     // back into one buffer of that shape.
