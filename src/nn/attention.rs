@@ -252,8 +252,9 @@ impl<B: LabBackend> MultiHeadAttention<B> {
 
     /// Self-attention of `x` (`[b, t, d]`, `mask` broadcastable to `[b, 1, t, t]`): Q, K and V
     /// come from one product against `W^Q`, `W^K`, `W^V` side by side, and in training with fused
-    /// kernels the attention kernel reads them in place from that product and writes their
-    /// gradient back into one buffer. The same result as `forward(x, x, mask)`.
+    /// kernels the attention kernel reads them in place from that product (with RoPE, from that
+    /// product with Q and K rotated: [`rope_packed`]) and writes their gradient back into one
+    /// buffer. The same result as `forward(x, x, mask)`.
     pub fn forward_self(
         &self,
         x: Tensor<B, 3>,

@@ -232,11 +232,7 @@ fn what_is_not_a_run_is_one_clear_error() {
     assert_clean_error(&curves(&["a", "empty"]), "not an artifact directory");
     assert_clean_error(&curves(&["a", "--metric", "bleu"]), "has no bleu");
     assert_clean_error(&curves(&["a", "--split", "test"]), "--split");
-    let drawn: Vec<_> = std::fs::read_dir(sandbox.dir.path())
-        .unwrap()
-        .map(|e| e.unwrap().file_name())
-        .filter(|name| name.to_string_lossy().ends_with(".png"))
-        .collect();
+    let drawn = pngs_in(sandbox.dir.path());
     assert!(drawn.is_empty(), "nothing drawn on an error: {drawn:?}");
 }
 
@@ -267,10 +263,15 @@ fn curves_not_told_where_draw_beside_the_runs_not_over_them() {
         "lr is a training series: {}",
         String::from_utf8_lossy(&out.stdout)
     );
-    let in_working_dir: Vec<_> = std::fs::read_dir(sandbox.dir.path())
+    let in_working_dir = pngs_in(sandbox.dir.path());
+    assert!(in_working_dir.is_empty(), "{in_working_dir:?}");
+}
+
+/// The PNG files directly in `dir`.
+fn pngs_in(dir: &std::path::Path) -> Vec<std::ffi::OsString> {
+    std::fs::read_dir(dir)
         .unwrap()
         .map(|e| e.unwrap().file_name())
         .filter(|name| name.to_string_lossy().ends_with(".png"))
-        .collect();
-    assert!(in_working_dir.is_empty(), "{in_working_dir:?}");
+        .collect()
 }
