@@ -776,3 +776,160 @@ fn layer_norm_gradients_are_the_same_whatever_the_threads_and_their_scheduling()
         }
     }
 }
+
+/// Everything the fused kernels compute for one small training run and a set of direct calls:
+/// the losses and final weights of three dropout-on training steps of the small model (LayerNorm,
+/// packed causal attention with dropout, GELU, linear layers, cross-entropy, AdamW), and the
+/// outputs of kernels called on sizes with ragged tails and above the size that splits work
+/// across threads.
+fn everything_the_cpu_kernels_compute() -> Vec<Vec<f32>> {
+    let device = Default::default();
+    let mut config = small_lm();
+    config.stack.dropout = 0.1;
+    let model: LanguageModel<Ad> = crate::common::explicit_weights(config.init(&device), 7);
+    reseed(5); // the same dropout masks in every run
+    let (losses, model) = with_fused(true, || {
+        let adamw = LabAdamW {
+            beta_1: 0.9,
+            beta_2: 0.99,
+            epsilon: 1e-8,
+            weight_decay: 0.1,
+        };
+        let mut optim = ReferenceOptimizer::new(OptimizerAdaptor::from(adamw), 0.0, 1.0);
+        let mut model = model;
+        let mut losses = Vec::new();
+        for _ in 0..3 {
+            let (loss, _, _) = model.loss(batch(&device));
+            losses.push(loss.clone().into_scalar());
+            let grads = GradientsParams::from_grads(loss.backward(), &model);
+            model = optim.step(3e-3, model, grads);
+        }
+        (losses, model)
+    });
+    let mut out = vec![losses];
+    let mut weights = Weights(Vec::new());
+    model.visit(&mut weights);
+    out.extend(weights.0);
+
+    let values = |n: usize, seed: u64| -> Vec<f32> {
+        let t: Tensor<Flex, 1> = random([n], seed, &device);
+        t.into_data().to_vec().unwrap()
+    };
+    let big = values(768 * 200 + 5, 1); // above the threads' split, a ragged tail
+    let (gelu, derivative) = cpu::gelu_with_derivative(&big);
+    out.extend([cpu::gelu(&big), gelu, derivative]);
+    let d = 131; // LayerNorm rows with a tail of 3 after the 16-lane chunks
+    let rows = &big[..d * 1100]; // above the split too
+    let gamma = values(d, 2);
+    let (y, mean, rstd) = cpu::layer_norm(rows, d, &gamma, Some(&gamma), 1e-5);
+    let (dx, dg, db) =
+        cpu::layer_norm_backward(rows, d, &gamma, &mean, &rstd, &big[5..5 + rows.len()]);
+    out.extend([y, mean, rstd, dx, dg, db]);
+    let p = cpu::softmax(rows, d);
+    out.push(cpu::softmax_backward(&p, &big[7..7 + rows.len()], d));
+    out.push(p);
+    let targets: Vec<usize> = (0..1100).map(|i| i * 31 % d).collect();
+    let (loss, lse) = cpu::cross_entropy(rows, d, &targets, 0.1, Some(3));
+    out.push(cpu::cross_entropy_backward(
+        rows,
+        d,
+        &targets,
+        &lse,
+        &loss,
+        0.1,
+        Some(3),
+    ));
+    out.extend([loss, lse]);
+    // Padded, non-causal attention with dropout, 70 keys: two tiles, the second ragged.
+    let shape = cpu::AttentionShape {
+        b: 2,
+        h: 3,
+        t: 70,
+        s: 70,
+        k: 20,
+    };
+    let n = 2 * 70 * 3 * 20;
+    let (q, k, v, d_o) = (values(n, 3), values(n, 4), values(n, 5), values(n, 6));
+    let heads = |data| cpu::Heads {
+        data,
+        offset: 0,
+        strides: shape.interleaved(70),
+    };
+    let pad: Vec<f32> = (0..140)
+        .map(|j| if j % 70 > 60 { 1.0 } else { 0.0 })
+        .collect();
+    let mask = Some(DropoutMask::new(0.2, 11));
+    let (o, lse) = cpu::attention_forward(
+        shape,
+        heads(&q),
+        heads(&k),
+        heads(&v),
+        false,
+        Some(&pad),
+        mask,
+    );
+    let (dq, dk, dv) = cpu::attention_backward(
+        shape,
+        heads(&q),
+        heads(&k),
+        heads(&v),
+        heads(&o),
+        &lse,
+        heads(&d_o),
+        false,
+        Some(&pad),
+        mask,
+    );
+    out.extend([o, lse, dq, dk, dv]);
+    out
+}
+
+/// Every float parameter's values, in the module's order.
+struct Weights(Vec<Vec<f32>>);
+
+impl<B: Backend> ModuleVisitor<B> for Weights {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        self.0.push(param.val().into_data().to_vec().unwrap());
+    }
+}
+
+#[test]
+fn each_instruction_set_the_processor_offers_gives_the_same_bits() {
+    // The kernels are built for AVX-512, AVX2 and the baseline and the widest the processor has
+    // runs; the forms compute the same operations in the same order, so a run must not depend
+    // on the machine's vector width. Compared with the baseline form, bit for bit.
+    let forms: Vec<cpu::Isa> = cpu::Isa::ALL
+        .into_iter()
+        .filter(|isa| isa.available())
+        .collect();
+    let run = |isa| {
+        cpu::Isa::force(Some(isa));
+        let out = everything_the_cpu_kernels_compute();
+        cpu::Isa::force(None);
+        out
+    };
+    let baseline = run(cpu::Isa::Baseline);
+    assert!(baseline.iter().all(|v| v.iter().all(|x| x.is_finite())));
+    for isa in forms {
+        let out = run(isa);
+        assert_eq!(out.len(), baseline.len());
+        for (i, (a, b)) in out.iter().zip(&baseline).enumerate() {
+            let differ = a
+                .iter()
+                .zip(b)
+                .filter(|(x, y)| x.to_bits() != y.to_bits())
+                .count();
+            assert!(
+                a.len() == b.len() && differ == 0,
+                "{isa:?}: output {i}: {differ} of {} values differ from the baseline form's",
+                a.len()
+            );
+        }
+    }
+    if std::env::var("CI_EXPECT_AVX512").is_ok_and(|v| v == "1") {
+        assert!(
+            cpu::Isa::Avx512.available(),
+            "CI_EXPECT_AVX512=1 but this processor has no AVX-512"
+        );
+    }
+}

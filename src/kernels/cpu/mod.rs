@@ -1,5 +1,6 @@
 //! CPU kernels over `f32` slices: both cores through rayon, loops shaped so the compiler
-//! vectorises them (AVX2 + FMA chosen at run time when the CPU has them).
+//! vectorises them, each built for AVX-512, AVX2 + FMA and the baseline, the widest the
+//! processor has chosen at run time ([`isa`]).
 //!
 //! Reductions are written with [`LANES`] independent accumulators (a float sum is not
 //! reassociated by the compiler, so a plain `iter().sum()` stays scalar). The attention kernels
@@ -10,7 +11,7 @@
 //! The kernels come in families, one file each: [`pointwise`] (GELU, AdamW), [`rows`]
 //! (LayerNorm, softmax, cross-entropy), [`linear`] (the tiled products of linear layers) and
 //! [`attention`] (flash-style forward and backward). This file holds what they share: the
-//! AVX2 dispatch, the vectorising reductions and the uninitialised-buffer helpers.
+//! run-time dispatch, the vectorising reductions and the uninitialised-buffer helpers.
 
 mod attention;
 mod linear;
@@ -27,6 +28,76 @@ pub use rows::{
     softmax_backward,
 };
 
+/// The instruction sets a kernel can be compiled for, widest first; each kernel is built for
+/// all three and [`isa`] picks one at run time.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Isa {
+    /// AVX-512 (F + VL) with FMA: sixteen lanes.
+    Avx512,
+    /// AVX2 with FMA: eight lanes.
+    Avx2,
+    /// The build target's baseline (SSE2 on x86-64).
+    Baseline,
+}
+
+/// The forced choice (`0`: none; otherwise `Isa as u8 + 1`).
+static FORCED: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
+
+impl Isa {
+    /// Every choice, widest first.
+    pub const ALL: [Isa; 3] = [Isa::Avx512, Isa::Avx2, Isa::Baseline];
+
+    /// Whether this processor runs code built for `self`.
+    pub fn available(self) -> bool {
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => {
+                std::arch::is_x86_feature_detected!("avx512f")
+                    && std::arch::is_x86_feature_detected!("avx512vl")
+                    && std::arch::is_x86_feature_detected!("avx2")
+                    && std::arch::is_x86_feature_detected!("fma")
+            }
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => {
+                std::arch::is_x86_feature_detected!("avx2")
+                    && std::arch::is_x86_feature_detected!("fma")
+            }
+            #[cfg(not(target_arch = "x86_64"))]
+            Isa::Avx512 | Isa::Avx2 => false,
+            Isa::Baseline => true,
+        }
+    }
+
+    /// Makes every kernel run the form built for `isa` (`None`: the widest this processor
+    /// has, the default), for tests and measurements of each form. The forms compute the same
+    /// operations in the same order, so results are bit-identical whichever runs.
+    ///
+    /// # Panics
+    /// When the processor cannot run `isa`.
+    pub fn force(isa: Option<Isa>) {
+        if let Some(isa) = isa {
+            assert!(isa.available(), "this processor cannot run {isa:?} code");
+        }
+        let code = isa.map_or(0, |isa| isa as u8 + 1);
+        FORCED.store(code, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+/// The form the kernels run: the forced one, else the widest this processor has.
+#[inline]
+pub fn isa() -> Isa {
+    static DETECTED: std::sync::OnceLock<Isa> = std::sync::OnceLock::new();
+    match FORCED.load(std::sync::atomic::Ordering::Relaxed) {
+        0 => *DETECTED.get_or_init(|| {
+            Isa::ALL
+                .into_iter()
+                .find(|isa| isa.available())
+                .unwrap_or(Isa::Baseline)
+        }),
+        code => Isa::ALL[usize::from(code - 1)],
+    }
+}
+
 /// Accumulator lanes of the vectorised reductions.
 pub(super) const LANES: usize = 16;
 /// Elements per parallel task of the element-wise kernels.
@@ -36,8 +107,8 @@ pub(super) const CHUNK: usize = 1 << 14;
 /// than a pass over a `768 × 128` activation (LayerNorm's) saves by splitting.
 pub(super) const SPLIT: usize = 1 << 17;
 
-/// Defines `pub fn $name` that runs the body compiled for AVX2 + FMA when the CPU has them,
-/// and for the baseline target otherwise.
+/// Defines `pub fn $name` that runs the body compiled for the instruction set [`isa`] picks:
+/// AVX-512, AVX2 + FMA, or the baseline target.
 macro_rules! multiversion {
     ($(#[$meta:meta])* $vis:vis fn $name:ident($($arg:ident: $ty:ty),* $(,)?) $(-> $ret:ty)? $body:block) => {
         $(#[$meta])*
@@ -48,14 +119,17 @@ macro_rules! multiversion {
             fn body($($arg: $ty),*) $(-> $ret)? $body
             #[cfg(target_arch = "x86_64")]
             {
+                #[target_feature(enable = "avx512f,avx512vl,avx2,fma")]
+                #[allow(clippy::too_many_arguments)]
+                unsafe fn avx512($($arg: $ty),*) $(-> $ret)? { body($($arg),*) }
                 #[target_feature(enable = "avx2,fma")]
                 #[allow(clippy::too_many_arguments)]
                 unsafe fn avx2($($arg: $ty),*) $(-> $ret)? { body($($arg),*) }
-                if std::arch::is_x86_feature_detected!("avx2")
-                    && std::arch::is_x86_feature_detected!("fma")
-                {
-                    // SAFETY: the CPU has the features `avx2` was compiled for.
-                    return unsafe { avx2($($arg),*) };
+                match $crate::kernels::cpu::isa() {
+                    // SAFETY: `isa` picks a form only where the processor has its features.
+                    $crate::kernels::cpu::Isa::Avx512 => return unsafe { avx512($($arg),*) },
+                    $crate::kernels::cpu::Isa::Avx2 => return unsafe { avx2($($arg),*) },
+                    $crate::kernels::cpu::Isa::Baseline => {}
                 }
             }
             body($($arg),*)

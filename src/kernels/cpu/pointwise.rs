@@ -1,8 +1,9 @@
 //! Element-wise kernels: exact GELU (with its derivative for training) and the AdamW update.
 
-use super::{erf, exp, multiversion, CHUNK, SPLIT};
+use super::{erf, exp, multiversion, uninit, written, CHUNK, SPLIT};
 use crate::kernels::{AdamWStep, DropoutMask};
 use rayon::prelude::*;
+use std::mem::MaybeUninit;
 
 const FRAC_1_SQRT_2: f32 = std::f32::consts::FRAC_1_SQRT_2;
 /// `1/√(2π)`.
@@ -17,28 +18,38 @@ multiversion! {
 }
 
 multiversion! {
-    fn gelu_with_derivative_chunk(x: &[f32], y: &mut [f32], derivative: &mut [f32]) {
+    fn gelu_with_derivative_chunk(
+        x: &[f32],
+        y: &mut [MaybeUninit<f32>],
+        derivative: &mut [MaybeUninit<f32>],
+    ) {
         for ((y, d), &x) in y.iter_mut().zip(derivative.iter_mut()).zip(x) {
             let cdf = 0.5 * (1.0 + erf(x * FRAC_1_SQRT_2));
             let pdf = FRAC_1_SQRT_2PI * exp(-0.5 * x * x);
-            *y = x * cdf;
-            *d = cdf + x * pdf;
+            y.write(x * cdf);
+            d.write(cdf + x * pdf);
         }
     }
 }
 
 /// `(GELU(x), GELU'(x))` of every element, for training's forward pass.
 pub fn gelu_with_derivative(x: &[f32]) -> (Vec<f32>, Vec<f32>) {
-    let (mut y, mut derivative) = (vec![0.0; x.len()], vec![0.0; x.len()]);
-    if x.len() < SPLIT {
-        gelu_with_derivative_chunk(x, &mut y, &mut derivative);
-        return (y, derivative);
+    let n = x.len();
+    let (mut y, mut derivative) = (uninit(n), uninit(n));
+    let (ys, ds) = (
+        &mut y.spare_capacity_mut()[..n],
+        &mut derivative.spare_capacity_mut()[..n],
+    );
+    if n < SPLIT {
+        gelu_with_derivative_chunk(x, ys, ds);
+    } else {
+        ys.par_chunks_mut(CHUNK)
+            .zip(ds.par_chunks_mut(CHUNK))
+            .zip(x.par_chunks(CHUNK))
+            .for_each(|((y, d), x)| gelu_with_derivative_chunk(x, y, d));
     }
-    y.par_chunks_mut(CHUNK)
-        .zip(derivative.par_chunks_mut(CHUNK))
-        .zip(x.par_chunks(CHUNK))
-        .for_each(|((y, d), x)| gelu_with_derivative_chunk(x, y, d));
-    (y, derivative)
+    // SAFETY: the chunks cover all `n` elements of both, and each kernel writes its chunk.
+    unsafe { (written(y, n), written(derivative, n)) }
 }
 
 /// Exact GELU of every element.

@@ -86,10 +86,20 @@ multiversion! {
             let (mut mean_g, mut mean_gx) = (0.0f32, 0.0f32);
             let mut acc_g = [0.0f32; LANES];
             let mut acc_gx = [0.0f32; LANES];
-            for (i, ((&xh, &dy), &g)) in dx.iter().zip(dy).zip(gamma).enumerate() {
+            // Element i goes to lane i mod LANES: whole chunks, then the tail.
+            let (xh_c, dy_c, g_c) = (dx.chunks_exact(LANES), dy.chunks_exact(LANES), gamma.chunks_exact(LANES));
+            let tail = (xh_c.remainder(), dy_c.remainder(), g_c.remainder());
+            for ((xh, dy), g) in xh_c.zip(dy_c).zip(g_c) {
+                for l in 0..LANES {
+                    let gi = dy[l] * g[l];
+                    acc_g[l] += gi;
+                    acc_gx[l] += gi * xh[l];
+                }
+            }
+            for (l, ((&xh, &dy), &g)) in tail.0.iter().zip(tail.1).zip(tail.2).enumerate() {
                 let gi = dy * g;
-                acc_g[i % LANES] += gi;
-                acc_gx[i % LANES] += gi * xh;
+                acc_g[l] += gi;
+                acc_gx[l] += gi * xh;
             }
             for l in 0..LANES {
                 mean_g += acc_g[l];
