@@ -3,7 +3,7 @@
 //! warning line and runs composed for the rest of the process; the result is cached per
 //! backend, device, driver and binary in the user's cache directory, so the check runs once.
 
-use crate::backend::{describe_device, BackendKind};
+use crate::backend::BackendKind;
 use crate::cli::KernelCheck;
 use crate::files::write_atomic;
 use crate::kernels::check::{check_all, OpCheck};
@@ -55,7 +55,7 @@ pub fn prepare<B: LabBackend>(
             eprintln!(
                 "checking the fused kernels on {} against their composed forms (once per \
                  device, driver and binary; --kernel-check never skips it)",
-                describe_device(kind)
+                describe(kind)
             );
             let results = to_cache(&check_all::<Autodiff<B>>(device, head_dim(kind)));
             cache.checks.insert(identity, results.clone());
@@ -85,7 +85,7 @@ pub fn prepare<B: LabBackend>(
 /// one table row per operation, and caches the result. Fails where an operation disagrees.
 pub fn run_doctor<B: LabBackend>(kind: BackendKind, device: &B::Device) -> Result<()> {
     anyhow::ensure!(fused(), "doctor checks the fused kernels: drop --no-fused");
-    let name = describe_device(kind);
+    let name = describe(kind);
     let started = Instant::now();
     let checks = check_all::<Autodiff<B>>(device, head_dim(kind));
     let seconds = started.elapsed().as_secs_f64();
@@ -195,7 +195,7 @@ fn identity(kind: BackendKind) -> String {
         .unwrap_or_default();
     format!(
         "{kind:?} | {} | transformer-lab {} ({binary})",
-        describe_device(kind),
+        describe(kind),
         env!("CARGO_PKG_VERSION"),
     )
 }
@@ -235,5 +235,15 @@ fn write_cache(cache: &Cache) {
         eprintln!(
             "note: the kernel check's cache was not written ({err:#}); it runs again next time"
         );
+    }
+}
+
+/// The device as `doctor` and the check cache name it: the backend's description and, on flex,
+/// the form of the CPU kernels this processor runs (part of what a check covers).
+fn describe(kind: BackendKind) -> String {
+    let device = crate::backend::describe_device(kind);
+    match kind {
+        BackendKind::Flex => format!("{device}, {} kernels", crate::kernels::cpu::isa().label()),
+        _ => device,
     }
 }

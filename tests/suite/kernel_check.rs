@@ -203,6 +203,9 @@ fn doctor_prints_every_operation_and_fails_on_a_broken_one() {
         assert!(error.parse::<f32>().unwrap() < 1e-5, "{stdout}");
     }
     assert!(stdout.contains("9 of 9 operations agree"), "{stdout}");
+    // The form of the CPU kernels this processor runs is named (and part of the cache's key).
+    let form = transformer_lab::kernels::cpu::isa().label();
+    assert!(stdout.contains(&format!("{form} kernels")), "{stdout}");
 
     let out = dir
         .command(&["doctor"])

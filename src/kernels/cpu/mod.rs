@@ -47,6 +47,15 @@ impl Isa {
     /// Every choice, widest first.
     pub const ALL: [Isa; 3] = [Isa::Avx512, Isa::Avx2, Isa::Baseline];
 
+    /// Its name as users know it: `AVX-512`, `AVX2` or `baseline`.
+    pub fn label(self) -> &'static str {
+        match self {
+            Isa::Avx512 => "AVX-512",
+            Isa::Avx2 => "AVX2",
+            Isa::Baseline => "baseline",
+        }
+    }
+
     /// Whether this processor runs code built for `self`.
     pub fn available(self) -> bool {
         match self {
