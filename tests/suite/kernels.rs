@@ -543,17 +543,11 @@ fn fused_adamw_steps_like_burns_adamw_and_shares_its_checkpoints() {
     };
     // Every parameter, flattened (LayerNorm gains and biases included: they are not decayed).
     let embedding = |m: &LanguageModel<Ad>| {
-        struct All(Vec<f32>);
-        impl ModuleVisitor<Ad> for All {
-            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<Ad, D>>) {
-                let values = param.val().inner().into_data().to_vec::<f32>().unwrap();
-                self.0.extend(values);
-            }
-        }
-        let mut all = All(Vec::new());
-        m.visit(&mut all);
-        let n = all.0.len();
-        Tensor::<Flex, 1>::from_data(TensorData::new(all.0, [n]), &Default::default())
+        let mut weights = Weights(Vec::new());
+        m.visit(&mut weights);
+        let all = weights.0.concat();
+        let n = all.len();
+        Tensor::<Flex, 1>::from_data(TensorData::new(all, [n]), &Default::default())
     };
     let (reference, reference_model, burn_optim) = steps_with(model.clone(), burns(), 4);
     for on in [true, false] {
@@ -788,24 +782,14 @@ fn everything_the_cpu_kernels_compute() -> Vec<Vec<f32>> {
     config.stack.dropout = 0.1;
     let model: LanguageModel<Ad> = crate::common::explicit_weights(config.init(&device), 7);
     reseed(5); // the same dropout masks in every run
-    let (losses, model) = with_fused(true, || {
-        let adamw = LabAdamW {
-            beta_1: 0.9,
-            beta_2: 0.99,
-            epsilon: 1e-8,
-            weight_decay: 0.1,
-        };
-        let mut optim = ReferenceOptimizer::new(OptimizerAdaptor::from(adamw), 0.0, 1.0);
-        let mut model = model;
-        let mut losses = Vec::new();
-        for _ in 0..3 {
-            let (loss, _, _) = model.loss(batch(&device));
-            losses.push(loss.clone().into_scalar());
-            let grads = GradientsParams::from_grads(loss.backward(), &model);
-            model = optim.step(3e-3, model, grads);
-        }
-        (losses, model)
-    });
+    let adamw = LabAdamW {
+        beta_1: 0.9,
+        beta_2: 0.99,
+        epsilon: 1e-8,
+        weight_decay: 0.1,
+    };
+    let optim = ReferenceOptimizer::new(OptimizerAdaptor::from(adamw), 0.0, 1.0);
+    let (losses, model, _) = with_fused(true, || steps_with(model, optim, 3));
     let mut out = vec![losses];
     let mut weights = Weights(Vec::new());
     model.visit(&mut weights);
