@@ -128,8 +128,10 @@ pub fn check_prompt(len: usize, context: usize, position: PositionKind) -> Resul
 pub enum Decoding {
     /// Each layer keeps what it needs of the tokens it has seen (keys and values, or linear
     /// attention's running sums), so a new token costs one row of attention. Past the context:
-    /// with relative positions (RoPE, ALiBi) and full or local attention the cache rolls — the
-    /// model sees exactly the last `context` tokens, as when recomputing; with absolute
+    /// with relative positions (RoPE, ALiBi) and full or local attention the cache rolls —
+    /// every layer attends over its last `context` positions (sliding-window attention: the
+    /// recomputing path's window in the first layer; deeper layers also see further back
+    /// through the layers below, see [`KvCache::rolling`]); with absolute
     /// positions (learned, sinusoidal) it is refilled from the last `context/2` tokens
     /// whenever it is full, so the model sees between `context/2` and `context` tokens at
     /// their positions from the refill. (Hyena has no incremental form and recomputes.)

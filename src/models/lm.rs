@@ -5,7 +5,7 @@ pub use crate::data::LmBatch;
 use crate::kernels::{self, LabBackend};
 use crate::nn::{
     AttentionLayers, AttentionMask, KvCache, Mixer, MultiHeadAttention, PositionEncoding,
-    PositionEncodingConfig, PositionKind, StackConfig, StackOutput, TransformerStack,
+    PositionEncodingConfig, PositionKind, RowsCache, StackConfig, StackOutput, TransformerStack,
 };
 use anyhow::{bail, Result};
 use burn::module::Module;
@@ -181,10 +181,44 @@ impl<B: LabBackend> LanguageModel<B> {
             .reshape([b, n, self.vocab_size()])
     }
 
+    /// Logits of one new token of each sequence of a batch whose sequences are at different
+    /// positions (continuous batching; see [`RowsCache`]): row `r`'s are those of decoding its
+    /// sequence alone with [`Self::forward_cached`]. Needs [`Self::batches`]; with learned
+    /// positions every row's position must be below the context.
+    ///
+    /// # Shapes
+    /// `tokens`: `[b]` → logits `[b, v]`.
+    pub fn forward_rows(
+        &self,
+        tokens: Tensor<B, 1, Int>,
+        cache: &mut RowsCache<B>,
+    ) -> Tensor<B, 2> {
+        let [b] = tokens.dims();
+        let x = self.token_embedding.forward(tokens.reshape([b, 1])); // [b, 1, d]
+        let x = self.position.forward_at(x, &cache.rows.next);
+        let x = crate::kernels::dropout(&self.dropout, x);
+        let x = self.decoder.forward_rows(x, cache); // [b, 1, d]
+        self.project(x.reshape([b, self.d_model()]))
+    }
+
+    /// An empty batch for [`Self::forward_rows`], rolling as [`Self::new_cache`].
+    pub fn new_rows_cache(&self) -> RowsCache<B> {
+        RowsCache::new(
+            self.decoder.n_layers(),
+            self.rolls().then(|| self.context()),
+        )
+    }
+
+    /// Whether the model decodes sequences at different positions in one batch
+    /// ([`Self::forward_rows`]): every mixer keeps keys and values.
+    pub fn batches(&self) -> bool {
+        self.decoder.batches()
+    }
+
     /// An empty key–value cache for [`Self::forward_cached`].
     ///
     /// With relative positions (RoPE, ALiBi) and full or local attention the cache rolls: each
-    /// token sees the last `context` tokens, exactly the sliding window of the uncached model.
+    /// layer attends over its last `context` positions (see [`KvCache::rolling`]).
     pub fn new_cache(&self) -> KvCache<B> {
         let cache = self.decoder.new_cache(None);
         if self.rolls() {

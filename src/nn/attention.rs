@@ -1,13 +1,13 @@
 //! Scaled dot-product attention and multi-head attention ("Attention Is All You Need", §3.2).
 
-use super::cache::{CrossMemory, LayerCache};
+use super::cache::{CrossMemory, LayerCache, Rows};
 use super::linear;
 use super::linear_attention::{linear_attention, linear_attention_weights};
 use super::mask::{
     local_allows, local_mask, pattern_rows, strided_allows, strided_mask, AttentionMask,
 };
 use super::mixer::Mixer;
-use super::relative::{alibi_bias, alibi_slopes, rope, rope_packed, RelativePosition};
+use super::relative::{alibi_bias, alibi_slopes, rope, rope_packed, rope_rows, RelativePosition};
 use super::sparse::{local_attention, strided_attention};
 use crate::kernels::reference::{merge_heads, split_packed};
 use crate::kernels::{self, softmax, LabAutodiff, LabBackend};
@@ -332,6 +332,51 @@ impl<B: LabBackend> MultiHeadAttention<B> {
         self.project_out(merge_heads(context)) // [b, n, d]
     }
 
+    /// One new token of each sequence of a batch whose sequences are at different positions
+    /// (see [`RowsCache`]): appends this layer's key and value columns to `kv` and attends
+    /// each row over its own columns, at its own position. The same context as
+    /// [`Self::forward_cached`] on that row alone. Needs a mixer that keeps keys and values
+    /// (full, local, strided).
+    ///
+    /// # Shapes
+    /// `x`: `[b, 1, d]` → `[b, 1, d]`.
+    pub fn forward_rows(
+        &self,
+        x: Tensor<B, 3>,
+        kv: &mut Option<(Tensor<B, 4>, Tensor<B, 4>)>,
+        rows: &Rows,
+    ) -> Tensor<B, 3> {
+        let (q, k, v) = self.project(x.clone(), x); // [b, h, 1, k]
+        let (q, k) = match self.relative {
+            RelativePosition::Rope => (rope_rows(q, &rows.next), rope_rows(k, &rows.next)),
+            _ => (q, k),
+        };
+        let (k, v) = match kv.take() {
+            Some((past_k, past_v)) => (
+                Tensor::cat(vec![past_k, k], 2),
+                Tensor::cat(vec![past_v, v], 2),
+            ),
+            None => (k, v),
+        };
+        *kv = Some((k.clone(), v.clone()));
+        let ([b, _, s, _], device) = (k.dims(), k.device());
+        let allows = |i: usize, j: usize| match &self.mixer {
+            Mixer::Local { window } => local_allows(i, j, *window, true),
+            Mixer::Strided { stride } => strided_allows(i, j, *stride, true),
+            Mixer::Full => j <= i,
+            other => panic!("the {} mixer keeps no keys and values", other.name()),
+        };
+        let masked: Vec<bool> = (0..b)
+            .flat_map(|r| (0..s).map(move |j| (r, j)))
+            .map(|(r, j)| !rows.sees(r, j, s, allows))
+            .collect();
+        let mask = Tensor::<B, 4, Bool>::from_data(TensorData::new(masked, [b, 1, 1, s]), &device);
+        // The distance from the query (last column) to column j is s − 1 − j in every row.
+        let bias = self.bias(s - 1..s, 0..s, &device);
+        let context = biased_attention_weights(q, k, Some(mask), bias).matmul(v); // [b, h, 1, k]
+        self.project_out(merge_heads(context))
+    }
+
     /// The keys and values of `memory` (`[b, s, d]`, with its key-padding mask) as this
     /// cross-attention layer reads them: computed once, read by [`Self::forward_memory`] at
     /// every decoding step.
@@ -351,6 +396,15 @@ impl<B: LabBackend> MultiHeadAttention<B> {
         let q = self.split_heads(linear(&self.query, query)); // [b, h, n, k]
         let weights = masked_attention_weights(q, memory.k.clone(), memory.mask.clone());
         self.project_out(merge_heads(weights.matmul(memory.v.clone()))) // [b, n, d]
+    }
+
+    /// Whether this layer keeps keys and values to decode from, as [`Self::forward_rows`]
+    /// needs (full, local, strided; not linear attention's running sums).
+    pub fn keeps_keys(&self) -> bool {
+        matches!(
+            self.mixer,
+            Mixer::Full | Mixer::Local { .. } | Mixer::Strided { .. }
+        )
     }
 
     /// Whether this layer can decode from a [`LayerCache`]: every attention mixer can.

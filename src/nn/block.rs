@@ -5,7 +5,7 @@
 //! Pre-norm (GPT-2 and most modern models): `x = x + Sublayer(LN(x))`.
 
 use super::attention::{MultiHeadAttention, MultiHeadAttentionConfig};
-use super::cache::{CrossMemory, LayerCache};
+use super::cache::{CrossMemory, LayerCache, Rows};
 use super::feedforward::{Activation, FeedForward, FeedForwardConfig};
 use super::hyena::Hyena;
 use super::mask::AttentionMask;
@@ -208,6 +208,33 @@ impl<B: LabBackend> TransformerBlock<B> {
             _ => panic!("cross memory must be given exactly to blocks built with cross_attention"),
         };
         self.residual(x, &self.norm_ff, |h| self.feedforward.forward(h))
+    }
+
+    /// [`Self::forward`] of one new token of each sequence of a batch at different positions
+    /// (see [`MultiHeadAttention::forward_rows`]). A decoder-only block.
+    ///
+    /// # Shapes
+    /// `x`: `[b, 1, d]` → `[b, 1, d]`.
+    pub fn forward_rows(
+        &self,
+        x: Tensor<B, 3>,
+        kv: &mut Option<(Tensor<B, 4>, Tensor<B, 4>)>,
+        rows: &Rows,
+    ) -> Tensor<B, 3> {
+        let x = self.residual(x, &self.norm_self, |h| {
+            self.attention().forward_rows(h, kv, rows)
+        });
+        self.residual(x, &self.norm_ff, |h| self.feedforward.forward(h))
+    }
+
+    /// Whether the block decodes in a batch of sequences at different positions: no
+    /// cross-attention, and self-attention that keeps keys and values.
+    pub fn batches(&self) -> bool {
+        self.cross_attention.is_none()
+            && self
+                .self_attention
+                .as_ref()
+                .is_some_and(MultiHeadAttention::keeps_keys)
     }
 
     /// The encoder memory's keys and values as this block's cross-attention reads them

@@ -160,8 +160,10 @@ impl<B: LabBackend> KvCache<B> {
     }
 
     /// The cache made rolling: each query sees the last `window` positions, itself included,
-    /// and older keys are dropped — with relative positions (RoPE, ALiBi), exactly what the
-    /// model computes on a sliding window of `window` tokens, at one row's cost per token.
+    /// and older keys are dropped: sliding-window attention in every layer, at one row's cost
+    /// per token. With relative positions (RoPE, ALiBi) the first layer sees exactly what it
+    /// sees on a window of the last `window` tokens; deeper layers read keys computed when
+    /// their tokens were new, so they also see, through the layers below, further back.
     pub fn rolling(mut self, window: usize) -> Self {
         for layer in &mut self.layers {
             layer.window = Some(window);
@@ -198,4 +200,170 @@ impl<B: LabBackend> KvCache<B> {
             memory.mask = memory.mask.take().map(|m| m.select(0, rows.clone()));
         }
     }
+}
+
+/// Where each sequence of a [`RowsCache`] stands: what one decoding step of the batch needs to
+/// know to give every row exactly what it would see alone.
+#[derive(Clone, Debug, Default)]
+pub struct Rows {
+    /// Per row: the position of its next token.
+    pub next: Vec<usize>,
+    /// Per row: the first of the cache's columns that holds one of its tokens (the columns
+    /// before are padding, never attended to).
+    pub from: Vec<usize>,
+    /// A rolling cache's span (see [`KvCache::rolling`]): each query sees at most this many
+    /// positions, itself included.
+    pub window: Option<usize>,
+}
+
+impl Rows {
+    /// Whether row `r`'s query at column `s − 1` of `s` may see column `j`, by `allows` on
+    /// the absolute positions of the query and the key. Row `r`'s columns are right-aligned:
+    /// its token at column `j` has position `next[r] − (s − 1 − j)`.
+    pub fn sees(
+        &self,
+        r: usize,
+        j: usize,
+        s: usize,
+        allows: impl Fn(usize, usize) -> bool,
+    ) -> bool {
+        let i = self.next[r];
+        j >= self.from[r] && {
+            let key = i - (s - 1 - j);
+            allows(i, key) && self.window.is_none_or(|w| i - key < w)
+        }
+    }
+}
+
+/// The decoding state of a batch whose sequences are at different positions: continuous
+/// batching, where a sequence joins the batch between two steps and leaves when it is done.
+///
+/// Every layer keeps one `[b, h, s, k]` tensor of keys and of values whose columns are shared:
+/// each row's sequence is right-aligned (its newest token in the last column), and the columns
+/// before its first are padding that [`Rows::sees`] masks out. Positions are each row's own,
+/// so a row's logits are those of decoding it alone (tested).
+#[derive(Clone, Debug)]
+pub struct RowsCache<B: LabBackend> {
+    /// One per layer: keys and values `[b, h, s, k]`.
+    pub layers: Vec<Option<(Tensor<B, 4>, Tensor<B, 4>)>>,
+    /// Where each row stands.
+    pub rows: Rows,
+}
+
+impl<B: LabBackend> RowsCache<B> {
+    /// An empty batch for `n_layers` layers; `window` as [`KvCache::rolling`]'s.
+    pub fn new(n_layers: usize, window: Option<usize>) -> Self {
+        Self {
+            layers: vec![None; n_layers],
+            rows: Rows {
+                window,
+                ..Rows::default()
+            },
+        }
+    }
+
+    /// Sequences in the batch.
+    pub fn len(&self) -> usize {
+        self.rows.next.len()
+    }
+
+    /// Whether the batch is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Columns of the shared key and value tensors.
+    pub fn columns(&self) -> usize {
+        self.layers
+            .first()
+            .and_then(|l| l.as_ref())
+            .map_or(0, |(k, _)| k.dims()[2])
+    }
+
+    /// Adds one sequence, as the last row, from the cache of decoding it alone (one row, every
+    /// layer keeping keys and values: the attention mixers').
+    ///
+    /// # Panics
+    /// If `single` has more than one row or a layer without keys and values.
+    pub fn join(&mut self, single: &KvCache<B>) {
+        let kept = single.layers.first().map_or(0, LayerCache::kept);
+        let s = self.columns();
+        let width = s.max(kept);
+        // Pad the batch or the newcomer on the left to a common width.
+        for (slot, layer) in self.layers.iter_mut().zip(&single.layers) {
+            let (k, v) = layer.kv.clone().expect("every layer keeps keys and values");
+            assert_eq!(k.dims()[0], 1, "one sequence joins at a time");
+            let (k, v) = (pad_left(k, width), pad_left(v, width));
+            *slot = Some(match slot.take() {
+                Some((bk, bv)) => (
+                    Tensor::cat(vec![pad_left(bk, width), k], 0),
+                    Tensor::cat(vec![pad_left(bv, width), v], 0),
+                ),
+                None => (k, v),
+            });
+        }
+        for from in &mut self.rows.from {
+            *from += width - s;
+        }
+        self.rows.from.push(width - kept);
+        self.rows.next.push(single.len());
+    }
+
+    /// Keeps only the rows `rows`, in that order, and drops the columns none of them can see
+    /// again.
+    pub fn keep(&mut self, rows: &[usize], device: &B::Device) {
+        if rows.is_empty() {
+            *self = Self::new(self.layers.len(), self.rows.window);
+            return;
+        }
+        if rows.iter().copied().ne(0..self.len()) {
+            let ids: Vec<i64> = rows.iter().map(|&r| r as i64).collect();
+            let index = Tensor::<B, 1, Int>::from_data(TensorData::new(ids, [rows.len()]), device);
+            self.rows.next = rows.iter().map(|&r| self.rows.next[r]).collect();
+            self.rows.from = rows.iter().map(|&r| self.rows.from[r]).collect();
+            for (k, v) in self.layers.iter_mut().flatten() {
+                *k = k.clone().select(0, index.clone());
+                *v = v.clone().select(0, index.clone());
+            }
+        }
+        self.trim();
+    }
+
+    /// Drops the columns no row's next query can see: the padding every row has, and with a
+    /// rolling window the columns that fell out of it.
+    pub fn trim(&mut self) {
+        let s = self.columns();
+        // The next query sits at column s: it sees columns ≥ s + 1 − window at most.
+        let seen_from = |from: usize| match self.rows.window {
+            Some(w) => from.max((s + 1).saturating_sub(w)),
+            None => from,
+        };
+        let drop = self
+            .rows
+            .from
+            .iter()
+            .map(|&f| seen_from(f))
+            .min()
+            .unwrap_or(0);
+        if drop == 0 {
+            return;
+        }
+        for (k, v) in self.layers.iter_mut().flatten() {
+            *k = k.clone().narrow(2, drop, s - drop);
+            *v = v.clone().narrow(2, drop, s - drop);
+        }
+        for from in &mut self.rows.from {
+            *from = from.saturating_sub(drop);
+        }
+    }
+}
+
+/// `x` `[b, h, s, k]` with zero columns before it to width `width` (≥ s).
+fn pad_left<B: LabBackend>(x: Tensor<B, 4>, width: usize) -> Tensor<B, 4> {
+    let [b, h, s, k] = x.dims();
+    if width == s {
+        return x;
+    }
+    let zeros = Tensor::zeros([b, h, width - s, k], &x.device());
+    Tensor::cat(vec![zeros, x], 2)
 }

@@ -28,7 +28,7 @@ pub use attention::{
     AttentionOutput, MultiHeadAttention, MultiHeadAttentionConfig,
 };
 pub use block::{BlockOutput, TransformerBlock, TransformerBlockConfig};
-pub use cache::{CrossMemory, KvCache, LayerCache};
+pub use cache::{CrossMemory, KvCache, LayerCache, Rows, RowsCache};
 pub use config::StackConfig;
 pub use feedforward::{Activation, FeedForward, FeedForwardConfig};
 pub use heads::{pruned_heads, remove_heads, AttentionLayers};
@@ -39,7 +39,7 @@ pub use pool::{pool, Pooling};
 pub use position::{
     sincos_2d_table, sinusoid_table, PositionEncoding, PositionEncodingConfig, PositionKind,
 };
-pub use relative::{alibi_slopes, rope, rope_packed, RelativePosition};
+pub use relative::{alibi_slopes, rope, rope_packed, rope_rows, RelativePosition};
 pub use stack::{StackOutput, TransformerStack, TransformerStackConfig};
 
 /// `layer` on the last dimension as one flat product (see [`crate::kernels::linear`]).

@@ -144,6 +144,22 @@ impl<B: Backend> PositionEncoding<B> {
         }
     }
 
+    /// `x + PE[positions[r]]` for each row `r` of one token each: sequences at different
+    /// positions (continuous batching).
+    ///
+    /// # Shapes
+    /// `x`: `[b, 1, d]` → `[b, 1, d]`.
+    pub fn forward_at(&self, x: Tensor<B, 3>, positions: &[usize]) -> Tensor<B, 3> {
+        let last = positions.iter().max().map_or(0, |p| p + 1);
+        let Some(table) = self.encodings(last) else {
+            return x;
+        };
+        let ids: Vec<i64> = positions.iter().map(|&p| p as i64).collect();
+        let ids =
+            Tensor::<B, 1, Int>::from_data(TensorData::new(ids, [positions.len()]), &x.device());
+        x + table.select(0, ids).unsqueeze_dim::<3>(1) // [b, 1, d]
+    }
+
     /// `x + PE[0..t]`.
     ///
     /// # Shapes

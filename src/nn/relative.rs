@@ -33,8 +33,14 @@ pub const ROPE_BASE: f64 = 10000.0;
 /// their difference.
 pub fn rope<B: LabBackend>(x: Tensor<B, 4>, start: usize) -> Tensor<B, 4> {
     let [_, _, t, k] = x.dims();
-    let half = k / 2;
     let (cos, sin) = rope_tables::<B>(start, t, k, &x.device()); // [1, 1, t, k]
+    turn(x, cos, sin)
+}
+
+/// `x·cos + [-x₂, x₁]·sin` for `x = [x₁, x₂]` (two halves of the last axis), the tables
+/// broadcast over `x`.
+fn turn<B: LabBackend>(x: Tensor<B, 4>, cos: Tensor<B, 4>, sin: Tensor<B, 4>) -> Tensor<B, 4> {
+    let half = x.dims()[3] / 2;
     let first = x.clone().narrow(3, 0, half);
     let second = x.clone().narrow(3, half, half);
     let rotated = Tensor::cat(vec![second.neg(), first], 3); // [-x₂, x₁]
@@ -86,10 +92,34 @@ fn rope_tables<B: LabBackend>(
     k: usize,
     device: &B::Device,
 ) -> (Tensor<B, 4>, Tensor<B, 4>) {
-    let half = k / 2;
+    let positions: Vec<usize> = (start..start + t).collect();
+    let (cos, sin) = rope_tables_at::<B>(&positions, k, device);
+    (cos.unsqueeze::<4>(), sin.unsqueeze::<4>())
+}
+
+/// [`rope`] of a batch of single positions, each row at its own: `x` `[b, h, 1, k]`, row `r` at
+/// position `positions[r]` (continuous batching, where every sequence is at its own length).
+pub fn rope_rows<B: LabBackend>(x: Tensor<B, 4>, positions: &[usize]) -> Tensor<B, 4> {
+    let [b, _, t, k] = x.dims();
+    assert!(
+        t == 1 && positions.len() == b,
+        "one position per row of one token"
+    );
+    let (cos, sin) = rope_tables_at::<B>(positions, k, &x.device());
+    turn(x, cos.reshape([b, 1, 1, k]), sin.reshape([b, 1, 1, k]))
+}
+
+/// `cos(pos · θ)` and `sin(pos · θ)` for each of `positions`, each frequency written twice
+/// (once per half), `[positions.len(), k]`.
+fn rope_tables_at<B: LabBackend>(
+    positions: &[usize],
+    k: usize,
+    device: &B::Device,
+) -> (Tensor<B, 2>, Tensor<B, 2>) {
+    let (half, t) = (k / 2, positions.len());
     let mut cos = Vec::with_capacity(t * k);
     let mut sin = Vec::with_capacity(t * k);
-    for pos in start..start + t {
+    for &pos in positions {
         for c in 0..k {
             let theta = ROPE_BASE.powf(-2.0 * (c % half) as f64 / k as f64);
             let angle = pos as f64 * theta;
@@ -98,7 +128,7 @@ fn rope_tables<B: LabBackend>(
         }
     }
     let table = |values| Tensor::<B, 2>::from_data(TensorData::new(values, [t, k]), device);
-    (table(cos).unsqueeze::<4>(), table(sin).unsqueeze::<4>())
+    (table(cos), table(sin))
 }
 
 /// ALiBi's head slopes `m_1..m_n`: for `n` a power of two the geometric sequence starting at

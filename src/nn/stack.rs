@@ -2,7 +2,7 @@
 //! by their blocks (cross-attention or not) and by the mask the caller passes (causal or not).
 
 use super::block::{TransformerBlock, TransformerBlockConfig};
-use super::cache::KvCache;
+use super::cache::{KvCache, RowsCache};
 use super::mask::AttentionMask;
 use super::relative::RelativePosition;
 use crate::kernels::{layer_norm, LabBackend};
@@ -126,6 +126,29 @@ impl<B: LabBackend> TransformerStack<B> {
             Some(norm) => layer_norm(norm, x),
             None => x,
         }
+    }
+
+    /// [`Self::forward_cached`] of one new token of each sequence of a batch whose sequences
+    /// are at different positions; advances every row by one. Needs [`Self::batches`].
+    ///
+    /// # Shapes
+    /// `x`: `[b, 1, d]` → `[b, 1, d]`.
+    pub fn forward_rows(&self, x: Tensor<B, 3>, cache: &mut RowsCache<B>) -> Tensor<B, 3> {
+        cache.trim();
+        let mut x = x;
+        for (block, kv) in self.blocks.iter().zip(&mut cache.layers) {
+            x = block.forward_rows(x, kv, &cache.rows);
+        }
+        cache.rows.next.iter_mut().for_each(|next| *next += 1);
+        match &self.final_norm {
+            Some(norm) => layer_norm(norm, x),
+            None => x,
+        }
+    }
+
+    /// Whether every layer decodes in a batch of sequences at different positions.
+    pub fn batches(&self) -> bool {
+        self.blocks.iter().all(TransformerBlock::batches)
     }
 
     /// An empty decoding cache; a decoder with cross-attention reads `memory` (the encoder's

@@ -170,3 +170,116 @@ fn inference_without_weights_runs_the_fused_kernel_and_gives_the_same_logits() {
         );
     }
 }
+
+/// The largest difference, over every mixer that keeps keys and values and every position
+/// encoding, between the logits a batch of sequences at different positions gives each row
+/// (`forward_rows`: continuous batching, sequences joining and leaving between steps) and the
+/// logits of one uncached pass over that row's sequence alone (of decoding it alone, once a
+/// rolling cache is past the context).
+fn rows_logit_difference<B: transformer_lab::kernels::LabBackend>(
+    device: &B::Device,
+) -> (f32, usize) {
+    let (vocab, context) = (11, 12);
+    let mut worst = 0.0f32;
+    let mut compared = 0;
+    crate::common::each_decoder_lm::<B>(vocab, context, device, |name, model| {
+        if !model.batches() {
+            assert!(name.starts_with("linear"), "{name} batches");
+            return;
+        }
+        // (step it joins at, its prompt); rolling models decode past the context.
+        let steps = if model.rolls() { 22 } else { 7 };
+        let joins: [(usize, Vec<usize>); 3] = [
+            (0, vec![3, 1, 4, 1, 5]),
+            (2, vec![9, 2]),
+            (4, vec![6, 5, 3, 5, 8, 9, 7]),
+        ];
+        let leaves_at = 5; // the first sequence leaves here
+        let mut batch = model.new_rows_cache();
+        let mut live: Vec<Vec<usize>> = Vec::new(); // the batch's sequences, in row order
+        let mut next_rows: Vec<usize> = Vec::new();
+        // Within the context: one uncached pass. Past it (a rolling cache): decoding the
+        // sequence alone, each layer over its last `context` positions (which within the
+        // context is the uncached pass: tested above).
+        let reference = |seq: &[usize]| -> Tensor<B, 1> {
+            let n = seq.len();
+            let input = |part: &[usize]| {
+                let ids: Vec<i64> = part.iter().map(|&t| t as i64).collect();
+                Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [1, part.len()]), device)
+            };
+            if n <= context {
+                return model
+                    .forward(input(seq))
+                    .logits
+                    .slice([0..1, n - 1..n])
+                    .reshape([vocab]);
+            }
+            let mut alone = model.new_cache();
+            let mut logits = model.forward_cached(input(&seq[..context]), &mut alone);
+            for i in context..n {
+                logits = model.forward_cached(input(&seq[i..=i]), &mut alone);
+            }
+            logits.slice([0..1, 0..1]).reshape([vocab])
+        };
+        for step in 0..steps {
+            if step == leaves_at {
+                let rows: Vec<usize> = (1..live.len()).collect();
+                batch.keep(&rows, device);
+                live.remove(0);
+                next_rows.remove(0);
+            }
+            for (_, prompt) in joins.iter().filter(|(at, _)| *at == step) {
+                let mut single = model.new_cache();
+                let ids: Vec<i64> = prompt.iter().map(|&t| t as i64).collect();
+                let input =
+                    Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [1, prompt.len()]), device);
+                model.forward_cached(input, &mut single);
+                batch.join(&single);
+                live.push(prompt.clone());
+                next_rows.push((step * 5 + live.len()) % vocab);
+            }
+            // Every row takes its next token and the batch gives the logits after it.
+            for (seq, &token) in live.iter_mut().zip(&next_rows) {
+                seq.push(token);
+            }
+            let ids: Vec<i64> = next_rows.iter().map(|&t| t as i64).collect();
+            let tokens = Tensor::<B, 1, Int>::from_data(TensorData::new(ids, [live.len()]), device);
+            let logits = model.forward_rows(tokens, &mut batch); // [b, v]
+            for (r, seq) in live.iter().enumerate() {
+                let row = logits.clone().slice([r..r + 1]).reshape([vocab]);
+                let diff: f32 = (row - reference(seq)).abs().max().into_scalar().elem();
+                assert!(
+                    diff < 1e-4,
+                    "{name}: step {step}, row {r} (length {}) differs by {diff}",
+                    seq.len()
+                );
+                worst = worst.max(diff);
+                compared += 1;
+            }
+            next_rows = (0..live.len())
+                .map(|r| (step * 3 + r * 7 + 1) % vocab)
+                .collect();
+        }
+        assert!(
+            !model.rolls() || batch.columns() <= context,
+            "{name}: a rolling batch keeps {} columns",
+            batch.columns()
+        );
+    });
+    (worst, compared)
+}
+
+#[test]
+fn a_batch_of_sequences_at_different_positions_gives_each_the_logits_it_has_alone_on_ndarray() {
+    let (worst, compared) = rows_logit_difference::<B>(&Default::default());
+    assert!(compared > 300, "{compared} rows compared");
+    assert!(worst < 1e-4, "{worst}");
+}
+
+#[cfg(feature = "flex")]
+#[test]
+fn a_batch_of_sequences_at_different_positions_gives_each_the_logits_it_has_alone_on_flex() {
+    let (worst, compared) = rows_logit_difference::<burn::backend::Flex>(&Default::default());
+    assert!(compared > 300, "{compared} rows compared");
+    assert!(worst < 1e-4, "{worst}");
+}

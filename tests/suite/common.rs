@@ -380,13 +380,41 @@ pub fn logit_difference_from_ndarray<B: LabBackend>(device: &B::Device) -> f32 {
 /// with the configuration where it occurs.
 #[allow(dead_code)]
 pub fn cached_logit_difference<B: LabBackend>(device: &B::Device) -> (f32, String) {
-    use transformer_lab::nn::{Mixer, PositionKind};
     let (b, t, vocab) = (2, 12, 11);
     let ids: Vec<i64> = (0..b * t)
         .map(|i| ((i * 7 + i / 5) % vocab) as i64)
         .collect();
     let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [b, t]), device);
     let mut worst = (0.0f32, String::new());
+    each_decoder_lm::<B>(vocab, t, device, |name, model| {
+        assert!(model.caches(), "{name} decodes from a cache");
+        let whole = model.forward(tokens.clone()).logits; // [b, t, v]
+        let mut cache = model.new_cache();
+        let mut rows = vec![model.forward_cached(tokens.clone().slice([0..b, 0..4]), &mut cache)];
+        for i in 4..t {
+            rows.push(model.forward_cached(tokens.clone().slice([0..b, i..i + 1]), &mut cache));
+        }
+        assert_eq!(cache.len(), t);
+        let cached = Tensor::cat(rows, 1);
+        let diff: f32 = (cached - whole).abs().max().into_scalar().elem();
+        if diff.is_nan() || diff >= worst.0 {
+            worst = (diff, name);
+        }
+    });
+    worst
+}
+
+/// Calls `f` with a name and a small decoder-only LM (two layers, width 16, `vocab`,
+/// `context`) for every mixer with an incremental form (full, local 3, strided 3, linear),
+/// every position encoding it allows, pre- and post-norm.
+#[allow(dead_code)]
+pub fn each_decoder_lm<B: LabBackend>(
+    vocab: usize,
+    context: usize,
+    device: &B::Device,
+    mut f: impl FnMut(String, LanguageModel<B>),
+) {
+    use transformer_lab::nn::{Mixer, PositionKind};
     for mixer in [
         Mixer::Full,
         Mixer::Local { window: 3 },
@@ -411,34 +439,17 @@ pub fn cached_logit_difference<B: LabBackend>(device: &B::Device) -> (f32, Strin
                     },
                     vocab_size: vocab,
                     n_layers: 2,
-                    context: t,
+                    context,
                     position,
                     ..LmConfig::default()
                 };
                 if config.validate().is_err() {
                     continue; // alibi needs the full mixer
                 }
-                let model = config.init::<B>(device);
-                assert!(model.caches(), "{name} decodes from a cache");
-                let whole = model.forward(tokens.clone()).logits; // [b, t, v]
-                let mut cache = model.new_cache();
-                let mut rows =
-                    vec![model.forward_cached(tokens.clone().slice([0..b, 0..4]), &mut cache)];
-                for i in 4..t {
-                    rows.push(
-                        model.forward_cached(tokens.clone().slice([0..b, i..i + 1]), &mut cache),
-                    );
-                }
-                assert_eq!(cache.len(), t);
-                let cached = Tensor::cat(rows, 1);
-                let diff: f32 = (cached - whole).abs().max().into_scalar().elem();
-                if diff.is_nan() || diff >= worst.0 {
-                    worst = (diff, name);
-                }
+                f(name, config.init::<B>(device));
             }
         }
     }
-    worst
 }
 
 /// A two-layer language model of width 16 and vocabulary 11 with `mixer` and `context`.
