@@ -92,6 +92,11 @@ pub enum Command {
     Train(TrainArgs),
     /// Generate text from a trained language model, streaming it to stdout.
     Generate(GenerateArgs),
+    /// Serve trained language models over HTTP: an OpenAI-compatible API
+    /// (/v1/completions, /v1/chat/completions, /v1/models; streamed or not), concurrent
+    /// requests decoded together (continuous batching), /metrics (Prometheus) and /health.
+    /// Ctrl-C or SIGTERM stops it cleanly.
+    Serve(ServeArgs),
     /// Evaluate a trained model: a language model's loss and perplexity over the whole
     /// validation split; a translator's corpus BLEU on its test split (sacreBLEU-compatible);
     /// a classifier's test accuracy, with a confusion-matrix PNG; a clip model's zero-shot
@@ -266,6 +271,46 @@ pub struct GenerateArgs {
     /// full, so it sees between context/2 and context tokens.
     #[arg(long)]
     pub no_cache: bool,
+    #[command(flatten)]
+    pub compute: ComputeArgs,
+}
+
+/// `serve` options.
+#[derive(Args, Debug)]
+pub struct ServeArgs {
+    /// Directory written by `train` (a language model); repeat to serve several. A model's
+    /// id in the API is its directory's name.
+    #[arg(long = "artifact-dir", value_name = "DIR", required = true)]
+    pub artifact_dirs: Vec<PathBuf>,
+    /// Address to listen on. The default accepts connections from this machine only.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    /// Port to listen on (0: any free one; the first line printed says which).
+    #[arg(long, default_value_t = 8080)]
+    pub port: u16,
+    /// Require `Authorization: Bearer KEY` on every request but /health.
+    #[arg(
+        long,
+        value_name = "KEY",
+        env = "TRANSFORMER_LAB_API_KEY",
+        hide_env_values = true
+    )]
+    pub api_key: Option<String>,
+    /// Requests decoded together on one model at most.
+    #[arg(long, default_value_t = 32)]
+    pub max_batch: usize,
+    /// Requests waiting per model at most; more get 503 with Retry-After.
+    #[arg(long, default_value_t = 64)]
+    pub queue: usize,
+    /// Largest max_tokens a request may ask for.
+    #[arg(long, default_value_t = 2048)]
+    pub max_tokens: usize,
+    /// Largest request body in bytes.
+    #[arg(long, default_value_t = 1 << 20)]
+    pub max_body: usize,
+    /// Seconds running generations may go on after Ctrl-C or SIGTERM before they are cut.
+    #[arg(long, default_value_t = 10.0)]
+    pub grace: f64,
     #[command(flatten)]
     pub compute: ComputeArgs,
 }

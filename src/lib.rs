@@ -8,7 +8,8 @@
 //! from a trained language model and [`translate`] decodes a trained translator (greedy or beam
 //! search), scored by [`bleu`]; [`classify`] runs the image and text classifiers, [`embed`]
 //! reads contextual word vectors, [`inspect`] and [`explain`] show attention, [`curves`] and
-//! [`plot`] draw result pictures. ARCHITECTURE.md maps the layers.
+//! [`plot`] draw result pictures; [`serve`] puts trained models behind an HTTP API.
+//! ARCHITECTURE.md maps the layers.
 //!
 //! # Shapes
 //!
@@ -51,6 +52,7 @@ pub mod memory;
 pub mod models;
 pub mod nn;
 pub mod plot;
+pub mod serve;
 pub mod stdio;
 pub mod train;
 pub mod translate;

@@ -62,6 +62,7 @@ impl Command {
             Command::Doctor(args) => Needs::Backend(args.backend.or(outer.backend)),
             Command::Train(args) => compute(&args.compute),
             Command::Generate(args) => compute(&args.compute),
+            Command::Serve(args) => compute(&args.compute),
             Command::Eval(args) => compute(&args.compute),
             Command::Translate(args) => compute(&args.compute),
             Command::Predict(args) => compute(&args.compute),
@@ -154,6 +155,7 @@ impl BackendTask for Command {
             Command::Train(args) => train::run_train::<B>(args, device),
             // These read logits only: attention runs as the fused kernel.
             Command::Generate(args) => without_weights(|| text::run_generate::<B>(args, device)),
+            Command::Serve(args) => text::run_serve::<B>(args, device),
             Command::Eval(args) => without_weights(|| inspect::run_eval::<B>(args, device)),
             Command::Translate(args) => without_weights(|| text::run_translate::<B>(args, device)),
             Command::Predict(args) => without_weights(|| text::run_predict::<B>(args, device)),

@@ -7,12 +7,15 @@ use crate::artifact::ArtifactDir;
 use crate::classify::{
     class_names, image_probabilities, load_image, text_probabilities, top_classes,
 };
-use crate::cli::{ClassifyArgs, EmbedArgs, GenerateArgs, PredictArgs, TranslateArgs, ZeroShotArgs};
+use crate::cli::{
+    ClassifyArgs, EmbedArgs, GenerateArgs, PredictArgs, ServeArgs, TranslateArgs, ZeroShotArgs,
+};
 use crate::config::{ClassifierConfig, ClipConfig, LmConfig, Seq2SeqConfig, VitConfig};
 use crate::embed::{cosine, word_vectors};
 use crate::generate::{check_prompt, generate, Decoding, Sampling};
 use crate::kernels::LabBackend;
 use crate::kinds::{load_as, zero_shot};
+use crate::serve::ServeOptions;
 use crate::translate::{translate_texts, warn_truncated, SearchConfig};
 use anyhow::{bail, Result};
 use std::io::Write;
@@ -58,6 +61,29 @@ pub(super) fn run_generate<B: LabBackend>(args: GenerateArgs, device: B::Device)
     )?;
     writeln!(out)?;
     Ok(())
+}
+
+pub(super) fn run_serve<B: LabBackend>(args: ServeArgs, device: B::Device) -> Result<()> {
+    if !(args.grace >= 0.0 && args.grace.is_finite()) {
+        bail!(
+            "--grace must be a number of seconds >= 0, got {}",
+            args.grace
+        );
+    }
+    crate::serve::serve::<B>(
+        ServeOptions {
+            artifacts: args.artifact_dirs,
+            host: args.host,
+            port: args.port,
+            api_key: args.api_key.filter(|k| !k.is_empty()),
+            max_batch: args.max_batch,
+            queue: args.queue,
+            max_tokens: args.max_tokens,
+            max_body: args.max_body,
+            grace: std::time::Duration::from_secs_f64(args.grace),
+        },
+        device,
+    )
 }
 
 pub(super) fn run_translate<B: LabBackend>(args: TranslateArgs, device: B::Device) -> Result<()> {

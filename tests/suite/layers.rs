@@ -28,6 +28,7 @@ const LAYERS: &[(&str, usize)] = &[
     ("curves", 8),
     ("kinds", 9),
     ("bench", 10),
+    ("serve", 10),
     ("cli", 11),
     ("app", 11),
 ];

@@ -1,0 +1,479 @@
+//! The OpenAI-compatible routes: `GET /v1/models`, `POST /v1/completions` and
+//! `POST /v1/chat/completions`, streamed (server-sent events, one event per piece of text as
+//! it is produced, then `data: [DONE]`) or not. The request and response fields are OpenAI's;
+//! a field this server does not know is refused by name rather than ignored.
+
+use super::engine::{Event as EngineEvent, Finish, Job, Submit};
+use super::text::TextOut;
+use super::{ApiError, ApiJson, App, Served};
+use crate::generate::Sampling;
+use axum::extract::State;
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde::Deserialize;
+use serde_json::{json, Value};
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::Instant;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tokio_stream::StreamExt;
+
+/// A prompt: one string, or a list holding one.
+#[derive(Deserialize)]
+#[serde(untagged)]
+pub enum Prompt {
+    /// One text.
+    One(String),
+    /// Several texts (this server takes one).
+    Many(Vec<String>),
+}
+
+/// One or several stop strings.
+#[derive(Deserialize)]
+#[serde(untagged)]
+pub enum Stop {
+    /// One.
+    One(String),
+    /// Up to four.
+    Many(Vec<String>),
+}
+
+/// `stream_options`.
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct StreamOptions {
+    /// Send a last chunk with the token counts.
+    #[serde(default)]
+    pub include_usage: bool,
+}
+
+/// The sampling fields the two generation routes share.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Settings {
+    max_tokens: Option<usize>,
+    /// OpenAI's newer name for `max_tokens` in chat.
+    max_completion_tokens: Option<usize>,
+    temperature: Option<f64>,
+    top_p: Option<f64>,
+    stop: Option<Stop>,
+    seed: Option<u64>,
+    #[serde(default)]
+    stream: bool,
+    stream_options: Option<StreamOptions>,
+    n: Option<usize>,
+    /// Accepted and unused (OpenAI's end-user id).
+    #[allow(dead_code)]
+    user: Option<String>,
+}
+
+/// `POST /v1/completions`.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CompletionRequest {
+    model: String,
+    prompt: Prompt,
+    /// Put the prompt before the completion in the answer.
+    #[serde(default)]
+    echo: bool,
+    #[serde(flatten)]
+    settings: Settings,
+}
+
+/// One message of a chat.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Message {
+    role: String,
+    content: String,
+    #[allow(dead_code)]
+    name: Option<String>,
+}
+
+/// `POST /v1/chat/completions`.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ChatRequest {
+    model: String,
+    messages: Vec<Message>,
+    #[serde(flatten)]
+    settings: Settings,
+}
+
+/// `GET /v1/models`.
+pub async fn models(State(app): State<Arc<App>>) -> Json<Value> {
+    let data: Vec<Value> = app
+        .models
+        .iter()
+        .map(|m| json!({"id": m.id, "object": "model", "created": m.created, "owned_by": "transformer-lab"}))
+        .collect();
+    Json(json!({"object": "list", "data": data}))
+}
+
+/// `POST /v1/completions`.
+pub async fn completions(
+    State(app): State<Arc<App>>,
+    ApiJson(request): ApiJson<CompletionRequest>,
+) -> Result<Response, ApiError> {
+    let prompt = match request.prompt {
+        Prompt::One(text) => text,
+        Prompt::Many(mut texts) if texts.len() == 1 => texts.remove(0),
+        Prompt::Many(texts) => {
+            return Err(ApiError::invalid(
+                "prompt",
+                format!("give one prompt per request (got {})", texts.len()),
+            ))
+        }
+    };
+    let echo = request.echo.then(|| prompt.clone());
+    run(
+        app,
+        &request.model,
+        prompt,
+        request.settings,
+        16,
+        Route::Completion { echo },
+    )
+    .await
+}
+
+/// `POST /v1/chat/completions`. The models served are not trained on conversations: the
+/// messages' contents, each followed by a newline, are the prompt the model continues, and
+/// the continuation is the assistant's message.
+pub async fn chat(
+    State(app): State<Arc<App>>,
+    ApiJson(request): ApiJson<ChatRequest>,
+) -> Result<Response, ApiError> {
+    if request.messages.is_empty() {
+        return Err(ApiError::invalid(
+            "messages",
+            "give at least one message".into(),
+        ));
+    }
+    if let Some(m) = request.messages.iter().find(|m| {
+        !matches!(
+            m.role.as_str(),
+            "system" | "user" | "assistant" | "developer"
+        )
+    }) {
+        return Err(ApiError::invalid(
+            "messages",
+            format!(
+                "unknown role {:?} (system, developer, user or assistant)",
+                m.role
+            ),
+        ));
+    }
+    let prompt: String = request
+        .messages
+        .iter()
+        .map(|m| format!("{}\n", m.content))
+        .collect();
+    run(
+        app,
+        &request.model,
+        prompt,
+        request.settings,
+        256,
+        Route::Chat,
+    )
+    .await
+}
+
+/// Which answer format.
+enum Route {
+    Completion { echo: Option<String> },
+    Chat,
+}
+
+impl Route {
+    fn object(&self, stream: bool) -> &'static str {
+        match (self, stream) {
+            (Route::Completion { .. }, _) => "text_completion",
+            (Route::Chat, false) => "chat.completion",
+            (Route::Chat, true) => "chat.completion.chunk",
+        }
+    }
+
+    /// One choice holding `text` (a whole answer, or one streamed piece).
+    fn choice(&self, text: &str, finish: Option<&str>, stream: bool, first: bool) -> Value {
+        match self {
+            Route::Completion { .. } => {
+                json!({"index": 0, "text": text, "logprobs": null, "finish_reason": finish})
+            }
+            Route::Chat if !stream => json!({
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": null,
+                "finish_reason": finish,
+            }),
+            Route::Chat => {
+                let delta = match (first, finish) {
+                    (true, _) => json!({"role": "assistant", "content": text}),
+                    (false, Some(_)) if text.is_empty() => json!({}),
+                    _ => json!({"content": text}),
+                };
+                json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish})
+            }
+        }
+    }
+}
+
+/// A checked generation request, ready for the engine.
+struct Checked {
+    prompt: Vec<usize>,
+    max_tokens: usize,
+    sampling: Sampling,
+    seed: u64,
+    stops: Vec<String>,
+    stream: bool,
+    usage_in_stream: bool,
+}
+
+fn check(
+    app: &App,
+    model: &Served,
+    prompt: &str,
+    settings: Settings,
+    default_max: usize,
+) -> Result<Checked, ApiError> {
+    if settings.n.is_some_and(|n| n != 1) {
+        return Err(ApiError::invalid(
+            "n",
+            "this server gives one choice per request (n = 1)".into(),
+        ));
+    }
+    let max_tokens = settings
+        .max_tokens
+        .or(settings.max_completion_tokens)
+        .unwrap_or(default_max.min(app.max_tokens));
+    if max_tokens > app.max_tokens {
+        return Err(ApiError::invalid(
+            "max_tokens",
+            format!(
+                "max_tokens is {max_tokens}; this server allows at most {}",
+                app.max_tokens
+            ),
+        ));
+    }
+    let temperature = settings.temperature.unwrap_or(1.0);
+    if !(0.0..=2.0).contains(&temperature) {
+        return Err(ApiError::invalid(
+            "temperature",
+            format!("temperature must be between 0 and 2, got {temperature}"),
+        ));
+    }
+    let top_p = settings.top_p.unwrap_or(1.0);
+    if !(top_p > 0.0 && top_p <= 1.0) {
+        return Err(ApiError::invalid(
+            "top_p",
+            format!("top_p must be in (0, 1], got {top_p}"),
+        ));
+    }
+    let stops = match settings.stop {
+        None => Vec::new(),
+        Some(Stop::One(stop)) => vec![stop],
+        Some(Stop::Many(stops)) if stops.len() <= 4 => stops,
+        Some(Stop::Many(stops)) => {
+            return Err(ApiError::invalid(
+                "stop",
+                format!("give at most 4 stop strings (got {})", stops.len()),
+            ))
+        }
+    };
+    let prompt = model.encode(prompt)?;
+    Ok(Checked {
+        prompt,
+        max_tokens,
+        sampling: Sampling {
+            temperature,
+            top_k: None,
+            top_p: (top_p < 1.0).then_some(top_p),
+            greedy: temperature == 0.0,
+        },
+        seed: settings.seed.unwrap_or_else(rand::random),
+        stops,
+        stream: settings.stream,
+        usage_in_stream: settings.stream_options.unwrap_or_default().include_usage,
+    })
+}
+
+/// Queues the request on its model's engine and answers, streamed or whole.
+async fn run(
+    app: Arc<App>,
+    model_id: &str,
+    prompt: String,
+    settings: Settings,
+    default_max: usize,
+    route: Route,
+) -> Result<Response, ApiError> {
+    let arrived = Instant::now();
+    let model = app.model(model_id)?;
+    let checked = check(&app, model, &prompt, settings, default_max)?;
+    let (events, tokens) = mpsc::unbounded_channel();
+    let prompt_tokens = checked.prompt.len();
+    let job = Job {
+        prompt: checked.prompt,
+        max_tokens: checked.max_tokens,
+        sampling: checked.sampling,
+        seed: checked.seed,
+        events,
+    };
+    if let Submit::Full = model.engine.submit(job) {
+        return Err(ApiError::busy(&model.id));
+    }
+    app.metrics
+        .prompt_tokens
+        .with_label_values(&[&model.id])
+        .inc_by(prompt_tokens as u64);
+    let mut reader = Reader {
+        out: TextOut::new(model.tokenizer.clone(), checked.stops),
+        model: model.id.clone(),
+        app: app.clone(),
+        tokens,
+        arrived,
+        last: arrived,
+        done: false,
+    };
+    let head = json!({
+        "id": format!("cmpl-{:016x}", rand::random::<u64>()),
+        "object": route.object(checked.stream),
+        "created": super::now(),
+        "model": model.id,
+    });
+    let usage = move |completion: usize| json!({"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion});
+    let echo = match &route {
+        Route::Completion { echo } => echo.clone(),
+        Route::Chat => None,
+    };
+    if !checked.stream {
+        let mut text = echo.unwrap_or_default();
+        let mut finish = "cancelled";
+        while let Some(piece) = reader.next().await {
+            text.push_str(&piece.text);
+            if let Some(reason) = piece.finish {
+                finish = reason;
+            }
+        }
+        let mut answer = head;
+        answer["choices"] = json!([route.choice(&text, Some(finish), false, true)]);
+        answer["usage"] = usage(reader.out.tokens());
+        return Ok(Json(answer).into_response());
+    }
+    // Streamed: a small bounded channel to the connection, so a client that does not read
+    // holds a few events here (and at most max_tokens tokens in the engine's channel); one
+    // that leaves closes it, which ends the task and takes the request out of the batch.
+    let (sender, events) = mpsc::channel::<Event>(16);
+    let usage_in_stream = checked.usage_in_stream;
+    tokio::spawn(async move {
+        let chunk = |text: &str, finish: Option<&str>, first: bool| {
+            let mut chunk = head.clone();
+            chunk["choices"] = json!([route.choice(text, finish, true, first)]);
+            Event::default().data(chunk.to_string())
+        };
+        let mut first = true;
+        if let Some(prompt) = echo {
+            if sender.send(chunk(&prompt, None, true)).await.is_err() {
+                return;
+            }
+            first = false;
+        }
+        while let Some(piece) = reader.next().await {
+            if sender
+                .send(chunk(&piece.text, piece.finish, first))
+                .await
+                .is_err()
+            {
+                return;
+            }
+            first = false;
+        }
+        if usage_in_stream {
+            let mut last = head.clone();
+            last["choices"] = json!([]);
+            last["usage"] = usage(reader.out.tokens());
+            if sender
+                .send(Event::default().data(last.to_string()))
+                .await
+                .is_err()
+            {
+                return;
+            }
+        }
+        let _ = sender.send(Event::default().data("[DONE]")).await;
+    });
+    let stream = ReceiverStream::new(events).map(Ok::<Event, Infallible>);
+    Ok(Sse::new(stream)
+        .keep_alive(KeepAlive::default())
+        .into_response())
+}
+
+/// A piece of the answer: text, and with the last one why it ended.
+struct Piece {
+    text: String,
+    finish: Option<&'static str>,
+}
+
+/// Turns the engine's tokens for one request into pieces of text, and records the latencies.
+struct Reader {
+    out: TextOut,
+    model: String,
+    app: Arc<App>,
+    tokens: mpsc::UnboundedReceiver<EngineEvent>,
+    arrived: Instant,
+    last: Instant,
+    done: bool,
+}
+
+impl Reader {
+    /// The next non-empty piece, or the last one; `None` after the last.
+    async fn next(&mut self) -> Option<Piece> {
+        if self.done {
+            return None;
+        }
+        let metrics = &self.app.metrics;
+        loop {
+            let finish = match self.tokens.recv().await {
+                Some(EngineEvent::Token(token)) => {
+                    let now = Instant::now();
+                    let (histogram, since) = if self.out.tokens() == 0 {
+                        (&metrics.first_token, self.arrived)
+                    } else {
+                        (&metrics.per_token, self.last)
+                    };
+                    histogram
+                        .with_label_values(&[&self.model])
+                        .observe((now - since).as_secs_f64());
+                    self.last = now;
+                    metrics
+                        .completion_tokens
+                        .with_label_values(&[&self.model])
+                        .inc();
+                    let text = self.out.push(token);
+                    if self.out.stopped {
+                        // Closing the channel takes the request out of the batch.
+                        self.tokens.close();
+                        self.done = true;
+                        return Some(Piece {
+                            text,
+                            finish: Some("stop"),
+                        });
+                    }
+                    if text.is_empty() {
+                        continue;
+                    }
+                    return Some(Piece { text, finish: None });
+                }
+                Some(EngineEvent::Done(Finish::Length)) => "length",
+                Some(EngineEvent::Done(Finish::Cancelled)) | None => "cancelled",
+            };
+            self.done = true;
+            return Some(Piece {
+                text: self.out.finish(),
+                finish: Some(finish),
+            });
+        }
+    }
+}
