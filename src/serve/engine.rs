@@ -70,6 +70,10 @@ pub struct EngineHandle {
     pub waiting: Arc<AtomicUsize>,
     /// Requests in the running batch.
     pub running: Arc<AtomicUsize>,
+    /// Decoding steps run, and the rows they decoded: their ratio is the mean batch.
+    pub steps: Arc<AtomicUsize>,
+    /// See [`Self::steps`].
+    pub rows: Arc<AtomicUsize>,
     stopping: Arc<AtomicBool>,
 }
 
@@ -117,6 +121,8 @@ pub fn start<B: LabBackend, T: Send + 'static>(
         jobs,
         waiting: Arc::new(AtomicUsize::new(0)),
         running: Arc::new(AtomicUsize::new(0)),
+        steps: Arc::new(AtomicUsize::new(0)),
+        rows: Arc::new(AtomicUsize::new(0)),
         stopping: Arc::new(AtomicBool::new(false)),
     };
     let (ready, loaded) = std::sync::mpsc::channel();
@@ -276,6 +282,8 @@ impl<B: LabBackend> Engine<'_, B> {
             let tokens =
                 Tensor::<B, 1, Int>::from_data(TensorData::new(ids, [rows.len()]), &self.device);
             let logits = self.model.forward_rows(tokens, &mut cache);
+            self.counters.steps.fetch_add(1, Ordering::SeqCst);
+            self.counters.rows.fetch_add(rows.len(), Ordering::SeqCst);
             let logits: Vec<f32> = logits
                 .into_data()
                 .convert::<f32>()

@@ -25,6 +25,10 @@ pub struct Metrics {
     pub waiting: IntGaugeVec,
     /// Requests in a model's running batch.
     pub running: IntGaugeVec,
+    /// Batched decoding steps run, by model.
+    pub steps: IntGaugeVec,
+    /// Rows those steps decoded (steps × their batch), by model.
+    pub rows: IntGaugeVec,
 }
 
 impl Metrics {
@@ -95,6 +99,14 @@ impl Metrics {
             running: gauge(
                 "transformer_lab_batch_size",
                 "Requests in a model's running batch.",
+            ),
+            steps: gauge(
+                "transformer_lab_decode_steps",
+                "Batched decoding steps run (a counter, read from the engine).",
+            ),
+            rows: gauge(
+                "transformer_lab_decode_rows",
+                "Rows those steps decoded; rows / steps is the mean batch.",
             ),
             registry,
         }

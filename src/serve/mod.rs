@@ -206,6 +206,14 @@ async fn metrics(State(app): State<Arc<App>>) -> Response {
             .running
             .with_label_values(&[&model.id])
             .set(load(&model.engine.running));
+        app.metrics
+            .steps
+            .with_label_values(&[&model.id])
+            .set(load(&model.engine.steps));
+        app.metrics
+            .rows
+            .with_label_values(&[&model.id])
+            .set(load(&model.engine.rows));
     }
     (
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],

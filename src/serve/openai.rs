@@ -140,8 +140,8 @@ pub async fn completions(
 }
 
 /// `POST /v1/chat/completions`. The models served are not trained on conversations: the
-/// messages' contents, each followed by a newline, are the prompt the model continues, and
-/// the continuation is the assistant's message.
+/// messages' contents, joined by newlines, are the prompt the model continues, and the
+/// continuation is the assistant's message.
 pub async fn chat(
     State(app): State<Arc<App>>,
     ApiJson(request): ApiJson<ChatRequest>,
@@ -166,11 +166,12 @@ pub async fn chat(
             ),
         ));
     }
-    let prompt: String = request
+    let contents: Vec<&str> = request
         .messages
         .iter()
-        .map(|m| format!("{}\n", m.content))
+        .map(|m| m.content.as_str())
         .collect();
+    let prompt = contents.join("\n");
     run(
         app,
         &request.model,

@@ -35,6 +35,7 @@ mod position;
 mod real_data;
 mod reliability;
 mod seq2seq;
+mod serve;
 #[path = "../summary/skips.rs"]
 mod skips;
 mod tokenizer;
