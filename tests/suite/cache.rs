@@ -246,7 +246,7 @@ fn rows_logit_difference<B: transformer_lab::kernels::LabBackend>(
             let tokens = Tensor::<B, 1, Int>::from_data(TensorData::new(ids, [live.len()]), device);
             let logits = model.forward_rows(tokens, &mut batch); // [b, v]
             for (r, seq) in live.iter().enumerate() {
-                let row = logits.clone().slice([r..r + 1]).reshape([vocab]);
+                let row = logits.clone().narrow(0, r, 1).reshape([vocab]);
                 let diff: f32 = (row - reference(seq)).abs().max().into_scalar().elem();
                 assert!(
                     diff < 1e-4,
