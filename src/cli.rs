@@ -534,10 +534,45 @@ pub enum BenchCommand {
     /// backward at a language-model experiment's shapes: the per-operation profile of a
     /// training step.
     Kernels(BenchKernelsArgs),
+    /// Load `serve` with concurrent streamed completions on loopback: requests/s, tokens/s,
+    /// latency to the first token and between tokens (p50, p99) at each number of clients,
+    /// with the server decoding one request at a time and batching them.
+    Serve(BenchServeArgs),
     /// Time greedy generation of a language model — an experiment's shape with random weights,
     /// or a trained artifact — with the key–value cache and recomputing every window: prefill,
     /// per-token time and tokens/s at each batch size.
     Generate(BenchGenerateArgs),
+}
+
+/// `bench serve` options.
+#[derive(Args, Debug)]
+pub struct BenchServeArgs {
+    /// Directory written by `train` (a language model): the model served.
+    #[arg(long, value_name = "DIR")]
+    pub artifact_dir: PathBuf,
+    /// Numbers of concurrent clients, one row each.
+    #[arg(long, value_delimiter = ',', default_value = "1,8,32")]
+    pub clients: Vec<usize>,
+    /// Requests each client sends, one after the other.
+    #[arg(long, default_value_t = 4)]
+    pub requests: usize,
+    /// Tokens each request asks for.
+    #[arg(long, default_value_t = 64)]
+    pub max_tokens: usize,
+    /// The prompt of every request.
+    #[arg(long, default_value = "\n")]
+    pub prompt: String,
+    /// The batching server's `--max-batch`.
+    #[arg(long, default_value_t = 32)]
+    pub max_batch: usize,
+    /// A row stops sending new requests after this many seconds.
+    #[arg(long, default_value_t = 120.0)]
+    pub seconds: f64,
+    /// Write the rows here as CSV too.
+    #[arg(long, value_name = "FILE")]
+    pub csv: Option<PathBuf>,
+    #[command(flatten)]
+    pub backend: BackendArgs,
 }
 
 /// `bench generate` options.

@@ -1,8 +1,10 @@
 //! `bench`: training throughput, fused kernels against their composed references, and the
-//! token mixers' cost against length.
+//! token mixers' cost against length; the load on `serve`.
 
 use crate::artifact::ArtifactDir;
-use crate::cli::{BenchArgs, BenchCommand, BenchGenerateArgs, BenchKernelsArgs, BenchMixersArgs};
+use crate::cli::{
+    BenchArgs, BenchCommand, BenchGenerateArgs, BenchKernelsArgs, BenchMixersArgs, BenchServeArgs,
+};
 use crate::config::{ExperimentConfig, LmConfig};
 use crate::data::data_dir;
 use crate::generate::Decoding;
@@ -17,6 +19,7 @@ pub(super) fn run_bench<B: LabBackend>(args: BenchArgs, device: B::Device) -> Re
         BenchCommand::Mixers(args) => return run_bench_mixers::<B>(args, device),
         BenchCommand::Kernels(args) => return run_bench_kernels::<B>(args, device),
         BenchCommand::Generate(args) => return run_bench_generate::<B>(args, device),
+        BenchCommand::Serve(args) => return run_bench_serve(args),
     };
     if args.steps == 0 || args.runs == 0 {
         bail!("--steps and --runs must be at least 1");
@@ -214,5 +217,64 @@ fn run_bench_generate<B: LabBackend>(args: BenchGenerateArgs, device: B::Device)
         })
     })?;
     print!("{}", render(&timings));
+    Ok(())
+}
+
+/// `bench serve`: the load generator against a `serve` child process (which computes; this
+/// process only sends requests and reads streams).
+pub(super) fn run_bench_serve(args: BenchServeArgs) -> Result<()> {
+    if !(args.seconds > 0.0 && args.seconds.is_finite()) {
+        bail!("--seconds must be a positive number, got {}", args.seconds);
+    }
+    let server_args = match args.backend.backend {
+        Some(kind) => vec![
+            "--backend".to_string(),
+            clap::ValueEnum::to_possible_value(&kind)
+                .expect("every backend has a name")
+                .get_name()
+                .to_string(),
+        ],
+        None => Vec::new(),
+    };
+    let plan = crate::bench::serve::LoadPlan {
+        artifact: args.artifact_dir,
+        clients: args.clients,
+        requests: args.requests,
+        max_tokens: args.max_tokens,
+        prompt: args.prompt,
+        max_batch: args.max_batch,
+        limit: std::time::Duration::from_secs_f64(args.seconds),
+        server_args,
+    };
+    use crate::bench::serve::{gains, row_line, TABLE_HEAD};
+    eprintln!("{TABLE_HEAD}");
+    let rows = crate::bench::serve::run_load(&plan, |row| eprintln!("{}", row_line(row)))?;
+    println!("{TABLE_HEAD}");
+    for row in &rows {
+        println!("{}", row_line(row));
+    }
+    for (clients, gain) in gains(&rows) {
+        println!("batching at {clients} clients: {gain:.2}x the tokens/s of one at a time");
+    }
+    if let Some(path) = &args.csv {
+        let mut csv = String::from(
+            "server,clients,requests,requests_per_s,tokens_per_s,first_token_p50_ms,first_token_p99_ms,per_token_p50_ms,per_token_p99_ms\n",
+        );
+        for r in &rows {
+            csv.push_str(&format!(
+                "{},{},{},{:.3},{:.1},{:.2},{:.2},{:.3},{:.3}\n",
+                r.server,
+                r.clients,
+                r.requests,
+                r.requests_per_s,
+                r.tokens_per_s,
+                r.first_token_ms.0,
+                r.first_token_ms.1,
+                r.per_token_ms.0,
+                r.per_token_ms.1
+            ));
+        }
+        crate::files::write_atomic(path, csv.as_bytes())?;
+    }
     Ok(())
 }

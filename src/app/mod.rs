@@ -76,6 +76,7 @@ impl Command {
                 BenchCommand::Train(args) => compute(&args.compute),
                 BenchCommand::Mixers(args) => compute(&args.compute),
                 BenchCommand::Generate(args) => compute(&args.compute),
+                BenchCommand::Serve(_) => Needs::Nothing,
                 BenchCommand::Kernels(args) => {
                     Needs::Backend(args.backend.backend.or(outer.backend))
                 }
@@ -93,7 +94,10 @@ pub fn run(outer: ComputeArgs, command: Command) -> Result<()> {
     match command.needs(&outer) {
         Needs::Nothing => match command {
             Command::Curves(args) => run_curves(args),
-            _ => unreachable!("only curves needs nothing"),
+            Command::Bench(crate::cli::BenchArgs {
+                what: BenchCommand::Serve(args),
+            }) => bench::run_bench_serve(args),
+            _ => unreachable!("only curves and bench serve need nothing"),
         },
         Needs::Cpu => dispatch(Some(crate::backend::cpu_default()), command),
         Needs::Backend(kind) => {

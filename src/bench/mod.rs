@@ -11,6 +11,7 @@
 pub mod generate;
 pub mod kernels;
 pub mod mixers;
+pub mod serve;
 
 pub use crate::train::speed::{
     bench_training, draw_batches, median, padding_note, BenchPlan, BenchReport, RunTimes,

@@ -162,6 +162,15 @@ pub trait AnyTrained<B: LabBackend> {
     ) -> Result<Vec<GroupStats>>;
     /// See [`ModelKind::text_model`].
     fn text_model(&self) -> Result<TextModel<'_, B>>;
+    /// The trained model itself, for [`trained_as`].
+    fn as_any(&self) -> &dyn std::any::Any;
+}
+
+/// The trained model of kind `K` that `trained` holds, if it is of that kind.
+pub fn trained_as<K: ModelKind, B: LabBackend>(
+    trained: &dyn AnyTrained<B>,
+) -> Option<&Trained<K::Model<B>>> {
+    trained.as_any().downcast_ref()
 }
 
 struct Loaded<K: ModelKind, B: LabBackend>(Trained<K::Model<B>>);
@@ -191,6 +200,9 @@ impl<K: ModelKind, B: LabBackend> AnyTrained<B> for Loaded<K, B> {
     }
     fn text_model(&self) -> Result<TextModel<'_, B>> {
         K::text_model(&self.0)
+    }
+    fn as_any(&self) -> &dyn std::any::Any {
+        &self.0
     }
 }
 

@@ -10,6 +10,7 @@ pub mod engine;
 pub mod metrics;
 mod openai;
 pub mod text;
+pub mod worker;
 
 use crate::artifact::ArtifactDir;
 use crate::config::LmConfig;
@@ -33,6 +34,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use worker::WorkerHandle;
 
 /// What `serve` is told.
 #[derive(Clone, Debug)]
@@ -61,8 +63,6 @@ pub struct ServeOptions {
 pub struct Served {
     /// Its id in the API.
     pub id: String,
-    /// When it was loaded (seconds since the epoch).
-    pub created: u64,
     tokenizer: Arc<Tokenizer>,
     context: usize,
     position: PositionKind,
@@ -86,25 +86,46 @@ impl Served {
 
 /// The server's state.
 pub struct App {
+    /// The language models, with their engines.
     models: Vec<Served>,
+    /// Every model (language models too), by id, with the worker that answers the routes
+    /// for one request at a time (translate, classify, attention, embed).
+    workers: Vec<(String, WorkerHandle)>,
+    /// When the server started (seconds since the epoch).
+    created: u64,
     metrics: Metrics,
     api_key: Option<String>,
     max_tokens: usize,
 }
 
 impl App {
+    /// The language model `id`.
     fn model(&self, id: &str) -> Result<&Served, ApiError> {
+        self.worker(id)?;
         self.models.iter().find(|m| m.id == id).ok_or_else(|| {
-            let known: Vec<&str> = self.models.iter().map(|m| m.id.as_str()).collect();
-            ApiError {
-                status: StatusCode::NOT_FOUND,
-                message: format!("no model {id:?} here; this server has {}", known.join(", ")),
-                kind: "invalid_request_error",
-                param: Some("model"),
-                code: Some("model_not_found"),
-                retry_after: None,
-            }
+            ApiError::invalid(
+                "model",
+                format!("{id} is not a language model: completions need one"),
+            )
         })
+    }
+
+    /// The worker of model `id` (any kind).
+    fn worker(&self, id: &str) -> Result<&WorkerHandle, ApiError> {
+        match self.workers.iter().find(|(known, _)| known == id) {
+            Some((_, worker)) => Ok(worker),
+            None => {
+                let known: Vec<&str> = self.workers.iter().map(|(id, _)| id.as_str()).collect();
+                Err(ApiError {
+                    status: StatusCode::NOT_FOUND,
+                    message: format!("no model {id:?} here; this server has {}", known.join(", ")),
+                    kind: "invalid_request_error",
+                    param: Some("model"),
+                    code: Some("model_not_found"),
+                    retry_after: None,
+                })
+            }
+        }
     }
 }
 
@@ -189,7 +210,7 @@ fn now() -> u64 {
 
 /// `GET /health`.
 async fn health(State(app): State<Arc<App>>) -> Json<serde_json::Value> {
-    let models: Vec<&str> = app.models.iter().map(|m| m.id.as_str()).collect();
+    let models: Vec<&str> = app.workers.iter().map(|(id, _)| id.as_str()).collect();
     Json(json!({"status": "ok", "models": models}))
 }
 
@@ -285,6 +306,10 @@ fn router(app: Arc<App>, max_body: usize) -> Router {
         .route("/v1/models", get(openai::models))
         .route("/v1/completions", post(openai::completions))
         .route("/v1/chat/completions", post(openai::chat))
+        .route("/v1/translate", post(worker::translate))
+        .route("/v1/classify", post(worker::classify))
+        .route("/v1/attention", post(worker::attention))
+        .route("/v1/embed", post(worker::embed))
         .fallback(not_found)
         .layer(axum::extract::DefaultBodyLimit::max(max_body))
         .route_layer(axum::middleware::from_fn_with_state(app.clone(), record))
@@ -302,6 +327,7 @@ pub fn serve<B: LabBackend>(options: ServeOptions, device: B::Device) -> Result<
         queue: options.queue,
     };
     let mut models: Vec<Served> = Vec::new();
+    let mut workers: Vec<(String, WorkerHandle)> = Vec::new();
     for dir in &options.artifacts {
         let id = dir
             .canonicalize()
@@ -309,10 +335,16 @@ pub fn serve<B: LabBackend>(options: ServeOptions, device: B::Device) -> Result<
             .file_name()
             .map(|n| n.to_string_lossy().into_owned())
             .with_context(|| format!("{} names no directory", dir.display()))?;
-        if models.iter().any(|m| m.id == id) {
+        if workers.iter().any(|(known, _)| *known == id) {
             bail!("two artifacts are named {id}: the API names a model by its directory's name");
         }
         let artifact = ArtifactDir::new(dir);
+        let worker = worker::start::<B>(&id, artifact.clone(), options.queue, device.clone())?;
+        let kind = worker.kind;
+        workers.push((id.clone(), worker));
+        if kind != <LmConfig as crate::config::ModelSection>::KIND {
+            continue;
+        }
         let (engine, (tokenizer, context, position)) = engine::start::<B, _>(
             id.clone(),
             config,
@@ -327,7 +359,6 @@ pub fn serve<B: LabBackend>(options: ServeOptions, device: B::Device) -> Result<
         )?;
         models.push(Served {
             id,
-            created: now(),
             tokenizer: Arc::new(tokenizer),
             context,
             position,
@@ -335,9 +366,11 @@ pub fn serve<B: LabBackend>(options: ServeOptions, device: B::Device) -> Result<
         });
     }
     let engines: Vec<EngineHandle> = models.iter().map(|m| m.engine.clone()).collect();
-    let ids: Vec<String> = models.iter().map(|m| m.id.clone()).collect();
+    let ids: Vec<String> = workers.iter().map(|(id, _)| id.clone()).collect();
     let app = Arc::new(App {
         models,
+        workers,
+        created: now(),
         metrics: Metrics::new(),
         api_key: options.api_key.clone(),
         max_tokens: options.max_tokens,

@@ -105,9 +105,9 @@ pub struct ChatRequest {
 /// `GET /v1/models`.
 pub async fn models(State(app): State<Arc<App>>) -> Json<Value> {
     let data: Vec<Value> = app
-        .models
+        .workers
         .iter()
-        .map(|m| json!({"id": m.id, "object": "model", "created": m.created, "owned_by": "transformer-lab"}))
+        .map(|(id, worker)| json!({"id": id, "object": "model", "created": app.created, "owned_by": "transformer-lab", "kind": worker.kind}))
         .collect();
     Json(json!({"object": "list", "data": data}))
 }

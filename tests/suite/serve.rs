@@ -534,3 +534,149 @@ fn the_official_openai_client_talks_to_the_server() {
     let said = String::from_utf8_lossy(&out.stdout);
     assert!(said.contains("all checks passed"), "{said}");
 }
+
+#[test]
+fn translators_classifiers_and_every_kind_s_attention_answer_as_their_commands_do() {
+    use crate::common::{classifier_artifact, translator_artifact};
+    let dir = tempfile::tempdir().unwrap();
+    lm_artifact(dir.path(), TEXT);
+    translator_artifact(dir.path());
+    std::fs::create_dir(dir.path().join("c")).unwrap();
+    classifier_artifact(&dir.path().join("c"));
+    let server = Server::start(
+        dir.path(),
+        &["--artifact-dir", "s2s", "--artifact-dir", "c/art"],
+    );
+    let (_, models) = server.get("/v1/models");
+    let models: Value = serde_json::from_str(&models).unwrap();
+    let kinds: Vec<(&str, &str)> = models["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| (m["id"].as_str().unwrap(), m["kind"].as_str().unwrap()))
+        .collect();
+    assert_eq!(
+        kinds,
+        [("lm", "lm"), ("s2s", "seq2seq"), ("art", "classifier")]
+    );
+    let cli = |args: &[&str]| {
+        let out = crate::common::run(dir.path(), args);
+        assert!(out.status.success(), "{}", crate::common::stderr(&out));
+        String::from_utf8(out.stdout).unwrap()
+    };
+    // Translate: the `translate` command's lines, greedy and beam 3.
+    let texts = ["the cat sat", "a dog on the mat"];
+    for beam in [1, 3] {
+        let (status, answer) = server.post(
+            "/v1/translate",
+            &json!({"model": "s2s", "texts": texts, "beam": beam}).to_string(),
+        );
+        assert_eq!(status, 200, "{answer}");
+        let b = beam.to_string();
+        let want: Vec<String> = cli(&[
+            "translate",
+            "--artifact-dir",
+            "s2s",
+            "--beam",
+            &b,
+            texts[0],
+            texts[1],
+        ])
+        .lines()
+        .map(str::to_string)
+        .collect();
+        assert_eq!(answer["translations"], json!(want), "beam {beam}");
+    }
+    // Classify: the `classify` command's label and probability.
+    let texts = ["a good movie", "money at the bank"];
+    let (status, answer) = server.post(
+        "/v1/classify",
+        &json!({"model": "art", "texts": texts}).to_string(),
+    );
+    assert_eq!(status, 200, "{answer}");
+    let lines = cli(&["classify", "--artifact-dir", "c/art", texts[0], texts[1]]);
+    for (line, result) in lines.lines().zip(answer["results"].as_array().unwrap()) {
+        let mut fields = line.split('\t');
+        let (label, p) = (fields.next().unwrap(), fields.next().unwrap());
+        assert_eq!(result["label"], json!(label), "{line}");
+        let got = result["probabilities"][label].as_f64().unwrap();
+        assert_eq!(format!("{got:.3}"), p, "{line}");
+        let total: f64 = result["probabilities"]
+            .as_object()
+            .unwrap()
+            .values()
+            .map(|v| v.as_f64().unwrap())
+            .sum();
+        assert!((total - 1.0).abs() < 1e-5, "{result}");
+    }
+    // Attention, of each kind: what `attention --json` writes.
+    for (model, dir_name, input) in [
+        ("lm", "lm", "to be or"),
+        ("s2s", "s2s", "the cat"),
+        ("art", "c/art", "a bad movie"),
+    ] {
+        let (status, answer) = server.post(
+            "/v1/attention",
+            &json!({"model": model, "input": input}).to_string(),
+        );
+        assert_eq!(status, 200, "{model}: {answer}");
+        let file = dir.path().join(format!("{model}.json"));
+        let path = file.to_str().unwrap();
+        cli(&[
+            "attention",
+            "--artifact-dir",
+            dir_name,
+            input,
+            "--json",
+            path,
+        ]);
+        let want: Value = serde_json::from_str(&std::fs::read_to_string(&file).unwrap()).unwrap();
+        assert!(
+            answer == want,
+            "{model}: the maps served differ from attention --json's"
+        );
+    }
+    // Embed: a word's vector, as wide as the model.
+    let (status, answer) = server.post(
+        "/v1/embed",
+        &json!({"model": "art", "sentence": "money at the bank", "word": "bank"}).to_string(),
+    );
+    assert_eq!(status, 200, "{answer}");
+    assert_eq!(answer["contextual"].as_array().unwrap().len(), 16);
+    // Each route refuses the kinds it is not for, and words that are not there.
+    for (path, body, needle) in [
+        (
+            "/v1/completions",
+            json!({"model": "art", "prompt": "a"}),
+            "not a language model",
+        ),
+        (
+            "/v1/translate",
+            json!({"model": "art", "texts": ["a"]}),
+            "not for a classifier",
+        ),
+        (
+            "/v1/classify",
+            json!({"model": "lm", "texts": ["to"]}),
+            "not for a lm",
+        ),
+        (
+            "/v1/embed",
+            json!({"model": "art", "sentence": "a good movie", "word": "bank"}),
+            "not in the sentence",
+        ),
+        (
+            "/v1/translate",
+            json!({"model": "s2s", "texts": []}),
+            "1 to 256",
+        ),
+    ] {
+        let (status, answer) = server.post(path, &body.to_string());
+        assert_eq!(status, 400, "{path}: {answer}");
+        let message = answer["error"]["message"].as_str().unwrap();
+        assert!(
+            message.contains(needle),
+            "{path}: {needle:?} not in {message:?}"
+        );
+    }
+}

@@ -1,0 +1,293 @@
+//! The models that answer one request at a time — translators, classifiers, ViTs, clip
+//! models — each on its own thread, which loads the model and then runs what the HTTP handlers
+//! send it, in order. Their routes: `/v1/translate`, `/v1/classify`, `/v1/attention`,
+//! `/v1/embed`.
+
+use super::{ApiError, ApiJson, App};
+use crate::artifact::ArtifactDir;
+use crate::classify::{class_names, text_probabilities};
+use crate::config::{ClassifierConfig, Seq2SeqConfig};
+use crate::embed::word_vectors;
+use crate::kernels::LabBackend;
+use crate::kinds::{trained_as, AnyTrained};
+use crate::translate::{translate_texts, SearchConfig};
+use axum::extract::State;
+use axum::Json;
+use serde::Deserialize;
+use serde_json::{json, Value};
+use std::sync::mpsc::{sync_channel, SyncSender, TrySendError};
+use std::sync::Arc;
+use tokio::sync::oneshot;
+
+/// What a worker is asked.
+pub enum Ask {
+    /// Translate each text (translators).
+    Translate {
+        /// The sentences.
+        texts: Vec<String>,
+        /// Beam size (1: greedy).
+        beam: usize,
+    },
+    /// Class probabilities of each text (text classifiers).
+    Classify {
+        /// The texts.
+        texts: Vec<String>,
+    },
+    /// The attention maps of every layer and head, as `attention --json` writes them.
+    Attention {
+        /// A text (or, for a ViT, nothing else is accepted here).
+        input: String,
+        /// Translators: the target the decoder reads (default: its own translation).
+        target: Option<String>,
+    },
+    /// A word's contextual vector in a sentence (any model that reads text).
+    Embed {
+        /// The sentence.
+        sentence: String,
+        /// The word (its first whole-word occurrence).
+        word: String,
+    },
+}
+
+type Reply = oneshot::Sender<Result<Value, String>>;
+
+/// A worker as the handlers see it.
+#[derive(Clone)]
+pub struct WorkerHandle {
+    jobs: SyncSender<(Ask, Reply)>,
+    /// The kind of model it holds.
+    pub kind: &'static str,
+}
+
+impl WorkerHandle {
+    /// Asks the worker and waits for its answer (503 when its queue is full).
+    pub async fn ask(&self, model: &str, ask: Ask) -> Result<Value, ApiError> {
+        let (reply, answer) = oneshot::channel();
+        match self.jobs.try_send((ask, reply)) {
+            Ok(()) => {}
+            Err(TrySendError::Full(_) | TrySendError::Disconnected(_)) => {
+                return Err(ApiError::busy(model))
+            }
+        }
+        match answer.await {
+            Ok(Ok(value)) => Ok(value),
+            Ok(Err(message)) => Err(ApiError::invalid("input", message)),
+            Err(_) => Err(ApiError::busy(model)),
+        }
+    }
+}
+
+/// Starts a worker thread on the artifact; returns once the model is loaded.
+pub fn start<B: LabBackend>(
+    name: &str,
+    artifact: ArtifactDir,
+    queue: usize,
+    device: B::Device,
+) -> anyhow::Result<WorkerHandle> {
+    let (jobs, inbox) = sync_channel::<(Ask, Reply)>(queue.max(1));
+    let (ready, loaded) = std::sync::mpsc::channel();
+    std::thread::Builder::new()
+        .name(format!("worker {name}"))
+        .spawn(move || {
+            let trained = match crate::kinds::load::<B>(&artifact, &device) {
+                Ok(trained) => {
+                    let _ = ready.send(Ok(trained.config().model.kind()));
+                    trained
+                }
+                Err(e) => {
+                    let _ = ready.send(Err(e));
+                    return;
+                }
+            };
+            for (ask, reply) in inbox {
+                // Translating and classifying read no attention weights (the fused kernels
+                // run); the attention maps and the embeddings do.
+                let answer = match ask {
+                    Ask::Translate { .. } | Ask::Classify { .. } => {
+                        crate::nn::without_weights(|| answer(trained.as_ref(), ask, &device))
+                    }
+                    _ => answer(trained.as_ref(), ask, &device),
+                };
+                let _ = reply.send(answer.map_err(|e| format!("{e:#}")));
+            }
+        })?;
+    let kind = loaded
+        .recv()
+        .map_err(|_| anyhow::anyhow!("the worker of {name} stopped while loading"))??;
+    Ok(WorkerHandle { jobs, kind })
+}
+
+fn answer<B: LabBackend>(
+    trained: &dyn AnyTrained<B>,
+    ask: Ask,
+    device: &B::Device,
+) -> anyhow::Result<Value> {
+    let kind = trained.config().model.kind();
+    let wrong = |route: &str| anyhow::anyhow!("{route} is not for a {kind} model");
+    match ask {
+        Ask::Translate { texts, beam } => {
+            let translator =
+                trained_as::<Seq2SeqConfig, B>(trained).ok_or_else(|| wrong("translate"))?;
+            let search = SearchConfig::resolve(beam, 0.6, None, translator.model.max_len())?;
+            let max_tokens = translator.config.data.max_tokens;
+            let (translations, _) = translate_texts(
+                &translator.model,
+                translator.tokenizers(),
+                &texts,
+                &search,
+                32,
+                max_tokens,
+                device,
+            )?;
+            Ok(json!({"translations": translations}))
+        }
+        Ask::Classify { texts } => {
+            let classifier =
+                trained_as::<ClassifierConfig, B>(trained).ok_or_else(|| wrong("classify"))?;
+            let classes = class_names(&classifier.config.data.dataset)?;
+            let probabilities: Vec<f32> = text_probabilities(classifier, &texts, device)?
+                .into_data()
+                .convert::<f32>()
+                .to_vec()
+                .map_err(|e| anyhow::anyhow!("cannot read probabilities: {e:?}"))?;
+            let results: Vec<Value> = probabilities
+                .chunks(classes.len())
+                .map(|row| {
+                    let best = (0..row.len())
+                        .max_by(|&a, &b| row[a].total_cmp(&row[b]))
+                        .unwrap_or(0);
+                    let each: serde_json::Map<String, Value> = classes
+                        .iter()
+                        .zip(row)
+                        .map(|(class, &p)| (class.clone(), json!(p)))
+                        .collect();
+                    json!({"label": classes[best], "probabilities": each})
+                })
+                .collect();
+            Ok(json!({"results": results}))
+        }
+        Ask::Attention { input, target } => {
+            let maps = trained.attention(&input, target.as_deref(), device)?;
+            Ok(serde_json::from_str(&maps.to_json()?)?)
+        }
+        Ask::Embed { sentence, word } => {
+            let model = trained.text_model()?;
+            let Some(vectors) = word_vectors(&model, &sentence, &word, device)? else {
+                anyhow::bail!("the word {word:?} is not in the sentence");
+            };
+            Ok(json!({
+                "word": word, "tokens": vectors.tokens,
+                "contextual": vectors.contextual, "static": vectors.static_,
+            }))
+        }
+    }
+}
+
+/// `POST /v1/translate`: `{"model", "texts": [...], "beam"?}`.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TranslateRequest {
+    model: String,
+    texts: Vec<String>,
+    #[serde(default = "greedy")]
+    beam: usize,
+}
+
+fn greedy() -> usize {
+    1
+}
+
+/// `POST /v1/classify`: `{"model", "texts": [...]}`.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ClassifyRequest {
+    model: String,
+    texts: Vec<String>,
+}
+
+/// `POST /v1/attention`: `{"model", "input", "target"?}`.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AttentionRequest {
+    model: String,
+    input: String,
+    target: Option<String>,
+}
+
+/// `POST /v1/embed`: `{"model", "sentence", "word"}`.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EmbedRequest {
+    model: String,
+    sentence: String,
+    word: String,
+}
+
+fn non_empty(texts: &[String]) -> Result<(), ApiError> {
+    if texts.is_empty() || texts.len() > 256 {
+        return Err(ApiError::invalid(
+            "texts",
+            format!("give 1 to 256 texts (got {})", texts.len()),
+        ));
+    }
+    Ok(())
+}
+
+/// `POST /v1/translate`.
+pub async fn translate(
+    State(app): State<Arc<App>>,
+    ApiJson(request): ApiJson<TranslateRequest>,
+) -> Result<Json<Value>, ApiError> {
+    non_empty(&request.texts)?;
+    if !(1..=16).contains(&request.beam) {
+        return Err(ApiError::invalid(
+            "beam",
+            format!("beam must be 1 to 16, got {}", request.beam),
+        ));
+    }
+    let worker = app.worker(&request.model)?;
+    let ask = Ask::Translate {
+        texts: request.texts,
+        beam: request.beam,
+    };
+    Ok(Json(worker.ask(&request.model, ask).await?))
+}
+
+/// `POST /v1/classify`.
+pub async fn classify(
+    State(app): State<Arc<App>>,
+    ApiJson(request): ApiJson<ClassifyRequest>,
+) -> Result<Json<Value>, ApiError> {
+    non_empty(&request.texts)?;
+    let worker = app.worker(&request.model)?;
+    let ask = Ask::Classify {
+        texts: request.texts,
+    };
+    Ok(Json(worker.ask(&request.model, ask).await?))
+}
+
+/// `POST /v1/attention`.
+pub async fn attention(
+    State(app): State<Arc<App>>,
+    ApiJson(request): ApiJson<AttentionRequest>,
+) -> Result<Json<Value>, ApiError> {
+    let worker = app.worker(&request.model)?;
+    let ask = Ask::Attention {
+        input: request.input,
+        target: request.target,
+    };
+    Ok(Json(worker.ask(&request.model, ask).await?))
+}
+
+/// `POST /v1/embed`.
+pub async fn embed(
+    State(app): State<Arc<App>>,
+    ApiJson(request): ApiJson<EmbedRequest>,
+) -> Result<Json<Value>, ApiError> {
+    let worker = app.worker(&request.model)?;
+    let ask = Ask::Embed {
+        sentence: request.sentence,
+        word: request.word,
+    };
+    Ok(Json(worker.ask(&request.model, ask).await?))
+}
