@@ -168,7 +168,7 @@ fn quantile_ms(values: &mut [Duration], q: f64) -> f64 {
 /// Runs the plan: every client count against a server that decodes one request at a time,
 /// then against one that batches. `progress` hears of each row as it ends.
 pub fn run_load(plan: &LoadPlan, mut progress: impl FnMut(&LoadRow)) -> Result<Vec<LoadRow>> {
-    if plan.clients.iter().any(|&c| c == 0) || plan.requests == 0 || plan.max_tokens == 0 {
+    if plan.clients.contains(&0) || plan.requests == 0 || plan.max_tokens == 0 {
         bail!("--clients, --requests and --max-tokens must be at least 1");
     }
     let model = plan

@@ -680,3 +680,59 @@ fn translators_classifiers_and_every_kind_s_attention_answer_as_their_commands_d
         );
     }
 }
+
+#[test]
+fn bench_serve_loads_the_server_and_counts_what_it_sent() {
+    let dir = tempfile::tempdir().unwrap();
+    lm_artifact(dir.path(), TEXT);
+    let out = crate::common::run(
+        dir.path(),
+        &[
+            "bench",
+            "serve",
+            "--artifact-dir",
+            "lm",
+            "--clients",
+            "1,3",
+            "--requests",
+            "2",
+            "--max-tokens",
+            "8",
+            "--prompt",
+            "to",
+            "--backend",
+            "ndarray",
+            "--csv",
+            "load.csv",
+        ],
+    );
+    assert!(out.status.success(), "{}", crate::common::stderr(&out));
+    let csv = std::fs::read_to_string(dir.path().join("load.csv")).unwrap();
+    let rows: Vec<Vec<&str>> = csv
+        .lines()
+        .skip(1)
+        .map(|l| l.split(',').collect())
+        .collect();
+    let counted: Vec<(&str, &str, &str)> = rows.iter().map(|r| (r[0], r[1], r[2])).collect();
+    assert_eq!(
+        counted,
+        [
+            ("one at a time", "1", "2"),
+            ("one at a time", "3", "6"),
+            ("batched", "1", "2"),
+            ("batched", "3", "6"),
+        ]
+    );
+    for row in &rows {
+        // tokens/s over requests/s is the tokens per request: 8.
+        let (requests, tokens): (f64, f64) = (row[3].parse().unwrap(), row[4].parse().unwrap());
+        assert!((tokens / requests - 8.0).abs() < 0.1, "{row:?}");
+    }
+    let said = String::from_utf8(out.stdout).unwrap();
+    assert!(said.contains("batching at 3 clients:"), "{said}");
+    let bad = crate::common::run(
+        dir.path(),
+        &["bench", "serve", "--artifact-dir", "lm", "--clients", "0"],
+    );
+    crate::common::assert_clean_error(&bad, "at least 1");
+}
