@@ -266,9 +266,9 @@ pub struct GenerateArgs {
     /// cache: the model then always sees exactly the last `context` tokens at positions
     /// 0..context (nanoGPT's sliding window). With the cache (the default, ~10× faster) the
     /// output is the same up to the context length. Past it, a model with rope or alibi
-    /// positions rolls its cache (the same last `context` tokens); one with learned or
-    /// sinusoidal positions refills the cache from the last context/2 tokens whenever it is
-    /// full, so it sees between context/2 and context tokens.
+    /// positions rolls its cache (every layer attends over its last `context` positions); one
+    /// with learned or sinusoidal positions refills the cache from the last context/2 tokens
+    /// whenever it is full, so it sees between context/2 and context tokens.
     #[arg(long)]
     pub no_cache: bool,
     #[command(flatten)]
