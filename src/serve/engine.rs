@@ -7,7 +7,7 @@
 //! other requests share its steps: each row's logits are those of decoding it alone (tested
 //! in `nn`), and the same request with the same seed gives the same text, batched or not.
 
-use crate::generate::{Decoder, Decoding, Sampling};
+use crate::generate::{generate, ids, Decoding, Sampling};
 use crate::kernels::LabBackend;
 use crate::models::LanguageModel;
 use crate::nn::{KvCache, RowsCache};
@@ -312,22 +312,24 @@ impl<B: LabBackend> Engine<'_, B> {
     /// joins the batch as its last row, and returns the logits of the token after them.
     fn prefill(&self, tokens: &[usize], cache: &mut RowsCache<B>) -> Vec<f32> {
         let start = tokens.len().saturating_sub(self.model.context());
-        let mut single: KvCache<B> = self.model.new_cache();
-        let window = &tokens[start..];
-        let n = window.len();
-        let ids: Vec<i64> = window.iter().map(|&t| t as i64).collect();
-        let input = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [1, n]), &self.device);
-        let logits = self
-            .model
-            .forward_cached(input, &mut single)
+        let n = tokens.len() - start;
+        self.join_alone(&tokens[start..], cache)
             .slice([0..1, n - 1..n])
-            .reshape([self.model.vocab_size()]);
-        cache.join(&single);
-        logits
+            .reshape([self.model.vocab_size()])
             .into_data()
             .convert::<f32>()
             .to_vec()
             .expect("f32 logits")
+    }
+
+    /// Decodes `window` (non-empty) alone from an empty cache, joins the batch with it as the
+    /// last row, and returns the logits of its positions, `[1, n, v]`.
+    fn join_alone(&self, window: &[usize], cache: &mut RowsCache<B>) -> Tensor<B, 3> {
+        let mut single: KvCache<B> = self.model.new_cache();
+        let input = ids::<B>(&[window.to_vec()], 0..window.len(), &self.device);
+        let logits = self.model.forward_cached(input, &mut single);
+        cache.join(&single);
+        logits
     }
 
     /// With absolute positions (learned, sinusoidal) a row whose next token would pass the
@@ -353,16 +355,7 @@ impl<B: LabBackend> Engine<'_, B> {
             let keep = (context / 2).max(2) - 1;
             let before = &tokens[..tokens.len() - 1];
             let window = &before[before.len() - keep.min(before.len())..];
-            let mut single: KvCache<B> = self.model.new_cache();
-            if !window.is_empty() {
-                let ids: Vec<i64> = window.iter().map(|&t| t as i64).collect();
-                let input = Tensor::<B, 2, Int>::from_data(
-                    TensorData::new(ids, [1, window.len()]),
-                    &self.device,
-                );
-                self.model.forward_cached(input, &mut single);
-            }
-            cache.join(&single);
+            self.join_alone(window, cache);
             order.push(r);
         }
         // The batch's rows are now `order`; put them back in the order of `rows`.
@@ -377,35 +370,33 @@ impl<B: LabBackend> Engine<'_, B> {
     /// Hyena): decoded alone, start to end, with the single-sequence decoder.
     fn alone(&self, job: Job) {
         self.counters.running.store(1, Ordering::SeqCst);
-        let mut rng = StdRng::seed_from_u64(job.seed);
-        let mut decoder = Decoder::new(
+        let stopping = &self.counters.stopping;
+        let decoded = generate(
             self.model,
-            vec![job.prompt.clone()],
+            &job.prompt,
+            job.max_tokens,
+            &job.sampling,
+            job.seed,
             Decoding::Cached,
             &self.device,
+            |token| {
+                if stopping.load(Ordering::SeqCst) {
+                    anyhow::bail!("stopping");
+                }
+                job.events
+                    .send(Event::Token(token))
+                    .map_err(|_| anyhow::anyhow!("the client has gone"))
+            },
         );
-        let mut finish = Finish::Length;
-        for _ in 0..job.max_tokens {
-            if job.events.is_closed() {
-                return;
+        match decoded {
+            Ok(_) => {
+                let _ = job.events.send(Event::Done(Finish::Length));
             }
-            if self.counters.stopping.load(Ordering::SeqCst) {
-                finish = Finish::Cancelled;
-                break;
+            Err(_) if stopping.load(Ordering::SeqCst) => {
+                let _ = job.events.send(Event::Done(Finish::Cancelled));
             }
-            let logits: Vec<f32> = decoder
-                .next_logits()
-                .into_data()
-                .convert::<f32>()
-                .to_vec()
-                .expect("f32 logits");
-            let next = job.sampling.sample(&logits, &mut rng);
-            decoder.push(&[next]);
-            if job.events.send(Event::Token(next)).is_err() {
-                return;
-            }
+            Err(_) => {} // the client has gone
         }
-        let _ = job.events.send(Event::Done(finish));
         self.counters.running.store(0, Ordering::SeqCst);
     }
 }
