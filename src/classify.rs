@@ -39,6 +39,12 @@ pub fn load_image(path: &Path, size: usize) -> Result<PreparedImage> {
     Ok(PreparedImage { pixels, inverted })
 }
 
+/// [`load_image`] of an image file's bytes (an upload); `name` names it in errors.
+pub fn image_from_bytes(bytes: &[u8], name: &str, size: usize) -> Result<PreparedImage> {
+    let (pixels, inverted) = crate::data::images::grey_image_from_bytes(bytes, name, size)?;
+    Ok(PreparedImage { pixels, inverted })
+}
+
 /// Class probabilities of images, `[b, classes]`.
 pub fn image_probabilities<B: LabBackend>(
     trained: &Trained<VisionTransformer<B>>,

@@ -288,6 +288,26 @@ pub fn read_grey_image(path: &Path, size: usize) -> Result<(Vec<u8>, bool)> {
         .with_context(|| format!("cannot read {}", path.display()))?
         .decode()
         .with_context(|| format!("{} is not a readable PNG or JPEG image", path.display()))?;
+    Ok(grey_input(&image, size))
+}
+
+/// [`read_grey_image`] of a file's bytes (an upload); `name` names it in errors.
+pub fn grey_image_from_bytes(bytes: &[u8], name: &str, size: usize) -> Result<(Vec<u8>, bool)> {
+    let mut reader = image::ImageReader::new(std::io::Cursor::new(bytes))
+        .with_guessed_format()
+        .with_context(|| format!("cannot read {name}"))?;
+    // A small file can claim a huge image; an upload gets at most 8192 × 8192 pixels.
+    let mut limits = image::Limits::default();
+    limits.max_image_width = Some(8192);
+    limits.max_image_height = Some(8192);
+    reader.limits(limits);
+    let image = reader
+        .decode()
+        .with_context(|| format!("{name} is not a readable PNG or JPEG image"))?;
+    Ok(grey_input(&image, size))
+}
+
+fn grey_input(image: &image::DynamicImage, size: usize) -> (Vec<u8>, bool) {
     let (side, filter) = (size as u32, image::imageops::FilterType::Triangle);
     let grey = image::imageops::resize(&image.to_luma8(), side, side, filter);
     let mut pixels = grey.into_raw();
@@ -299,5 +319,5 @@ pub fn read_grey_image(path: &Path, size: usize) -> Result<(Vec<u8>, bool)> {
     if light {
         pixels.iter_mut().for_each(|p| *p = 255 - *p);
     }
-    Ok((pixels, light))
+    (pixels, light)
 }

@@ -261,18 +261,13 @@ impl ModelKind for ClipConfig {
         _target: Option<&str>,
         device: &B::Device,
     ) -> Result<AttentionMaps> {
-        let mut maps = AttentionMaps::new(&trained.config.name, Self::KIND, input);
-        if let Some(image) = image_input(trained, input)? {
-            let (group, _) = vit_attention(&trained.model.image, &image, None, device)?;
-            maps.groups.push(group);
-            maps.image = Some(image);
+        let path = Path::new(input);
+        if path.is_file() {
+            let size = trained.config.model_as::<ClipConfig>()?.image.image_size;
+            image_maps(trained, input, load_image(path, size)?.pixels, device)
         } else {
-            let text = Self::text_model(trained)?;
-            let ids = text.encode(input)?;
-            maps.groups
-                .push(text_attention(trained, &text, &ids, device)?);
+            text_maps(trained, input, device)
         }
-        Ok(maps)
     }
 
     fn statistics<B: LabBackend>(
@@ -305,23 +300,40 @@ impl ModelKind for ClipConfig {
 }
 
 /// `input` as the image encoder's input when it names an image file; `None` for text.
-fn image_input<B: LabBackend>(
+/// The image encoder's attention on one image already read (`image_size²` grey pixels);
+/// `input` names it.
+pub fn image_maps<B: LabBackend>(
     trained: &Trained<Clip<B>>,
     input: &str,
-) -> Result<Option<ImageInput>> {
-    let path = Path::new(input);
-    if !path.is_file() {
-        return Ok(None);
-    }
+    pixels: Vec<u8>,
+    device: &B::Device,
+) -> Result<AttentionMaps> {
     let clip = trained.config.model_as::<ClipConfig>()?;
-    let image = load_image(path, clip.image.image_size)?;
-    Ok(Some(ImageInput {
+    let image = ImageInput {
         size: clip.image.image_size,
         patch_size: clip.image.patch_size,
-        pixels: image.pixels,
-    }))
+        pixels,
+    };
+    let mut maps = AttentionMaps::new(&trained.config.name, ClipConfig::KIND, input);
+    let (group, _) = vit_attention(&trained.model.image, &image, None, device)?;
+    maps.groups.push(group);
+    maps.image = Some(image);
+    Ok(maps)
 }
 
+/// The text encoder's attention on one caption.
+pub fn text_maps<B: LabBackend>(
+    trained: &Trained<Clip<B>>,
+    input: &str,
+    device: &B::Device,
+) -> Result<AttentionMaps> {
+    let mut maps = AttentionMaps::new(&trained.config.name, ClipConfig::KIND, input);
+    let text = ClipConfig::text_model(trained)?;
+    let ids = text.encode(input)?;
+    maps.groups
+        .push(text_attention(trained, &text, &ids, device)?);
+    Ok(maps)
+}
 /// The text encoder's self-attention on `ids` (one caption, unpadded).
 fn text_attention<B: LabBackend>(
     trained: &Trained<Clip<B>>,
@@ -721,12 +733,27 @@ pub fn zero_shot<B: LabBackend>(
     if images.is_empty() {
         bail!("no image given: name one or more PNG or JPEG files");
     }
-    let clip = trained.config.model_as::<ClipConfig>()?;
-    let size = clip.image.image_size;
+    let size = trained.config.model_as::<ClipConfig>()?.image.image_size;
     let mut pixels = Vec::new();
     for path in images {
         pixels.extend(load_image(path, size)?.pixels);
     }
+    zero_shot_pixels(trained, labels, &pixels, device)
+}
+
+/// [`zero_shot`] of images already read: `pixels` holds each `size × size` grey image (the
+/// model's `image_size`) in turn.
+pub fn zero_shot_pixels<B: LabBackend>(
+    trained: &Trained<Clip<B>>,
+    labels: &[String],
+    pixels: &[u8],
+    device: &B::Device,
+) -> Result<Vec<Vec<f32>>> {
+    if labels.is_empty() || labels.iter().any(|l| l.trim().is_empty()) {
+        bail!("an empty label: give words (\"a shirt,a shoe,a bag\")");
+    }
+    let clip = trained.config.model_as::<ClipConfig>()?;
+    let size = clip.image.image_size;
     let model = &trained.model;
     let e = clip.embed_dim;
     let max_tokens = trained.config.data.max_tokens;

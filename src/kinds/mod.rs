@@ -13,9 +13,13 @@ mod lm;
 mod seq2seq;
 mod vit;
 
-pub use clip::{pca_2d, recall_at, zero_shot};
+pub use clip::{
+    image_maps as clip_image_maps, pca_2d, recall_at, text_maps as clip_text_maps, zero_shot,
+    zero_shot_pixels,
+};
 pub use lm::{evaluate_lm, Corpus};
 pub use seq2seq::TranslationData;
+pub use vit::image_maps as vit_image_maps;
 
 use crate::artifact::{
     check_new_artifact_dir, write_new_artifact, ArtifactDir, Tokenizers, Trained,

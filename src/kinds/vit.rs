@@ -188,20 +188,9 @@ impl ModelKind for VitConfig {
         _target: Option<&str>,
         device: &B::Device,
     ) -> Result<AttentionMaps> {
-        let vit = trained.config.model_as::<VitConfig>()?;
-        let image = load_image(Path::new(input), vit.image_size)?;
-        let image = ImageInput {
-            size: vit.image_size,
-            patch_size: vit.patch_size,
-            pixels: image.pixels,
-        };
-        let classes = class_names(&trained.config.data.dataset)?;
-        let (group, logits) = vit_attention(&trained.model, &image, None, device)?;
-        let mut maps = AttentionMaps::new(&trained.config.name, Self::KIND, input);
-        maps.output = Some(predicted_class(logits, &classes));
-        maps.groups.push(group);
-        maps.image = Some(image);
-        Ok(maps)
+        let size = trained.config.model_as::<VitConfig>()?.image_size;
+        let image = load_image(Path::new(input), size)?;
+        image_maps(trained, input, image.pixels, device)
     }
 
     fn statistics<B: LabBackend>(
@@ -224,4 +213,27 @@ impl ModelKind for VitConfig {
             trained.config.name
         )
     }
+}
+
+/// The attention maps of a ViT on one image already read (`image_size²` grey pixels, as
+/// [`crate::classify::PreparedImage`] holds them); `input` names it.
+pub fn image_maps<B: LabBackend>(
+    trained: &Trained<VisionTransformer<B>>,
+    input: &str,
+    pixels: Vec<u8>,
+    device: &B::Device,
+) -> Result<AttentionMaps> {
+    let vit = trained.config.model_as::<VitConfig>()?;
+    let image = ImageInput {
+        size: vit.image_size,
+        patch_size: vit.patch_size,
+        pixels,
+    };
+    let classes = class_names(&trained.config.data.dataset)?;
+    let (group, logits) = vit_attention(&trained.model, &image, None, device)?;
+    let mut maps = AttentionMaps::new(&trained.config.name, VitConfig::KIND, input);
+    maps.output = Some(predicted_class(logits, &classes));
+    maps.groups.push(group);
+    maps.image = Some(image);
+    Ok(maps)
 }

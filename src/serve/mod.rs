@@ -10,6 +10,7 @@ pub mod engine;
 pub mod metrics;
 mod openai;
 pub mod text;
+pub mod upload;
 pub mod worker;
 
 use crate::artifact::ArtifactDir;
@@ -152,6 +153,18 @@ impl ApiError {
         }
     }
 
+    /// An error with `status` (a rejection's).
+    fn status(status: StatusCode, message: String) -> Self {
+        Self {
+            status,
+            message,
+            kind: "invalid_request_error",
+            param: None,
+            code: None,
+            retry_after: None,
+        }
+    }
+
     fn busy(model: &str) -> Self {
         Self {
             status: StatusCode::SERVICE_UNAVAILABLE,
@@ -189,14 +202,7 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for ApiJson<T> {
     async fn from_request(request: Request, state: &S) -> Result<Self, Self::Rejection> {
         match Json::<T>::from_request(request, state).await {
             Ok(Json(value)) => Ok(Self(value)),
-            Err(rejection) => Err(ApiError {
-                status: rejection.status(),
-                message: rejection.body_text(),
-                kind: "invalid_request_error",
-                param: None,
-                code: None,
-                retry_after: None,
-            }),
+            Err(rejection) => Err(ApiError::status(rejection.status(), rejection.body_text())),
         }
     }
 }
@@ -288,14 +294,10 @@ async fn record(State(app): State<Arc<App>>, request: Request, next: Next) -> Re
 
 /// Unknown routes: a JSON 404.
 async fn not_found(request: Request) -> ApiError {
-    ApiError {
-        status: StatusCode::NOT_FOUND,
-        message: format!("no route {} {}", request.method(), request.uri().path()),
-        kind: "invalid_request_error",
-        param: None,
-        code: None,
-        retry_after: None,
-    }
+    ApiError::status(
+        StatusCode::NOT_FOUND,
+        format!("no route {} {}", request.method(), request.uri().path()),
+    )
 }
 
 /// The routes.
@@ -310,6 +312,8 @@ fn router(app: Arc<App>, max_body: usize) -> Router {
         .route("/v1/classify", post(worker::classify))
         .route("/v1/attention", post(worker::attention))
         .route("/v1/embed", post(worker::embed))
+        .route("/v1/predict", post(upload::predict))
+        .route("/v1/zero-shot", post(upload::zero_shot))
         .fallback(not_found)
         .layer(axum::extract::DefaultBodyLimit::max(max_body))
         .route_layer(axum::middleware::from_fn_with_state(app.clone(), record))

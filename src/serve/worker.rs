@@ -1,17 +1,23 @@
 //! The models that answer one request at a time — translators, classifiers, ViTs, clip
 //! models — each on its own thread, which loads the model and then runs what the HTTP handlers
 //! send it, in order. Their routes: `/v1/translate`, `/v1/classify`, `/v1/attention`,
-//! `/v1/embed`.
+//! `/v1/embed`, and the image routes of [`super::upload`] (`/v1/predict`, `/v1/zero-shot`).
+//!
+//! Nothing a client sends is read as a path on this machine: an image is always an upload.
 
+use super::upload::{is_multipart, Form};
 use super::{ApiError, ApiJson, App};
 use crate::artifact::ArtifactDir;
-use crate::classify::{class_names, text_probabilities};
-use crate::config::{ClassifierConfig, Seq2SeqConfig};
+use crate::classify::{class_names, image_from_bytes, image_probabilities, text_probabilities};
+use crate::config::{ClassifierConfig, ClipConfig, ModelSection, Seq2SeqConfig, VitConfig};
 use crate::embed::word_vectors;
+use crate::inspect::AttentionMaps;
 use crate::kernels::LabBackend;
-use crate::kinds::{trained_as, AnyTrained};
+use crate::kinds::{
+    clip_image_maps, clip_text_maps, trained_as, vit_image_maps, zero_shot_pixels, AnyTrained,
+};
 use crate::translate::{translate_texts, SearchConfig};
-use axum::extract::State;
+use axum::extract::{FromRequest, Request, State};
 use axum::Json;
 use serde::Deserialize;
 use serde_json::{json, Value};
@@ -35,8 +41,8 @@ pub enum Ask {
     },
     /// The attention maps of every layer and head, as `attention --json` writes them.
     Attention {
-        /// A text (or, for a ViT, nothing else is accepted here).
-        input: String,
+        /// A text, or (ViT, clip) an uploaded image.
+        input: Input,
         /// Translators: the target the decoder reads (default: its own translation).
         target: Option<String>,
     },
@@ -47,6 +53,34 @@ pub enum Ask {
         /// The word (its first whole-word occurrence).
         word: String,
     },
+    /// Class probabilities of each image (ViTs).
+    Predict {
+        /// The uploaded image files.
+        images: Vec<Upload>,
+    },
+    /// Each image's probability over the labels (clip models).
+    ZeroShot {
+        /// The uploaded image files.
+        images: Vec<Upload>,
+        /// Any words.
+        labels: Vec<String>,
+    },
+}
+
+/// What the attention is of.
+pub enum Input {
+    /// A text (a translator's source).
+    Text(String),
+    /// An image file.
+    Image(Upload),
+}
+
+/// An uploaded file.
+pub struct Upload {
+    /// Its file name, as the client gave it.
+    pub name: String,
+    /// Its contents.
+    pub bytes: Vec<u8>,
 }
 
 type Reply = oneshot::Sender<Result<Value, String>>;
@@ -103,7 +137,10 @@ pub fn start<B: LabBackend>(
                 // Translating and classifying read no attention weights (the fused kernels
                 // run); the attention maps and the embeddings do.
                 let answer = match ask {
-                    Ask::Translate { .. } | Ask::Classify { .. } => {
+                    Ask::Translate { .. }
+                    | Ask::Classify { .. }
+                    | Ask::Predict { .. }
+                    | Ask::ZeroShot { .. } => {
                         crate::nn::without_weights(|| answer(trained.as_ref(), ask, &device))
                     }
                     _ => answer(trained.as_ref(), ask, &device),
@@ -145,29 +182,62 @@ fn answer<B: LabBackend>(
             let classifier =
                 trained_as::<ClassifierConfig, B>(trained).ok_or_else(|| wrong("classify"))?;
             let classes = class_names(&classifier.config.data.dataset)?;
-            let probabilities: Vec<f32> = text_probabilities(classifier, &texts, device)?
-                .into_data()
-                .convert::<f32>()
-                .to_vec()
-                .map_err(|e| anyhow::anyhow!("cannot read probabilities: {e:?}"))?;
-            let results: Vec<Value> = probabilities
-                .chunks(classes.len())
-                .map(|row| {
-                    let best = (0..row.len())
-                        .max_by(|&a, &b| row[a].total_cmp(&row[b]))
-                        .unwrap_or(0);
-                    let each: serde_json::Map<String, Value> = classes
-                        .iter()
-                        .zip(row)
-                        .map(|(class, &p)| (class.clone(), json!(p)))
-                        .collect();
-                    json!({"label": classes[best], "probabilities": each})
+            let probabilities = floats(text_probabilities(classifier, &texts, device)?)?;
+            let results: Vec<Value> = (probabilities.chunks(classes.len()))
+                .map(|row| ranked(&classes, row))
+                .collect();
+            Ok(json!({"results": results}))
+        }
+        Ask::Predict { images } => {
+            let vit = trained_as::<VitConfig, B>(trained).ok_or_else(|| wrong("predict"))?;
+            let size = vit.config.model_as::<VitConfig>()?.image_size;
+            let classes = class_names(&vit.config.data.dataset)?;
+            let read = (images.iter())
+                .map(|image| image_from_bytes(&image.bytes, &image.name, size))
+                .collect::<anyhow::Result<Vec<_>>>()?;
+            let pixels: Vec<Vec<u8>> = read.iter().map(|r| r.pixels.clone()).collect();
+            let probabilities = floats(image_probabilities(vit, &pixels, size, device))?;
+            let results: Vec<Value> = (images.iter().zip(&read))
+                .zip(probabilities.chunks(classes.len()))
+                .map(|((image, read), row)| {
+                    let mut result = ranked(&classes, row);
+                    result["image"] = json!(image.name);
+                    result["inverted"] = json!(read.inverted);
+                    result
+                })
+                .collect();
+            Ok(json!({"results": results}))
+        }
+        Ask::ZeroShot { images, labels } => {
+            let clip = trained_as::<ClipConfig, B>(trained).ok_or_else(|| wrong("zero-shot"))?;
+            let size = clip.config.model_as::<ClipConfig>()?.image.image_size;
+            let mut pixels = Vec::new();
+            for image in &images {
+                pixels.extend(image_from_bytes(&image.bytes, &image.name, size)?.pixels);
+            }
+            let probabilities = zero_shot_pixels(clip, &labels, &pixels, device)?;
+            let results: Vec<Value> = (images.iter().zip(probabilities))
+                .map(|(image, row)| {
+                    let mut result = ranked(&labels, &row);
+                    result["image"] = json!(image.name);
+                    result
                 })
                 .collect();
             Ok(json!({"results": results}))
         }
         Ask::Attention { input, target } => {
-            let maps = trained.attention(&input, target.as_deref(), device)?;
+            let maps = match input {
+                Input::Image(image) => image_attention(trained, &image, device)?,
+                // A ViT's or clip model's `attention` reads a path: never one a client sends.
+                Input::Text(_) if kind == VitConfig::KIND => anyhow::bail!(
+                    "a vit model's attention is over an image: send multipart/form-data with \
+                     `model` and an `image` file"
+                ),
+                Input::Text(text) => match trained_as::<ClipConfig, B>(trained) {
+                    Some(clip) => clip_text_maps(clip, &text, device)?,
+                    None => trained.attention(&text, target.as_deref(), device)?,
+                },
+            };
             Ok(serde_json::from_str(&maps.to_json()?)?)
         }
         Ask::Embed { sentence, word } => {
@@ -181,6 +251,46 @@ fn answer<B: LabBackend>(
             }))
         }
     }
+}
+
+/// The attention of a ViT or of a clip model's image encoder on an uploaded image.
+fn image_attention<B: LabBackend>(
+    trained: &dyn AnyTrained<B>,
+    image: &Upload,
+    device: &B::Device,
+) -> anyhow::Result<AttentionMaps> {
+    if let Some(vit) = trained_as::<VitConfig, B>(trained) {
+        let size = vit.config.model_as::<VitConfig>()?.image_size;
+        let read = image_from_bytes(&image.bytes, &image.name, size)?;
+        return vit_image_maps(vit, &image.name, read.pixels, device);
+    }
+    if let Some(clip) = trained_as::<ClipConfig, B>(trained) {
+        let size = clip.config.model_as::<ClipConfig>()?.image.image_size;
+        let read = image_from_bytes(&image.bytes, &image.name, size)?;
+        return clip_image_maps(clip, &image.name, read.pixels, device);
+    }
+    let kind = trained.config().model.kind();
+    anyhow::bail!("a {kind} model reads text, not images: send JSON {{\"model\", \"input\"}}")
+}
+
+/// `{"label": the most probable, "probabilities": {name: p, ...}}` of one row.
+fn ranked(names: &[String], row: &[f32]) -> Value {
+    // Ties go to the first, as the commands rank them.
+    let best = crate::classify::top_classes(row, 1)
+        .first()
+        .map_or(0, |t| t.0);
+    let each: serde_json::Map<String, Value> = (names.iter().zip(row))
+        .map(|(name, &p)| (name.clone(), json!(p)))
+        .collect();
+    json!({"label": names[best], "probabilities": each})
+}
+
+fn floats<B: LabBackend>(probabilities: burn::tensor::Tensor<B, 2>) -> anyhow::Result<Vec<f32>> {
+    probabilities
+        .into_data()
+        .convert::<f32>()
+        .to_vec()
+        .map_err(|e| anyhow::anyhow!("cannot read probabilities: {e:?}"))
 }
 
 /// `POST /v1/translate`: `{"model", "texts": [...], "beam"?}`.
@@ -266,17 +376,26 @@ pub async fn classify(
     Ok(Json(worker.ask(&request.model, ask).await?))
 }
 
-/// `POST /v1/attention`.
+/// `POST /v1/attention`: JSON `{"model", "input", "target"?}`, or for an image
+/// multipart/form-data with `model` and one `image` file.
 pub async fn attention(
     State(app): State<Arc<App>>,
-    ApiJson(request): ApiJson<AttentionRequest>,
+    request: Request,
 ) -> Result<Json<Value>, ApiError> {
-    let worker = app.worker(&request.model)?;
-    let ask = Ask::Attention {
-        input: request.input,
-        target: request.target,
+    let (model, ask) = if is_multipart(&request) {
+        let mut form = Form::read(request, &["model", "image"]).await?;
+        let mut images = form.files("image", 1)?;
+        let input = Input::Image(images.remove(0));
+        let target = None;
+        (form.text("model")?, Ask::Attention { input, target })
+    } else {
+        let ApiJson(request) = ApiJson::<AttentionRequest>::from_request(request, &()).await?;
+        let input = Input::Text(request.input);
+        let target = request.target;
+        (request.model, Ask::Attention { input, target })
     };
-    Ok(Json(worker.ask(&request.model, ask).await?))
+    let worker = app.worker(&model)?;
+    Ok(Json(worker.ask(&model, ask).await?))
 }
 
 /// `POST /v1/embed`.

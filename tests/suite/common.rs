@@ -277,14 +277,29 @@ pub fn classifier_artifact(dir: &Path) {
 
 #[allow(dead_code)]
 pub fn vit_artifact(dir: &Path) {
+    vit_artifact_seeded(dir, None)
+}
+
+/// [`vit_artifact`], every parameter drawn from `seed` (see [`explicit_weights`]) when given:
+/// an untrained ViT's head starts at zero, every class equally likely.
+#[allow(dead_code)]
+pub fn vit_artifact_seeded(dir: &Path, seed: Option<u64>) {
     write_artifact(
         dir,
         r#"{"name": "vit", "model": {"kind": "vit", "patch_size": 7, "d_model": 16,
             "n_layers": 1, "n_heads": 2, "d_ff": 32}, "data": {"dataset": "mnist"}}"#,
         |c| {
-            c.model_as::<transformer_lab::config::VitConfig>()
+            let model = c
+                .model_as::<transformer_lab::config::VitConfig>()
                 .unwrap()
-                .init::<NdArray<f32>>(&Default::default())
+                .init::<NdArray<f32>>(&Default::default());
+            let Some(seed) = seed else { return model };
+            let mut model = explicit_weights(model, seed);
+            // The head starts at zero, which `explicit_weights` keeps: a fresh one.
+            let [d, classes] = model.head.weight.dims();
+            let head = burn::nn::LinearConfig::new(d, classes).init(&Default::default());
+            model.head = explicit_weights(head, seed + 1);
+            model
         },
         None,
     );
@@ -307,6 +322,46 @@ pub fn lm_artifact(dir: &Path, text: &str) {
         },
         Some(tokenizer),
     );
+}
+
+/// An untrained clip artifact (8 × 8 images in 4 × 4 patches, 1-layer encoders, BPE captions)
+/// in `dir/clip`.
+#[allow(dead_code)]
+pub fn clip_artifact(dir: &Path) {
+    let captions = [
+        "a bar at the top",
+        "a bar on the left",
+        "a dot in the middle",
+    ];
+    let tokenizer =
+        Tokenizer::fit(TokenizerKind::Bpe, captions.iter().cycle().take(30), 300).unwrap();
+    write_artifact_at(
+        dir,
+        "clip",
+        r#"{"name": "clip", "model": {"kind": "clip", "embed_dim": 8,
+            "image": {"image_size": 8, "patch_size": 4, "d_model": 16, "n_layers": 1, "n_heads": 2, "d_ff": 32},
+            "text": {"d_model": 16, "n_layers": 1, "n_heads": 2, "d_ff": 32, "max_len": 12}},
+            "data": {"captions_file": "captions.tsv", "tokenizer": "bpe", "bpe_vocab_size": 300,
+                     "max_tokens": 12}}"#,
+        |c| {
+            c.model_as::<transformer_lab::config::ClipConfig>()
+                .unwrap()
+                .init::<NdArray<f32>>(&Default::default())
+        },
+        Some(tokenizer),
+    );
+}
+
+/// A grey PNG of `side × side` at `path`: a bright diagonal stroke on a dark background, or
+/// (`light`) a dark one on white.
+#[allow(dead_code)]
+pub fn stroke_png(path: &Path, side: u32, light: bool) {
+    let image = image::GrayImage::from_fn(side, side, |x, y| {
+        let on = x.abs_diff(y) <= side / 8 || x == side / 2;
+        let value = if on { 220 } else { (x * 7 + y * 3) as u8 % 30 };
+        image::Luma([if light { 255 - value } else { value }])
+    });
+    image.save(path).unwrap();
 }
 
 /// An untrained translator artifact (1+1 layers, 2 heads, shared BPE) in `dir/s2s`.

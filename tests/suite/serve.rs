@@ -681,6 +681,280 @@ fn translators_classifiers_and_every_kind_s_attention_answer_as_their_commands_d
     }
 }
 
+/// A multipart/form-data body of text `fields` and `(field, file name, bytes)` files, with its
+/// content type — what `curl -F` sends.
+fn form(fields: &[(&str, &str)], files: &[(&str, &str, Vec<u8>)]) -> (String, Vec<u8>) {
+    let boundary = "----transformer-lab-test-7d1e";
+    let mut body = Vec::new();
+    for (name, value) in fields {
+        body.extend(
+            format!(
+            "--{boundary}\r\ncontent-disposition: form-data; name=\"{name}\"\r\n\r\n{value}\r\n"
+        )
+            .bytes(),
+        );
+    }
+    for (name, file, bytes) in files {
+        body.extend(format!(
+            "--{boundary}\r\ncontent-disposition: form-data; name=\"{name}\"; filename=\"{file}\"\r\ncontent-type: image/png\r\n\r\n"
+        ).bytes());
+        body.extend(bytes);
+        body.extend(b"\r\n");
+    }
+    body.extend(format!("--{boundary}--\r\n").bytes());
+    (format!("multipart/form-data; boundary={boundary}"), body)
+}
+
+/// The files `names` in `dir`, as `image` fields of a form.
+fn image_files(dir: &Path, names: &[&'static str]) -> Vec<(&'static str, &'static str, Vec<u8>)> {
+    (names.iter())
+        .map(|&name| ("image", name, std::fs::read(dir.join(name)).unwrap()))
+        .collect()
+}
+
+impl Server {
+    fn upload(
+        &self,
+        path: &str,
+        fields: &[(&str, &str)],
+        files: &[(&str, &str, Vec<u8>)],
+    ) -> (u16, Value) {
+        let (content_type, body) = form(fields, files);
+        let mut response = agent()
+            .post(format!("{}{path}", self.url))
+            .header("content-type", content_type)
+            .send(&body[..])
+            .unwrap();
+        let status = response.status().as_u16();
+        let text = response.body_mut().read_to_string().unwrap();
+        let value = serde_json::from_str(&text)
+            .unwrap_or_else(|e| panic!("{path} answered {status} with non-JSON ({e}): {text}"));
+        (status, value)
+    }
+}
+
+#[test]
+fn uploaded_images_get_what_predict_zero_shot_and_attention_print_and_no_path_is_read() {
+    use crate::common::{clip_artifact, stroke_png, vit_artifact_seeded};
+    let dir = tempfile::tempdir().unwrap();
+    lm_artifact(dir.path(), TEXT);
+    std::fs::create_dir(dir.path().join("v")).unwrap();
+    vit_artifact_seeded(&dir.path().join("v"), Some(5));
+    clip_artifact(dir.path());
+    stroke_png(&dir.path().join("digit.png"), 28, false);
+    stroke_png(&dir.path().join("paper.png"), 40, true);
+    stroke_png(&dir.path().join("bar.png"), 8, false);
+    let files = |names: &[&'static str]| image_files(dir.path(), names);
+    let server = Server::start(
+        dir.path(),
+        &["--artifact-dir", "v/art", "--artifact-dir", "clip"],
+    );
+    let cli = |args: &[&str]| {
+        let out = crate::common::run(dir.path(), args);
+        assert!(out.status.success(), "{}", crate::common::stderr(&out));
+        String::from_utf8(out.stdout).unwrap()
+    };
+
+    // predict: every class's probability; the command's ten lines, to its one decimal.
+    let (status, answer) = server.upload(
+        "/v1/predict",
+        &[("model", "art")],
+        &files(&["digit.png", "paper.png"]),
+    );
+    assert_eq!(status, 200, "{answer}");
+    let printed = cli(&[
+        "predict",
+        "--artifact-dir",
+        "v/art",
+        "--top",
+        "10",
+        "digit.png",
+        "paper.png",
+    ]);
+    let results = answer["results"].as_array().unwrap();
+    assert_eq!(results.len(), 2);
+    let mut spread = 0.0f64;
+    for (line, result) in printed.lines().zip(results) {
+        let (image, ranked) = line.split_once(": ").unwrap();
+        assert_eq!(result["image"], json!(image), "{line}");
+        assert_eq!(
+            result["inverted"],
+            json!(line.contains("inverted")),
+            "{line}"
+        );
+        let ranked = ranked.split(" (inverted").next().unwrap();
+        for (i, shown) in ranked.split(", ").enumerate() {
+            let (class, percent) = shown.rsplit_once(' ').unwrap();
+            let p = result["probabilities"][class].as_f64().unwrap();
+            assert_eq!(format!("{:.1}%", 100.0 * p), percent, "{line}");
+            if i == 0 {
+                assert_eq!(result["label"], json!(class), "{line}");
+            }
+            spread = spread.max((p - 0.1).abs());
+        }
+    }
+    assert!(spread > 0.01, "the classes are told apart: {printed}");
+
+    // zero-shot: each label's probability, as the command prints them.
+    let labels = "a bar at the top,a dot in the middle,a bar on the left";
+    let (status, answer) = server.upload(
+        "/v1/zero-shot",
+        &[("model", "clip"), ("labels", labels)],
+        &files(&["bar.png"]),
+    );
+    assert_eq!(status, 200, "{answer}");
+    let printed = cli(&[
+        "zero-shot",
+        "--artifact-dir",
+        "clip",
+        "--labels",
+        labels,
+        "bar.png",
+    ]);
+    let result = &answer["results"][0];
+    let mut shown = 0;
+    for line in printed.lines().skip(1) {
+        let (label, percent) = line.trim().rsplit_once("  ").unwrap();
+        let p = result["probabilities"][label.trim()].as_f64().unwrap();
+        assert_eq!(format!("{:.1}%", 100.0 * p), percent.trim(), "{line}");
+        shown += 1;
+    }
+    assert_eq!(shown, 3, "{printed}");
+
+    // attention of an uploaded image (ViT, clip's image encoder) and of a caption: the JSON
+    // `attention --json` writes.
+    let json_of = |artifact: &str, input: &str| -> Value {
+        let path = dir.path().join("maps.json");
+        cli(&[
+            "attention",
+            "--artifact-dir",
+            artifact,
+            input,
+            "--json",
+            path.to_str().unwrap(),
+        ]);
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap()
+    };
+    for (model, artifact, image) in [("art", "v/art", "digit.png"), ("clip", "clip", "bar.png")] {
+        let (status, answer) =
+            server.upload("/v1/attention", &[("model", model)], &files(&[image]));
+        assert_eq!(status, 200, "{model}: {answer}");
+        assert!(
+            answer == json_of(artifact, image),
+            "{model}: the maps differ from the command's"
+        );
+    }
+    let caption = "a bar at the top";
+    let (status, answer) = server.post(
+        "/v1/attention",
+        &json!({"model": "clip", "input": caption}).to_string(),
+    );
+    assert_eq!(status, 200, "{answer}");
+    assert!(
+        answer == json_of("clip", caption),
+        "the caption's maps differ"
+    );
+
+    // A text naming a file on the server is never read as that file: for clip it is a
+    // caption, for a ViT (which reads nothing else) an error.
+    let on_server = dir.path().join("bar.png");
+    let (status, answer) = server.post(
+        "/v1/attention",
+        &json!({"model": "clip", "input": on_server.to_str().unwrap()}).to_string(),
+    );
+    assert_eq!(status, 200, "{answer}");
+    assert_eq!(
+        answer["groups"][0]["name"],
+        json!("text"),
+        "read as a caption"
+    );
+    assert!(answer.get("image").is_none());
+
+    // Bad uploads: one JSON error each.
+    std::fs::write(dir.path().join("notes.png"), "not an image").unwrap();
+    let cases: Vec<(&str, Vec<(&str, &str)>, Vec<&str>, u16, &str)> = vec![
+        ("/v1/attention", vec![], vec![], 400, ""),
+        (
+            "/v1/predict",
+            vec![("model", "art")],
+            vec![],
+            400,
+            "give 1 to 64 files as `image`",
+        ),
+        (
+            "/v1/predict",
+            vec![("model", "art")],
+            vec!["notes.png"],
+            400,
+            "notes.png is not a readable PNG or JPEG",
+        ),
+        (
+            "/v1/predict",
+            vec![("model", "art"), ("top", "3")],
+            vec!["digit.png"],
+            422,
+            "unknown field `top`",
+        ),
+        (
+            "/v1/predict",
+            vec![("model", "lm")],
+            vec!["digit.png"],
+            400,
+            "predict is not for a lm",
+        ),
+        (
+            "/v1/predict",
+            vec![],
+            vec!["digit.png"],
+            400,
+            "the form has no `model`",
+        ),
+        (
+            "/v1/zero-shot",
+            vec![("model", "clip"), ("labels", "a bar,")],
+            vec!["bar.png"],
+            400,
+            "none empty",
+        ),
+        (
+            "/v1/zero-shot",
+            vec![("model", "art"), ("labels", "a,b")],
+            vec!["bar.png"],
+            400,
+            "zero-shot is not for a vit",
+        ),
+        (
+            "/v1/attention",
+            vec![("model", "lm")],
+            vec!["bar.png"],
+            400,
+            "reads text, not images",
+        ),
+    ];
+    for (path, fields, names, want, needle) in cases {
+        let (status, answer) = if names.is_empty() && fields.is_empty() {
+            // The ViT given a text: it reads only images.
+            server.post(
+                path,
+                &json!({"model": "art", "input": on_server.to_str().unwrap()}).to_string(),
+            )
+        } else {
+            server.upload(path, &fields, &files(&names))
+        };
+        let message = answer["error"]["message"].as_str().unwrap_or_default();
+        assert_eq!(status, want, "{path} {fields:?}: {answer}");
+        let needle = if needle.is_empty() {
+            "attention is over an image"
+        } else {
+            needle
+        };
+        assert!(
+            message.contains(needle),
+            "{path}: {needle:?} not in {message:?}"
+        );
+    }
+}
+
 #[test]
 fn bench_serve_loads_the_server_and_counts_what_it_sent() {
     let dir = tempfile::tempdir().unwrap();
