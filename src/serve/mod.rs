@@ -46,7 +46,7 @@ pub struct ServeOptions {
     pub host: String,
     /// Port (0: any free one; the line printed at start says which).
     pub port: u16,
-    /// A bearer token every request but `/health` must carry.
+    /// A bearer token every request but `/health` and the playground page must carry.
     pub api_key: Option<String>,
     /// Requests decoded together on one model at most.
     pub max_batch: usize,
@@ -71,6 +71,16 @@ pub struct Served {
 }
 
 impl Served {
+    /// `text`, cut to its last `context` tokens when longer.
+    fn window(&self, text: String) -> Result<String, ApiError> {
+        let ids = (self.tokenizer.encode(&text))
+            .map_err(|e| ApiError::invalid("input", format!("{e:#}")))?;
+        Ok(match ids.len().checked_sub(self.context) {
+            Some(cut) if cut > 0 => self.tokenizer.decode(&ids[cut..]),
+            _ => text,
+        })
+    }
+
     /// The prompt's token ids, or the error a client gets.
     fn encode(&self, prompt: &str) -> Result<Vec<usize>, ApiError> {
         // An empty prompt starts a fresh passage, as `generate` does.
@@ -220,6 +230,11 @@ async fn health(State(app): State<Arc<App>>) -> Json<serde_json::Value> {
     Json(json!({"status": "ok", "models": models}))
 }
 
+/// `GET /`: the playground, one self-contained page (no network but this server).
+async fn playground() -> axum::response::Html<&'static str> {
+    axum::response::Html(include_str!("playground.html"))
+}
+
 /// `GET /metrics`.
 async fn metrics(State(app): State<Arc<App>>) -> Response {
     for model in &app.models {
@@ -249,7 +264,7 @@ async fn metrics(State(app): State<Arc<App>>) -> Response {
         .into_response()
 }
 
-/// Refuses requests without the bearer token (when one is set); `/health` is open.
+/// Refuses requests without the bearer token (when one is set); `/health` and `/` are open.
 async fn authorize(State(app): State<Arc<App>>, request: Request, next: Next) -> Response {
     if let Some(key) = &app.api_key {
         let given = request
@@ -257,7 +272,9 @@ async fn authorize(State(app): State<Arc<App>>, request: Request, next: Next) ->
             .get(header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.strip_prefix("Bearer "));
-        if request.uri().path() != "/health" && given != Some(key.as_str()) {
+        // The health check and the playground page (which holds no data) are open.
+        let open = ["/health", "/"].contains(&request.uri().path());
+        if !open && given != Some(key.as_str()) {
             return ApiError {
                 status: StatusCode::UNAUTHORIZED,
                 message: "this server needs an API key: send `Authorization: Bearer KEY`".into(),
@@ -303,6 +320,7 @@ async fn not_found(request: Request) -> ApiError {
 /// The routes.
 fn router(app: Arc<App>, max_body: usize) -> Router {
     Router::new()
+        .route("/", get(playground))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .route("/v1/models", get(openai::models))

@@ -107,7 +107,14 @@ pub async fn models(State(app): State<Arc<App>>) -> Json<Value> {
     let data: Vec<Value> = app
         .workers
         .iter()
-        .map(|(id, worker)| json!({"id": id, "object": "model", "created": app.created, "owned_by": "transformer-lab", "kind": worker.kind}))
+        .map(|(id, worker)| {
+            let mut model = json!({"id": id, "object": "model", "created": app.created,
+                "owned_by": "transformer-lab", "kind": worker.kind});
+            if let Some(lm) = app.models.iter().find(|m| m.id == *id) {
+                model["context"] = json!(lm.context);
+            }
+            model
+        })
         .collect();
     Json(json!({"object": "list", "data": data}))
 }

@@ -322,6 +322,10 @@ pub struct AttentionRequest {
     model: String,
     input: String,
     target: Option<String>,
+    /// A language model's input longer than its context is cut to its last `context` tokens:
+    /// the window the model attends over as it writes the next token.
+    #[serde(default)]
+    window: bool,
 }
 
 /// `POST /v1/embed`: `{"model", "sentence", "word"}`.
@@ -390,7 +394,10 @@ pub async fn attention(
         (form.text("model")?, Ask::Attention { input, target })
     } else {
         let ApiJson(request) = ApiJson::<AttentionRequest>::from_request(request, &()).await?;
-        let input = Input::Text(request.input);
+        let input = match request.window {
+            true => Input::Text(app.model(&request.model)?.window(request.input)?),
+            false => Input::Text(request.input),
+        };
         let target = request.target;
         (request.model, Ask::Attention { input, target })
     };

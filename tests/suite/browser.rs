@@ -19,7 +19,7 @@ const CHROMIUM: &str = "/usr/bin/chromium";
 const CHROMEDRIVER: &str = "/usr/bin/chromedriver";
 
 /// A WebDriver session; the driver process dies with it.
-struct Browser {
+pub struct Browser {
     agent: ureq::Agent,
     base: String,
     session: String,
@@ -27,7 +27,7 @@ struct Browser {
 }
 
 impl Browser {
-    fn start(profile: &Path) -> Self {
+    pub fn start(profile: &Path) -> Self {
         let port = std::net::TcpListener::bind("127.0.0.1:0")
             .unwrap()
             .local_addr()
@@ -96,7 +96,7 @@ impl Browser {
         browser
     }
 
-    fn post(&self, path: &str, body: Value) -> Value {
+    pub fn post(&self, path: &str, body: Value) -> Value {
         let url = if path == "/session" {
             format!("{}{path}", self.base)
         } else {
@@ -119,27 +119,60 @@ impl Browser {
         value["value"].clone()
     }
 
-    fn script(&self, script: &str) -> Value {
+    pub fn script(&self, script: &str) -> Value {
         self.post("/execute/sync", json!({"script": script, "args": []}))
     }
 
     /// The browser's console messages since the last call.
-    fn console(&self) -> Vec<Value> {
+    pub fn console(&self) -> Vec<Value> {
         self.post("/se/log", json!({"type": "browser"}))
             .as_array()
             .cloned()
             .unwrap_or_default()
     }
 
-    fn click(&self, css: &str) {
+    fn element(&self, css: &str) -> String {
         let found = self.post("/element", json!({"using": "css selector", "value": css}));
-        let id = found
+        found
             .as_object()
             .and_then(|o| o.values().next())
             .and_then(Value::as_str)
             .unwrap_or_else(|| panic!("no element {css}"))
-            .to_string();
+            .to_string()
+    }
+
+    pub fn click(&self, css: &str) {
+        let id = self.element(css);
         self.post(&format!("/element/{id}/click"), json!({}));
+    }
+
+    /// Types `text` into the element, key by key, as a user does.
+    pub fn type_into(&self, css: &str, text: &str) {
+        let id = self.element(css);
+        self.post(&format!("/element/{id}/value"), json!({"text": text}));
+    }
+
+    /// Waits (up to a minute) until `script` returns `want`.
+    pub fn wait_for(&self, script: &str, want: Value) {
+        let began = Instant::now();
+        loop {
+            let got = self.script(script);
+            if got == want {
+                return;
+            }
+            assert!(
+                began.elapsed() < Duration::from_secs(60),
+                "waited a minute for {script} to give {want}; it gives {got}"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// The console's errors and warnings since the last read.
+    pub fn errors(&self) -> Vec<Value> {
+        (self.console().into_iter())
+            .filter(|m| m["level"] == "SEVERE" || m["level"] == "WARNING")
+            .collect()
     }
 }
 
@@ -188,14 +221,23 @@ fn assert_lines_show(lines: &Value, weights: &[Vec<Vec<f32>>]) {
     }
 }
 
+/// Whether Chromium and ChromeDriver are here; without them a test skips, saying so (in CI,
+/// where `CI_EXPECT_BROWSER` is set, it fails).
+pub fn have_browser() -> bool {
+    if Path::new(CHROMEDRIVER).exists() && Path::new(CHROMIUM).exists() {
+        return true;
+    }
+    assert!(
+        std::env::var_os("CI_EXPECT_BROWSER").is_none(),
+        "CI_EXPECT_BROWSER is set but {CHROMIUM} or {CHROMEDRIVER} is missing"
+    );
+    crate::common::skip("no browser: install Debian's chromium and chromium-driver");
+    false
+}
+
 #[test]
 fn the_attention_page_works_in_a_real_browser() {
-    if !Path::new(CHROMEDRIVER).exists() || !Path::new(CHROMIUM).exists() {
-        assert!(
-            std::env::var_os("CI_EXPECT_BROWSER").is_none(),
-            "CI_EXPECT_BROWSER is set but {CHROMIUM} or {CHROMEDRIVER} is missing"
-        );
-        crate::common::skip("no browser: install Debian's chromium and chromium-driver");
+    if !have_browser() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
@@ -213,11 +255,7 @@ fn the_attention_page_works_in_a_real_browser() {
 
     let browser = Browser::start(&dir.path().join("profile"));
     browser.post("/url", json!({"url": format!("file://{}", page.display())}));
-    let errors: Vec<Value> = browser
-        .console()
-        .into_iter()
-        .filter(|m| m["level"] == "SEVERE" || m["level"] == "WARNING")
-        .collect();
+    let errors = browser.errors();
     assert!(errors.is_empty(), "console errors on load: {errors:?}");
 
     let panels = browser.script("return document.querySelectorAll('#model-view .panel').length;");

@@ -2,7 +2,8 @@
 //! `generate` says for the same prompt, seed and settings, whether the request ran alone or
 //! batched with others; streaming gives the same text; every bad request gets one JSON error
 //! and the others go on; SIGTERM stops the server with status 0. The official `openai` Python
-//! client is tested in `the_official_openai_client_talks_to_the_server`.
+//! client is tested in `the_official_openai_client_talks_to_the_server`, the playground page in
+//! a real headless Chromium in `the_playground_streams_shows_attention_aligns_and_classifies`.
 
 use crate::common::{lm_artifact, BIN};
 use serde_json::{json, Value};
@@ -14,7 +15,7 @@ use std::time::{Duration, Instant};
 const TEXT: &str = "to be, or not to be: that is the question. whether 'tis nobler in the mind";
 
 /// A running `serve`, stopped when dropped.
-struct Server {
+pub struct Server {
     child: Child,
     url: String,
 }
@@ -953,6 +954,171 @@ fn uploaded_images_get_what_predict_zero_shot_and_attention_print_and_no_path_is
             "{path}: {needle:?} not in {message:?}"
         );
     }
+}
+
+#[test]
+fn the_playground_streams_shows_attention_aligns_and_classifies_in_a_real_browser() {
+    use crate::browser::{have_browser, Browser};
+    use crate::common::{classifier_artifact, translator_artifact};
+    if !have_browser() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    lm_artifact(dir.path(), TEXT);
+    translator_artifact(dir.path());
+    std::fs::create_dir(dir.path().join("c")).unwrap();
+    classifier_artifact(&dir.path().join("c"));
+    let server = Server::start(
+        dir.path(),
+        &["--artifact-dir", "s2s", "--artifact-dir", "c/art"],
+    );
+    let browser = Browser::start(&dir.path().join("profile"));
+    browser.post("/url", json!({"url": format!("{}/", server.url)}));
+    browser.wait_for(
+        "return Array.from(document.querySelectorAll('#model option')).map(o => o.value);",
+        json!(["lm", "s2s", "art"]),
+    );
+    let errors = browser.errors();
+    assert!(errors.is_empty(), "console errors on load: {errors:?}");
+
+    // A language model: type a prompt, generate greedily, the tokens stream into the page —
+    // what `generate` writes.
+    let prompt = "to be";
+    browser.type_into("#prompt", prompt);
+    browser.script(
+        "document.getElementById('temperature').value = '0'; \
+         document.getElementById('max-tokens').value = '30';",
+    );
+    browser.click("#generate");
+    browser.wait_for(
+        "return document.getElementById('output').dataset.done === 'true';",
+        json!(true),
+    );
+    let pieces: Vec<String> = serde_json::from_value(browser.script(
+        "return Array.from(document.querySelectorAll('#output .token')).map(t => t.textContent);",
+    ))
+    .unwrap();
+    assert_eq!(pieces.len(), 30, "one token per event: {pieces:?}");
+    let want = generated(dir.path(), prompt, 30, &["--temperature", "0"]);
+    assert_eq!(pieces.concat(), want, "the page shows what generate writes");
+
+    // Click the sixth token: every layer's and head's strip is drawn, and the context is
+    // coloured by the weights its step's query gave — the last row of the attention maps of
+    // the text before it.
+    browser.click("#output .token[data-step='5']");
+    browser.wait_for(
+        "return document.querySelectorAll('#heads-grid .strip canvas').length;",
+        json!(2 * 4),
+    );
+    let context = format!("{prompt}{}", pieces[..5].concat());
+    let (status, maps) = server.post(
+        "/v1/attention",
+        &json!({"model": "lm", "input": context, "window": true}).to_string(),
+    );
+    assert_eq!(status, 200, "{maps}");
+    let weights = &maps["groups"][0]["weights"];
+    let row = |layer: usize, head: usize| -> Vec<f64> {
+        let rows = weights[layer][head].as_array().unwrap();
+        serde_json::from_value(rows[rows.len() - 1].clone()).unwrap()
+    };
+    const SHOWN: &str = "return Array.from(document.querySelectorAll('#context-view .key')).map(k => Number(k.dataset.weight));";
+    let close = |shown: Value, want: &[f64]| {
+        let shown: Vec<f64> = serde_json::from_value(shown).unwrap();
+        assert_eq!(shown.len(), context.chars().count());
+        let worst = (shown.iter().zip(want))
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0, f64::max);
+        assert!(worst < 1e-6, "shown {shown:?}, want {want:?}");
+    };
+    close(browser.script(SHOWN), &row(0, 0));
+    // The darkest cell of a strip is its strongest key (the colour of weight = peak).
+    let strongest = (0..context.chars().count())
+        .max_by(|&a, &b| row(1, 2)[a].total_cmp(&row(1, 2)[b]))
+        .unwrap();
+    let darkest = browser.script(
+        "const c = document.querySelector(\".strip[data-layer='1'][data-head='2'] canvas\"); \
+         const d = c.getContext('2d').getImageData(0, 7, c.width, 1).data; \
+         const n = document.querySelectorAll('#context-view .key').length, cell = c.width / n; \
+         let best = 0; for (let k = 0; k < n; k++) if (d[4 * (k * cell)] < d[4 * (best * cell)]) best = k; \
+         return best;",
+    );
+    assert_eq!(
+        darkest,
+        json!(strongest),
+        "the strip is drawn from the weights"
+    );
+    browser.click(".strip[data-layer='1'][data-head='2']");
+    close(browser.script(SHOWN), &row(1, 2));
+
+    // A translator: its translation, and the cross-attention drawn target × source.
+    browser.click("#model option[value='s2s']");
+    browser.type_into("#source", "the cat sat");
+    browser.click("#beam option:first-child");
+    browser.click("#translate");
+    browser.wait_for(
+        "return document.getElementById('alignment').dataset.rows !== undefined;",
+        json!(true),
+    );
+    let shown = browser.script("return document.getElementById('translation').textContent;");
+    let out = crate::common::run(
+        dir.path(),
+        &[
+            "translate",
+            "--artifact-dir",
+            "s2s",
+            "--beam",
+            "1",
+            "the cat sat",
+        ],
+    );
+    let translation = String::from_utf8(out.stdout).unwrap();
+    assert_eq!(shown, json!(translation.trim_end_matches('\n')));
+    let (_, maps) = server.post(
+        "/v1/attention",
+        &json!({"model": "s2s", "input": "the cat sat"}).to_string(),
+    );
+    let cross = (maps["groups"].as_array().unwrap().iter())
+        .find(|g| g["name"] == "cross")
+        .unwrap();
+    let drawn = browser.script(
+        "const c = document.getElementById('alignment'); return [Number(c.dataset.rows), Number(c.dataset.cols)];",
+    );
+    let want = json!([
+        cross["queries"].as_array().unwrap().len(),
+        cross["keys"].as_array().unwrap().len()
+    ]);
+    assert_eq!(
+        drawn, want,
+        "one row per written token, one column per source token"
+    );
+
+    // A classifier: the probabilities follow the typing.
+    browser.click("#model option[value='art']");
+    let text = "a good movie";
+    browser.type_into("#text", text);
+    browser.wait_for(
+        "return document.getElementById('probabilities').dataset.text;",
+        json!(text),
+    );
+    let bars = browser.script(
+        "return Object.fromEntries(Array.from(document.querySelectorAll('#probabilities .bar')).map(b => [b.dataset.name, Number(b.dataset.p)]));",
+    );
+    let (_, answer) = server.post(
+        "/v1/classify",
+        &json!({"model": "art", "texts": [text]}).to_string(),
+    );
+    let want = answer["results"][0]["probabilities"].as_object().unwrap();
+    let bars = bars.as_object().unwrap();
+    assert_eq!(bars.len(), want.len(), "{bars:?}");
+    for (class, p) in want {
+        let shown = bars[class].as_f64().unwrap();
+        assert!(
+            (shown - p.as_f64().unwrap()).abs() < 1e-6,
+            "{class}: {shown} vs {p}"
+        );
+    }
+    let errors = browser.errors();
+    assert!(errors.is_empty(), "console errors: {errors:?}");
 }
 
 #[test]
