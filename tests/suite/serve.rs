@@ -968,15 +968,26 @@ fn the_playground_streams_shows_attention_aligns_and_classifies_in_a_real_browse
     translator_artifact(dir.path());
     std::fs::create_dir(dir.path().join("c")).unwrap();
     classifier_artifact(&dir.path().join("c"));
+    std::fs::create_dir(dir.path().join("v")).unwrap();
+    crate::common::vit_artifact_seeded(&dir.path().join("v"), Some(5));
+    std::fs::rename(dir.path().join("v/art"), dir.path().join("v/digits")).unwrap();
+    crate::common::stroke_png(&dir.path().join("digit.png"), 28, false);
     let server = Server::start(
         dir.path(),
-        &["--artifact-dir", "s2s", "--artifact-dir", "c/art"],
+        &[
+            "--artifact-dir",
+            "s2s",
+            "--artifact-dir",
+            "c/art",
+            "--artifact-dir",
+            "v/digits",
+        ],
     );
     let browser = Browser::start(&dir.path().join("profile"));
     browser.post("/url", json!({"url": format!("{}/", server.url)}));
     browser.wait_for(
         "return Array.from(document.querySelectorAll('#model option')).map(o => o.value);",
-        json!(["lm", "s2s", "art"]),
+        json!(["lm", "s2s", "art", "digits"]),
     );
     let errors = browser.errors();
     assert!(errors.is_empty(), "console errors on load: {errors:?}");
@@ -1100,25 +1111,45 @@ fn the_playground_streams_shows_attention_aligns_and_classifies_in_a_real_browse
         "return document.getElementById('probabilities').dataset.text;",
         json!(text),
     );
-    let bars = browser.script(
-        "return Object.fromEntries(Array.from(document.querySelectorAll('#probabilities .bar')).map(b => [b.dataset.name, Number(b.dataset.p)]));",
-    );
+    let bars = browser.script(PROBABILITIES);
     let (_, answer) = server.post(
         "/v1/classify",
         &json!({"model": "art", "texts": [text]}).to_string(),
     );
-    let want = answer["results"][0]["probabilities"].as_object().unwrap();
-    let bars = bars.as_object().unwrap();
+    same_probabilities(&bars, &answer["results"][0]["probabilities"]);
+
+    // A ViT: an image chosen from this computer, its class probabilities.
+    browser.click("#model option[value='digits']");
+    let image = dir.path().join("digit.png");
+    browser.type_into("#image", image.to_str().unwrap());
+    browser.click("#predict");
+    browser.wait_for(
+        "return document.querySelectorAll('#image-probabilities .bar').length;",
+        json!(10),
+    );
+    let bars = browser.script(&PROBABILITIES.replace("#probabilities", "#image-probabilities"));
+    let (_, answer) = server.upload(
+        "/v1/predict",
+        &[("model", "digits")],
+        &image_files(dir.path(), &["digit.png"]),
+    );
+    same_probabilities(&bars, &answer["results"][0]["probabilities"]);
+
+    let errors = browser.errors();
+    assert!(errors.is_empty(), "console errors: {errors:?}");
+}
+
+const PROBABILITIES: &str = "return Object.fromEntries(Array.from(document.querySelectorAll('#probabilities .bar')).map(b => [b.dataset.name, Number(b.dataset.p)]));";
+
+/// The bars a page shows are the probabilities the server gives.
+fn same_probabilities(bars: &Value, want: &Value) {
+    let (bars, want) = (bars.as_object().unwrap(), want.as_object().unwrap());
     assert_eq!(bars.len(), want.len(), "{bars:?}");
     for (class, p) in want {
         let shown = bars[class].as_f64().unwrap();
-        assert!(
-            (shown - p.as_f64().unwrap()).abs() < 1e-6,
-            "{class}: {shown} vs {p}"
-        );
+        let p = p.as_f64().unwrap();
+        assert!((shown - p).abs() < 1e-6, "{class}: {shown} vs {p}");
     }
-    let errors = browser.errors();
-    assert!(errors.is_empty(), "console errors: {errors:?}");
 }
 
 #[test]
