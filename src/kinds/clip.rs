@@ -758,7 +758,7 @@ pub fn zero_shot_pixels<B: LabBackend>(
     let e = clip.embed_dim;
     let max_tokens = trained.config.data.max_tokens;
     let texts = embed_captions(model, trained.tokenizer(), labels, max_tokens, device)?;
-    let image_embeddings = embed_images(model, &pixels, size, 64, device)?;
+    let image_embeddings = embed_images(model, pixels, size, 64, device)?;
     let scale = floats(model.scale())?[0];
     Ok((image_embeddings.chunks(e))
         .map(|image| {

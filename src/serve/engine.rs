@@ -383,6 +383,8 @@ impl<B: LabBackend> Engine<'_, B> {
                 if stopping.load(Ordering::SeqCst) {
                     anyhow::bail!("stopping");
                 }
+                self.counters.steps.fetch_add(1, Ordering::SeqCst);
+                self.counters.rows.fetch_add(1, Ordering::SeqCst);
                 job.events
                     .send(Event::Token(token))
                     .map_err(|_| anyhow::anyhow!("the client has gone"))

@@ -267,6 +267,52 @@ fn completions_say_what_generate_says_alone_and_batched_and_streamed() {
 }
 
 #[test]
+fn a_linear_attention_model_decodes_one_request_at_a_time_and_says_what_generate_says() {
+    use transformer_lab::config::{LmConfig, TokenizerKind};
+    use transformer_lab::data::Tokenizer;
+    let dir = tempfile::tempdir().unwrap();
+    let tokenizer = Tokenizer::fit(TokenizerKind::Char, std::iter::once(TEXT), 0).unwrap();
+    crate::common::write_artifact_at(
+        dir.path(),
+        "lm",
+        r#"{"name": "lm", "model": {"kind": "lm", "d_model": 32, "n_layers": 2, "n_heads": 4,
+            "context": 64, "mixer": {"kind": "linear", "chunk": 16}},
+            "data": {"dataset": "tinyshakespeare", "tokenizer": "char"}}"#,
+        |c| {
+            let model = c.model_as::<LmConfig>().unwrap().init(&Default::default());
+            crate::common::explicit_weights(model, 11)
+        },
+        Some(tokenizer),
+    );
+    // 90 tokens pass the context of the learned positions: the refill is compared too.
+    let cases = [("to be", 3u64), ("whether", 4), ("the q", 5)];
+    let want: Vec<String> = (cases.iter())
+        .map(|(prompt, seed)| {
+            let seed = seed.to_string();
+            let settings = ["--temperature", "1", "--seed", &seed];
+            generated(dir.path(), prompt, 90, &settings)
+        })
+        .collect();
+    let server = Server::start(dir.path(), &[]);
+    std::thread::scope(|scope| {
+        for ((prompt, seed), want) in cases.iter().zip(&want) {
+            let server = &server;
+            scope.spawn(move || {
+                let got = server.complete(json!({"model": "lm", "prompt": prompt,
+                    "max_tokens": 90, "seed": seed, "temperature": 1.0}));
+                assert_eq!(&got, want, "{prompt:?}");
+            });
+        }
+    });
+    let (steps, rows) = (
+        server.metric("transformer_lab_decode_steps"),
+        server.metric("transformer_lab_decode_rows"),
+    );
+    assert!(steps >= 3.0 * 89.0, "{steps} steps");
+    assert_eq!(steps, rows, "a linear-attention model decodes rows of one");
+}
+
+#[test]
 fn every_bad_request_gets_one_json_error_and_the_others_go_on() {
     let dir = tempfile::tempdir().unwrap();
     lm_artifact(dir.path(), TEXT);
@@ -873,7 +919,14 @@ fn uploaded_images_get_what_predict_zero_shot_and_attention_print_and_no_path_is
 
     // Bad uploads: one JSON error each.
     std::fs::write(dir.path().join("notes.png"), "not an image").unwrap();
-    let cases: Vec<(&str, Vec<(&str, &str)>, Vec<&str>, u16, &str)> = vec![
+    type Case<'a> = (
+        &'a str,
+        Vec<(&'a str, &'a str)>,
+        Vec<&'static str>,
+        u16,
+        &'a str,
+    );
+    let cases: Vec<Case> = vec![
         ("/v1/attention", vec![], vec![], 400, ""),
         (
             "/v1/predict",
