@@ -499,11 +499,17 @@ pub struct EmbedArgs {
     #[arg(long, value_name = "DIR")]
     pub artifact_dir: PathBuf,
     /// The word to follow (matched as a whole word, ignoring case).
-    #[arg(long)]
-    pub word: String,
+    #[arg(long, required_unless_present = "pairs")]
+    pub word: Option<String>,
     /// Sentences that contain the word (at least two).
-    #[arg(required = true, num_args = 2..)]
+    #[arg(required_unless_present = "pairs", num_args = 2..)]
     pub sentences: Vec<String>,
+    /// Instead: score a word-in-context set (the WiC protocol) — a TSV of word, sentence A,
+    /// sentence B, same|different per line (e.g. datasets/word-senses.tsv): each pair's cosine,
+    /// the mean cosine of same- and different-sense pairs, and the accuracy of the best single
+    /// threshold.
+    #[arg(long, value_name = "TSV", conflicts_with_all = ["word", "sentences"])]
+    pub pairs: Option<PathBuf>,
     /// How many leading dimensions of each vector to print (0 = all).
     #[arg(long, default_value_t = 8)]
     pub dims: usize,

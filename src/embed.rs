@@ -76,3 +76,86 @@ pub fn cosine(a: &[f32], b: &[f32]) -> f64 {
         dot / denominator
     }
 }
+
+/// One pair of a word-in-context set: `word` in sentence `a` and in sentence `b`, and whether
+/// it has the same sense in both.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SensePair {
+    /// The word.
+    pub word: String,
+    /// The first sentence.
+    pub a: String,
+    /// The second sentence.
+    pub b: String,
+    /// Whether the word means the same in both.
+    pub same: bool,
+}
+
+/// Reads a word-in-context TSV: `word <TAB> sentence A <TAB> sentence B <TAB> same|different`
+/// per line; blank lines and lines starting with `#` are skipped. Each error names its line.
+pub fn read_pairs(path: &std::path::Path) -> Result<Vec<SensePair>> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| anyhow::anyhow!("cannot read {}: {e}", path.display()))?;
+    let mut pairs = Vec::new();
+    for (i, line) in text.lines().enumerate() {
+        let at = || format!("{}:{}", path.display(), i + 1);
+        if line.trim().is_empty() || line.starts_with('#') {
+            continue;
+        }
+        let fields: Vec<&str> = line.split('\t').map(str::trim).collect();
+        let [word, a, b, sense] = fields[..] else {
+            anyhow::bail!(
+                "{}: expected 4 tab-separated fields (word, sentence A, sentence B, same|different), found {}",
+                at(),
+                fields.len()
+            );
+        };
+        let same = match sense {
+            "same" => true,
+            "different" => false,
+            other => anyhow::bail!("{}: the sense is {other:?}; write same or different", at()),
+        };
+        for (name, sentence) in [("A", a), ("B", b)] {
+            if find_word(sentence, word).is_none() {
+                anyhow::bail!("{}: {word:?} is not a word of sentence {name}", at());
+            }
+        }
+        pairs.push(SensePair {
+            word: word.to_string(),
+            a: a.to_string(),
+            b: b.to_string(),
+            same,
+        });
+    }
+    if pairs.is_empty() {
+        anyhow::bail!("{} holds no pairs", path.display());
+    }
+    Ok(pairs)
+}
+
+/// The WiC protocol's score: the threshold `t` for which "cosine ≥ t means the same sense" is
+/// right most often, and how many pairs it gets right. Every cut between two neighbouring
+/// cosines (and below and above them all) is tried; the threshold is the cut's midpoint.
+pub fn best_threshold(cosines: &[f64], same: &[bool]) -> (f64, usize) {
+    let mut order: Vec<usize> = (0..cosines.len()).collect();
+    order.sort_by(|&i, &j| cosines[i].total_cmp(&cosines[j]));
+    // Threshold below every cosine: everything is called "same".
+    let mut right = same.iter().filter(|&&s| s).count();
+    let (mut best, mut best_right) = (cosines[order[0]] - 1e-9, right);
+    for (k, &i) in order.iter().enumerate() {
+        // Moving the threshold past pair i calls it "different".
+        right = if same[i] { right - 1 } else { right + 1 };
+        let next = order.get(k + 1).map(|&j| cosines[j]);
+        if next == Some(cosines[i]) {
+            continue; // ties move together
+        }
+        if right > best_right {
+            best_right = right;
+            best = match next {
+                Some(next) => (cosines[i] + next) / 2.0,
+                None => cosines[i] + 1e-9,
+            };
+        }
+    }
+    (best, best_right)
+}

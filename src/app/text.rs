@@ -11,13 +11,13 @@ use crate::cli::{
     ClassifyArgs, EmbedArgs, GenerateArgs, PredictArgs, ServeArgs, TranslateArgs, ZeroShotArgs,
 };
 use crate::config::{ClassifierConfig, ClipConfig, LmConfig, Seq2SeqConfig, VitConfig};
-use crate::embed::{cosine, word_vectors};
+use crate::embed::{best_threshold, cosine, read_pairs, word_vectors};
 use crate::generate::{check_prompt, generate, Decoding, Sampling};
 use crate::kernels::LabBackend;
 use crate::kinds::{load_as, zero_shot};
 use crate::serve::ServeOptions;
 use crate::translate::{translate_texts, warn_truncated, SearchConfig};
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use std::io::Write;
 
 pub(super) fn run_generate<B: LabBackend>(args: GenerateArgs, device: B::Device) -> Result<()> {
@@ -189,10 +189,14 @@ pub(super) fn run_classify<B: LabBackend>(args: ClassifyArgs, device: B::Device)
 pub(super) fn run_embed<B: LabBackend>(args: EmbedArgs, device: B::Device) -> Result<()> {
     let trained = crate::kinds::load::<B>(&ArtifactDir::new(&args.artifact_dir), &device)?;
     let model = trained.text_model()?;
+    if let Some(path) = &args.pairs {
+        return run_pairs(&model, path, &device);
+    }
+    let word = args.word.clone().unwrap_or_default();
     let mut vectors = Vec::new();
     let mut lacking = Vec::new();
     for (i, sentence) in args.sentences.iter().enumerate() {
-        match word_vectors(&model, sentence, &args.word, &device)? {
+        match word_vectors(&model, sentence, &word, &device)? {
             Some(v) => vectors.push(v),
             None => lacking.push(format!("{} {sentence:?}", i + 1)),
         }
@@ -200,7 +204,7 @@ pub(super) fn run_embed<B: LabBackend>(args: EmbedArgs, device: B::Device) -> Re
     if !lacking.is_empty() {
         bail!(
             "the word {:?} is not in sentence {}",
-            args.word,
+            word,
             lacking.join(", sentence ")
         );
     }
@@ -208,7 +212,7 @@ pub(super) fn run_embed<B: LabBackend>(args: EmbedArgs, device: B::Device) -> Re
     let shown = if args.dims == 0 { d } else { args.dims.min(d) };
     println!(
         "contextual vector of {:?} (first {shown} of {d} dimensions; mean over its tokens):",
-        args.word
+        word
     );
     for (i, (sentence, v)) in args.sentences.iter().zip(&vectors).enumerate() {
         let values: Vec<String> = v.contextual[..shown]
@@ -237,5 +241,78 @@ pub(super) fn run_embed<B: LabBackend>(args: EmbedArgs, device: B::Device) -> Re
             );
         }
     }
+    Ok(())
+}
+
+/// `embed --pairs`: the WiC protocol on a TSV of sense pairs.
+fn run_pairs<B: LabBackend>(
+    model: &crate::inspect::TextModel<'_, B>,
+    path: &std::path::Path,
+    device: &B::Device,
+) -> Result<()> {
+    let pairs = read_pairs(path)?;
+    let (mut contextual, mut fixed) = (Vec::new(), Vec::new());
+    let mut out = std::io::stdout().lock();
+    let same = pairs.iter().filter(|p| p.same).count();
+    writeln!(
+        out,
+        "{} pairs ({same} same sense, {} different) from {}",
+        pairs.len(),
+        pairs.len() - same,
+        path.display()
+    )?;
+    writeln!(out, "  cosine  static  sense      pair")?;
+    let cut = |s: &str| -> String {
+        match s.char_indices().nth(40) {
+            Some((at, _)) => format!("{}…", &s[..at]),
+            None => s.to_string(),
+        }
+    };
+    for pair in &pairs {
+        let vectors = |sentence: &str| -> Result<crate::embed::WordVectors> {
+            word_vectors(model, sentence, &pair.word, device)?
+                .with_context(|| format!("{:?} is not in {sentence:?}", pair.word))
+        };
+        let (a, b) = (vectors(&pair.a)?, vectors(&pair.b)?);
+        contextual.push(cosine(&a.contextual, &b.contextual));
+        fixed.push(cosine(&a.static_, &b.static_));
+        writeln!(
+            out,
+            "  {:6.3}  {:6.3}  {:<9}  {}: {} | {}",
+            contextual.last().unwrap_or(&0.0),
+            fixed.last().unwrap_or(&0.0),
+            if pair.same { "same" } else { "different" },
+            pair.word,
+            cut(&pair.a),
+            cut(&pair.b)
+        )?;
+    }
+    let senses: Vec<bool> = pairs.iter().map(|p| p.same).collect();
+    let mean = |want: bool| {
+        let chosen: Vec<f64> = (contextual.iter().zip(&senses))
+            .filter(|(_, &s)| s == want)
+            .map(|(c, _)| *c)
+            .collect();
+        chosen.iter().sum::<f64>() / chosen.len().max(1) as f64
+    };
+    writeln!(
+        out,
+        "mean cosine: same sense {:.3}, different sense {:.3}",
+        mean(true),
+        mean(false)
+    )?;
+    let n = pairs.len() as f64;
+    let (threshold, right) = best_threshold(&contextual, &senses);
+    let (_, right_static) = best_threshold(&fixed, &senses);
+    let chance = same.max(pairs.len() - same) as f64 / n;
+    writeln!(
+        out,
+        "best single threshold (cosine ≥ {threshold:.3} → same sense): {:.1}% right ({right} of {}); \
+         static embeddings: {:.1}%; always the commoner answer: {:.1}%",
+        100.0 * right as f64 / n,
+        pairs.len(),
+        100.0 * right_static as f64 / n,
+        100.0 * chance
+    )?;
     Ok(())
 }
