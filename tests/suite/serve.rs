@@ -1095,22 +1095,22 @@ fn the_playground_streams_shows_attention_aligns_and_classifies_in_a_real_browse
         assert!(worst < 1e-6, "shown {shown:?}, want {want:?}");
     };
     close(browser.script(SHOWN), &row(0, 0));
-    // The darkest cell of a strip is its strongest key (the colour of weight = peak).
-    let strongest = (0..context.chars().count())
-        .max_by(|&a, &b| row(1, 2)[a].total_cmp(&row(1, 2)[b]))
-        .unwrap();
-    let darkest = browser.script(
+    // Each cell of a strip is drawn in the colour of its weight over the strip's peak (red
+    // channel 247 - 239 · w / peak).
+    let reds: Vec<f64> = serde_json::from_value(browser.script(
         "const c = document.querySelector(\".strip[data-layer='1'][data-head='2'] canvas\"); \
          const d = c.getContext('2d').getImageData(0, 7, c.width, 1).data; \
          const n = document.querySelectorAll('#context-view .key').length, cell = c.width / n; \
-         let best = 0; for (let k = 0; k < n; k++) if (d[4 * (k * cell)] < d[4 * (best * cell)]) best = k; \
-         return best;",
-    );
-    assert_eq!(
-        darkest,
-        json!(strongest),
-        "the strip is drawn from the weights"
-    );
+         return Array.from({length: n}, (_, k) => d[4 * (k * cell)]);",
+    ))
+    .unwrap();
+    let strip = row(1, 2);
+    let peak = strip.iter().copied().fold(0.0, f64::max);
+    assert_eq!(reds.len(), strip.len());
+    for (k, (red, w)) in reds.iter().zip(&strip).enumerate() {
+        let want = (247.0 - 239.0 * w / peak).round();
+        assert!((red - want).abs() <= 1.0, "key {k}: red {red}, want {want}");
+    }
     browser.click(".strip[data-layer='1'][data-head='2']");
     close(browser.script(SHOWN), &row(1, 2));
 
