@@ -1,8 +1,10 @@
 //! `serve`: trained models behind an HTTP API — OpenAI-compatible completions for language
-//! models, with continuous batching of concurrent requests ([`engine`]), Prometheus metrics and
-//! a health check, on axum and tokio.
+//! models, with continuous batching of concurrent requests ([`engine`]), the other kinds' routes
+//! ([`worker`], [`upload`]), the playground page at `/`, Prometheus metrics and a health check,
+//! on axum and tokio.
 //!
-//! Every model is loaded once, on its engine's thread. The HTTP side checks each request
+//! Every model is loaded once on its worker's thread; a language model also once on its
+//! engine's thread, which decodes. The HTTP side checks each request
 //! (unknown fields, characters outside the vocabulary, limits) and answers every bad one with
 //! one JSON error, OpenAI's shape, without touching the others.
 
