@@ -120,6 +120,11 @@ pub enum Command {
     /// Classify texts with a trained text classifier: each TEXT argument, or else each line of
     /// stdin; prints the label and its probability.
     Classify(ClassifyArgs),
+    /// Fill in the blanks with a trained masked language model: each TEXT argument, or else
+    /// each line of stdin, with `[MASK]` where a word is missing; prints each mask's most
+    /// probable tokens with their probabilities.
+    #[command(name = "fill-mask")]
+    FillMask(FillMaskArgs),
     /// The contextual vector of one word in several sentences, from a trained language model
     /// or classifier, and the cosine similarity of every pair beside that of the static input
     /// embeddings (always 1: the input embedding ignores context).
@@ -486,6 +491,22 @@ pub struct ClassifyArgs {
     #[arg(long, value_name = "DIR")]
     pub artifact_dir: PathBuf,
     /// Texts to classify; none = read stdin line by line.
+    pub texts: Vec<String>,
+    #[command(flatten)]
+    pub compute: ComputeArgs,
+}
+
+/// `fill-mask` options.
+#[derive(Args, Debug)]
+pub struct FillMaskArgs {
+    /// Directory written by `train` for an mlm experiment.
+    #[arg(long, value_name = "DIR")]
+    pub artifact_dir: PathBuf,
+    /// Tokens shown per mask.
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u64).range(1..=100))]
+    pub top: u64,
+    /// Texts with `[MASK]` where a word is missing ("the [MASK] sat on the mat"); none = read
+    /// stdin line by line.
     pub texts: Vec<String>,
     #[command(flatten)]
     pub compute: ComputeArgs,

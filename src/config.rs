@@ -6,20 +6,19 @@
 //! own), unknown fields are rejected (a typo is an error, not a silently ignored setting), and
 //! [`ExperimentConfig::validate`] checks the relations between fields before anything is built.
 //!
-//! [`ModelConfig`] is the one list of model kinds; [`ModelConfig::visit`] is the one place a
-//! kind is matched. Everything that differs by kind is a visitor (a [`Visit`] implemented for
-//! every [`ModelSection`]), so adding a kind is a variant here, its model, and its module in
-//! `kinds/`.
+//! [`ModelConfig`] is the one list of model kinds; [`each_kind!`] is the one place a kind is
+//! matched, so adding a kind is a variant here and an arm there (the compiler finds both), its
+//! model, and its module in `kinds/`.
 
 pub use crate::data::{CopyTaskConfig, DataConfig, TokenizerKind};
-pub use crate::models::{ClassifierConfig, ClipConfig, LmConfig, Seq2SeqConfig, VitConfig};
+pub use crate::models::{
+    ClassifierConfig, ClipConfig, LmConfig, MlmConfig, Seq2SeqConfig, VitConfig,
+};
 pub use crate::nn::StackConfig;
 pub use crate::train::config::{EarlyStopping, ScheduleKind, TrainConfig};
 use anyhow::{bail, Context, Result};
 use serde::de::{DeserializeOwned, Deserializer, Error as _};
 use serde::{Deserialize, Serialize};
-use std::any::Any;
-use std::marker::PhantomData;
 use std::path::Path;
 
 /// The default experiment (`experiments/shakespeare-char.json`), compiled in.
@@ -35,7 +34,7 @@ pub struct ExperimentConfig {
     /// Seed for parameter initialisation, batch sampling and dropout.
     #[serde(default = "default_seed")]
     pub seed: u64,
-    /// The model: `{"kind": "lm" | "seq2seq" | "classifier" | "vit" | "clip", …}`.
+    /// The model: `{"kind": "lm" | "seq2seq" | "classifier" | "vit" | "clip" | "mlm", …}`.
     #[serde(default)]
     pub model: ModelConfig,
     /// The data.
@@ -72,35 +71,44 @@ pub enum ModelConfig {
     /// Contrastive image–text model (CLIP).
     #[serde(deserialize_with = "with_defaults")]
     Clip(ClipConfig),
+    /// Masked language model (BERT-style pretraining).
+    #[serde(deserialize_with = "with_defaults")]
+    Mlm(MlmConfig),
 }
 
-impl ModelConfig {
-    /// Hands the model section, typed, to `visitor`: the one place a kind is matched.
-    pub fn visit<'a, V, O>(&'a self, visitor: V) -> O
-    where
-        V: Visit<'a, LmConfig, Output = O>
-            + Visit<'a, Seq2SeqConfig, Output = O>
-            + Visit<'a, ClassifierConfig, Output = O>
-            + Visit<'a, VitConfig, Output = O>
-            + Visit<'a, ClipConfig, Output = O>,
-    {
-        match self {
-            ModelConfig::Lm(section) => visitor.visit(section),
-            ModelConfig::Seq2seq(section) => visitor.visit(section),
-            ModelConfig::Classifier(section) => visitor.visit(section),
-            ModelConfig::Vit(section) => visitor.visit(section),
-            ModelConfig::Clip(section) => visitor.visit(section),
+/// `each_kind!(model, section => expression)`: `expression` with `section` bound to the typed
+/// section of whichever kind `model` (a `&ModelConfig`) is — the one place a kind is matched.
+/// Each arm is compiled for its own kind, so the compiler checks that every kind provides what
+/// the expression asks of it.
+macro_rules! each_kind {
+    ($model:expr, $section:ident => $body:expr) => {
+        match $model {
+            $crate::config::ModelConfig::Lm($section) => $body,
+            $crate::config::ModelConfig::Seq2seq($section) => $body,
+            $crate::config::ModelConfig::Classifier($section) => $body,
+            $crate::config::ModelConfig::Vit($section) => $body,
+            $crate::config::ModelConfig::Clip($section) => $body,
+            $crate::config::ModelConfig::Mlm($section) => $body,
         }
-    }
+    };
+}
+pub(crate) use each_kind;
 
-    /// `lm`, `seq2seq`, `classifier`, `vit` or `clip`, as written in configs.
+impl ModelConfig {
+    /// `lm`, `seq2seq`, `classifier`, `vit`, `clip` or `mlm`, as written in configs.
     pub fn kind(&self) -> &'static str {
-        self.visit(Kind)
+        fn of<S: ModelSection>(_: &S) -> &'static str {
+            S::KIND
+        }
+        each_kind!(self, section => of(section))
     }
 
     /// The command that uses a trained model of this kind.
     pub fn command(&self) -> &'static str {
-        self.visit(Command)
+        fn of<S: ModelSection>(_: &S) -> &'static str {
+            S::COMMAND
+        }
+        each_kind!(self, section => of(section))
     }
 
     /// Whether the model reads text (and so has tokenizers in its artifact).
@@ -111,12 +119,12 @@ impl ModelConfig {
     /// The vocabulary sizes `(source, target)` (both the same for single-tokenizer models;
     /// zeros for a model that reads no text). Zero also before the tokenizer resolved them.
     pub fn vocab_sizes(&self) -> (usize, usize) {
-        self.visit(VocabSizes)
+        each_kind!(self, section => section.vocab_sizes())
     }
 
     /// Fills in the vocabulary sizes the tokenizers resolved.
     pub fn set_vocab_sizes(&mut self, source: usize, target: usize) {
-        *self = self.visit(WithVocabSizes(source, target));
+        *self = each_kind!(&*self, section => section.with_vocab_sizes(source, target));
     }
 }
 
@@ -128,7 +136,7 @@ impl Default for ModelConfig {
 
 /// What differs by kind in a model section: its name, its checks against the data, its
 /// vocabulary sizes. Implemented by each kind's module in `kinds/`.
-pub trait ModelSection: Any + Clone + Default + Serialize + DeserializeOwned {
+pub trait ModelSection: Clone + Default + Serialize + DeserializeOwned + 'static {
     /// The `kind` written in configs.
     const KIND: &'static str;
     /// What the kind is, in words ("language model").
@@ -143,62 +151,8 @@ pub trait ModelSection: Any + Clone + Default + Serialize + DeserializeOwned {
     fn vocab_sizes(&self) -> (usize, usize);
     /// This section with the tokenizers' vocabulary sizes filled in, as a [`ModelConfig`].
     fn with_vocab_sizes(&self, source: usize, target: usize) -> ModelConfig;
-}
-
-/// Something done with a model section of type `S` (see [`ModelConfig::visit`]).
-pub trait Visit<'a, S> {
-    /// What it gives back.
-    type Output;
-    /// Does it.
-    fn visit(self, section: &'a S) -> Self::Output;
-}
-
-struct Kind;
-impl<S: ModelSection> Visit<'_, S> for Kind {
-    type Output = &'static str;
-    fn visit(self, _: &S) -> &'static str {
-        S::KIND
-    }
-}
-
-struct Command;
-impl<S: ModelSection> Visit<'_, S> for Command {
-    type Output = &'static str;
-    fn visit(self, _: &S) -> &'static str {
-        S::COMMAND
-    }
-}
-
-struct VocabSizes;
-impl<S: ModelSection> Visit<'_, S> for VocabSizes {
-    type Output = (usize, usize);
-    fn visit(self, section: &S) -> (usize, usize) {
-        section.vocab_sizes()
-    }
-}
-
-struct WithVocabSizes(usize, usize);
-impl<S: ModelSection> Visit<'_, S> for WithVocabSizes {
-    type Output = ModelConfig;
-    fn visit(self, section: &S) -> ModelConfig {
-        section.with_vocab_sizes(self.0, self.1)
-    }
-}
-
-struct Validate<'d>(&'d DataConfig);
-impl<S: ModelSection> Visit<'_, S> for Validate<'_> {
-    type Output = Result<()>;
-    fn visit(self, section: &S) -> Result<()> {
-        section.validate(self.0)
-    }
-}
-
-struct Get<T>(PhantomData<T>);
-impl<'a, S: ModelSection, T: 'static> Visit<'a, S> for Get<T> {
-    type Output = Option<&'a T>;
-    fn visit(self, section: &'a S) -> Option<&'a T> {
-        (section as &dyn Any).downcast_ref::<T>()
-    }
+    /// The section `model` holds, if it is of this kind.
+    fn of(model: &ModelConfig) -> Option<&Self>;
 }
 
 /// Reads a model section over its kind's defaults: every key present must be one of the
@@ -249,7 +203,7 @@ impl ExperimentConfig {
 
     /// Checks every part, and that the data suits the model.
     pub fn validate(&self) -> Result<()> {
-        self.model.visit(Validate(&self.data))?;
+        each_kind!(&self.model, section => ModelSection::validate(section, &self.data))?;
         self.train.validate()?;
         let data = &self.data;
         for (name, fraction) in [("valid", data.valid_fraction), ("test", data.test_fraction)] {
@@ -276,7 +230,7 @@ impl ExperimentConfig {
     /// The model section as a `S` (e.g. `config.model_as::<LmConfig>()`), or an error naming
     /// what this experiment is instead.
     pub fn model_as<S: ModelSection>(&self) -> Result<&S> {
-        self.model.visit(Get::<S>(PhantomData)).with_context(|| {
+        S::of(&self.model).with_context(|| {
             format!(
                 "experiment {} is a {} model, not a {} ({})",
                 self.name,

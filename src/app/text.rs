@@ -1,6 +1,6 @@
 //! The commands that use one kind of trained model on the user's input: `generate` (language
-//! model), `translate` (translator), `predict` (ViT), `classify` (text classifier), and `embed`
-//! (any text model).
+//! model), `translate` (translator), `predict` (ViT), `classify` (text classifier), `fill-mask`
+//! (masked language model), and `embed` (any text model).
 
 use super::texts_or_stdin;
 use crate::artifact::ArtifactDir;
@@ -8,13 +8,14 @@ use crate::classify::{
     class_names, image_probabilities, load_image, text_probabilities, top_classes,
 };
 use crate::cli::{
-    ClassifyArgs, EmbedArgs, GenerateArgs, PredictArgs, ServeArgs, TranslateArgs, ZeroShotArgs,
+    ClassifyArgs, EmbedArgs, FillMaskArgs, GenerateArgs, PredictArgs, ServeArgs, TranslateArgs,
+    ZeroShotArgs,
 };
-use crate::config::{ClassifierConfig, ClipConfig, LmConfig, Seq2SeqConfig, VitConfig};
+use crate::config::{ClassifierConfig, ClipConfig, LmConfig, MlmConfig, Seq2SeqConfig, VitConfig};
 use crate::embed::{best_threshold, cosine, read_pairs, word_vectors};
 use crate::generate::{check_prompt, generate, Decoding, Sampling};
 use crate::kernels::LabBackend;
-use crate::kinds::{load_as, zero_shot};
+use crate::kinds::{fill_mask, load_as, zero_shot};
 use crate::serve::ServeOptions;
 use crate::translate::{translate_texts, warn_truncated, SearchConfig};
 use anyhow::{bail, Context, Result};
@@ -182,6 +183,26 @@ pub(super) fn run_classify<B: LabBackend>(args: ClassifyArgs, device: B::Device)
     for (text, row) in texts.iter().zip(probabilities.chunks(classes.len())) {
         let (class, p) = top_classes(row, 1)[0];
         writeln!(out, "{}	{:.3}	{text}", classes[class], p)?;
+    }
+    Ok(())
+}
+
+pub(super) fn run_fill_mask<B: LabBackend>(args: FillMaskArgs, device: B::Device) -> Result<()> {
+    let trained = load_as::<MlmConfig, B>(&ArtifactDir::new(&args.artifact_dir), &device)?;
+    let texts = texts_or_stdin(args.texts)?;
+    if texts.is_empty() {
+        bail!("no text to fill in: give TEXT arguments with [MASK], or lines on stdin");
+    }
+    let mut out = std::io::stdout().lock();
+    for text in &texts {
+        let filled = fill_mask(&trained, text, args.top as usize, &device)?;
+        writeln!(out, "{text}")?;
+        for mask in filled {
+            let tokens: Vec<String> = (mask.tokens.iter())
+                .map(|(token, p)| format!("{token:?} {p:.3}"))
+                .collect();
+            writeln!(out, "  [MASK] {}: {}", mask.index + 1, tokens.join("  "))?;
+        }
     }
     Ok(())
 }

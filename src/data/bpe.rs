@@ -47,6 +47,11 @@ impl Special {
     }
 }
 
+/// The token a masked language model reads in place of the words it must predict; added to a
+/// fitted vocabulary as its last id. It absorbs the space before it, so `the [MASK] sat` reads
+/// as `the`, `[MASK]`, ` sat`, as a masked ` cat` would.
+pub const MASK: &str = "[MASK]";
+
 /// GPT-2's one special token, which ends (and separates) documents.
 pub const END_OF_TEXT: &str = "<|endoftext|>";
 
@@ -159,6 +164,16 @@ impl BpeTokenizer {
     /// The id of a token of the vocabulary (special tokens included).
     pub fn id_of(&self, token: &str) -> Option<usize> {
         self.inner.token_to_id(token).map(|id| id as usize)
+    }
+
+    /// Adds [`MASK`] (if it is not there yet) and gives its id.
+    pub fn add_mask(&mut self) -> usize {
+        if let Some(id) = self.id_of(MASK) {
+            return id;
+        }
+        self.inner
+            .add_special_tokens(&[AddedToken::from(MASK, true).lstrip(true)]);
+        self.id_of(MASK).expect("the token just added")
     }
 
     /// Whether this is GPT-2's tokenizer (no `<pad> <s> </s> <unk>`).

@@ -4,6 +4,7 @@ pub mod bpe;
 pub mod captions;
 pub mod config;
 pub mod images;
+pub mod masked;
 pub mod registry;
 pub mod sentiment;
 pub mod text;
@@ -17,6 +18,7 @@ pub use captions::{
 };
 pub use config::{CopyTaskConfig, DataConfig, TokenizerKind};
 pub use images::{ImageBatch, ImageBatcher, ImageItem, ImageSet};
+pub use masked::{MaskedItem, MaskedSentences, Masking, MlmBatch};
 pub use registry::{data_dir, DatasetSpec, Task, DATA_DIR_ENV};
 pub use sentiment::{
     EncodedSentences, Labelled, SentenceBatch, SentenceBatcher, SentenceItem, SentimentCorpus,

@@ -200,6 +200,22 @@ impl Tokenizer {
         matches!(self, Tokenizer::Bpe(t) if !t.is_gpt2()).then(|| special.id())
     }
 
+    /// The id of `[MASK]`, for a tokenizer fitted for a masked language model.
+    pub fn mask(&self) -> Option<usize> {
+        match self {
+            Tokenizer::Bpe(t) => t.id_of(super::bpe::MASK),
+            Tokenizer::Char(_) => None,
+        }
+    }
+
+    /// Adds `[MASK]` as the last id of a BPE vocabulary and gives it.
+    pub fn add_mask(&mut self) -> Result<usize> {
+        match self {
+            Tokenizer::Bpe(t) => Ok(t.add_mask()),
+            Tokenizer::Char(_) => bail!("a masked language model needs the bpe tokenizer"),
+        }
+    }
+
     /// Writes `tokenizer.json` atomically.
     pub fn save(&self, path: &Path) -> Result<()> {
         let text = match self {

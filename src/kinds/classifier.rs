@@ -1,40 +1,41 @@
 //! The sentence classifier kind: cross-entropy over class scores of labelled sentences, test
 //! accuracy with a confusion matrix, bidirectional self-attention to inspect.
 
-use super::{held_out_batches, EvalRequest, HeldOutRequest, ModelKind};
-use crate::artifact::{Tokenizers, Trained};
+use super::{EvalRequest, ModelKind, Prepared};
+use super::load_as;
+use crate::artifact::{load_weights, ArtifactDir, Tokenizers, Trained};
 use crate::classify::{class_names, evaluate_classifier, report_confusion};
 use crate::config::{
-    ClassifierConfig, DataConfig, ExperimentConfig, ModelConfig, ModelSection, TokenizerKind,
+    ClassifierConfig, DataConfig, ExperimentConfig, MlmConfig, ModelConfig, ModelSection,
+    TokenizerKind,
 };
 use crate::data::{
-    EncodedSentences, SentenceBatch, SentenceBatcher, SentimentCorpus, Special, Task, Tokenizer,
+    EncodedSentences, SentenceBatch, SentenceBatcher, SentenceItem, SentimentCorpus, Special, Task,
+    Tokenizer,
 };
-use crate::inspect::heads::HeldOut;
+use crate::inspect::heads::LossOutput;
 use crate::inspect::{
     predicted_class, text_statistics, weights_or_dense, AttentionGroup, AttentionMaps, GroupStats,
     TextModel,
 };
-use crate::kernels::{LabAutodiff, LabBackend};
+use crate::kernels::LabBackend;
 use crate::models::TextClassifier;
 use crate::nn::StackConfig;
-use crate::train::speed::{bench_training, padding_note, BenchPlan, BenchReport};
-use crate::train::{
-    launch, supervised_steps, train_loader, unseeded, Session, Throughput, TrainReport,
-};
-use anyhow::{bail, Result};
+use crate::train::{supervised_steps, LaunchOptions, Throughput};
+use anyhow::{bail, Context, Result};
+use burn::data::dataloader::batcher::Batcher;
 use burn::data::dataset::Dataset;
+use burn::module::Module;
 use burn::prelude::Tensor;
 use std::path::Path;
-use std::sync::Arc;
 
-supervised_steps!(TextClassifier, SentenceBatch, |model, batch| model
-    .loss(batch.tokens, batch.labels));
+supervised_steps!(TextClassifier, ClassifierConfig);
 
 impl ModelSection for ClassifierConfig {
     const KIND: &'static str = "classifier";
     const DESCRIPTION: &'static str = "text classifier";
     const COMMAND: &'static str = "classify";
+    const UNSERIALIZED_DEFAULTS: &'static [&'static str] = &["init_from"];
 
     fn validate(&self, data: &DataConfig) -> Result<()> {
         ClassifierConfig::validate(self)?;
@@ -67,13 +68,57 @@ impl ModelSection for ClassifierConfig {
             ..self.clone()
         })
     }
+
+    fn of(model: &ModelConfig) -> Option<&Self> {
+        match model {
+            ModelConfig::Classifier(section) => Some(section),
+            _ => None,
+        }
+    }
 }
 
 impl ModelKind for ClassifierConfig {
     type Model<B: LabBackend> = TextClassifier<B>;
+    type Item = SentenceItem;
+    type Split = EncodedSentences;
+    type Batcher = SentenceBatcher;
+    type Batch<B: LabBackend> = SentenceBatch<B>;
 
     fn build<B: LabBackend>(&self, device: &B::Device) -> TextClassifier<B> {
         self.init(device)
+    }
+
+    fn init_from(&self) -> Option<&Path> {
+        self.init_from.as_deref()
+    }
+
+    /// From a masked language model: its token embedding, positions and encoder, the head
+    /// fresh; from a classifier: all of it.
+    fn start_from<B: LabBackend>(
+        &self,
+        model: TextClassifier<B>,
+        from: &ArtifactDir,
+        device: &B::Device,
+    ) -> Result<TextClassifier<B>> {
+        let config = ExperimentConfig::load(&from.config())?;
+        let Some(mlm) = MlmConfig::of(&config.model) else {
+            let weights = from.weights()?;
+            return load_weights(model, &weights, device).with_context(|| {
+                format!(
+                    "model.init_from {}: its model is not the one this config describes",
+                    from.root().display()
+                )
+            });
+        };
+        check_encoder_matches(self, mlm, from)?;
+        let pretrained = load_as::<MlmConfig, B>(from, device)?.model;
+        // Through records: the weights move, this config's dropout stays.
+        let mut model = model;
+        model.token_embedding = (model.token_embedding)
+            .load_record(pretrained.token_embedding.into_record());
+        model.position = model.position.load_record(pretrained.position.into_record());
+        model.encoder = model.encoder.load_record(pretrained.encoder.into_record());
+        Ok(model)
     }
 
     fn stack(&self) -> &StackConfig {
@@ -84,107 +129,64 @@ impl ModelKind for ClassifierConfig {
         &mut self.stack
     }
 
-    fn held_out<B: LabBackend>(
-        trained: &Trained<TextClassifier<B>>,
-        request: &HeldOutRequest,
-        device: &B::Device,
-    ) -> Result<HeldOut<'static, B, TextClassifier<B>>> {
-        let tokenizers = Some(trained.tokenizers().clone());
-        let (_, _, _, valid) = sentences(&trained.config, &request.data_dir, tokenizers)?;
-        let loss = |m: &TextClassifier<B>, b: SentenceBatch<B>| m.loss(b.tokens, b.labels);
-        let (n, batches) = held_out_batches(&valid, request, SentenceBatcher, device, loss)?;
-        Ok(HeldOut {
-            what: format!("{n} validation sentences"),
-            batches,
-            accuracy: true,
-        })
-    }
-
     fn activation_floats(&self, data: &DataConfig) -> f64 {
         self.stack.activation_floats(self.n_layers, data.max_tokens)
     }
 
-    fn train<B: LabAutodiff>(
-        &self,
+    fn prepare(
         mut config: ExperimentConfig,
         tokenizers: Option<Tokenizers>,
-        session: &Session,
         data_dir: &Path,
-        device: B::Device,
-    ) -> Result<TrainReport> {
-        let (corpus, tokenizer, train_set, valid) = sentences(&config, data_dir, tokenizers)?;
-        let data = &config.data;
-        println!(
-            "{}: {} training, {} validation, {} test sentences; vocabulary {}",
-            data.dataset,
-            train_set.len(),
+    ) -> Result<Prepared<Self>> {
+        let (corpus, tokenizer, train, valid) = sentences(&config, data_dir, tokenizers)?;
+        let vocab = tokenizer.vocab_size();
+        config.model.set_vocab_sizes(vocab, vocab);
+        let summary = format!(
+            "{}: {} training, {} validation, {} test sentences; vocabulary {vocab}",
+            config.data.dataset,
+            train.len(),
             valid.len(),
             corpus.test.len(),
-            tokenizer.vocab_size()
         );
-        let vocab = tokenizer.vocab_size();
-        config.model.set_vocab_sizes(vocab, vocab);
-        let classifier = config.model_as::<ClassifierConfig>()?.clone();
-        let floats = classifier.activation_floats(&config.data);
-        let lengths = train_set.lengths();
-        session.begin(&config, Some(&Tokenizers::shared(tokenizer)), floats)?;
-        crate::kernels::seed::<B>(&device, config.seed);
-        let loaders = session.loaders(
-            &config,
-            &device,
-            train_set,
-            unseeded(SentenceBatcher),
+        let lengths = train.lengths();
+        Ok(Prepared {
+            tokenizers: Some(Tokenizers::shared(tokenizer)),
+            summary: Some(summary),
+            train,
             valid,
-            unseeded(SentenceBatcher),
-            Some(lengths),
-        );
-        let throughput = Throughput {
-            per_step: config.train.batch_size,
-            unit: "sent",
-        };
-        let model = classifier.init::<B>(&device);
-        launch(&config, session, model, loaders, None, false, throughput)
+            batcher: SentenceBatcher,
+            padding: vec![("tokens", lengths.clone())],
+            lengths: Some(lengths),
+            launch: LaunchOptions {
+                pad: None,
+                perplexity: false,
+                throughput: Throughput {
+                    per_step: config.train.batch_size,
+                    unit: "sent",
+                    units: "sentences",
+                },
+            },
+            valid_items: "validation sentences".into(),
+            accuracy: true,
+            config,
+        })
     }
 
-    fn bench<B: LabAutodiff>(
-        &self,
-        mut config: ExperimentConfig,
-        data_dir: &Path,
-        plan: BenchPlan,
+    fn batch<B: LabBackend>(
+        batcher: &SentenceBatcher,
+        items: Vec<SentenceItem>,
+        _draw: Option<u64>,
         device: &B::Device,
-    ) -> Result<BenchReport> {
-        let (_, tokenizer, train_set, _) = sentences(&config, data_dir, None)?;
-        let vocab = tokenizer.vocab_size();
-        config.model.set_vocab_sizes(vocab, vocab);
-        let classifier = config.model_as::<ClassifierConfig>()?.clone();
-        let lengths = train_set.lengths();
-        let padding = padding_note(&config, &[("tokens", lengths.clone())], &lengths);
-        let batcher = unseeded(SentenceBatcher);
-        let loader = train_loader(
-            &config,
-            device,
-            train_set,
-            batcher,
-            Arc::default(),
-            Some(lengths),
-        );
-        let sentences = |batch: &SentenceBatch<B>| batch.labels.dims()[0];
-        let init = || classifier.init::<B>(device);
-        let loss = |model: &TextClassifier<B>, batch: SentenceBatch<B>| {
-            model.loss(batch.tokens, batch.labels).0
-        };
-        let mut report = bench_training(
-            &config,
-            plan,
-            &loader,
-            "sentences",
-            sentences,
-            init,
-            loss,
-            device,
-        )?;
-        report.notes.push(padding);
-        Ok(report)
+    ) -> SentenceBatch<B> {
+        batcher.batch(items, device)
+    }
+
+    fn loss<B: LabBackend>(model: &TextClassifier<B>, batch: SentenceBatch<B>) -> LossOutput<B> {
+        model.loss(batch.tokens, batch.labels)
+    }
+
+    fn units<B: LabBackend>(batch: &SentenceBatch<B>) -> usize {
+        batch.labels.dims()[0]
     }
 
     fn eval<B: LabBackend>(
@@ -240,6 +242,50 @@ impl ModelKind for ClassifierConfig {
             None,
         ))
     }
+}
+
+/// Checks that a classifier described by `classifier` can take the encoder of the masked
+/// language model `mlm` (in `from`): the same widths, heads, layers, positions and vocabulary.
+fn check_encoder_matches(
+    classifier: &ClassifierConfig,
+    mlm: &MlmConfig,
+    from: &ArtifactDir,
+) -> Result<()> {
+    let (ours, theirs) = (&classifier.stack, &mlm.stack);
+    let mut differ = Vec::new();
+    let mut compare = |name: &str, a: String, b: String| {
+        if a != b {
+            differ.push(format!("{name} {a} here, {b} there"));
+        }
+    };
+    compare("d_model", ours.d_model.to_string(), theirs.d_model.to_string());
+    compare("n_heads", ours.n_heads.to_string(), theirs.n_heads.to_string());
+    compare("d_ff", ours.d_ff().to_string(), theirs.d_ff().to_string());
+    compare("n_layers", classifier.n_layers.to_string(), mlm.n_layers.to_string());
+    compare("max_len", classifier.max_len.to_string(), mlm.max_len.to_string());
+    compare("vocab_size", classifier.vocab_size.to_string(), mlm.vocab_size.to_string());
+    let text = |v: serde_json::Value| v.to_string();
+    compare(
+        "position",
+        text(serde_json::json!(classifier.position)),
+        text(serde_json::json!(mlm.position)),
+    );
+    let block = |s: &StackConfig| StackConfig {
+        dropout: 0.0,
+        pruned_heads: Default::default(),
+        ..s.clone()
+    };
+    if differ.is_empty() && block(ours) != block(theirs) {
+        differ.push("the blocks' settings (activation, norm placement, biases or mixer)".into());
+    }
+    if !differ.is_empty() {
+        bail!(
+            "model.init_from {}: its encoder is not the one this config describes: {}",
+            from.root().display(),
+            differ.join("; ")
+        );
+    }
+    Ok(())
 }
 
 /// A text encoder — the classifier's, or a clip model's text tower — as the reader of one text

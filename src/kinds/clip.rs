@@ -3,37 +3,32 @@
 //! similarity matrix and a 2-D map of both embeddings; attention of either encoder.
 
 use super::classifier::{encoder_attention, encoder_text_model};
-use super::{held_out_batches, EvalRequest, HeldOutRequest, ModelKind};
+use super::{EvalRequest, ModelKind, Prepared, TrainAndHeldOut};
 use crate::artifact::{Tokenizers, Trained};
 use crate::classify::load_image;
 use crate::config::{ClipConfig, DataConfig, ExperimentConfig, ModelConfig, ModelSection};
 use crate::data::images::normalise_pixel;
 use crate::data::translation::pad_rows;
 use crate::data::{
-    caption_datasets, caption_tokens, CaptionBatch, CaptionBatcher, CaptionCorpus, CaptionSplit,
-    EncodedCaptions, Special, Tokenizer, TokenizerKind,
+    caption_datasets, caption_tokens, CaptionBatch, CaptionBatcher, CaptionCorpus, CaptionItem,
+    CaptionSplit, EncodedCaptions, Special, Tokenizer, TokenizerKind,
 };
-use crate::inspect::heads::HeldOut;
+use crate::inspect::heads::LossOutput;
 use crate::inspect::{
     image_statistics, text_statistics, vit_attention, AttentionGroup, AttentionMaps, GroupStats,
     ImageInput, TextModel,
 };
-use crate::kernels::{LabAutodiff, LabBackend};
+use crate::kernels::LabBackend;
 use crate::models::Clip;
 use crate::nn::StackConfig;
 use crate::plot::{embedding_png, similarity_png, Thumbnail};
-use crate::train::speed::{bench_training, BenchPlan, BenchReport};
-use crate::train::{
-    launch, supervised_steps, train_loader, unseeded, Session, Throughput, TrainReport,
-};
+use crate::train::{supervised_steps, LaunchOptions, Throughput};
 use anyhow::{bail, Result};
 use burn::prelude::*;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::time::Instant;
 
-supervised_steps!(Clip, CaptionBatch, |model, batch| model
-    .loss(batch.images, batch.tokens));
+supervised_steps!(Clip, ClipConfig);
 
 /// Image–caption pairs the retrieval recall is measured on (spread evenly over the test split).
 const RECALL_PAIRS: usize = 1000;
@@ -78,6 +73,13 @@ impl ModelSection for ClipConfig {
         let mut section = self.clone();
         section.text.vocab_size = target;
         ModelConfig::Clip(section)
+    }
+
+    fn of(model: &ModelConfig) -> Option<&Self> {
+        match model {
+            ModelConfig::Clip(section) => Some(section),
+            _ => None,
+        }
     }
 }
 
@@ -128,6 +130,10 @@ fn pairs(
 
 impl ModelKind for ClipConfig {
     type Model<B: LabBackend> = Clip<B>;
+    type Item = CaptionItem;
+    type Split = EncodedCaptions;
+    type Batcher = TrainAndHeldOut<CaptionBatcher>;
+    type Batch<B: LabBackend> = CaptionBatch<B>;
 
     fn build<B: LabBackend>(&self, device: &B::Device) -> Clip<B> {
         self.init(device)
@@ -146,23 +152,6 @@ impl ModelKind for ClipConfig {
         vec![&mut self.image.stack, &mut self.text.stack]
     }
 
-    fn held_out<B: LabBackend>(
-        trained: &Trained<Clip<B>>,
-        request: &HeldOutRequest,
-        device: &B::Device,
-    ) -> Result<HeldOut<'static, B, Clip<B>>> {
-        let tokenizers = Some(trained.tokenizers().clone());
-        let (_, _, _, valid) = pairs(&trained.config, &request.data_dir, tokenizers)?;
-        let batcher = CaptionBatcher::new(valid.size(), 0, trained.config.seed);
-        let loss = |m: &Clip<B>, b: CaptionBatch<B>| m.loss(b.images, b.tokens);
-        let (n, batches) = held_out_batches(&valid, request, batcher, device, loss)?;
-        Ok(HeldOut {
-            what: format!("{n} validation image–caption pairs"),
-            batches,
-            accuracy: false,
-        })
-    }
-
     fn activation_floats(&self, data: &DataConfig) -> f64 {
         let vit = self.image.vit(self.embed_dim);
         vit.stack.activation_floats(vit.n_layers, vit.n_tokens())
@@ -172,19 +161,17 @@ impl ModelKind for ClipConfig {
                 .activation_floats(self.text.n_layers, data.max_tokens)
     }
 
-    fn train<B: LabAutodiff>(
-        &self,
+    fn prepare(
         mut config: ExperimentConfig,
         tokenizers: Option<Tokenizers>,
-        session: &Session,
         data_dir: &Path,
-        device: B::Device,
-    ) -> Result<TrainReport> {
-        let (corpus, tokenizer, train_set, valid) = pairs(&config, data_dir, tokenizers)?;
+    ) -> Result<Prepared<Self>> {
+        let (corpus, tokenizer, train, valid) = pairs(&config, data_dir, tokenizers)?;
         let captions = corpus.train.pools.iter().map(Vec::len).sum::<usize>();
-        println!(
+        let vocab = tokenizer.vocab_size();
+        let summary = format!(
             "{}: {} training, {} validation, {} test images; {captions} distinct training \
-             captions; vocabulary {}",
+             captions; vocabulary {vocab}",
             config
                 .data
                 .captions_file
@@ -193,58 +180,54 @@ impl ModelKind for ClipConfig {
             corpus.train.len(),
             corpus.valid.len(),
             corpus.test.len(),
-            tokenizer.vocab_size()
         );
-        let vocab = tokenizer.vocab_size();
         config.model.set_vocab_sizes(vocab, vocab);
-        let clip = config.model_as::<ClipConfig>()?.clone();
-        let floats = clip.activation_floats(&config.data);
-        session.begin(&config, Some(&Tokenizers::shared(tokenizer)), floats)?;
-        crate::kernels::seed::<B>(&device, config.seed);
-        let size = train_set.size();
-        let augmenting = CaptionBatcher::new(size, config.data.augment_shift, config.seed);
-        let plain = CaptionBatcher::new(size, 0, config.seed);
-        let loaders = session.loaders(
-            &config,
-            &device,
-            train_set,
-            Arc::new(move |items, seed, device: &B::Device| {
-                augmenting.batch_seeded(items, seed, device)
-            }),
+        let size = train.size();
+        let (shift, seed) = (config.data.augment_shift, config.seed);
+        Ok(Prepared {
+            tokenizers: Some(Tokenizers::shared(tokenizer)),
+            summary: Some(summary),
+            train,
             valid,
-            unseeded(plain),
-            None,
-        );
-        let throughput = Throughput {
-            per_step: config.train.batch_size,
-            unit: "pair",
-        };
-        let model = clip.init::<B>(&device);
-        launch(&config, session, model, loaders, None, false, throughput)
+            batcher: TrainAndHeldOut {
+                train: CaptionBatcher::new(size, shift, seed),
+                held_out: CaptionBatcher::new(size, 0, seed),
+            },
+            lengths: None,
+            padding: Vec::new(),
+            launch: LaunchOptions {
+                pad: None,
+                perplexity: false,
+                throughput: Throughput {
+                    per_step: config.train.batch_size,
+                    unit: "pair",
+                    units: "pairs",
+                },
+            },
+            valid_items: "validation image–caption pairs".into(),
+            accuracy: false,
+            config,
+        })
     }
 
-    fn bench<B: LabAutodiff>(
-        &self,
-        mut config: ExperimentConfig,
-        data_dir: &Path,
-        plan: BenchPlan,
+    fn batch<B: LabBackend>(
+        batcher: &TrainAndHeldOut<CaptionBatcher>,
+        items: Vec<CaptionItem>,
+        draw: Option<u64>,
         device: &B::Device,
-    ) -> Result<BenchReport> {
-        let (_, tokenizer, train_set, _) = pairs(&config, data_dir, None)?;
-        let vocab = tokenizer.vocab_size();
-        config.model.set_vocab_sizes(vocab, vocab);
-        let clip = config.model_as::<ClipConfig>()?.clone();
-        let augmenting =
-            CaptionBatcher::new(train_set.size(), config.data.augment_shift, config.seed);
-        let batcher = Arc::new(move |items, seed, device: &B::Device| {
-            augmenting.batch_seeded(items, seed, device)
-        });
-        let loader = train_loader(&config, device, train_set, batcher, Arc::default(), None);
-        let count = |batch: &CaptionBatch<B>| batch.groups.dims()[0];
-        let init = || clip.init::<B>(device);
-        let loss =
-            |model: &Clip<B>, batch: CaptionBatch<B>| model.loss(batch.images, batch.tokens).0;
-        bench_training(&config, plan, &loader, "pairs", count, init, loss, device)
+    ) -> CaptionBatch<B> {
+        match draw {
+            Some(seed) => batcher.train.batch_seeded(items, seed, device),
+            None => batcher.held_out.batch_seeded(items, 0, device),
+        }
+    }
+
+    fn loss<B: LabBackend>(model: &Clip<B>, batch: CaptionBatch<B>) -> LossOutput<B> {
+        model.loss(batch.images, batch.tokens)
+    }
+
+    fn units<B: LabBackend>(batch: &CaptionBatch<B>) -> usize {
+        batch.groups.dims()[0]
     }
 
     fn eval<B: LabBackend>(

@@ -1,28 +1,26 @@
 //! The language model kind: next-token training on a text, whole-split evaluation, causal
 //! self-attention to inspect.
 
-use super::{held_out_batches, EvalRequest, HeldOutRequest, ModelKind};
-use crate::artifact::{load_weights, ArtifactDir, Tokenizers, Trained};
+use super::{EvalRequest, ModelKind, Prepared};
+use crate::artifact::{Tokenizers, Trained};
 use crate::config::{DataConfig, ExperimentConfig, LmConfig, ModelConfig, ModelSection};
-use crate::data::{DatasetSpec, LmBatch, LmBatcher, Task, TokenWindows, Tokenizer};
-use crate::inspect::heads::HeldOut;
+use crate::data::{DatasetSpec, LmBatch, LmBatcher, LmItem, Task, TokenWindows, Tokenizer};
+use crate::inspect::heads::LossOutput;
 use crate::inspect::{
     text_statistics, weights_or_dense, AttentionGroup, AttentionMaps, GroupStats, TextModel,
 };
-use crate::kernels::{LabAutodiff, LabBackend};
+use crate::kernels::LabBackend;
 use crate::models::LanguageModel;
 use crate::nn::StackConfig;
-use crate::train::speed::{bench_training, BenchPlan, BenchReport};
-use crate::train::{
-    launch, supervised_steps, train_loader, unseeded, Session, Throughput, TrainReport,
-};
+use crate::train::{supervised_steps, LaunchOptions, Throughput};
 use anyhow::{bail, Context, Result};
+use burn::data::dataloader::batcher::Batcher;
 use burn::data::dataloader::DataLoaderBuilder;
 use burn::prelude::*;
 use std::path::Path;
 use std::sync::Arc;
 
-supervised_steps!(LanguageModel, LmBatch, |model, batch| model.loss(batch));
+supervised_steps!(LanguageModel, LmConfig);
 
 impl ModelSection for LmConfig {
     const KIND: &'static str = "lm";
@@ -58,13 +56,28 @@ impl ModelSection for LmConfig {
             ..self.clone()
         })
     }
+
+    fn of(model: &ModelConfig) -> Option<&Self> {
+        match model {
+            ModelConfig::Lm(section) => Some(section),
+            _ => None,
+        }
+    }
 }
 
 impl ModelKind for LmConfig {
     type Model<B: LabBackend> = LanguageModel<B>;
+    type Item = LmItem;
+    type Split = TokenWindows;
+    type Batcher = LmBatcher;
+    type Batch<B: LabBackend> = LmBatch<B>;
 
     fn build<B: LabBackend>(&self, device: &B::Device) -> LanguageModel<B> {
         self.init(device)
+    }
+
+    fn init_from(&self) -> Option<&Path> {
+        self.init_from.as_deref()
     }
 
     fn stack(&self) -> &StackConfig {
@@ -75,105 +88,59 @@ impl ModelKind for LmConfig {
         &mut self.stack
     }
 
-    fn held_out<B: LabBackend>(
-        trained: &Trained<LanguageModel<B>>,
-        request: &HeldOutRequest,
-        device: &B::Device,
-    ) -> Result<HeldOut<'static, B, LanguageModel<B>>> {
-        let context = trained.model.context();
-        let tokenizer = trained.tokenizer().clone();
-        let corpus = Corpus::load(&trained.config, &request.data_dir, Some(tokenizer))?;
-        let windows = TokenWindows::non_overlapping(corpus.valid, context);
-        let loss = |m: &LanguageModel<B>, batch| m.loss(batch);
-        let (n, batches) = held_out_batches(&windows, request, LmBatcher, device, loss)?;
-        Ok(HeldOut {
-            what: format!("{n} windows of {context} tokens spread over the validation split"),
-            batches,
-            accuracy: false,
-        })
-    }
-
     fn activation_floats(&self, _data: &DataConfig) -> f64 {
         self.stack.activation_floats(self.n_layers, self.context)
             + (self.context * self.vocab_size) as f64
     }
 
-    fn train<B: LabAutodiff>(
-        &self,
+    fn prepare(
         mut config: ExperimentConfig,
         tokenizers: Option<Tokenizers>,
-        session: &Session,
         data_dir: &Path,
-        device: B::Device,
-    ) -> Result<TrainReport> {
-        // A run that starts from an artifact reads text with that artifact's tokenizer.
-        let start = self.init_from.as_deref().map(ArtifactDir::new);
-        let tokenizers = match (tokenizers, &start) {
-            (None, Some(artifact)) => Some(Tokenizers::load(artifact)?),
-            (tokenizers, _) => tokenizers,
-        };
+    ) -> Result<Prepared<Self>> {
         let corpus = Corpus::load(&config, data_dir, tokenizers.map(|t| t.target))?;
         let vocab = corpus.tokenizer.vocab_size();
         config.model.set_vocab_sizes(vocab, vocab);
-        let lm = config.model_as::<LmConfig>()?.clone();
-        let tokenizers = Tokenizers::shared(corpus.tokenizer.clone());
-        session.begin(
-            &config,
-            Some(&tokenizers),
-            lm.activation_floats(&config.data),
-        )?;
-        crate::kernels::seed::<B>(&device, config.seed);
-        let loaders = session.loaders(
-            &config,
-            &device,
-            TokenWindows::new(corpus.train.clone(), lm.context),
-            unseeded(LmBatcher),
-            TokenWindows::new(corpus.valid.clone(), lm.context),
-            unseeded(LmBatcher),
-            None,
-        );
-        let throughput = Throughput {
-            per_step: config.train.batch_size * lm.context,
-            unit: "tok",
-        };
-        let mut model: LanguageModel<B> = lm.init(&device);
-        if let Some(artifact) = &start {
-            let weights = artifact.weights()?;
-            model = load_weights(model, &weights, &device).with_context(|| {
-                format!(
-                    "model.init_from {}: its model is not the one this config describes",
-                    artifact.root().display()
-                )
-            })?;
-            println!("starting from the weights of {}", weights.display());
-        }
-        launch(&config, session, model, loaders, None, true, throughput)
+        let context = config.model_as::<LmConfig>()?.context;
+        let per_step = config.train.batch_size * context;
+        Ok(Prepared {
+            tokenizers: Some(Tokenizers::shared(corpus.tokenizer)),
+            summary: None,
+            train: TokenWindows::new(corpus.train, context),
+            valid: TokenWindows::new(corpus.valid, context),
+            batcher: LmBatcher,
+            lengths: None,
+            padding: Vec::new(),
+            launch: LaunchOptions {
+                pad: None,
+                perplexity: true,
+                throughput: Throughput {
+                    per_step,
+                    unit: "tok",
+                    units: "tokens",
+                },
+            },
+            valid_items: format!("windows of {context} tokens spread over the validation split"),
+            accuracy: false,
+            config,
+        })
     }
 
-    fn bench<B: LabAutodiff>(
-        &self,
-        mut config: ExperimentConfig,
-        data_dir: &Path,
-        plan: BenchPlan,
+    fn batch<B: LabBackend>(
+        batcher: &LmBatcher,
+        items: Vec<LmItem>,
+        _draw: Option<u64>,
         device: &B::Device,
-    ) -> Result<BenchReport> {
-        let corpus = Corpus::load(&config, data_dir, None)?;
-        let vocab = corpus.tokenizer.vocab_size();
-        config.model.set_vocab_sizes(vocab, vocab);
-        let lm = config.model_as::<LmConfig>()?.clone();
-        let windows = TokenWindows::new(corpus.train.clone(), lm.context);
-        let loader = train_loader(
-            &config,
-            device,
-            windows,
-            unseeded(LmBatcher),
-            Arc::default(),
-            None,
-        );
-        let tokens = |_: &LmBatch<B>| config.train.batch_size * lm.context;
-        let init = || lm.init::<B>(device);
-        let loss = |model: &LanguageModel<B>, batch| model.loss(batch).0;
-        bench_training(&config, plan, &loader, "tokens", tokens, init, loss, device)
+    ) -> LmBatch<B> {
+        batcher.batch(items, device)
+    }
+
+    fn loss<B: LabBackend>(model: &LanguageModel<B>, batch: LmBatch<B>) -> LossOutput<B> {
+        model.loss(batch)
+    }
+
+    fn units<B: LabBackend>(batch: &LmBatch<B>) -> usize {
+        batch.targets.dims().iter().product()
     }
 
     fn eval<B: LabBackend>(

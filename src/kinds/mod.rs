@@ -1,15 +1,18 @@
 //! The model kinds: one module per kind, each implementing [`ModelKind`] — everything the
-//! application needs from a kind (build, train, load, evaluate, show its attention, read its
-//! text states) — for that kind's config section.
+//! application needs from a kind (its model, its data and batches, its loss, evaluation and
+//! inspection) — for that kind's config section.
 //!
-//! Commands never match on the kind. `train`, `eval`, `attention`, `explain` and `embed` ask
-//! [`ModelConfig::visit`](crate::config::ModelConfig::visit) (the one place a kind is matched)
-//! through the visitors here; commands made for one kind (`generate`, `translate`, `predict`,
-//! `classify`) load it with [`load_as`], which names the kind an artifact holds instead.
+//! Everything else is written once, here and in `train/`: `train`, `bench train` and `heads`
+//! drive every kind through the same functions, reached through the one `match` on the kind
+//! ([`each_kind!`](crate::config::each_kind)); commands that take an artifact of any kind
+//! (`eval`, `attention`, `explain`, `embed`, `serve`) get an [`AnyTrained`], one variant per
+//! kind; commands made for one kind (`generate`, `translate`, `predict`, `classify`) load it
+//! with [`load_as`], which names the kind an artifact holds instead.
 
 mod classifier;
 mod clip;
 mod lm;
+mod mlm;
 mod seq2seq;
 mod vit;
 
@@ -18,34 +21,86 @@ pub use clip::{
     zero_shot_pixels,
 };
 pub use lm::{evaluate_lm, Corpus};
+pub use mlm::{evaluate_mlm, fill_mask, Filled, MlmScore};
 pub use seq2seq::TranslationData;
 pub use vit::image_maps as vit_image_maps;
 
 use crate::artifact::{
-    check_new_artifact_dir, write_new_artifact, ArtifactDir, Tokenizers, Trained,
+    check_new_artifact_dir, load_weights, write_new_artifact, ArtifactDir, Tokenizers, Trained,
 };
-use crate::config::{DataConfig, ExperimentConfig, ModelSection, Visit};
+use crate::config::{
+    each_kind, ClassifierConfig, ClipConfig, DataConfig, ExperimentConfig, LmConfig, MlmConfig,
+    ModelConfig, ModelSection, Seq2SeqConfig, TrainConfig, VitConfig,
+};
 use crate::inspect::heads::{self, HeldOut, HeldOutBatch, LossOutput, PruneStep};
 use crate::inspect::{AttentionMaps, GroupStats, TextModel};
 use crate::kernels::{LabAutodiff, LabBackend};
+use crate::models::{
+    Clip, LanguageModel, MaskedLm, Seq2Seq, TextClassifier, VisionTransformer,
+};
 use crate::nn::{pruned_heads, remove_heads, AttentionLayers, StackConfig};
-use crate::train::speed::{BenchPlan, BenchReport};
-use crate::train::{Session, TrainReport, TrainRequest};
-use anyhow::{bail, Result};
-use burn::data::dataloader::batcher::Batcher;
+use crate::train::speed::{bench_training, padding_note, BenchPlan, BenchReport};
+use crate::train::{
+    launch, train_loader, BatchFn, LaunchOptions, Session, TrainReport, TrainRequest,
+};
+use anyhow::{bail, Context, Result};
 use burn::data::dataset::Dataset;
-use burn::module::Module;
+use burn::module::{AutodiffModule, Module};
+use burn::train::{ClassificationOutput, InferenceStep, TrainStep};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Instant;
 
 /// Everything the application needs from one model kind, implemented for the kind's config
-/// section (`LmConfig`, `Seq2SeqConfig`, …).
+/// section (`LmConfig`, `Seq2SeqConfig`, …): its model, its data and how a batch is made, its
+/// loss, its evaluation and inspection. `train`, `bench train` and `heads` drive every kind
+/// through the same code ([`train`], [`bench`], [`heads`]); nothing else about training is
+/// written per kind.
 pub trait ModelKind: ModelSection {
     /// The trained model on backend `B`.
     type Model<B: LabBackend>: Module<B> + AttentionLayers<B>;
+    /// One example of the kind's data (a window of tokens, a sentence, an image, a pair).
+    type Item: Send + Sync + 'static;
+    /// A split of the kind's data.
+    type Split: Dataset<Self::Item> + 'static;
+    /// What turns examples into a batch (the split's image size, the augmentation).
+    type Batcher: Send + Sync + 'static;
+    /// A batch of examples on backend `B`.
+    type Batch<B: LabBackend>: Clone + Send + 'static;
 
     /// A fresh model (vocabulary sizes resolved, config validated), every head in place.
     fn build<B: LabBackend>(&self, device: &B::Device) -> Self::Model<B>;
+
+    /// A fresh model to train with `train`'s settings (a translator's label smoothing).
+    fn build_for_training<B: LabBackend>(
+        &self,
+        _train: &TrainConfig,
+        device: &B::Device,
+    ) -> Self::Model<B> {
+        self.build(device)
+    }
+
+    /// The artifact whose weights (and tokenizers) a training starts from, if any.
+    fn init_from(&self) -> Option<&Path> {
+        None
+    }
+
+    /// `model` with the weights of the artifact in `from` (see [`ModelKind::init_from`]): by
+    /// default the whole model, which must be the one this config describes.
+    fn start_from<B: LabBackend>(
+        &self,
+        model: Self::Model<B>,
+        from: &ArtifactDir,
+        device: &B::Device,
+    ) -> Result<Self::Model<B>> {
+        let weights = from.weights()?;
+        load_weights(model, &weights, device).with_context(|| {
+            format!(
+                "model.init_from {}: its model is not the one this config describes",
+                from.root().display()
+            )
+        })
+    }
 
     /// The section's transformer settings.
     fn stack(&self) -> &StackConfig;
@@ -58,28 +113,35 @@ pub trait ModelKind: ModelSection {
         vec![self.stack_mut()]
     }
 
-    /// `heads`: held-out (validation) batches of a trained model's data, each giving the loss
-    /// of whichever model it is handed.
-    fn held_out<B: LabBackend>(
-        trained: &Trained<Self::Model<B>>,
-        request: &HeldOutRequest,
-        device: &B::Device,
-    ) -> Result<HeldOut<'static, B, Self::Model<B>>>;
-
-    /// Reads the data (fitting tokenizers unless `tokenizers` come from a resumed run),
-    /// begins `session` with the resolved config, and trains.
-    fn train<B: LabAutodiff>(
-        &self,
-        config: ExperimentConfig,
-        tokenizers: Option<Tokenizers>,
-        session: &Session,
-        data_dir: &Path,
-        device: B::Device,
-    ) -> Result<TrainReport>;
-
     /// Floats one training example keeps for the backward pass, vocabulary sizes resolved (a
     /// lower bound, for the memory check before training).
     fn activation_floats(&self, data: &DataConfig) -> f64;
+
+    /// Reads the experiment's data and splits it, fitting tokenizers unless `tokenizers` are
+    /// given (a resumed run's, an `init_from` artifact's, a trained model's); the config comes
+    /// back with the vocabulary sizes they resolve.
+    fn prepare(
+        config: ExperimentConfig,
+        tokenizers: Option<Tokenizers>,
+        data_dir: &Path,
+    ) -> Result<Prepared<Self>>;
+
+    /// A batch of `items`; `draw` is the seed of a training batch's draw (augmentation and
+    /// masking follow it), `None` for held-out batches (no augmentation, fixed masks).
+    fn batch<B: LabBackend>(
+        batcher: &Self::Batcher,
+        items: Vec<Self::Item>,
+        draw: Option<u64>,
+        device: &B::Device,
+    ) -> Self::Batch<B>;
+
+    /// The model's loss on a batch, with the scores and targets the metrics read — the one
+    /// place the kind's loss is written (training, validation, `bench train` and `heads` all
+    /// call it).
+    fn loss<B: LabBackend>(model: &Self::Model<B>, batch: Self::Batch<B>) -> LossOutput<B>;
+
+    /// What `bench train` counts in a batch (tokens, target tokens, sentences, images).
+    fn units<B: LabBackend>(batch: &Self::Batch<B>) -> usize;
 
     /// Evaluates on held-out data and prints the result (loss and perplexity, BLEU, accuracy).
     fn eval<B: LabBackend>(
@@ -107,16 +169,33 @@ pub trait ModelKind: ModelSection {
 
     /// The model as a reader of one text (for `explain` and `embed`), or why it is not one.
     fn text_model<B: LabBackend>(trained: &Trained<Self::Model<B>>) -> Result<TextModel<'_, B>>;
+}
 
-    /// `bench train`: `plan`'s training steps of a fresh model on batches of the real training
-    /// data, drawn as `train` draws them, timed phase by phase.
-    fn bench<B: LabAutodiff>(
-        &self,
-        config: ExperimentConfig,
-        data_dir: &Path,
-        plan: BenchPlan,
-        device: &B::Device,
-    ) -> Result<BenchReport>;
+/// A kind's data, read, split and ready to batch: what [`ModelKind::prepare`] gives `train`,
+/// `bench train` and `heads`.
+pub struct Prepared<K: ModelKind> {
+    /// The experiment, vocabulary sizes resolved.
+    pub config: ExperimentConfig,
+    /// The tokenizers the data was read with (saved with the artifact); none for images.
+    pub tokenizers: Option<Tokenizers>,
+    /// One line on the data, printed as a training starts ("sst2: 66,000 training, …").
+    pub summary: Option<String>,
+    /// The training split.
+    pub train: K::Split,
+    /// The validation split.
+    pub valid: K::Split,
+    /// What batches both.
+    pub batcher: K::Batcher,
+    /// Each training example's length, when batches may be grouped by length.
+    pub lengths: Option<Vec<usize>>,
+    /// Each padded side's lengths, for `bench train`'s padding note (`("source", …)`).
+    pub padding: Vec<(&'static str, Vec<usize>)>,
+    /// The metrics a training reports and what a step consumes.
+    pub launch: LaunchOptions,
+    /// What a validation example is, in words ("validation sentences"), for `heads`.
+    pub valid_items: String,
+    /// Whether accuracy means something beside the loss (classifiers), for `heads`.
+    pub accuracy: bool,
 }
 
 /// What `eval` was asked.
@@ -144,92 +223,123 @@ pub struct EvalRequest {
     pub context: Option<usize>,
 }
 
-/// A trained model of whichever kind an artifact holds.
-pub trait AnyTrained<B: LabBackend> {
+/// A kind's two ways of batching: training batches (augmented from their draw's seed) and
+/// held-out ones (as they are).
+pub struct TrainAndHeldOut<T> {
+    /// Makes training batches.
+    pub train: T,
+    /// Makes held-out batches.
+    pub held_out: T,
+}
+
+/// A trained model of whichever kind an artifact holds: one variant per kind, so every command
+/// that takes any artifact is checked by the compiler to handle every kind.
+pub enum AnyTrained<B: LabBackend> {
+    /// A language model.
+    Lm(Trained<LanguageModel<B>>),
+    /// A translator.
+    Seq2seq(Trained<Seq2Seq<B>>),
+    /// A text classifier.
+    Classifier(Trained<TextClassifier<B>>),
+    /// A Vision Transformer.
+    Vit(Trained<VisionTransformer<B>>),
+    /// A CLIP model.
+    Clip(Trained<Clip<B>>),
+    /// A masked language model.
+    Mlm(Trained<MaskedLm<B>>),
+}
+
+/// `each_trained!(trained, K, t => expression)`: the expression with `t` the typed trained
+/// model and `K` its kind's config section.
+macro_rules! each_trained {
+    ($trained:expr, $kind:ident, $t:ident => $body:expr) => {
+        match $trained {
+            AnyTrained::Lm($t) => {
+                #[allow(dead_code)]
+                type $kind = LmConfig;
+                $body
+            }
+            AnyTrained::Seq2seq($t) => {
+                #[allow(dead_code)]
+                type $kind = Seq2SeqConfig;
+                $body
+            }
+            AnyTrained::Classifier($t) => {
+                #[allow(dead_code)]
+                type $kind = ClassifierConfig;
+                $body
+            }
+            AnyTrained::Vit($t) => {
+                #[allow(dead_code)]
+                type $kind = VitConfig;
+                $body
+            }
+            AnyTrained::Clip($t) => {
+                #[allow(dead_code)]
+                type $kind = ClipConfig;
+                $body
+            }
+            AnyTrained::Mlm($t) => {
+                #[allow(dead_code)]
+                type $kind = MlmConfig;
+                $body
+            }
+        }
+    };
+}
+
+impl<B: LabBackend> AnyTrained<B> {
     /// Its resolved config.
-    fn config(&self) -> &ExperimentConfig;
+    pub fn config(&self) -> &ExperimentConfig {
+        each_trained!(self, K, t => &t.config)
+    }
+
     /// See [`ModelKind::eval`].
-    fn eval(&self, request: &EvalRequest, device: &B::Device) -> Result<()>;
+    pub fn eval(&self, request: &EvalRequest, device: &B::Device) -> Result<()> {
+        each_trained!(self, K, t => K::eval(t, request, device))
+    }
+
     /// See [`ModelKind::attention`].
-    fn attention(
-        &self,
-        input: &str,
-        target: Option<&str>,
-        device: &B::Device,
-    ) -> Result<AttentionMaps>;
-    /// See [`ModelKind::statistics`].
-    fn statistics(
-        &self,
-        maps: &AttentionMaps,
-        seed: u64,
-        device: &B::Device,
-    ) -> Result<Vec<GroupStats>>;
-    /// See [`ModelKind::text_model`].
-    fn text_model(&self) -> Result<TextModel<'_, B>>;
-    /// The trained model itself, for [`trained_as`].
-    fn as_any(&self) -> &dyn std::any::Any;
-}
-
-/// The trained model of kind `K` that `trained` holds, if it is of that kind.
-pub fn trained_as<K: ModelKind, B: LabBackend>(
-    trained: &dyn AnyTrained<B>,
-) -> Option<&Trained<K::Model<B>>> {
-    trained.as_any().downcast_ref()
-}
-
-struct Loaded<K: ModelKind, B: LabBackend>(Trained<K::Model<B>>);
-
-impl<K: ModelKind, B: LabBackend> AnyTrained<B> for Loaded<K, B> {
-    fn config(&self) -> &ExperimentConfig {
-        &self.0.config
-    }
-    fn eval(&self, request: &EvalRequest, device: &B::Device) -> Result<()> {
-        K::eval(&self.0, request, device)
-    }
-    fn attention(
+    pub fn attention(
         &self,
         input: &str,
         target: Option<&str>,
         device: &B::Device,
     ) -> Result<AttentionMaps> {
-        K::attention(&self.0, input, target, device)
+        each_trained!(self, K, t => K::attention(t, input, target, device))
     }
-    fn statistics(
+
+    /// See [`ModelKind::statistics`].
+    pub fn statistics(
         &self,
         maps: &AttentionMaps,
         seed: u64,
         device: &B::Device,
     ) -> Result<Vec<GroupStats>> {
-        K::statistics(&self.0, maps, seed, device)
+        each_trained!(self, K, t => K::statistics(t, maps, seed, device))
     }
-    fn text_model(&self) -> Result<TextModel<'_, B>> {
-        K::text_model(&self.0)
-    }
-    fn as_any(&self) -> &dyn std::any::Any {
-        &self.0
+
+    /// See [`ModelKind::text_model`].
+    pub fn text_model(&self) -> Result<TextModel<'_, B>> {
+        each_trained!(self, K, t => K::text_model(t))
     }
 }
 
 /// Loads the model `artifact` holds, whatever its kind.
-pub fn load<B: LabBackend>(
-    artifact: &ArtifactDir,
-    device: &B::Device,
-) -> Result<Box<dyn AnyTrained<B>>> {
+pub fn load<B: LabBackend>(artifact: &ArtifactDir, device: &B::Device) -> Result<AnyTrained<B>> {
     let config = ExperimentConfig::load(&artifact.config())?;
-    config.model.visit(Load { artifact, device })
-}
-
-struct Load<'x, B: LabBackend> {
-    artifact: &'x ArtifactDir,
-    device: &'x B::Device,
-}
-
-impl<K: ModelKind, B: LabBackend> Visit<'_, K> for Load<'_, B> {
-    type Output = Result<Box<dyn AnyTrained<B>>>;
-    fn visit(self, _: &K) -> Self::Output {
-        let trained = load_as::<K, B>(self.artifact, self.device)?;
-        Ok(Box::new(Loaded::<K, B>(trained)))
-    }
+    Ok(match &config.model {
+        ModelConfig::Lm(_) => AnyTrained::Lm(load_as::<LmConfig, B>(artifact, device)?),
+        ModelConfig::Seq2seq(_) => {
+            AnyTrained::Seq2seq(load_as::<Seq2SeqConfig, B>(artifact, device)?)
+        }
+        ModelConfig::Classifier(_) => {
+            AnyTrained::Classifier(load_as::<ClassifierConfig, B>(artifact, device)?)
+        }
+        ModelConfig::Vit(_) => AnyTrained::Vit(load_as::<VitConfig, B>(artifact, device)?),
+        ModelConfig::Clip(_) => AnyTrained::Clip(load_as::<ClipConfig, B>(artifact, device)?),
+        ModelConfig::Mlm(_) => AnyTrained::Mlm(load_as::<MlmConfig, B>(artifact, device)?),
+    })
 }
 
 /// Loads the model of kind `K` that `artifact` holds; another kind is an error naming it.
@@ -270,44 +380,88 @@ fn check_unpruned<K: ModelKind>(section: &K) -> Result<()> {
     Ok(())
 }
 
+/// The batch function of training batches (drawn with a seed) of kind `K`.
+fn train_batches<K: ModelKind, B: LabBackend>(
+    batcher: Arc<K::Batcher>,
+) -> BatchFn<B, K::Item, K::Batch<B>> {
+    Arc::new(move |items, seed, device| K::batch::<B>(&batcher, items, Some(seed), device))
+}
+
+/// The batch function of held-out batches of kind `K`.
+fn held_out_batches_of<K: ModelKind, B: LabBackend>(
+    batcher: Arc<K::Batcher>,
+) -> BatchFn<B, K::Item, K::Batch<B>> {
+    Arc::new(move |items, _seed, device| K::batch::<B>(&batcher, items, None, device))
+}
+
 /// Runs (or resumes) the training `request` asks for, with the kind its config names.
 pub fn train<B: LabAutodiff>(request: TrainRequest, device: B::Device) -> Result<TrainReport> {
     crate::train::run(request, |config, tokenizers, session, data_dir| {
         crate::kernels::use_precision::<B>(config.train.precision, &device)?;
         let model = config.model.clone();
-        model.visit(Train::<B> {
-            config,
-            tokenizers,
-            session,
-            data_dir,
-            device,
+        each_kind!(&model, section => {
+            train_kind::<_, B>(section, config, tokenizers, session, data_dir, device)
         })
     })
 }
 
-struct Train<'x, B: LabAutodiff> {
+/// One training of kind `K`: its data, then the shared path of `train/`.
+fn train_kind<K, B>(
+    section: &K,
     config: ExperimentConfig,
     tokenizers: Option<Tokenizers>,
-    session: &'x Session,
-    data_dir: &'x Path,
+    session: &Session,
+    data_dir: &Path,
     device: B::Device,
-}
-
-impl<K: ModelKind, B: LabAutodiff> Visit<'_, K> for Train<'_, B> {
-    type Output = Result<TrainReport>;
-    fn visit(self, section: &K) -> Self::Output {
-        check_unpruned(section)?;
-        section.train::<B>(
-            self.config,
-            self.tokenizers,
-            self.session,
-            self.data_dir,
-            self.device,
-        )
+) -> Result<TrainReport>
+where
+    K: ModelKind,
+    B: LabAutodiff,
+    K::Model<B>: TrainStep<Input = K::Batch<B>, Output = ClassificationOutput<B>>
+        + AutodiffModule<B>
+        + core::fmt::Display
+        + 'static,
+    <K::Model<B> as AutodiffModule<B>>::InnerModule: InferenceStep<
+        Input = K::Batch<B::InnerBackend>,
+        Output = ClassificationOutput<B::InnerBackend>,
+    >,
+{
+    check_unpruned(section)?;
+    // A run that starts from an artifact reads its data with that artifact's tokenizers.
+    let from = section.init_from().map(ArtifactDir::new);
+    let tokenizers = match (tokenizers, &from) {
+        (None, Some(from)) => Some(Tokenizers::load(from)?),
+        (tokenizers, _) => tokenizers,
+    };
+    let prepared = K::prepare(config, tokenizers, data_dir)?;
+    let config = &prepared.config;
+    if let Some(summary) = &prepared.summary {
+        println!("{summary}");
     }
+    let section = config.model_as::<K>()?;
+    let floats = section.activation_floats(&config.data);
+    session.begin(config, prepared.tokenizers.as_ref(), floats)?;
+    crate::kernels::seed::<B>(&device, config.seed);
+    let batcher = Arc::new(prepared.batcher);
+    let loaders = session.loaders(
+        config,
+        &device,
+        prepared.train,
+        train_batches::<K, B>(batcher.clone()),
+        prepared.valid,
+        held_out_batches_of::<K, B::InnerBackend>(batcher),
+        prepared.lengths,
+    );
+    let mut model = section.build_for_training::<B>(&config.train, &device);
+    if let Some(from) = &from {
+        model = section.start_from(model, from, &device)?;
+        println!("starting from the weights of {}", from.weights()?.display());
+    }
+    launch(config, session, model, loaders, prepared.launch)
 }
 
-/// `bench train` of `config`, whatever its kind (see [`ModelKind::bench`]).
+/// `bench train` of `config`, whatever its kind: `plan`'s training steps of a fresh model on
+/// batches of the real training data, drawn as `train` draws them, timed phase by phase.
 pub fn bench<B: LabAutodiff>(
     config: ExperimentConfig,
     data_dir: &Path,
@@ -316,27 +470,70 @@ pub fn bench<B: LabAutodiff>(
 ) -> Result<BenchReport> {
     crate::kernels::use_precision::<B>(config.train.precision, device)?;
     let model = config.model.clone();
-    model.visit(Bench::<B> {
-        config,
-        data_dir,
-        plan,
-        device,
-    })
+    each_kind!(&model, section => bench_kind::<_, B>(section, config, data_dir, plan, device))
 }
 
-struct Bench<'x, B: LabAutodiff> {
+fn bench_kind<K: ModelKind, B: LabAutodiff>(
+    section: &K,
     config: ExperimentConfig,
-    data_dir: &'x Path,
+    data_dir: &Path,
     plan: BenchPlan,
-    device: &'x B::Device,
+    device: &B::Device,
+) -> Result<BenchReport>
+where
+    K::Model<B>: AutodiffModule<B>,
+{
+    check_unpruned(section)?;
+    let prepared = K::prepare(config, None, data_dir)?;
+    let config = &prepared.config;
+    let section = config.model_as::<K>()?;
+    let padding = match (&prepared.lengths, prepared.padding.is_empty()) {
+        (Some(keys), false) => Some(padding_note(config, &prepared.padding, keys)),
+        _ => None,
+    };
+    let loader = train_loader(
+        config,
+        device,
+        prepared.train,
+        train_batches::<K, B>(Arc::new(prepared.batcher)),
+        Arc::default(),
+        prepared.lengths,
+    );
+    let init = || section.build_for_training::<B>(&config.train, device);
+    let loss = |model: &K::Model<B>, batch| K::loss(model, batch).0;
+    let units = prepared.launch.throughput.units;
+    let mut report = bench_training(
+        config,
+        plan,
+        &loader,
+        units,
+        K::units::<B>,
+        init,
+        loss,
+        device,
+    )?;
+    report.notes.extend(padding);
+    Ok(report)
 }
 
-impl<K: ModelKind, B: LabAutodiff> Visit<'_, K> for Bench<'_, B> {
-    type Output = Result<BenchReport>;
-    fn visit(self, section: &K) -> Self::Output {
-        check_unpruned(section)?;
-        section.bench::<B>(self.config, self.data_dir, self.plan, self.device)
-    }
+/// `heads`: held-out (validation) batches of a trained model's data, each giving the loss of
+/// whichever model it is handed.
+fn held_out_of<K: ModelKind, B: LabBackend>(
+    trained: &Trained<K::Model<B>>,
+    request: &HeldOutRequest,
+    device: &B::Device,
+) -> Result<HeldOut<'static, B, K::Model<B>>> {
+    let tokenizers = trained.tokenizers.clone();
+    let prepared = K::prepare(trained.config.clone(), tokenizers, &request.data_dir)?;
+    let batcher = Arc::new(prepared.batcher);
+    let batch = move |items, device: &B::Device| K::batch::<B>(&batcher, items, None, device);
+    let loss = |m: &K::Model<B>, b| K::loss(m, b);
+    let (n, batches) = held_out_batches(&prepared.valid, request, batch, device, loss)?;
+    Ok(HeldOut {
+        what: format!("{n} {}", prepared.valid_items),
+        batches,
+        accuracy: prepared.accuracy,
+    })
 }
 
 /// Which held-out data `heads` judges a model on.
@@ -368,11 +565,11 @@ pub struct HeadsRequest {
 }
 
 /// `n` batches of `request.batch_size` items spread evenly over `dataset` (all of it when
-/// smaller), made by `batcher`, each handed to `loss` with whichever model is judged.
-pub fn held_out_batches<B, M, I, O>(
+/// smaller), made by `batch`, each handed to `loss` with whichever model is judged.
+fn held_out_batches<B, M, I, O>(
     dataset: &impl Dataset<I>,
     request: &HeldOutRequest,
-    batcher: impl Batcher<B, I, O>,
+    batch: impl Fn(Vec<I>, &B::Device) -> O,
     device: &B::Device,
     loss: impl Fn(&M, O) -> LossOutput<B> + Clone + 'static,
 ) -> Result<(usize, Vec<HeldOutBatch<'static, B, M>>)>
@@ -392,7 +589,7 @@ where
     let mut items = items.into_iter().peekable();
     while items.peek().is_some() {
         let chunk: Vec<I> = items.by_ref().take(request.batch_size).collect();
-        let batch = batcher.batch(chunk, device);
+        let batch = batch(chunk, device);
         let loss = loss.clone();
         batches.push(Box::new(move |m: &M| loss(m, batch.clone())) as HeldOutBatch<'static, B, M>);
     }
@@ -405,22 +602,11 @@ pub fn heads<B: LabAutodiff>(request: &HeadsRequest, device: &B::Device) -> Resu
     let artifact = ArtifactDir::new(&request.artifact_dir);
     artifact.weights()?;
     let config = ExperimentConfig::load(&artifact.config())?;
-    config.model.visit(Heads::<B> { request, device })
-}
-
-struct Heads<'x, B: LabAutodiff> {
-    request: &'x HeadsRequest,
-    device: &'x B::Device,
-}
-
-impl<K: ModelKind, B: LabAutodiff> Visit<'_, K> for Heads<'_, B> {
-    type Output = Result<()>;
-    fn visit(self, _: &K) -> Self::Output {
-        study_heads::<K, B>(self.request, self.device)
-    }
+    each_kind!(&config.model, section => study_heads::<_, B>(section, request, device))
 }
 
 fn study_heads<K: ModelKind, B: LabAutodiff>(
+    _: &K,
     request: &HeadsRequest,
     device: &B::Device,
 ) -> Result<()> {
@@ -462,14 +648,14 @@ fn study_heads<K: ModelKind, B: LabAutodiff>(
         .unwrap_or(prunable)
         .max(request.prune.unwrap_or(0))
         .min(prunable);
-    let held_out = K::held_out(&trained, &request.held_out, device)?;
+    let held_out = held_out_of::<K, _>(&trained, &request.held_out, device)?;
     println!(
         "{}: every head judged on {}",
         trained.config.name, held_out.what
     );
 
     let gradients = {
-        let held_out = K::held_out(&differentiable, &request.held_out, device)?;
+        let held_out = held_out_of::<K, _>(&differentiable, &request.held_out, device)?;
         heads::gate_gradients(&differentiable.model, &held_out)
     };
     drop(differentiable);

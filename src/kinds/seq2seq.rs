@@ -1,38 +1,36 @@
 //! The translator kind: teacher-forced training with label smoothing over padded pairs, BLEU on
 //! the test split, and its three attentions (encoder, decoder, cross) to inspect.
 
-use super::{held_out_batches, EvalRequest, HeldOutRequest, ModelKind};
+use super::{EvalRequest, ModelKind, Prepared};
 use crate::artifact::{Tokenizers, Trained};
 use crate::bleu::corpus_bleu;
 use crate::config::{
     DataConfig, ExperimentConfig, ModelConfig, ModelSection, Seq2SeqConfig, TokenizerKind,
+    TrainConfig,
 };
 use crate::data::translation::{check_languages, COPY_TASK};
 use crate::data::{
-    EncodedPairs, Pair, Seq2SeqBatch, Seq2SeqBatcher, Special, Task, Tokenizer, TranslationCorpus,
+    EncodedPairs, Pair, PairItem, Seq2SeqBatch, Seq2SeqBatcher, Special, Task, Tokenizer,
+    TranslationCorpus,
 };
-use crate::inspect::heads::HeldOut;
+use crate::inspect::heads::LossOutput;
 use crate::inspect::{
     labels, text_statistics, weights_or_dense, AttentionGroup, AttentionMaps, GroupStats, TextModel,
 };
-use crate::kernels::{LabAutodiff, LabBackend};
+use crate::kernels::LabBackend;
 use crate::models::Seq2Seq;
 use crate::nn::AttentionMask;
 use crate::nn::StackConfig;
-use crate::train::speed::{bench_training, padding_note, BenchPlan, BenchReport};
-use crate::train::{
-    launch, supervised_steps, train_loader, unseeded, Session, Throughput, TrainReport,
-};
+use crate::train::{supervised_steps, LaunchOptions, Throughput};
 use crate::translate::{greedy, translate_texts, warn_truncated, SearchConfig};
 use anyhow::{bail, Result};
+use burn::data::dataloader::batcher::Batcher;
 use burn::data::dataset::Dataset;
 use burn::prelude::*;
 use std::path::Path;
-use std::sync::Arc;
 use std::time::Instant;
 
-supervised_steps!(Seq2Seq, Seq2SeqBatch, |model, batch| model
-    .loss(&batch, model.label_smoothing()));
+supervised_steps!(Seq2Seq, Seq2SeqConfig);
 
 impl ModelSection for Seq2SeqConfig {
     const KIND: &'static str = "seq2seq";
@@ -74,13 +72,33 @@ impl ModelSection for Seq2SeqConfig {
             ..self.clone()
         })
     }
+
+    fn of(model: &ModelConfig) -> Option<&Self> {
+        match model {
+            ModelConfig::Seq2seq(section) => Some(section),
+            _ => None,
+        }
+    }
 }
 
 impl ModelKind for Seq2SeqConfig {
     type Model<B: LabBackend> = Seq2Seq<B>;
+    type Item = PairItem;
+    type Split = EncodedPairs;
+    type Batcher = Seq2SeqBatcher;
+    type Batch<B: LabBackend> = Seq2SeqBatch<B>;
 
     fn build<B: LabBackend>(&self, device: &B::Device) -> Seq2Seq<B> {
         self.init(device)
+    }
+
+    fn build_for_training<B: LabBackend>(
+        &self,
+        train: &TrainConfig,
+        device: &B::Device,
+    ) -> Seq2Seq<B> {
+        self.init(device)
+            .with_label_smoothing(train.label_smoothing)
     }
 
     fn stack(&self) -> &StackConfig {
@@ -91,23 +109,6 @@ impl ModelKind for Seq2SeqConfig {
         &mut self.stack
     }
 
-    fn held_out<B: LabBackend>(
-        trained: &Trained<Seq2Seq<B>>,
-        request: &HeldOutRequest,
-        device: &B::Device,
-    ) -> Result<HeldOut<'static, B, Seq2Seq<B>>> {
-        let tokenizers = Some(trained.tokenizers().clone());
-        let data = TranslationData::load(&trained.config, &request.data_dir, tokenizers)?;
-        // The teacher-forced loss without label smoothing: the translator's loss on the data.
-        let loss = |m: &Seq2Seq<B>, b: Seq2SeqBatch<B>| m.loss(&b, 0.0);
-        let (n, batches) = held_out_batches(&data.valid, request, Seq2SeqBatcher, device, loss)?;
-        Ok(HeldOut {
-            what: format!("{n} validation pairs (teacher-forced target loss)"),
-            batches,
-            accuracy: false,
-        })
-    }
-
     fn activation_floats(&self, data: &DataConfig) -> f64 {
         let t = data.max_tokens;
         self.stack.activation_floats(self.encoder_layers, t)
@@ -115,107 +116,71 @@ impl ModelKind for Seq2SeqConfig {
             + (t * self.tgt_vocab_size) as f64
     }
 
-    fn train<B: LabAutodiff>(
-        &self,
+    fn prepare(
         mut config: ExperimentConfig,
         tokenizers: Option<Tokenizers>,
-        session: &Session,
         data_dir: &Path,
-        device: B::Device,
-    ) -> Result<TrainReport> {
+    ) -> Result<Prepared<Self>> {
         let data = TranslationData::load(&config, data_dir, tokenizers)?;
-        config.model.set_vocab_sizes(
+        let (source, target) = (
             data.tokenizers.source.vocab_size(),
             data.tokenizers.target.vocab_size(),
         );
-        let s2s = config.model_as::<Seq2SeqConfig>()?.clone();
-        session.begin(
-            &config,
-            Some(&data.tokenizers),
-            s2s.activation_floats(&config.data),
-        )?;
-        let train = &config.train;
-        println!(
-            "{}: {} training pairs ({} longer than {} tokens skipped), {} validation pairs, {} test sentences; vocabulary {} → {}",
+        config.model.set_vocab_sizes(source, target);
+        let summary = format!(
+            "{}: {} training pairs ({} longer than {} tokens skipped), {} validation pairs, {} \
+             test sentences; vocabulary {source} → {target}",
             config.data.dataset,
             data.train.len(),
             data.skipped,
             config.data.max_tokens,
             data.valid.len(),
             data.corpus.test.len(),
-            data.tokenizers.source.vocab_size(),
-            data.tokenizers.target.vocab_size(),
         );
-        crate::kernels::seed::<B>(&device, config.seed);
         let mean_target = data.train.target_tokens() as f64 / data.train.len() as f64;
-        let keys = data.train.length_keys();
-        let loaders = session.loaders(
-            &config,
-            &device,
-            data.train,
-            unseeded(Seq2SeqBatcher),
-            data.valid,
-            unseeded(Seq2SeqBatcher),
-            Some(keys),
-        );
-        let throughput = Throughput {
-            per_step: (train.batch_size as f64 * mean_target).round() as usize,
-            unit: "tok",
-        };
-        let model: Seq2Seq<B> = s2s
-            .init(&device)
-            .with_label_smoothing(train.label_smoothing);
-        let pad = Some(Special::Pad.id());
-        launch(&config, session, model, loaders, pad, true, throughput)
+        let (sources, targets) = data.train.lengths().into_iter().unzip();
+        Ok(Prepared {
+            tokenizers: Some(data.tokenizers),
+            summary: Some(summary),
+            lengths: Some(data.train.length_keys()),
+            padding: vec![("source", sources), ("target", targets)],
+            train: data.train,
+            valid: data.valid,
+            batcher: Seq2SeqBatcher,
+            launch: LaunchOptions {
+                pad: Some(Special::Pad.id()),
+                perplexity: true,
+                throughput: Throughput {
+                    per_step: (config.train.batch_size as f64 * mean_target).round() as usize,
+                    unit: "tok",
+                    units: "target tokens",
+                },
+            },
+            valid_items: "validation pairs (teacher-forced target loss)".into(),
+            accuracy: false,
+            config,
+        })
     }
 
-    fn bench<B: LabAutodiff>(
-        &self,
-        mut config: ExperimentConfig,
-        data_dir: &Path,
-        plan: BenchPlan,
+    fn batch<B: LabBackend>(
+        batcher: &Seq2SeqBatcher,
+        items: Vec<PairItem>,
+        _draw: Option<u64>,
         device: &B::Device,
-    ) -> Result<BenchReport> {
-        let data = TranslationData::load(&config, data_dir, None)?;
-        let tokenizers = &data.tokenizers;
-        let (source, target) = (
-            tokenizers.source.vocab_size(),
-            tokenizers.target.vocab_size(),
-        );
-        config.model.set_vocab_sizes(source, target);
-        let s2s = config.model_as::<Seq2SeqConfig>()?.clone();
-        let (sources, targets) = data.train.lengths().into_iter().unzip();
-        let keys = data.train.length_keys();
-        let padding = padding_note(&config, &[("source", sources), ("target", targets)], &keys);
-        let batcher = unseeded(Seq2SeqBatcher);
-        let loader = train_loader(
-            &config,
-            device,
-            data.train,
-            batcher,
-            Arc::default(),
-            Some(keys),
-        );
+    ) -> Seq2SeqBatch<B> {
+        batcher.batch(items, device)
+    }
+
+    /// The teacher-forced loss, label-smoothed as the model was built (a trained model loads
+    /// without smoothing: its loss on the data).
+    fn loss<B: LabBackend>(model: &Seq2Seq<B>, batch: Seq2SeqBatch<B>) -> LossOutput<B> {
+        model.loss(&batch, model.label_smoothing())
+    }
+
+    fn units<B: LabBackend>(batch: &Seq2SeqBatch<B>) -> usize {
         let pad = Special::Pad.id() as i64;
-        let tokens = |batch: &Seq2SeqBatch<B>| {
-            let real = batch.target_out.clone().not_equal_elem(pad).int().sum();
-            real.into_scalar().elem::<i64>() as usize
-        };
-        let smoothing = config.train.label_smoothing;
-        let init = || s2s.init::<B>(device).with_label_smoothing(smoothing);
-        let loss = |model: &Seq2Seq<B>, batch| model.loss(&batch, smoothing).0;
-        let mut report = bench_training(
-            &config,
-            plan,
-            &loader,
-            "target tokens",
-            tokens,
-            init,
-            loss,
-            device,
-        )?;
-        report.notes.push(padding);
-        Ok(report)
+        let real = batch.target_out.clone().not_equal_elem(pad).int().sum();
+        real.into_scalar().elem::<i64>() as usize
     }
 
     fn eval<B: LabBackend>(

@@ -1,29 +1,24 @@
 //! The Vision Transformer kind: cross-entropy over class scores of (optionally shifted) images,
 //! test accuracy with a confusion matrix, attention over an image's patches to inspect.
 
-use super::{held_out_batches, EvalRequest, HeldOutRequest, ModelKind};
+use super::{EvalRequest, ModelKind, Prepared, TrainAndHeldOut};
 use crate::artifact::{Tokenizers, Trained};
 use crate::classify::{class_names, evaluate_vit, load_image, report_confusion};
 use crate::config::{DataConfig, ExperimentConfig, ModelConfig, ModelSection, VitConfig};
-use crate::data::{DatasetSpec, ImageBatch, ImageBatcher, ImageSet, Task};
-use crate::inspect::heads::HeldOut;
+use crate::data::{DatasetSpec, ImageBatch, ImageBatcher, ImageItem, ImageSet, Task};
+use crate::inspect::heads::LossOutput;
 use crate::inspect::{
     image_statistics, predicted_class, vit_attention, AttentionMaps, GroupStats, ImageInput,
     TextModel,
 };
-use crate::kernels::{LabAutodiff, LabBackend};
+use crate::kernels::LabBackend;
 use crate::models::VisionTransformer;
 use crate::nn::StackConfig;
-use crate::train::speed::{bench_training, BenchPlan, BenchReport};
-use crate::train::{
-    launch, supervised_steps, train_loader, unseeded, Session, Throughput, TrainReport,
-};
+use crate::train::{supervised_steps, LaunchOptions, Throughput};
 use anyhow::{bail, Result};
 use std::path::Path;
-use std::sync::Arc;
 
-supervised_steps!(VisionTransformer, ImageBatch, |model, batch| model
-    .loss(batch.images, batch.labels));
+supervised_steps!(VisionTransformer, VitConfig);
 
 impl ModelSection for VitConfig {
     const KIND: &'static str = "vit";
@@ -55,10 +50,21 @@ impl ModelSection for VitConfig {
     fn with_vocab_sizes(&self, _source: usize, _target: usize) -> ModelConfig {
         ModelConfig::Vit(self.clone())
     }
+
+    fn of(model: &ModelConfig) -> Option<&Self> {
+        match model {
+            ModelConfig::Vit(section) => Some(section),
+            _ => None,
+        }
+    }
 }
 
 impl ModelKind for VitConfig {
     type Model<B: LabBackend> = VisionTransformer<B>;
+    type Item = ImageItem;
+    type Split = ImageSet;
+    type Batcher = TrainAndHeldOut<ImageBatcher>;
+    type Batch<B: LabBackend> = ImageBatch<B>;
 
     fn build<B: LabBackend>(&self, device: &B::Device) -> VisionTransformer<B> {
         self.init(device)
@@ -72,97 +78,77 @@ impl ModelKind for VitConfig {
         &mut self.stack
     }
 
-    fn held_out<B: LabBackend>(
-        trained: &Trained<VisionTransformer<B>>,
-        request: &HeldOutRequest,
-        device: &B::Device,
-    ) -> Result<HeldOut<'static, B, VisionTransformer<B>>> {
-        let config = &trained.config;
-        let (train_set, _) = ImageSet::load(&config.data.dataset, &request.data_dir)?;
-        let (_, valid) = train_set.split(config.data.valid_fraction, config.seed);
-        let batcher = ImageBatcher::new(valid.rows, valid.cols, 0, config.seed);
-        let loss = |m: &VisionTransformer<B>, b: ImageBatch<B>| m.loss(b.images, b.labels);
-        let (n, batches) = held_out_batches(&valid, request, batcher, device, loss)?;
-        Ok(HeldOut {
-            what: format!("{n} validation images"),
-            batches,
-            accuracy: true,
-        })
-    }
-
     fn activation_floats(&self, _data: &DataConfig) -> f64 {
         self.stack.activation_floats(self.n_layers, self.n_tokens())
     }
 
-    fn train<B: LabAutodiff>(
-        &self,
+    fn prepare(
         config: ExperimentConfig,
         _tokenizers: Option<Tokenizers>,
-        session: &Session,
         data_dir: &Path,
-        device: B::Device,
-    ) -> Result<TrainReport> {
-        let (train_set, test) = ImageSet::load(&config.data.dataset, data_dir)?;
-        let (train_set, valid) = train_set.split(config.data.valid_fraction, config.seed);
-        let train_set = train_set.first(config.data.train_examples);
-        println!(
+    ) -> Result<Prepared<Self>> {
+        let vit = config.model_as::<VitConfig>()?;
+        let data = &config.data;
+        let (train, test) = ImageSet::load(&data.dataset, data_dir)?;
+        let (train, valid) = train.split(data.valid_fraction, config.seed);
+        let train = train.first(data.train_examples);
+        let summary = format!(
             "{}: {} training, {} validation, {} test images of {}×{}; {} patches of {}×{} per image",
-            config.data.dataset,
-            train_set.len(),
+            data.dataset,
+            train.len(),
             valid.len(),
             test.len(),
-            train_set.rows,
-            train_set.cols,
-            self.n_tokens() - 1,
-            self.patch_size,
-            self.patch_size
+            train.rows,
+            train.cols,
+            vit.n_tokens() - 1,
+            vit.patch_size,
+            vit.patch_size
         );
-        session.begin(&config, None, self.activation_floats(&config.data))?;
-        crate::kernels::seed::<B>(&device, config.seed);
-        let (rows, cols) = (train_set.rows, train_set.cols);
-        let augmenting = ImageBatcher::new(rows, cols, config.data.augment_shift, config.seed);
-        let plain = ImageBatcher::new(rows, cols, 0, config.seed);
-        let loaders = session.loaders(
-            &config,
-            &device,
-            train_set,
-            Arc::new(move |items, seed, device: &B::Device| {
-                augmenting.batch_seeded(items, seed, device)
-            }),
+        let (rows, cols) = (train.rows, train.cols);
+        Ok(Prepared {
+            tokenizers: None,
+            summary: Some(summary),
+            train,
             valid,
-            unseeded(plain),
-            None,
-        );
-        let throughput = Throughput {
-            per_step: config.train.batch_size,
-            unit: "img",
-        };
-        let model = self.init::<B>(&device);
-        launch(&config, session, model, loaders, None, false, throughput)
+            batcher: TrainAndHeldOut {
+                train: ImageBatcher::new(rows, cols, data.augment_shift, config.seed),
+                held_out: ImageBatcher::new(rows, cols, 0, config.seed),
+            },
+            lengths: None,
+            padding: Vec::new(),
+            launch: LaunchOptions {
+                pad: None,
+                perplexity: false,
+                throughput: Throughput {
+                    per_step: config.train.batch_size,
+                    unit: "img",
+                    units: "images",
+                },
+            },
+            valid_items: "validation images".into(),
+            accuracy: true,
+            config,
+        })
     }
 
-    fn bench<B: LabAutodiff>(
-        &self,
-        config: ExperimentConfig,
-        data_dir: &Path,
-        plan: BenchPlan,
+    fn batch<B: LabBackend>(
+        batcher: &TrainAndHeldOut<ImageBatcher>,
+        items: Vec<ImageItem>,
+        draw: Option<u64>,
         device: &B::Device,
-    ) -> Result<BenchReport> {
-        let (train_set, _) = ImageSet::load(&config.data.dataset, data_dir)?;
-        let (train_set, _) = train_set.split(config.data.valid_fraction, config.seed);
-        let train_set = train_set.first(config.data.train_examples);
-        let (rows, cols) = (train_set.rows, train_set.cols);
-        let augmenting = ImageBatcher::new(rows, cols, config.data.augment_shift, config.seed);
-        let batcher = Arc::new(move |items, seed, device: &B::Device| {
-            augmenting.batch_seeded(items, seed, device)
-        });
-        let loader = train_loader(&config, device, train_set, batcher, Arc::default(), None);
-        let images = |batch: &ImageBatch<B>| batch.images.dims()[0];
-        let init = || self.init::<B>(device);
-        let loss = |model: &VisionTransformer<B>, batch: ImageBatch<B>| {
-            model.loss(batch.images, batch.labels).0
-        };
-        bench_training(&config, plan, &loader, "images", images, init, loss, device)
+    ) -> ImageBatch<B> {
+        match draw {
+            Some(seed) => batcher.train.batch_seeded(items, seed, device),
+            None => batcher.held_out.batch_seeded(items, 0, device),
+        }
+    }
+
+    fn loss<B: LabBackend>(model: &VisionTransformer<B>, batch: ImageBatch<B>) -> LossOutput<B> {
+        model.loss(batch.images, batch.labels)
+    }
+
+    fn units<B: LabBackend>(batch: &ImageBatch<B>) -> usize {
+        batch.images.dims()[0]
     }
 
     fn eval<B: LabBackend>(

@@ -34,6 +34,12 @@ pub struct ClassifierConfig {
     pub position: PositionKind,
     /// What the head reads: `cls` (the `<s>` token) or `mean` (of the non-padding tokens).
     pub pool: Pooling,
+    /// Start training from this artifact's embeddings, encoder and tokenizer instead of a
+    /// random init: a masked language model's (`mlm`: pretrain, then fine-tune; the head starts
+    /// fresh) or another classifier's (all of it). The model settings must describe its
+    /// encoder; `dropout` may differ.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub init_from: Option<std::path::PathBuf>,
 }
 
 impl Default for ClassifierConfig {
@@ -51,6 +57,7 @@ impl Default for ClassifierConfig {
             max_len: 64,
             position: PositionKind::Learned,
             pool: Pooling::Cls,
+            init_from: None,
         }
     }
 }

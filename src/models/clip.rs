@@ -159,6 +159,7 @@ impl TextTowerConfig {
             max_len: self.max_len,
             position: self.position,
             pool: self.pool,
+            init_from: None,
         }
     }
 }

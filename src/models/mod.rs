@@ -3,6 +3,7 @@
 pub mod classifier;
 pub mod clip;
 pub mod lm;
+pub mod mlm;
 pub mod seq2seq;
 pub mod vit;
 
@@ -11,5 +12,6 @@ pub use clip::{
     info_nce, l2_normalize, Clip, ClipConfig, ClipOutput, ImageTowerConfig, TextTowerConfig,
 };
 pub use lm::{LanguageModel, LmBatch, LmConfig, LmOutput};
+pub use mlm::{MaskedLm, MlmConfig, MlmOutput};
 pub use seq2seq::{DecoderOutput, Memory, Seq2Seq, Seq2SeqBatch, Seq2SeqConfig};
 pub use vit::{patchify, unpatchify, VisionTransformer, VitConfig, VitOutput};

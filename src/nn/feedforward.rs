@@ -21,6 +21,17 @@ pub enum Activation {
     GeluTanh,
 }
 
+impl Activation {
+    /// The activation of `x`, elementwise.
+    pub fn apply<B: LabBackend, const D: usize>(self, x: Tensor<B, D>) -> Tensor<B, D> {
+        match self {
+            Activation::Relu => relu(x),
+            Activation::Gelu => gelu(x),
+            Activation::GeluTanh => gelu_tanh(x),
+        }
+    }
+}
+
 /// GELU's tanh approximation, composed of tensor ops (differentiable on any backend).
 pub fn gelu_tanh<B: Backend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
     let c = (2.0 / std::f64::consts::PI).sqrt();
@@ -86,11 +97,7 @@ impl<B: LabBackend> FeedForward<B> {
     /// `x`: `[b, t, d]` → `[b, t, d]`.
     pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
         let h = linear(&self.linear_inner, x); // [b, t, d_ff]
-        let h = match self.activation {
-            Activation::Relu => relu(h),
-            Activation::Gelu => gelu(h),
-            Activation::GeluTanh => gelu_tanh(h),
-        };
+        let h = self.activation.apply(h);
         linear(
             &self.linear_outer,
             crate::kernels::dropout(&self.dropout, h),

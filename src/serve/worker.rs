@@ -9,12 +9,12 @@ use super::upload::{is_multipart, Form};
 use super::{ApiError, ApiJson, App};
 use crate::artifact::ArtifactDir;
 use crate::classify::{class_names, image_from_bytes, image_probabilities, text_probabilities};
-use crate::config::{ClassifierConfig, ClipConfig, ModelSection, Seq2SeqConfig, VitConfig};
+use crate::config::{ClipConfig, ModelSection, VitConfig};
 use crate::embed::word_vectors;
 use crate::inspect::AttentionMaps;
 use crate::kernels::LabBackend;
 use crate::kinds::{
-    clip_image_maps, clip_text_maps, trained_as, vit_image_maps, zero_shot_pixels, AnyTrained,
+    clip_image_maps, clip_text_maps, vit_image_maps, zero_shot_pixels, AnyTrained,
 };
 use crate::translate::{translate_texts, SearchConfig};
 use axum::extract::{FromRequest, Request, State};
@@ -141,9 +141,9 @@ pub fn start<B: LabBackend>(
                     | Ask::Classify { .. }
                     | Ask::Predict { .. }
                     | Ask::ZeroShot { .. } => {
-                        crate::nn::without_weights(|| answer(trained.as_ref(), ask, &device))
+                        crate::nn::without_weights(|| answer(&trained, ask, &device))
                     }
-                    _ => answer(trained.as_ref(), ask, &device),
+                    _ => answer(&trained, ask, &device),
                 };
                 let _ = reply.send(answer.map_err(|e| format!("{e:#}")));
             }
@@ -155,7 +155,7 @@ pub fn start<B: LabBackend>(
 }
 
 fn answer<B: LabBackend>(
-    trained: &dyn AnyTrained<B>,
+    trained: &AnyTrained<B>,
     ask: Ask,
     device: &B::Device,
 ) -> anyhow::Result<Value> {
@@ -163,8 +163,9 @@ fn answer<B: LabBackend>(
     let wrong = |route: &str| anyhow::anyhow!("{route} is not for a {kind} model");
     match ask {
         Ask::Translate { texts, beam } => {
-            let translator =
-                trained_as::<Seq2SeqConfig, B>(trained).ok_or_else(|| wrong("translate"))?;
+            let AnyTrained::Seq2seq(translator) = trained else {
+                return Err(wrong("translate"));
+            };
             let search = SearchConfig::resolve(beam, 0.6, None, translator.model.max_len())?;
             let max_tokens = translator.config.data.max_tokens;
             let (translations, _) = translate_texts(
@@ -179,8 +180,9 @@ fn answer<B: LabBackend>(
             Ok(json!({"translations": translations}))
         }
         Ask::Classify { texts } => {
-            let classifier =
-                trained_as::<ClassifierConfig, B>(trained).ok_or_else(|| wrong("classify"))?;
+            let AnyTrained::Classifier(classifier) = trained else {
+                return Err(wrong("classify"));
+            };
             let classes = class_names(&classifier.config.data.dataset)?;
             let probabilities = floats(text_probabilities(classifier, &texts, device)?)?;
             let results: Vec<Value> = (probabilities.chunks(classes.len()))
@@ -189,7 +191,9 @@ fn answer<B: LabBackend>(
             Ok(json!({"results": results}))
         }
         Ask::Predict { images } => {
-            let vit = trained_as::<VitConfig, B>(trained).ok_or_else(|| wrong("predict"))?;
+            let AnyTrained::Vit(vit) = trained else {
+                return Err(wrong("predict"));
+            };
             let size = vit.config.model_as::<VitConfig>()?.image_size;
             let classes = class_names(&vit.config.data.dataset)?;
             let read = (images.iter())
@@ -209,7 +213,9 @@ fn answer<B: LabBackend>(
             Ok(json!({"results": results}))
         }
         Ask::ZeroShot { images, labels } => {
-            let clip = trained_as::<ClipConfig, B>(trained).ok_or_else(|| wrong("zero-shot"))?;
+            let AnyTrained::Clip(clip) = trained else {
+                return Err(wrong("zero-shot"));
+            };
             let size = clip.config.model_as::<ClipConfig>()?.image.image_size;
             let mut pixels = Vec::new();
             for image in &images {
@@ -233,9 +239,9 @@ fn answer<B: LabBackend>(
                     "a vit model's attention is over an image: send multipart/form-data with \
                      `model` and an `image` file"
                 ),
-                Input::Text(text) => match trained_as::<ClipConfig, B>(trained) {
-                    Some(clip) => clip_text_maps(clip, &text, device)?,
-                    None => trained.attention(&text, target.as_deref(), device)?,
+                Input::Text(text) => match trained {
+                    AnyTrained::Clip(clip) => clip_text_maps(clip, &text, device)?,
+                    _ => trained.attention(&text, target.as_deref(), device)?,
                 },
             };
             Ok(serde_json::from_str(&maps.to_json()?)?)
@@ -255,22 +261,28 @@ fn answer<B: LabBackend>(
 
 /// The attention of a ViT or of a clip model's image encoder on an uploaded image.
 fn image_attention<B: LabBackend>(
-    trained: &dyn AnyTrained<B>,
+    trained: &AnyTrained<B>,
     image: &Upload,
     device: &B::Device,
 ) -> anyhow::Result<AttentionMaps> {
-    if let Some(vit) = trained_as::<VitConfig, B>(trained) {
-        let size = vit.config.model_as::<VitConfig>()?.image_size;
-        let read = image_from_bytes(&image.bytes, &image.name, size)?;
-        return vit_image_maps(vit, &image.name, read.pixels, device);
+    match trained {
+        AnyTrained::Vit(vit) => {
+            let size = vit.config.model_as::<VitConfig>()?.image_size;
+            let read = image_from_bytes(&image.bytes, &image.name, size)?;
+            vit_image_maps(vit, &image.name, read.pixels, device)
+        }
+        AnyTrained::Clip(clip) => {
+            let size = clip.config.model_as::<ClipConfig>()?.image.image_size;
+            let read = image_from_bytes(&image.bytes, &image.name, size)?;
+            clip_image_maps(clip, &image.name, read.pixels, device)
+        }
+        _ => {
+            let kind = trained.config().model.kind();
+            anyhow::bail!(
+                "a {kind} model reads text, not images: send JSON {{\"model\", \"input\"}}"
+            )
+        }
     }
-    if let Some(clip) = trained_as::<ClipConfig, B>(trained) {
-        let size = clip.config.model_as::<ClipConfig>()?.image.image_size;
-        let read = image_from_bytes(&image.bytes, &image.name, size)?;
-        return clip_image_maps(clip, &image.name, read.pixels, device);
-    }
-    let kind = trained.config().model.kind();
-    anyhow::bail!("a {kind} model reads text, not images: send JSON {{\"model\", \"input\"}}")
 }
 
 /// `{"label": the most probable, "probabilities": {name: p, ...}}` of one row.

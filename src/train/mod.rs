@@ -1,19 +1,20 @@
 //! Training through burn-train's `Learner`, generic over the model: one wiring function,
 //! [`launch`], that every model kind trains through, with the deterministic loaders, checkpoints,
-//! schedule and optimizer it uses. Each kind's steps are [`supervised_steps!`] in `kinds/`.
+//! schedule and optimizer it uses. Each kind's steps are [`supervised_steps!`] of its
+//! `ModelKind::loss` in `kinds/`.
 
-/// Implements burn-train's `TrainStep` and `InferenceStep` for a model from one expression that
-/// maps a batch to `(loss, logits, targets)`: training backpropagates the loss, validation only
-/// reports it.
+/// Implements burn-train's `TrainStep` and `InferenceStep` for a kind's model from the kind's
+/// one loss (`ModelKind::loss`, which maps a batch to `(loss, logits, targets)`): training
+/// backpropagates the loss, validation only reports it.
 macro_rules! supervised_steps {
-    ($model:ident, $batch:ident, |$m:ident, $b:ident| $loss:expr) => {
+    ($model:ident, $kind:ty) => {
         impl<B: $crate::kernels::LabAutodiff> burn::train::TrainStep for $model<B> {
-            type Input = $batch<B>;
+            type Input = <$kind as $crate::kinds::ModelKind>::Batch<B>;
             type Output = burn::train::ClassificationOutput<B>;
 
-            fn step(&self, $b: $batch<B>) -> burn::train::TrainOutput<Self::Output> {
-                let $m = self;
-                let (loss, output, targets) = $loss;
+            fn step(&self, batch: Self::Input) -> burn::train::TrainOutput<Self::Output> {
+                let (loss, output, targets) =
+                    <$kind as $crate::kinds::ModelKind>::loss(self, batch);
                 let output = burn::train::ClassificationOutput {
                     loss,
                     output,
@@ -25,12 +26,12 @@ macro_rules! supervised_steps {
         }
 
         impl<B: $crate::kernels::LabBackend> burn::train::InferenceStep for $model<B> {
-            type Input = $batch<B>;
+            type Input = <$kind as $crate::kinds::ModelKind>::Batch<B>;
             type Output = burn::train::ClassificationOutput<B>;
 
-            fn step(&self, $b: $batch<B>) -> Self::Output {
-                let $m = self;
-                let (loss, output, targets) = $loss;
+            fn step(&self, batch: Self::Input) -> Self::Output {
+                let (loss, output, targets) =
+                    <$kind as $crate::kinds::ModelKind>::loss(self, batch);
                 burn::train::ClassificationOutput {
                     loss,
                     output,
@@ -64,7 +65,7 @@ pub use loader::{
 pub use optim::{clip_global_norm, reference_adamw, LabAdamW, ReferenceOptimizer, NAN_ENV};
 pub use perplexity::{EpochPerplexity, NllSums};
 pub use renderer::{PlainRenderer, Throughput};
-pub use run::{launch, train_loader, Session};
+pub use run::{launch, train_loader, LaunchOptions, Session};
 pub use schedule::WarmupSchedule;
 pub use strategy::{StepMarker, StepPoint, PAUSE_STEP_SAVE_ENV};
 

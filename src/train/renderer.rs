@@ -21,6 +21,8 @@ pub struct Throughput {
     pub per_step: usize,
     /// Short name of an item.
     pub unit: &'static str,
+    /// What `bench train` counts, in words ("tokens", "target tokens", "images").
+    pub units: &'static str,
 }
 
 /// Writes readable progress lines to stdout.

@@ -316,22 +316,28 @@ fn quietly<T>(
     }
 }
 
+/// What a training reports beside its loss, and what a step consumes.
+#[derive(Clone, Copy, Debug)]
+pub struct LaunchOptions {
+    /// The padding id that accuracy and perplexity skip (targets of varying length).
+    pub pad: Option<usize>,
+    /// Whether perplexity is reported (token predictors; not sentence or image classifiers).
+    pub perplexity: bool,
+    /// What a step consumes, for the speed reports.
+    pub throughput: Throughput,
+}
+
 /// Trains `model` through burn-train's Learner — AdamW with decay on matrices only, global-norm
 /// clipping, the configured warmup schedule, loss/accuracy/perplexity/LR metrics, a checkpoint
 /// per epoch (the newest loadable one restored on resume; the last `keep_checkpoints` and the
 /// best kept), optional early stopping — and writes the final weights to `model.mpk` once
 /// every step is trained.
-///
-/// `pad` is the padding id that accuracy (and perplexity) skip; `perplexity` is for token
-/// predictors, not sentence or image classifiers; `throughput` feeds the speed reports.
 pub fn launch<B, M>(
     config: &ExperimentConfig,
     session: &Session,
     model: M,
     loaders: Loaders<B, M>,
-    pad: Option<usize>,
-    perplexity: bool,
-    throughput: Throughput,
+    options: LaunchOptions,
 ) -> Result<TrainReport>
 where
     B: LabAutodiff,
@@ -341,6 +347,11 @@ where
         + 'static,
     M::InnerModule: InferenceStep<Output = ClassificationOutput<B::InnerBackend>>,
 {
+    let LaunchOptions {
+        pad,
+        perplexity,
+        throughput,
+    } = options;
     let train = &config.train;
     let artifact = &session.artifact;
     let optimizer = reference_adamw::<B, M>(train);

@@ -19,7 +19,7 @@ type B = NdArray<f32>;
 
 const TEXT: &str = "to be, or not to be: that is the question";
 
-fn load(dir: &Path, name: &str) -> Box<dyn AnyTrained<B>> {
+fn load(dir: &Path, name: &str) -> AnyTrained<B> {
     transformer_lab::kinds::load(&ArtifactDir::new(dir.join(name)), &Default::default()).unwrap()
 }
 
