@@ -21,7 +21,7 @@ use crate::inspect::{
 use crate::kernels::LabBackend;
 use crate::models::TextClassifier;
 use crate::nn::StackConfig;
-use crate::train::{supervised_steps, LaunchOptions, Throughput};
+use crate::train::{LaunchOptions, Throughput};
 use anyhow::{bail, Context, Result};
 use burn::data::dataloader::batcher::Batcher;
 use burn::data::dataset::Dataset;

@@ -22,7 +22,7 @@ use crate::kernels::LabBackend;
 use crate::models::Clip;
 use crate::nn::StackConfig;
 use crate::plot::{embedding_png, similarity_png, Thumbnail};
-use crate::train::{supervised_steps, LaunchOptions, Throughput};
+use crate::train::{LaunchOptions, Throughput};
 use anyhow::{bail, Result};
 use burn::prelude::*;
 use std::path::{Path, PathBuf};

@@ -17,7 +17,7 @@ use crate::inspect::{
 use crate::kernels::LabBackend;
 use crate::models::MaskedLm;
 use crate::nn::StackConfig;
-use crate::train::{supervised_steps, LaunchOptions, Throughput};
+use crate::train::{LaunchOptions, Throughput};
 use anyhow::{bail, Context, Result};
 use burn::data::dataset::Dataset;
 use burn::prelude::*;

@@ -9,6 +9,45 @@
 //! kind; commands made for one kind (`generate`, `translate`, `predict`, `classify`) load it
 //! with [`load_as`], which names the kind an artifact holds instead.
 
+/// Implements burn-train's `TrainStep` and `InferenceStep` for a kind's model from the kind's
+/// one loss (`ModelKind::loss`, which maps a batch to `(loss, logits, targets)`): training
+/// backpropagates the loss, validation only reports it.
+macro_rules! supervised_steps {
+    ($model:ident, $kind:ty) => {
+        impl<B: $crate::kernels::LabAutodiff> burn::train::TrainStep for $model<B> {
+            type Input = <$kind as $crate::kinds::ModelKind>::Batch<B>;
+            type Output = burn::train::ClassificationOutput<B>;
+
+            fn step(&self, batch: Self::Input) -> burn::train::TrainOutput<Self::Output> {
+                let (loss, output, targets) =
+                    <$kind as $crate::kinds::ModelKind>::loss(self, batch);
+                let output = burn::train::ClassificationOutput {
+                    loss,
+                    output,
+                    targets,
+                };
+                let grads = output.loss.backward();
+                burn::train::TrainOutput::new(self, grads, output)
+            }
+        }
+
+        impl<B: $crate::kernels::LabBackend> burn::train::InferenceStep for $model<B> {
+            type Input = <$kind as $crate::kinds::ModelKind>::Batch<B>;
+            type Output = burn::train::ClassificationOutput<B>;
+
+            fn step(&self, batch: Self::Input) -> Self::Output {
+                let (loss, output, targets) =
+                    <$kind as $crate::kinds::ModelKind>::loss(self, batch);
+                burn::train::ClassificationOutput {
+                    loss,
+                    output,
+                    targets,
+                }
+            }
+        }
+    };
+}
+
 mod classifier;
 mod clip;
 mod lm;

@@ -21,7 +21,7 @@ use crate::kernels::LabBackend;
 use crate::models::Seq2Seq;
 use crate::nn::AttentionMask;
 use crate::nn::StackConfig;
-use crate::train::{supervised_steps, LaunchOptions, Throughput};
+use crate::train::{LaunchOptions, Throughput};
 use crate::translate::{greedy, translate_texts, warn_truncated, SearchConfig};
 use anyhow::{bail, Result};
 use burn::data::dataloader::batcher::Batcher;

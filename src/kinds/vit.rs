@@ -14,7 +14,7 @@ use crate::inspect::{
 use crate::kernels::LabBackend;
 use crate::models::VisionTransformer;
 use crate::nn::StackConfig;
-use crate::train::{supervised_steps, LaunchOptions, Throughput};
+use crate::train::{LaunchOptions, Throughput};
 use anyhow::{bail, Result};
 use std::path::Path;
 

@@ -1,47 +1,8 @@
 //! Training through burn-train's `Learner`, generic over the model: one wiring function,
 //! [`launch`], that every model kind trains through, with the deterministic loaders, checkpoints,
-//! schedule and optimizer it uses. Each kind's steps are [`supervised_steps!`] of its
+//! schedule and optimizer it uses. Each kind's steps are `supervised_steps!` of its
 //! `ModelKind::loss` in `kinds/`.
 
-/// Implements burn-train's `TrainStep` and `InferenceStep` for a kind's model from the kind's
-/// one loss (`ModelKind::loss`, which maps a batch to `(loss, logits, targets)`): training
-/// backpropagates the loss, validation only reports it.
-macro_rules! supervised_steps {
-    ($model:ident, $kind:ty) => {
-        impl<B: $crate::kernels::LabAutodiff> burn::train::TrainStep for $model<B> {
-            type Input = <$kind as $crate::kinds::ModelKind>::Batch<B>;
-            type Output = burn::train::ClassificationOutput<B>;
-
-            fn step(&self, batch: Self::Input) -> burn::train::TrainOutput<Self::Output> {
-                let (loss, output, targets) =
-                    <$kind as $crate::kinds::ModelKind>::loss(self, batch);
-                let output = burn::train::ClassificationOutput {
-                    loss,
-                    output,
-                    targets,
-                };
-                let grads = output.loss.backward();
-                burn::train::TrainOutput::new(self, grads, output)
-            }
-        }
-
-        impl<B: $crate::kernels::LabBackend> burn::train::InferenceStep for $model<B> {
-            type Input = <$kind as $crate::kinds::ModelKind>::Batch<B>;
-            type Output = burn::train::ClassificationOutput<B>;
-
-            fn step(&self, batch: Self::Input) -> Self::Output {
-                let (loss, output, targets) =
-                    <$kind as $crate::kinds::ModelKind>::loss(self, batch);
-                burn::train::ClassificationOutput {
-                    loss,
-                    output,
-                    targets,
-                }
-            }
-        }
-    };
-}
-pub(crate) use supervised_steps;
 
 mod checkpoint;
 pub mod config;

@@ -29,6 +29,7 @@ mod layers;
 mod lm;
 mod mask;
 mod mixer;
+mod mlm;
 mod newcomer;
 mod old_artifacts;
 mod position;
