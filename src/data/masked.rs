@@ -22,7 +22,9 @@ pub fn english_parts(dataset: &str) -> Result<Vec<String>> {
     for name in dataset.split('+').map(str::trim) {
         let spec = DatasetSpec::find(name)?;
         match spec.task {
-            Task::Images => bail!("data: {name} is an image dataset; a masked language model reads text"),
+            Task::Images => {
+                bail!("data: {name} is an image dataset; a masked language model reads text")
+            }
             Task::Translation if !spec.languages.iter().any(|l| l == "en") => {
                 bail!("data: {name} has no English side")
             }

@@ -1,8 +1,8 @@
 //! The sentence classifier kind: cross-entropy over class scores of labelled sentences, test
 //! accuracy with a confusion matrix, bidirectional self-attention to inspect.
 
-use super::{EvalRequest, ModelKind, Prepared};
 use super::load_as;
+use super::{EvalRequest, ModelKind, Prepared};
 use crate::artifact::{load_weights, ArtifactDir, Tokenizers, Trained};
 use crate::classify::{class_names, evaluate_classifier, report_confusion};
 use crate::config::{
@@ -114,9 +114,11 @@ impl ModelKind for ClassifierConfig {
         let pretrained = load_as::<MlmConfig, B>(from, device)?.model;
         // Through records: the weights move, this config's dropout stays.
         let mut model = model;
-        model.token_embedding = (model.token_embedding)
-            .load_record(pretrained.token_embedding.into_record());
-        model.position = model.position.load_record(pretrained.position.into_record());
+        model.token_embedding =
+            (model.token_embedding).load_record(pretrained.token_embedding.into_record());
+        model.position = model
+            .position
+            .load_record(pretrained.position.into_record());
         model.encoder = model.encoder.load_record(pretrained.encoder.into_record());
         Ok(model)
     }
@@ -258,12 +260,32 @@ fn check_encoder_matches(
             differ.push(format!("{name} {a} here, {b} there"));
         }
     };
-    compare("d_model", ours.d_model.to_string(), theirs.d_model.to_string());
-    compare("n_heads", ours.n_heads.to_string(), theirs.n_heads.to_string());
+    compare(
+        "d_model",
+        ours.d_model.to_string(),
+        theirs.d_model.to_string(),
+    );
+    compare(
+        "n_heads",
+        ours.n_heads.to_string(),
+        theirs.n_heads.to_string(),
+    );
     compare("d_ff", ours.d_ff().to_string(), theirs.d_ff().to_string());
-    compare("n_layers", classifier.n_layers.to_string(), mlm.n_layers.to_string());
-    compare("max_len", classifier.max_len.to_string(), mlm.max_len.to_string());
-    compare("vocab_size", classifier.vocab_size.to_string(), mlm.vocab_size.to_string());
+    compare(
+        "n_layers",
+        classifier.n_layers.to_string(),
+        mlm.n_layers.to_string(),
+    );
+    compare(
+        "max_len",
+        classifier.max_len.to_string(),
+        mlm.max_len.to_string(),
+    );
+    compare(
+        "vocab_size",
+        classifier.vocab_size.to_string(),
+        mlm.vocab_size.to_string(),
+    );
     let text = |v: serde_json::Value| v.to_string();
     compare(
         "position",

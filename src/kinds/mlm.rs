@@ -114,9 +114,9 @@ impl ModelKind for MlmConfig {
                 fitted
             }
         };
-        let mask = tokenizer
-            .mask()
-            .context("the tokenizer has no [MASK]: it was not fitted for a masked language model")?;
+        let mask = tokenizer.mask().context(
+            "the tokenizer has no [MASK]: it was not fitted for a masked language model",
+        )?;
         let vocab = tokenizer.vocab_size();
         let train_set = MaskedSentences::encode(&train, &tokenizer, data.max_tokens)?;
         let valid_set = MaskedSentences::encode(&valid, &tokenizer, data.max_tokens)?;
@@ -186,7 +186,13 @@ impl ModelKind for MlmConfig {
         request: &EvalRequest,
         device: &B::Device,
     ) -> Result<()> {
-        let score = evaluate_mlm(trained, &request.data_dir, request.batch_size, request.limit, device)?;
+        let score = evaluate_mlm(
+            trained,
+            &request.data_dir,
+            request.batch_size,
+            request.limit,
+            device,
+        )?;
         println!(
             "{}: validation masked-token accuracy {:.2}%, loss {:.4}, perplexity {:.3} over {} \
              masked tokens of {} sentences (BERT's masking, the same masks every time)",
@@ -352,17 +358,23 @@ pub fn fill_mask<B: LabBackend>(
         Tensor::from_data(TensorData::new(rows, [places.len()]), device),
     );
     let probabilities = crate::kernels::softmax(model.scores(picked));
-    let values: Vec<f32> = probabilities.into_data().convert::<f32>().to_vec().map_err(
-        |e| anyhow::anyhow!("cannot read the scores: {e:?}"),
-    )?;
+    let values: Vec<f32> = probabilities
+        .into_data()
+        .convert::<f32>()
+        .to_vec()
+        .map_err(|e| anyhow::anyhow!("cannot read the scores: {e:?}"))?;
     let v = model.vocab_size();
     let ordinary = |id: usize| id >= crate::data::masked::FIRST_ORDINARY && id != mask;
     Ok(values
         .chunks(v)
         .enumerate()
         .map(|(index, row)| {
-            let mut ranked: Vec<(usize, f32)> =
-                row.iter().copied().enumerate().filter(|(id, _)| ordinary(*id)).collect();
+            let mut ranked: Vec<(usize, f32)> = row
+                .iter()
+                .copied()
+                .enumerate()
+                .filter(|(id, _)| ordinary(*id))
+                .collect();
             ranked.sort_by(|a, b| b.1.total_cmp(&a.1));
             ranked.truncate(k);
             Filled {

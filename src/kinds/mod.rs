@@ -74,9 +74,7 @@ use crate::config::{
 use crate::inspect::heads::{self, HeldOut, HeldOutBatch, LossOutput, PruneStep};
 use crate::inspect::{AttentionMaps, GroupStats, TextModel};
 use crate::kernels::{LabAutodiff, LabBackend};
-use crate::models::{
-    Clip, LanguageModel, MaskedLm, Seq2Seq, TextClassifier, VisionTransformer,
-};
+use crate::models::{Clip, LanguageModel, MaskedLm, Seq2Seq, TextClassifier, VisionTransformer};
 use crate::nn::{pruned_heads, remove_heads, AttentionLayers, StackConfig};
 use crate::train::speed::{bench_training, padding_note, BenchPlan, BenchReport};
 use crate::train::{

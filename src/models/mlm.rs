@@ -154,7 +154,9 @@ impl<B: LabBackend> MaskedLm<B> {
 
     /// Scores over the vocabulary of states `[m, d]` → `[m, v]`.
     pub fn scores(&self, states: Tensor<B, 2>) -> Tensor<B, 2> {
-        let h = self.activation.apply(kernels::linear(&self.transform, states));
+        let h = self
+            .activation
+            .apply(kernels::linear(&self.transform, states));
         let h = kernels::layer_norm(&self.transform_norm, h);
         let table = self.token_embedding.weight.val().transpose(); // [d, v]
         kernels::product(h, table, None) + self.output_bias.val().unsqueeze()

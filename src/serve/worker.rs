@@ -13,9 +13,7 @@ use crate::config::{ClipConfig, ModelSection, VitConfig};
 use crate::embed::word_vectors;
 use crate::inspect::AttentionMaps;
 use crate::kernels::LabBackend;
-use crate::kinds::{
-    clip_image_maps, clip_text_maps, vit_image_maps, zero_shot_pixels, AnyTrained,
-};
+use crate::kinds::{clip_image_maps, clip_text_maps, vit_image_maps, zero_shot_pixels, AnyTrained};
 use crate::translate::{translate_texts, SearchConfig};
 use axum::extract::{FromRequest, Request, State};
 use axum::Json;

@@ -3,7 +3,6 @@
 //! schedule and optimizer it uses. Each kind's steps are `supervised_steps!` of its
 //! `ModelKind::loss` in `kinds/`.
 
-
 mod checkpoint;
 pub mod config;
 mod loader;

@@ -398,12 +398,8 @@ where
             // Killed between the last checkpoint and model.mpk: finish the job.
             let checkpoint = artifact.checkpoints().join(format!("model-{start}"));
             let model = load_weights(model, &checkpoint, &device)?;
-            write_model(artifact, model)?;
             report.outcome = Outcome::WrittenFromCheckpoint;
-            report.valid_loss = losses.get(start);
-            report.best = prune(artifact, train.keep_checkpoints, &losses)?;
-            remove_step_checkpoints(artifact, |_| true)?;
-            return Ok(report);
+            return finish(artifact, train, &losses, model, start, report);
         }
     }
     remove_superseded_steps(artifact, spe)?;
@@ -507,13 +503,59 @@ where
     let began = Instant::now();
     let result = training.launch(Learner::new(model, optimizer, schedule));
     report.seconds = began.elapsed().as_secs_f64();
+    let ended = Ended {
+        saved: *saved.lock().unwrap_or_else(|e| e.into_inner()),
+        metrics_failure: csv_failure.lock().unwrap_or_else(|e| e.into_inner()).take(),
+        diverged_at: divergence.step(),
+        model: result.model,
+    };
+    conclude(
+        session,
+        train,
+        point,
+        &losses,
+        ended,
+        throughput.per_step,
+        report,
+    )
+}
+
+/// How the Learner left a run.
+struct Ended<M> {
+    /// The step whose checkpoint a stop request saved.
+    saved: Option<usize>,
+    /// Why `metrics.csv` stopped being written, if it did.
+    metrics_failure: Option<String>,
+    /// The step whose loss was not finite.
+    diverged_at: Option<usize>,
+    /// The weights it ended with.
+    model: M,
+}
+
+/// After the Learner: the report of what the run did; an error naming how to continue when it
+/// could not go on (a full disk, a diverged loss); `Interrupted` when stopped on request; and
+/// for a run that trained every step (or stopped early), `model.mpk` written and the
+/// checkpoints pruned.
+fn conclude<B: crate::kernels::LabBackend, M: burn::module::Module<B>>(
+    session: &Session,
+    train: &crate::config::TrainConfig,
+    point: StepPoint,
+    losses: &ValidLosses,
+    ended: Ended<M>,
+    per_step: usize,
+    mut report: TrainReport,
+) -> Result<TrainReport> {
+    let artifact = &session.artifact;
+    let spe = train.steps_per_epoch;
+    let start = point.epoch - 1;
     let done = artifact.latest_checkpoint().unwrap_or(start).max(start);
-    let saved = *saved.lock().unwrap_or_else(|e| e.into_inner());
     report.epoch = done;
-    report.steps = saved.unwrap_or(done * spe).saturating_sub(point.step);
-    report.per_second = (report.steps * throughput.per_step) as f64 / report.seconds;
+    report.steps = (ended.saved)
+        .unwrap_or(done * spe)
+        .saturating_sub(point.step);
+    report.per_second = (report.steps * per_step) as f64 / report.seconds;
     report.valid_loss = losses.get(done);
-    report.metrics_failure = csv_failure.lock().unwrap_or_else(|e| e.into_inner()).take();
+    report.metrics_failure = ended.metrics_failure;
     if let Some(failure) = session.watch.failure() {
         let next = match artifact.latest_checkpoint() {
             Some(epoch) => format!(
@@ -528,24 +570,40 @@ where
         };
         bail!("{failure}; training stopped, {next}");
     }
-    if let Some(step) = divergence.step() {
+    if let Some(step) = ended.diverged_at {
         bail!("{}", diverged(artifact, train, step)?);
     }
-    if saved.is_some() {
+    if ended.saved.is_some() {
         report.outcome = Outcome::Interrupted;
-        report.saved_step = saved;
+        report.saved_step = ended.saved;
         return Ok(report);
     }
-    if done < epochs && !stops_early(done) {
+    let patience = train.early_stopping.as_ref().map(|e| e.patience);
+    let stopped_early = patience.is_some_and(|p| losses.no_improvement(done, p));
+    if done < train.epochs() && !stopped_early {
         // Stopped on request, but its step could not be saved (see the warning above).
         report.outcome = Outcome::Interrupted;
         return Ok(report);
     }
-    if done < epochs {
+    if done < train.epochs() {
         report.outcome = Outcome::StoppedEarly;
     }
-    write_model(artifact, result.model)?;
-    report.best = prune(artifact, train.keep_checkpoints, &losses)?;
+    finish(artifact, train, losses, ended.model, done, report)
+}
+
+/// Writes `model.mpk`, keeps the checkpoints `keep_checkpoints` and the best one ask for, and
+/// removes the mid-epoch ones: the end of a run whose weights are those of epoch `epoch`.
+fn finish<B: crate::kernels::LabBackend, M: burn::module::Module<B>>(
+    artifact: &ArtifactDir,
+    train: &crate::config::TrainConfig,
+    losses: &ValidLosses,
+    model: M,
+    epoch: usize,
+    mut report: TrainReport,
+) -> Result<TrainReport> {
+    write_model(artifact, model)?;
+    report.valid_loss = losses.get(epoch);
+    report.best = prune(artifact, train.keep_checkpoints, losses)?;
     remove_step_checkpoints(artifact, |_| true)?;
     Ok(report)
 }

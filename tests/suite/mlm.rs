@@ -6,8 +6,8 @@
 use crate::common::{assert_clean_error, classifier_artifact, run, stderr};
 use burn::backend::NdArray;
 use burn::module::{Module, ModuleVisitor, Param};
-use burn::tensor::Tensor;
 use burn::tensor::activation::log_softmax;
+use burn::tensor::Tensor;
 use rand::rngs::StdRng;
 use rand::SeedableRng;
 use std::path::Path;
@@ -130,8 +130,14 @@ fn masks_follow_the_draw_for_training_and_the_sentence_for_held_out_batches() {
         )
     };
     let a = read(masking.batch::<B>(items.clone(), Some(11), &device));
-    assert_eq!(a, read(masking.batch::<B>(items.clone(), Some(11), &device)));
-    assert_ne!(a, read(masking.batch::<B>(items.clone(), Some(12), &device)));
+    assert_eq!(
+        a,
+        read(masking.batch::<B>(items.clone(), Some(11), &device))
+    );
+    assert_ne!(
+        a,
+        read(masking.batch::<B>(items.clone(), Some(12), &device))
+    );
     // The flattened positions point at the replaced tokens, the targets are the originals.
     let width = 32;
     for (&flat, &target) in a.1.iter().zip(&a.2) {
@@ -279,7 +285,9 @@ fn a_masked_language_model_learns_its_sentences_and_fills_in_the_sound_each_anim
     let metrics = std::fs::read_to_string(dir.path().join("mlm/metrics.csv")).unwrap();
     for name in ["accuracy", "perplexity"] {
         assert!(
-            metrics.lines().any(|l| l.contains(",valid,") && l.contains(name)),
+            metrics
+                .lines()
+                .any(|l| l.contains(",valid,") && l.contains(name)),
             "no validation {name} in metrics.csv:\n{metrics}"
         );
     }
@@ -306,15 +314,26 @@ fn a_masked_language_model_learns_its_sentences_and_fills_in_the_sound_each_anim
             .map(|t| t.rsplit(' ').next().unwrap().parse().unwrap())
             .collect();
         assert_eq!(ps.len(), 3, "{line}");
-        assert!(ps.windows(2).all(|w| w[0] >= w[1]) && ps[0] <= 1.0, "{line}");
+        assert!(
+            ps.windows(2).all(|w| w[0] >= w[1]) && ps[0] <= 1.0,
+            "{line}"
+        );
     }
     // Two masks in one text: two answers, the animal first.
     let out = run(
         dir.path(),
-        &["fill-mask", "--artifact-dir", "mlm", "the big [MASK] says [MASK]"],
+        &[
+            "fill-mask",
+            "--artifact-dir",
+            "mlm",
+            "the big [MASK] says [MASK]",
+        ],
     );
     let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(stdout.contains("[MASK] 1:") && stdout.contains("[MASK] 2:"), "{stdout}");
+    assert!(
+        stdout.contains("[MASK] 1:") && stdout.contains("[MASK] 2:"),
+        "{stdout}"
+    );
 
     let out = run(dir.path(), &["eval", "--artifact-dir", "mlm"]);
     assert!(out.status.success(), "{}", stderr(&out));
@@ -324,7 +343,15 @@ fn a_masked_language_model_learns_its_sentences_and_fills_in_the_sound_each_anim
     // The other commands read it as the encoder it is.
     for args in [
         vec!["attention", "--artifact-dir", "mlm", "the big cow says moo"],
-        vec!["embed", "--artifact-dir", "mlm", "--word", "cow", "the big cow says moo", "the sad cow says moo"],
+        vec![
+            "embed",
+            "--artifact-dir",
+            "mlm",
+            "--word",
+            "cow",
+            "the big cow says moo",
+            "the sad cow says moo",
+        ],
     ] {
         let out = run(dir.path(), &args);
         assert!(out.status.success(), "{args:?}: {}", stderr(&out));
@@ -332,12 +359,18 @@ fn a_masked_language_model_learns_its_sentences_and_fills_in_the_sound_each_anim
 
     // Bad inputs: one line each.
     assert_clean_error(
-        &run(dir.path(), &["fill-mask", "--artifact-dir", "mlm", "no blank here"]),
+        &run(
+            dir.path(),
+            &["fill-mask", "--artifact-dir", "mlm", "no blank here"],
+        ),
         "has no [MASK]",
     );
     classifier_artifact(dir.path());
     assert_clean_error(
-        &run(dir.path(), &["fill-mask", "--artifact-dir", "art", "a [MASK] movie"]),
+        &run(
+            dir.path(),
+            &["fill-mask", "--artifact-dir", "art", "a [MASK] movie"],
+        ),
         "not a masked language model",
     );
 }
@@ -349,7 +382,9 @@ fn a_masked_language_model_killed_mid_run_resumes_to_the_same_weights() {
     let bin = crate::common::BIN;
     let command = |args: &[&str]| {
         let mut c = Command::new(bin);
-        c.args(["--backend", "ndarray"]).args(args).current_dir(dir.path());
+        c.args(["--backend", "ndarray"])
+            .args(args)
+            .current_dir(dir.path());
         c
     };
     let out = command(&["train", "-e", "mlm.json", "--artifact-dir", "whole"])
@@ -380,10 +415,18 @@ fn a_masked_language_model_killed_mid_run_resumes_to_the_same_weights() {
     assert!(out.status.success(), "{}", stderr(&out));
     let weights = |art: &str| {
         let artifact = ArtifactDir::new(dir.path().join(art));
-        values(&load_as::<MlmConfig, B>(&artifact, &Default::default()).unwrap().model)
+        values(
+            &load_as::<MlmConfig, B>(&artifact, &Default::default())
+                .unwrap()
+                .model,
+        )
     };
-    assert!(weights("whole") == weights("cut"), "the resumed run's weights differ");
-    let table = |art: &str| std::fs::read_to_string(dir.path().join(art).join("metrics.csv")).unwrap();
+    assert!(
+        weights("whole") == weights("cut"),
+        "the resumed run's weights differ"
+    );
+    let table =
+        |art: &str| std::fs::read_to_string(dir.path().join(art).join("metrics.csv")).unwrap();
     assert_eq!(table("whole"), table("cut"));
 }
 
@@ -414,13 +457,19 @@ fn a_classifier_starts_from_the_pretrained_encoder_bit_for_bit_and_a_mismatch_is
     };
     let fresh: TextClassifier<B> = classifier.init(&device);
     let head = fresh.head.weight.val().into_data();
-    let started = classifier.start_from(fresh, &mlm_artifact, &device).unwrap();
+    let started = classifier
+        .start_from(fresh, &mlm_artifact, &device)
+        .unwrap();
     let (ours, theirs) = (&started, &pretrained.model);
     assert!(values(&ours.token_embedding) == values(&theirs.token_embedding));
     assert!(values(&ours.position) == values(&theirs.position));
     let encoder = values(&ours.encoder);
     assert!(encoder.len() > 8 && encoder == values(&theirs.encoder));
-    assert_eq!(started.head.weight.val().into_data(), head, "the head starts fresh");
+    assert_eq!(
+        started.head.weight.val().into_data(),
+        head,
+        "the head starts fresh"
+    );
 
     // Through the binary: a classifier whose encoder differs is refused with one line.
     let mut config = ExperimentConfig::parse(
@@ -434,11 +483,16 @@ fn a_classifier_starts_from_the_pretrained_encoder_bit_for_bit_and_a_mismatch_is
     config.save(&dir.path().join("c.json")).unwrap();
     let data = std::env::var("TRANSFORMER_LAB_DATA").ok();
     if data.is_none() {
-        crate::common::skip("the init_from mismatch line needs uci-sentiment (TRANSFORMER_LAB_DATA)");
+        crate::common::skip(
+            "the init_from mismatch line needs uci-sentiment (TRANSFORMER_LAB_DATA)",
+        );
         return;
     }
     assert_clean_error(
-        &run(dir.path(), &["train", "-e", "c.json", "--artifact-dir", "c"]),
+        &run(
+            dir.path(),
+            &["train", "-e", "c.json", "--artifact-dir", "c"],
+        ),
         "its encoder is not the one this config describes: d_model 48 here, 32 there",
     );
 }
