@@ -271,6 +271,8 @@ pub struct TrainAndHeldOut<T> {
 
 /// A trained model of whichever kind an artifact holds: one variant per kind, so every command
 /// that takes any artifact is checked by the compiler to handle every kind.
+// One per command or worker, held for its life: boxing the variants would buy nothing.
+#[allow(clippy::large_enum_variant)]
 pub enum AnyTrained<B: LabBackend> {
     /// A language model.
     Lm(Trained<LanguageModel<B>>),

@@ -77,9 +77,9 @@ fn masking_chooses_fifteen_percent_of_the_inner_tokens_and_replaces_them_eighty_
             }
         }
         // Positions not chosen are untouched.
-        for p in 0..ids.len() {
+        for (p, (&read, &original)) in out.ids.iter().zip(&ids).enumerate() {
             if !out.positions.contains(&p) {
-                assert_eq!(out.ids[p], ids[p]);
+                assert_eq!(read, original);
             }
         }
     }
@@ -143,7 +143,7 @@ fn masks_follow_the_draw_for_training_and_the_sentence_for_held_out_batches() {
     for (&flat, &target) in a.1.iter().zip(&a.2) {
         let (row, col) = (flat as usize / width, flat as usize % width);
         assert_eq!(items[row].ids[col] as i64, target);
-        assert!(col >= 1 && col <= 30);
+        assert!((1..=30).contains(&col));
     }
     // Held out: a sentence gets the same masks whatever batch it is in.
     let held = read(masking.batch::<B>(items.clone(), None, &device));
