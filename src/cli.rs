@@ -357,6 +357,9 @@ pub struct EvalArgs {
 pub enum CheckpointFormat {
     /// Hugging Face transformers' GPT-2 (`GPT2LMHeadModel`).
     Gpt2,
+    /// Hugging Face transformers' BERT (`BertForMaskedLM`, or `BertModel`), with its WordPiece
+    /// `tokenizer.json`; import only.
+    Bert,
 }
 
 /// `import` options.

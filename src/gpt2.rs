@@ -14,14 +14,14 @@ use crate::artifact::{
 };
 use crate::config::{ExperimentConfig, LmConfig, ModelConfig, TokenizerKind};
 use crate::data::{BpeTokenizer, Tokenizer};
+use crate::hf::{apply, read_config, snapshot, Tensors};
 use crate::kernels::LabBackend;
 use crate::models::LanguageModel;
 use crate::nn::{Activation, Mixer, PositionKind, StackConfig};
 use anyhow::{anyhow, bail, Context, Result};
-use burn::module::ParamId;
 use burn::prelude::*;
 use burn::tensor::TensorData;
-use burn_store::{ModuleSnapshot, ModuleStore, SafetensorsStore, TensorSnapshot};
+use burn_store::ModuleSnapshot;
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
@@ -116,6 +116,7 @@ fn lm_config(hf: &HfConfig, path: &Path) -> Result<LmConfig> {
             bias: true,
             mixer: Mixer::Full,
             pruned_heads: BTreeMap::new(),
+            norm_epsilon: crate::kernels::LAYER_NORM_EPSILON,
         },
         n_layers: hf.n_layer,
         context: hf.n_positions,
@@ -151,6 +152,12 @@ fn hf_config(lm: &LmConfig) -> Result<HfConfig> {
     }
     if !stack.pruned_heads.is_empty() {
         return no("it is pruned (its layers have different numbers of heads)");
+    }
+    if stack.norm_epsilon != crate::kernels::LAYER_NORM_EPSILON {
+        return no(&format!(
+            "its LayerNorms' epsilon is {} (GPT-2's is 1e-5)",
+            stack.norm_epsilon
+        ));
     }
     let activation_function = match stack.activation {
         Activation::GeluTanh => "gelu_new",
@@ -204,28 +211,6 @@ fn same_tensors(n_layers: usize) -> Vec<(String, String)> {
 /// W^Q, W^K, W^V: the three parts of GPT-2's fused `c_attn`, in order.
 const QKV: [&str; 3] = ["query", "key", "value"];
 
-fn snapshot(path: &str, data: TensorData) -> TensorSnapshot {
-    let stack = path.split('.').map(String::from).collect();
-    TensorSnapshot::from_data(data, stack, vec![], ParamId::new())
-}
-
-/// GPT-2's tensors as f32 by name (a `transformer.` prefix dropped).
-fn read_tensors(path: &Path) -> Result<HashMap<String, TensorData>> {
-    let mut store = SafetensorsStore::from_file(path);
-    let snapshots = store
-        .get_all_snapshots()
-        .map_err(|e| anyhow!("cannot read {}: {e}", path.display()))?;
-    let mut tensors = HashMap::new();
-    for (name, snapshot) in snapshots {
-        let data = snapshot
-            .to_data()
-            .map_err(|e| anyhow!("cannot read {name} from {}: {e:?}", path.display()))?;
-        let name = name.strip_prefix("transformer.").unwrap_or(name);
-        tensors.insert(name.to_string(), data.convert::<f32>());
-    }
-    Ok(tensors)
-}
-
 /// The tokenizer beside a checkpoint: `tokenizer.json`, else `vocab.json` + `merges.txt`.
 fn read_tokenizer(dir: &Path) -> Result<Tokenizer> {
     let json = dir.join("tokenizer.json");
@@ -252,15 +237,7 @@ fn read_tokenizer(dir: &Path) -> Result<Tokenizer> {
 /// every command loads (`out` must be new or empty).
 pub fn import<B: LabBackend>(dir: &Path, out: &Path, device: &B::Device) -> Result<ArtifactDir> {
     check_new_artifact_dir(out)?;
-    let config_path = dir.join("config.json");
-    let text = std::fs::read_to_string(&config_path).with_context(|| {
-        format!(
-            "cannot read {} (a GPT-2 checkpoint has config.json)",
-            config_path.display()
-        )
-    })?;
-    let hf: HfConfig = serde_json::from_str(&text)
-        .with_context(|| format!("{} is not a GPT-2 config", config_path.display()))?;
+    let (hf, config_path): (HfConfig, _) = read_config(dir, "GPT-2")?;
     let lm = lm_config(&hf, &config_path)?;
     let tokenizer = read_tokenizer(dir)?;
     if tokenizer.vocab_size() != hf.vocab_size {
@@ -271,24 +248,7 @@ pub fn import<B: LabBackend>(dir: &Path, out: &Path, device: &B::Device) -> Resu
             hf.vocab_size
         );
     }
-    let weights = dir.join("model.safetensors");
-    if !weights.exists() {
-        bail!("{} holds no model.safetensors", dir.display());
-    }
-    let mut tensors = read_tensors(&weights)?;
-    let mut take = |name: &str, shape: &[usize]| -> Result<TensorData> {
-        let data = tensors
-            .remove(name)
-            .ok_or_else(|| anyhow!("{} has no tensor {name}", weights.display()))?;
-        if data.shape.as_slice() != shape {
-            bail!(
-                "{}: {name} has shape {:?}, but config.json makes it {shape:?}",
-                weights.display(),
-                data.shape
-            );
-        }
-        Ok(data)
-    };
+    let mut tensors = Tensors::read(dir, "transformer.")?;
     let (d, f, v) = (hf.n_embd, lm.stack.d_ff(), hf.vocab_size);
     let shape_of = |ours: &str| -> Vec<usize> {
         match ours.rsplit_once('.').map(|(_, last)| last) {
@@ -303,11 +263,11 @@ pub fn import<B: LabBackend>(dir: &Path, out: &Path, device: &B::Device) -> Resu
     };
     let mut snapshots = Vec::new();
     for (theirs, ours) in same_tensors(hf.n_layer) {
-        snapshots.push(snapshot(&ours, take(&theirs, &shape_of(&ours))?));
+        snapshots.push(snapshot(&ours, tensors.take(&theirs, &shape_of(&ours))?));
     }
     for i in 0..hf.n_layer {
-        let weight = take(&format!("h.{i}.attn.c_attn.weight"), &[d, 3 * d])?;
-        let bias = take(&format!("h.{i}.attn.c_attn.bias"), &[3 * d])?;
+        let weight = tensors.take(&format!("h.{i}.attn.c_attn.weight"), &[d, 3 * d])?;
+        let bias = tensors.take(&format!("h.{i}.attn.c_attn.bias"), &[3 * d])?;
         let weight = Tensor::<B, 2>::from_data(weight, device);
         let bias = Tensor::<B, 1>::from_data(bias, device);
         for (part, name) in QKV.iter().enumerate() {
@@ -318,29 +278,14 @@ pub fn import<B: LabBackend>(dir: &Path, out: &Path, device: &B::Device) -> Resu
             snapshots.push(snapshot(&format!("{path}.bias"), b));
         }
     }
+    let weights = tensors.path().to_path_buf();
     // Left: the tied head and the causal-mask buffers older checkpoints carry.
-    let unknown: Vec<&String> = tensors
-        .keys()
-        .filter(|k| {
-            *k != "lm_head.weight" && !k.ends_with("attn.bias") && !k.ends_with("attn.masked_bias")
-        })
-        .collect();
-    if let Some(name) = unknown.first() {
-        bail!(
-            "{} holds {name}, which GPT-2 does not have",
-            weights.display()
-        );
-    }
-    let mut model: LanguageModel<B> = lm.init(device);
-    let result = model.apply(snapshots, None, None, false);
-    if !result.errors.is_empty() || !result.missing.is_empty() {
-        bail!(
-            "the weights of {} do not fit the model: {:?} {:?}",
-            weights.display(),
-            result.errors.first(),
-            result.missing.first()
-        );
-    }
+    tensors.finish("GPT-2", |name| {
+        name == "lm_head.weight"
+            || name.ends_with("attn.bias")
+            || name.ends_with("attn.masked_bias")
+    })?;
+    let model: LanguageModel<B> = apply(lm.init(device), snapshots, &weights, &[])?;
     let mut config = ExperimentConfig::parse(crate::config::DEFAULT_EXPERIMENT)?;
     config.name = dir
         .file_name()

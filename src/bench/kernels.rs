@@ -96,7 +96,7 @@ pub fn bench_kernels<B: LabAutodiff>(
         .init::<B>(device);
     let x = [random::<B, _>([n, d], device)];
     let (composed, fused) = both(&x, reps, device, &|x| {
-        kernels::layer_norm(&norm, x[0].clone())
+        kernels::layer_norm(&norm, kernels::LAYER_NORM_EPSILON, x[0].clone())
     })?;
     rows.push(KernelTiming {
         name: "LayerNorm",

@@ -1,5 +1,6 @@
 //! Byte-level BPE (GPT-2 style) trained with the `tokenizers` crate, saved in its standard
-//! `tokenizer.json` format so other tools read it too.
+//! `tokenizer.json` format so other tools read it too; and the tokenizers imported checkpoints
+//! bring in that format (GPT-2's byte-level BPE, BERT's WordPiece).
 //!
 //! Byte-level means every UTF-8 string is encodable: a character never seen in training falls
 //! back to its bytes, so `decode(encode(text)) == text` for any text (after NFC normalisation).
@@ -55,12 +56,32 @@ pub const MASK: &str = "[MASK]";
 /// GPT-2's one special token, which ends (and separates) documents.
 pub const END_OF_TEXT: &str = "<|endoftext|>";
 
-/// A trained byte-level BPE tokenizer: ours (`<pad> <s> </s> <unk>` at ids 0–3), or GPT-2's
-/// (imported with a checkpoint; `<|endoftext|>` its one special token).
+/// BERT's special tokens, by the role of ours each one plays (`[CLS]` starts a text as `<s>`
+/// does, `[SEP]` ends it as `</s>` does).
+const BERT_SPECIALS: [(Special, &str); 4] = [
+    (Special::Pad, "[PAD]"),
+    (Special::Bos, "[CLS]"),
+    (Special::Eos, "[SEP]"),
+    (Special::Unk, "[UNK]"),
+];
+
+/// Whose tokenizer it is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Family {
+    /// Fitted here: `<pad> <s> </s> <unk>` at ids 0–3.
+    Ours,
+    /// GPT-2's: `<|endoftext|>` its one special token.
+    Gpt2,
+    /// BERT's WordPiece: `[PAD]` at id 0, `[CLS] [SEP] [UNK] [MASK]`.
+    Bert,
+}
+
+/// A `tokenizers` tokenizer: our trained byte-level BPE (`<pad> <s> </s> <unk>` at ids 0–3), or
+/// one imported with a checkpoint — GPT-2's byte-level BPE or BERT's WordPiece.
 #[derive(Clone)]
 pub struct BpeTokenizer {
     inner: HfTokenizer,
-    gpt2: bool,
+    family: Family,
 }
 
 impl std::fmt::Debug for BpeTokenizer {
@@ -101,7 +122,10 @@ impl BpeTokenizer {
         inner
             .train(&mut TrainerWrapper::BpeTrainer(trainer), texts)
             .map_err(|e| anyhow!("BPE training failed: {e}"))?;
-        Ok(Self { inner, gpt2: false })
+        Ok(Self {
+            inner,
+            family: Family::Ours,
+        })
     }
 
     /// Number of tokens, special tokens included.
@@ -178,7 +202,63 @@ impl BpeTokenizer {
 
     /// Whether this is GPT-2's tokenizer (no `<pad> <s> </s> <unk>`).
     pub fn is_gpt2(&self) -> bool {
-        self.gpt2
+        self.family == Family::Gpt2
+    }
+
+    /// Whether this is BERT's WordPiece.
+    pub fn is_bert(&self) -> bool {
+        self.family == Family::Bert
+    }
+
+    /// The id of the token that plays `special`'s part: ours at its id, BERT's counterpart
+    /// (`[CLS]` for `<s>`, …); GPT-2 has none.
+    pub fn special(&self, special: Special) -> Option<usize> {
+        match self.family {
+            Family::Ours => Some(special.id()),
+            Family::Gpt2 => None,
+            Family::Bert => BERT_SPECIALS
+                .iter()
+                .find(|(role, _)| *role == special)
+                .and_then(|(_, token)| self.id_of(token)),
+        }
+    }
+
+    /// Whether `id` is a special token (`<s>`, `[CLS]`, `[MASK]`, `<|endoftext|>`, …), which
+    /// no text's word is.
+    pub fn is_special(&self, id: usize) -> bool {
+        self.token(id)
+            .is_some_and(|token| self.inner.get_added_vocabulary().is_special_token(&token))
+    }
+
+    /// BERT's tokenizer from its `tokenizer.json` (any `tokenizers` model — WordPiece for
+    /// BERT's own): `[CLS] [SEP] [UNK] [MASK]` present and `[PAD]` at id 0, where the models
+    /// here pad.
+    pub fn bert_from_json(text: &str, path: &Path) -> Result<Self> {
+        let inner: HfTokenizer = text
+            .parse()
+            .map_err(|e| anyhow!("malformed tokenizer {}: {e}", path.display()))?;
+        Self::bert_checked(inner, path)
+    }
+
+    fn bert_checked(inner: HfTokenizer, path: &Path) -> Result<Self> {
+        for token in BERT_SPECIALS.iter().map(|(_, t)| *t).chain([MASK]) {
+            if inner.token_to_id(token).is_none() {
+                return Err(anyhow!(
+                    "tokenizer {} has no {token}: not a BERT tokenizer",
+                    path.display()
+                ));
+            }
+        }
+        if inner.token_to_id("[PAD]") != Some(Special::Pad.id() as u32) {
+            return Err(anyhow!(
+                "tokenizer {}: [PAD] is not id 0, where transformer-lab's models pad",
+                path.display()
+            ));
+        }
+        Ok(Self {
+            inner,
+            family: Family::Bert,
+        })
     }
 
     /// GPT-2's tokenizer from Hugging Face's `vocab.json` and `merges.txt`: byte-level BPE
@@ -215,11 +295,14 @@ impl BpeTokenizer {
                 path.display()
             ));
         }
-        Ok(Self { inner, gpt2: true })
+        Ok(Self {
+            inner,
+            family: Family::Gpt2,
+        })
     }
 
-    /// Reads `tokenizers`' JSON format: ours (the special tokens checked at their ids), or
-    /// GPT-2's (`<|endoftext|>` and none of ours).
+    /// Reads `tokenizers`' JSON format: ours (the special tokens checked at their ids), GPT-2's
+    /// (`<|endoftext|>` and none of ours) or BERT's (`[CLS]` and none of ours).
     pub fn from_json(text: &str, path: &Path) -> Result<Self> {
         let inner: HfTokenizer = text
             .parse()
@@ -228,7 +311,13 @@ impl BpeTokenizer {
             .iter()
             .any(|s| inner.token_to_id(s.text()).is_some());
         if !ours && inner.token_to_id(END_OF_TEXT).is_some() {
-            return Ok(Self { inner, gpt2: true });
+            return Ok(Self {
+                inner,
+                family: Family::Gpt2,
+            });
+        }
+        if !ours && inner.token_to_id("[CLS]").is_some() {
+            return Self::bert_checked(inner, path);
         }
         for special in Special::ALL {
             let id = inner.token_to_id(special.text()).map(|id| id as usize);
@@ -242,6 +331,9 @@ impl BpeTokenizer {
                 .context("it was not written by transformer-lab");
             }
         }
-        Ok(Self { inner, gpt2: false })
+        Ok(Self {
+            inner,
+            family: Family::Ours,
+        })
     }
 }

@@ -118,4 +118,7 @@ pub enum TokenizerKind {
     /// GPT-2's byte-level BPE, which comes with an imported checkpoint (`import gpt2`); it is
     /// read from the artifact, never fitted.
     Gpt2,
+    /// BERT's WordPiece (`[CLS] [SEP] [PAD] [MASK] [UNK]`), which comes with an imported
+    /// checkpoint (`import bert`); read from the artifact, never fitted.
+    Bert,
 }

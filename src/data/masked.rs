@@ -138,7 +138,7 @@ pub struct MaskedSentences {
 /// One tokenized sentence and its index in its split (held-out masks follow the index).
 #[derive(Clone, Debug)]
 pub struct MaskedItem {
-    /// `<s> … </s>`.
+    /// `<s> … </s>` (BERT's `[CLS] … [SEP]`).
     pub ids: Vec<u32>,
     /// Its index in the split.
     pub index: usize,
@@ -147,14 +147,15 @@ pub struct MaskedItem {
 impl MaskedSentences {
     /// Tokenizes `sentences`.
     pub fn encode(sentences: &[String], tokenizer: &Tokenizer, max_tokens: usize) -> Result<Self> {
+        let (first, last) = tokenizer.frame()?;
         let rows = sentences
             .iter()
             .map(|text| {
                 let ids = tokenizer.encode(text)?;
                 let keep = ids.len().min(max_tokens.saturating_sub(2));
-                Ok(std::iter::once(Special::Bos.id())
+                Ok(std::iter::once(first)
                     .chain(ids.into_iter().take(keep))
-                    .chain(std::iter::once(Special::Eos.id()))
+                    .chain(std::iter::once(last))
                     .map(|id| id as u32)
                     .collect())
             })

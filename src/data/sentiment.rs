@@ -1,7 +1,7 @@
 //! Sentence classification data: SST-2 (GLUE) and the UCI sentiment-labelled sentences, split,
 //! tokenized with `<s>` first (the classification token) and batched with padding.
 
-use super::{DatasetSpec, Special, Tokenizer};
+use super::{DatasetSpec, Tokenizer};
 use anyhow::{bail, Context, Result};
 use burn::data::dataloader::batcher::Batcher;
 use burn::data::dataset::Dataset;
@@ -102,11 +102,12 @@ fn read_tsv(path: &Path, header: bool) -> Result<Vec<Labelled>> {
     Ok(rows)
 }
 
-/// Token ids of a sentence for the classifier: `<s>` (the classification token) then at most
+/// Token ids of a sentence for the classifier: `<s>` (the classification token; BERT's `[CLS]`)
+/// then at most
 /// `max_tokens − 1` tokens of the text.
 pub fn encode_sentence(tokenizer: &Tokenizer, text: &str, max_tokens: usize) -> Result<Vec<u32>> {
     let ids = tokenizer.encode(text)?;
-    Ok(std::iter::once(Special::Bos.id())
+    Ok(std::iter::once(tokenizer.frame()?.0)
         .chain(ids)
         .take(max_tokens)
         .map(|id| id as u32)

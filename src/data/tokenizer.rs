@@ -129,11 +129,17 @@ impl Tokenizer {
                 Tokenizer::Char(CharTokenizer::fit(&text))
             }
             TokenizerKind::Bpe => Tokenizer::Bpe(Box::new(BpeTokenizer::train(texts, vocab_size)?)),
-            TokenizerKind::Gpt2 => bail!(
-                "data.tokenizer gpt2 is GPT-2's own tokenizer: it comes with a checkpoint \
-                 (`transformer-lab import gpt2`) and is not fitted; start from the imported \
-                 artifact with \"init_from\", or use char or bpe"
-            ),
+            TokenizerKind::Gpt2 | TokenizerKind::Bert => {
+                let (name, model) = match kind {
+                    TokenizerKind::Gpt2 => ("gpt2", "GPT-2"),
+                    _ => ("bert", "BERT"),
+                };
+                bail!(
+                    "data.tokenizer {name} is {model}'s own tokenizer: it comes with a checkpoint \
+                     (`transformer-lab import {name}`) and is not fitted; start from the imported \
+                     artifact with \"init_from\", or use char or bpe"
+                )
+            }
         })
     }
 
@@ -142,6 +148,7 @@ impl Tokenizer {
         match self {
             Tokenizer::Char(_) => TokenizerKind::Char,
             Tokenizer::Bpe(t) if t.is_gpt2() => TokenizerKind::Gpt2,
+            Tokenizer::Bpe(t) if t.is_bert() => TokenizerKind::Bert,
             Tokenizer::Bpe(_) => TokenizerKind::Bpe,
         }
     }
@@ -195,9 +202,33 @@ impl Tokenizer {
         }
     }
 
-    /// The id of a special token, for tokenizers that have them.
+    /// The id of the token that plays `special`'s part, for tokenizers that have one (BERT's
+    /// `[CLS]` for `<s>`, `[SEP]` for `</s>`).
     pub fn special(&self, special: Special) -> Option<usize> {
-        matches!(self, Tokenizer::Bpe(t) if !t.is_gpt2()).then(|| special.id())
+        match self {
+            Tokenizer::Bpe(t) => t.special(special),
+            Tokenizer::Char(_) => None,
+        }
+    }
+
+    /// The ids that open and close a text an encoder reads: `<s>` and `</s>`, BERT's `[CLS]`
+    /// and `[SEP]`.
+    pub fn frame(&self) -> Result<(usize, usize)> {
+        match (self.special(Special::Bos), self.special(Special::Eos)) {
+            (Some(first), Some(last)) => Ok((first, last)),
+            _ => bail!(
+                "a {:?} tokenizer has no start and end tokens (<s> </s>, or BERT's [CLS] [SEP])",
+                self.kind()
+            ),
+        }
+    }
+
+    /// Whether `id` is a special token rather than a piece of text.
+    pub fn is_special(&self, id: usize) -> bool {
+        match self {
+            Tokenizer::Bpe(t) => t.is_special(id),
+            Tokenizer::Char(_) => false,
+        }
     }
 
     /// The id of `[MASK]`, for a tokenizer fitted for a masked language model.

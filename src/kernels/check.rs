@@ -13,7 +13,7 @@
 
 use super::{adamw, attention, cross_entropy, dropout::DropoutMask, gelu, layer_norm};
 use super::{packed_self_attention, product, softmax, with_fused, AdamWStep, LabAutodiff};
-use super::{with_precision, LabBackend, Op, Precision};
+use super::{with_precision, LabBackend, Op, Precision, LAYER_NORM_EPSILON};
 use burn::module::Param;
 use burn::nn::LayerNormConfig;
 use burn::prelude::*;
@@ -213,7 +213,7 @@ fn layer_norm_error<B: LabAutodiff>(device: &B::Device) -> f32 {
     let run = |on: bool| {
         with_fused(on, || {
             let x = x.clone().require_grad();
-            let y = layer_norm(&norm, x.clone());
+            let y = layer_norm(&norm, LAYER_NORM_EPSILON, x.clone());
             let w = random::<B, 3>(y.dims(), 99, 1.0, device);
             let grads = (y.clone() * w).sum().backward();
             let gamma = norm.gamma.val().grad(&grads);

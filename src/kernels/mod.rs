@@ -514,9 +514,11 @@ pub fn gelu<B: LabBackend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
     check::sabotage(Op::Gelu, y)
 }
 
-/// `norm` applied to the last dimension of `x`.
+/// `norm` applied to the last dimension of `x`. `epsilon` must be the one `norm` was built with
+/// (burn keeps it private): [`LAYER_NORM_EPSILON`] unless a config chose another (BERT's 1e-12).
 pub fn layer_norm<B: LabBackend, const D: usize>(
     norm: &LayerNorm<B>,
+    epsilon: f64,
     x: Tensor<B, D>,
 ) -> Tensor<B, D> {
     if !uses(Op::LayerNorm) {
@@ -528,12 +530,13 @@ pub fn layer_norm<B: LabBackend, const D: usize>(
         prim(x.reshape([-1, d as i32])),
         prim(norm.gamma.val()),
         norm.beta.as_ref().map(|beta| prim(beta.val())),
-        LAYER_NORM_EPSILON,
+        epsilon,
     );
     check::sabotage(Op::LayerNorm, tensor::<B, 2>(y).reshape(shape))
 }
 
-/// The epsilon of every LayerNorm in the crate (burn's `LayerNormConfig` default).
+/// The epsilon of a LayerNorm unless its config chooses another (burn's `LayerNormConfig`
+/// default).
 pub const LAYER_NORM_EPSILON: f64 = 1e-5;
 
 /// Softmax over the last dimension, any shape.

@@ -3,7 +3,7 @@
 
 use super::load_as;
 use super::{EvalRequest, ModelKind, Prepared};
-use crate::artifact::{load_weights, ArtifactDir, Tokenizers, Trained};
+use crate::artifact::{ArtifactDir, Tokenizers, Trained};
 use crate::classify::{class_names, evaluate_classifier, report_confusion};
 use crate::config::{
     ClassifierConfig, DataConfig, ExperimentConfig, MlmConfig, ModelConfig, ModelSection,
@@ -22,7 +22,7 @@ use crate::kernels::LabBackend;
 use crate::models::TextClassifier;
 use crate::nn::StackConfig;
 use crate::train::{LaunchOptions, Throughput};
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, Result};
 use burn::data::dataloader::batcher::Batcher;
 use burn::data::dataset::Dataset;
 use burn::module::Module;
@@ -35,7 +35,7 @@ impl ModelSection for ClassifierConfig {
     const KIND: &'static str = "classifier";
     const DESCRIPTION: &'static str = "text classifier";
     const COMMAND: &'static str = "classify";
-    const UNSERIALIZED_DEFAULTS: &'static [&'static str] = &["init_from"];
+    const UNSERIALIZED_DEFAULTS: &'static [&'static str] = &["init_from", "embedding_norm"];
 
     fn validate(&self, data: &DataConfig) -> Result<()> {
         ClassifierConfig::validate(self)?;
@@ -45,8 +45,11 @@ impl ModelSection for ClassifierConfig {
                 data.dataset
             );
         }
-        if data.tokenizer != TokenizerKind::Bpe {
-            bail!("data: a classifier needs the bpe tokenizer (it uses <pad> and <s>)");
+        if !matches!(data.tokenizer, TokenizerKind::Bpe | TokenizerKind::Bert) {
+            bail!(
+                "data: a classifier needs the bpe tokenizer, or an imported BERT's (it uses \
+                 <pad> and <s>)"
+            );
         }
         if data.max_tokens < 2 || data.max_tokens > self.max_len {
             bail!(
@@ -102,13 +105,7 @@ impl ModelKind for ClassifierConfig {
     ) -> Result<TextClassifier<B>> {
         let config = ExperimentConfig::load(&from.config())?;
         let Some(mlm) = MlmConfig::of(&config.model) else {
-            let weights = from.weights()?;
-            return load_weights(model, &weights, device).with_context(|| {
-                format!(
-                    "model.init_from {}: its model is not the one this config describes",
-                    from.root().display()
-                )
-            });
+            return super::start_from_whole(model, from, device);
         };
         check_encoder_matches(self, mlm, from)?;
         let pretrained = load_as::<MlmConfig, B>(from, device)?.model;
@@ -120,6 +117,9 @@ impl ModelKind for ClassifierConfig {
             .position
             .load_record(pretrained.position.into_record());
         model.encoder = model.encoder.load_record(pretrained.encoder.into_record());
+        model.embedding_norm = model
+            .embedding_norm
+            .load_record(pretrained.embedding_norm.into_record());
         Ok(model)
     }
 
@@ -253,53 +253,7 @@ fn check_encoder_matches(
     mlm: &MlmConfig,
     from: &ArtifactDir,
 ) -> Result<()> {
-    let (ours, theirs) = (&classifier.stack, &mlm.stack);
-    let mut differ = Vec::new();
-    let mut compare = |name: &str, a: String, b: String| {
-        if a != b {
-            differ.push(format!("{name} {a} here, {b} there"));
-        }
-    };
-    compare(
-        "d_model",
-        ours.d_model.to_string(),
-        theirs.d_model.to_string(),
-    );
-    compare(
-        "n_heads",
-        ours.n_heads.to_string(),
-        theirs.n_heads.to_string(),
-    );
-    compare("d_ff", ours.d_ff().to_string(), theirs.d_ff().to_string());
-    compare(
-        "n_layers",
-        classifier.n_layers.to_string(),
-        mlm.n_layers.to_string(),
-    );
-    compare(
-        "max_len",
-        classifier.max_len.to_string(),
-        mlm.max_len.to_string(),
-    );
-    compare(
-        "vocab_size",
-        classifier.vocab_size.to_string(),
-        mlm.vocab_size.to_string(),
-    );
-    let text = |v: serde_json::Value| v.to_string();
-    compare(
-        "position",
-        text(serde_json::json!(classifier.position)),
-        text(serde_json::json!(mlm.position)),
-    );
-    let block = |s: &StackConfig| StackConfig {
-        dropout: 0.0,
-        pruned_heads: Default::default(),
-        ..s.clone()
-    };
-    if differ.is_empty() && block(ours) != block(theirs) {
-        differ.push("the blocks' settings (activation, norm placement, biases or mixer)".into());
-    }
+    let differ = classifier.encoder_shape().differences(&mlm.encoder_shape());
     if !differ.is_empty() {
         bail!(
             "model.init_from {}: its encoder is not the one this config describes: {}",
@@ -319,7 +273,7 @@ pub(super) fn encoder_text_model<'a, B: LabBackend>(
 ) -> TextModel<'a, B> {
     TextModel {
         tokenizer,
-        first: Some(Special::Bos.id()),
+        first: tokenizer.special(Special::Bos),
         last,
         max_len: model.max_len(),
         causal: false,

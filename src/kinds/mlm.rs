@@ -29,10 +29,11 @@ impl ModelSection for MlmConfig {
     const KIND: &'static str = "mlm";
     const DESCRIPTION: &'static str = "masked language model";
     const COMMAND: &'static str = "fill-mask";
+    const UNSERIALIZED_DEFAULTS: &'static [&'static str] = &["embedding_norm"];
 
     fn validate(&self, data: &DataConfig) -> Result<()> {
         MlmConfig::validate(self)?;
-        if data.tokenizer != TokenizerKind::Bpe {
+        if !matches!(data.tokenizer, TokenizerKind::Bpe | TokenizerKind::Bert) {
             bail!("data: a masked language model needs the bpe tokenizer (it adds [MASK] to it)");
         }
         if data.text_file.is_none() {
@@ -237,8 +238,8 @@ impl ModelKind for MlmConfig {
         let model = &trained.model;
         Ok(TextModel {
             tokenizer: trained.tokenizer(),
-            first: Some(Special::Bos.id()),
-            last: Some(Special::Eos.id()),
+            first: trained.tokenizer().special(Special::Bos),
+            last: trained.tokenizer().special(Special::Eos),
             max_len: model.max_len(),
             causal: false,
             stack: &model.encoder,
@@ -364,7 +365,7 @@ pub fn fill_mask<B: LabBackend>(
         .to_vec()
         .map_err(|e| anyhow::anyhow!("cannot read the scores: {e:?}"))?;
     let v = model.vocab_size();
-    let ordinary = |id: usize| id >= crate::data::masked::FIRST_ORDINARY && id != mask;
+    let ordinary = |id: usize| !tokenizer.is_special(id);
     Ok(values
         .chunks(v)
         .enumerate()

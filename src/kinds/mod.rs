@@ -130,13 +130,7 @@ pub trait ModelKind: ModelSection {
         from: &ArtifactDir,
         device: &B::Device,
     ) -> Result<Self::Model<B>> {
-        let weights = from.weights()?;
-        load_weights(model, &weights, device).with_context(|| {
-            format!(
-                "model.init_from {}: its model is not the one this config describes",
-                from.root().display()
-            )
-        })
+        start_from_whole(model, from, device)
     }
 
     /// The section's transformer settings.
@@ -469,7 +463,20 @@ where
     // A run that starts from an artifact reads its data with that artifact's tokenizers.
     let from = section.init_from().map(ArtifactDir::new);
     let tokenizers = match (tokenizers, &from) {
-        (None, Some(from)) => Some(Tokenizers::load(from)?),
+        (None, Some(from)) => {
+            let tokenizers = Tokenizers::load(from)?;
+            let (named, theirs) = (config.data.tokenizer, tokenizers.target.kind());
+            if named != theirs {
+                let name = |kind| serde_json::to_value(kind).unwrap_or_default();
+                bail!(
+                    "data.tokenizer is {}, but model.init_from's tokenizer is {}: name the one \
+                     the model was trained with",
+                    name(named).as_str().unwrap_or("?"),
+                    name(theirs).as_str().unwrap_or("?")
+                );
+            }
+            Some(tokenizers)
+        }
         (tokenizers, _) => tokenizers,
     };
     let prepared = K::prepare(config, tokenizers, data_dir)?;
@@ -806,4 +813,20 @@ fn write_pruned<K: ModelKind, B: LabBackend>(
         1e3 * full_s
     );
     Ok(())
+}
+
+/// `model` with every weight of the artifact in `from`, whose model must be the one `model`'s
+/// config describes (the default of [`ModelKind::start_from`]).
+pub(crate) fn start_from_whole<M: Module<B>, B: LabBackend>(
+    model: M,
+    from: &ArtifactDir,
+    device: &B::Device,
+) -> Result<M> {
+    let weights = from.weights()?;
+    load_weights(model, &weights, device).with_context(|| {
+        format!(
+            "model.init_from {}: its model is not the one this config describes",
+            from.root().display()
+        )
+    })
 }

@@ -2,16 +2,15 @@
 //! stack with the padding mask → pooling (the `<s>` classification token, or the mean of the
 //! non-padding tokens) → class scores.
 
+use super::text::{embed_tokens, EncoderShape};
 use crate::kernels::{self, LabBackend};
 use crate::nn::{
     padding_mask, pool, Activation, AttentionLayers, AttentionMask, MultiHeadAttention, Pooling,
-    PositionEncoding, PositionEncodingConfig, PositionKind, StackConfig, TransformerStack,
+    PositionEncoding, PositionKind, StackConfig, TransformerStack,
 };
 use anyhow::{bail, Result};
 use burn::module::Module;
-use burn::nn::{
-    Dropout, DropoutConfig, Embedding, EmbeddingConfig, Initializer, Linear, LinearConfig,
-};
+use burn::nn::{Dropout, DropoutConfig, Embedding, LayerNorm, Linear, LinearConfig};
 use burn::prelude::*;
 use serde::{Deserialize, Serialize};
 
@@ -40,6 +39,10 @@ pub struct ClassifierConfig {
     /// encoder; `dropout` may differ.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub init_from: Option<std::path::PathBuf>,
+    /// A LayerNorm over token embedding + positions, as BERT has (a classifier fine-tuned from
+    /// an imported BERT; left out of saved configs while false).
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub embedding_norm: bool,
 }
 
 impl Default for ClassifierConfig {
@@ -58,6 +61,7 @@ impl Default for ClassifierConfig {
             position: PositionKind::Learned,
             pool: Pooling::Cls,
             init_from: None,
+            embedding_norm: false,
         }
     }
 }
@@ -75,6 +79,18 @@ impl ClassifierConfig {
         self.stack.validate_position(self.position)
     }
 
+    /// What shapes its encoder (the part a classifier and a masked language model share).
+    pub(crate) fn encoder_shape(&self) -> EncoderShape<'_> {
+        EncoderShape {
+            vocab_size: self.vocab_size,
+            stack: &self.stack,
+            n_layers: self.n_layers,
+            max_len: self.max_len,
+            position: self.position,
+            embedding_norm: self.embedding_norm,
+        }
+    }
+
     /// Builds the model. `vocab_size` must be resolved and the config validated.
     pub fn init<B: LabBackend>(&self, device: &B::Device) -> TextClassifier<B> {
         assert!(
@@ -82,24 +98,19 @@ impl ClassifierConfig {
             "vocab_size must be resolved before init"
         );
         let (stack, d) = (&self.stack, self.stack.d_model);
+        let parts = self.encoder_shape().init(device);
         TextClassifier {
-            token_embedding: EmbeddingConfig::new(self.vocab_size, d)
-                .with_initializer(Initializer::Normal {
-                    mean: 0.0,
-                    std: 0.02,
-                })
-                .init(device),
-            position: PositionEncodingConfig::new(self.position, self.max_len, d).init(device),
-            encoder: stack
-                .encoder(self.n_layers, self.max_len)
-                .with_relative(self.position.relative())
-                .init(device),
+            token_embedding: parts.token_embedding,
+            position: parts.position,
+            encoder: parts.encoder,
+            embedding_norm: parts.embedding_norm,
             head: LinearConfig::new(d, self.n_classes)
                 .with_bias(stack.bias)
                 .init(device),
             dropout: DropoutConfig::new(stack.dropout).init(),
             pad_id: crate::data::Special::Pad.id(),
             pooling: self.pool,
+            norm_epsilon: stack.norm_epsilon,
         }
     }
 }
@@ -113,12 +124,16 @@ pub struct TextClassifier<B: LabBackend> {
     pub position: PositionEncoding<B>,
     /// Encoder stack (self-attention with the padding mask).
     pub encoder: TransformerStack<B>,
+    /// BERT's LayerNorm over token embedding + positions (fine-tuned from an imported BERT).
+    pub embedding_norm: Option<LayerNorm<B>>,
     /// Pooled state → class scores.
     pub head: Linear<B>,
     dropout: Dropout,
     pad_id: usize,
     #[module(skip)]
     pooling: Pooling,
+    #[module(skip)]
+    norm_epsilon: f64,
 }
 
 /// Class scores, the encoder's states and every layer's attention.
@@ -150,10 +165,15 @@ impl<B: LabBackend> TextClassifier<B> {
         }
     }
 
-    /// Token embedding + positions (+ dropout): the encoder's input, `[b, n]` → `[b, n, d]`.
+    /// Token embedding + positions (+ BERT's LayerNorm, + dropout): the encoder's input,
+    /// `[b, n]` → `[b, n, d]`.
     pub fn embed(&self, tokens: Tensor<B, 2, Int>) -> Tensor<B, 3> {
-        let x = self.token_embedding.forward(tokens); // [b, n, d]
-        crate::kernels::dropout(&self.dropout, self.position.forward(x))
+        let parts = (
+            &self.token_embedding,
+            &self.position,
+            self.embedding_norm.as_ref(),
+        );
+        embed_tokens(parts, self.norm_epsilon, &self.dropout, tokens)
     }
 
     /// Mean cross-entropy of a batch, with the logits and labels it was computed from.

@@ -160,6 +160,7 @@ impl TextTowerConfig {
             position: self.position,
             pool: self.pool,
             init_from: None,
+            embedding_norm: false,
         }
     }
 }

@@ -6,17 +6,17 @@
 //! Its embeddings and encoder are the classifier's fields of the same names and types, so a
 //! classifier starts from them as they are (`init_from`).
 
+use super::text::{embed_tokens, EncoderShape};
 use crate::data::MlmBatch;
 use crate::kernels::{self, LabBackend};
 use crate::nn::{
     padding_mask, Activation, AttentionLayers, AttentionMask, MultiHeadAttention, PositionEncoding,
-    PositionEncodingConfig, PositionKind, StackConfig, TransformerStack,
+    PositionKind, StackConfig, TransformerStack,
 };
 use anyhow::{bail, Result};
 use burn::module::{Module, Param};
 use burn::nn::{
-    Dropout, DropoutConfig, Embedding, EmbeddingConfig, Initializer, LayerNorm, LayerNormConfig,
-    Linear, LinearConfig,
+    Dropout, DropoutConfig, Embedding, LayerNorm, LayerNormConfig, Linear, LinearConfig,
 };
 use burn::prelude::*;
 use serde::{Deserialize, Serialize};
@@ -39,6 +39,10 @@ pub struct MlmConfig {
     /// Share of each sentence's tokens (`<s>` and `</s>` never) the loss predicts: BERT's 15%,
     /// at least one per sentence; of those, 80% read `[MASK]`, 10% a random token, 10% stay.
     pub mask_fraction: f64,
+    /// A LayerNorm over token embedding + positions, as BERT has (imported models; left out of
+    /// saved configs while false).
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub embedding_norm: bool,
 }
 
 impl Default for MlmConfig {
@@ -55,6 +59,7 @@ impl Default for MlmConfig {
             max_len: 64,
             position: PositionKind::Learned,
             mask_fraction: 0.15,
+            embedding_norm: false,
         }
     }
 }
@@ -75,6 +80,18 @@ impl MlmConfig {
         self.stack.validate_position(self.position)
     }
 
+    /// What shapes its encoder (the part a classifier and a masked language model share).
+    pub(crate) fn encoder_shape(&self) -> EncoderShape<'_> {
+        EncoderShape {
+            vocab_size: self.vocab_size,
+            stack: &self.stack,
+            n_layers: self.n_layers,
+            max_len: self.max_len,
+            position: self.position,
+            embedding_norm: self.embedding_norm,
+        }
+    }
+
     /// Builds the model. `vocab_size` must be resolved and the config validated.
     pub fn init<B: LabBackend>(&self, device: &B::Device) -> MaskedLm<B> {
         assert!(
@@ -82,24 +99,21 @@ impl MlmConfig {
             "vocab_size must be resolved before init"
         );
         let (stack, d) = (&self.stack, self.stack.d_model);
+        let parts = self.encoder_shape().init(device);
         MaskedLm {
-            token_embedding: EmbeddingConfig::new(self.vocab_size, d)
-                .with_initializer(Initializer::Normal {
-                    mean: 0.0,
-                    std: 0.02,
-                })
-                .init(device),
-            position: PositionEncodingConfig::new(self.position, self.max_len, d).init(device),
-            encoder: stack
-                .encoder(self.n_layers, self.max_len)
-                .with_relative(self.position.relative())
-                .init(device),
+            token_embedding: parts.token_embedding,
+            position: parts.position,
+            encoder: parts.encoder,
+            embedding_norm: parts.embedding_norm,
             transform: LinearConfig::new(d, d).with_bias(stack.bias).init(device),
-            transform_norm: LayerNormConfig::new(d).init(device),
+            transform_norm: LayerNormConfig::new(d)
+                .with_epsilon(stack.norm_epsilon)
+                .init(device),
             output_bias: Param::from_tensor(Tensor::zeros([self.vocab_size], device)),
             dropout: DropoutConfig::new(stack.dropout).init(),
             pad_id: crate::data::Special::Pad.id(),
             activation: stack.activation,
+            norm_epsilon: stack.norm_epsilon,
         }
     }
 }
@@ -113,6 +127,8 @@ pub struct MaskedLm<B: LabBackend> {
     pub position: PositionEncoding<B>,
     /// Encoder stack (self-attention with the padding mask).
     pub encoder: TransformerStack<B>,
+    /// BERT's LayerNorm over token embedding + positions (imported models).
+    pub embedding_norm: Option<LayerNorm<B>>,
     /// The head's transform `[d, d]`, before the activation and `transform_norm`.
     pub transform: Linear<B>,
     /// The head's LayerNorm.
@@ -123,6 +139,8 @@ pub struct MaskedLm<B: LabBackend> {
     pad_id: usize,
     #[module(skip)]
     activation: Activation,
+    #[module(skip)]
+    norm_epsilon: f64,
 }
 
 /// The encoder's states and every layer's attention.
@@ -146,10 +164,15 @@ impl<B: LabBackend> MaskedLm<B> {
         }
     }
 
-    /// Token embedding + positions (+ dropout): the encoder's input, `[b, n]` → `[b, n, d]`.
+    /// Token embedding + positions (+ BERT's LayerNorm, + dropout): the encoder's input,
+    /// `[b, n]` → `[b, n, d]`.
     pub fn embed(&self, tokens: Tensor<B, 2, Int>) -> Tensor<B, 3> {
-        let x = self.token_embedding.forward(tokens);
-        kernels::dropout(&self.dropout, self.position.forward(x))
+        let parts = (
+            &self.token_embedding,
+            &self.position,
+            self.embedding_norm.as_ref(),
+        );
+        embed_tokens(parts, self.norm_epsilon, &self.dropout, tokens)
     }
 
     /// Scores over the vocabulary of states `[m, d]` → `[m, v]`.
@@ -157,7 +180,7 @@ impl<B: LabBackend> MaskedLm<B> {
         let h = self
             .activation
             .apply(kernels::linear(&self.transform, states));
-        let h = kernels::layer_norm(&self.transform_norm, h);
+        let h = kernels::layer_norm(&self.transform_norm, self.norm_epsilon, h);
         let table = self.token_embedding.weight.val().transpose(); // [d, v]
         kernels::product(h, table, None) + self.output_bias.val().unsqueeze()
     }

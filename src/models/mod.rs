@@ -5,6 +5,7 @@ pub mod clip;
 pub mod lm;
 pub mod mlm;
 pub mod seq2seq;
+pub(crate) mod text;
 pub mod vit;
 
 pub use classifier::{ClassifierConfig, ClassifierOutput, TextClassifier};

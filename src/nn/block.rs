@@ -41,6 +41,9 @@ pub struct TransformerBlockConfig {
     /// Whether linear layers and LayerNorms carry a bias.
     #[config(default = true)]
     pub bias: bool,
+    /// The LayerNorms' epsilon (BERT's is 1e-12).
+    #[config(default = 1e-5)]
+    pub norm_epsilon: f64,
     /// Standard deviation of the normal init of the projections that write into the residual
     /// stream (W^O and W₂). GPT-2 uses `0.02/√(2·n_layers)` so the stream's variance does not
     /// grow with depth; the other weights use 0.02.
@@ -73,6 +76,8 @@ pub struct TransformerBlock<B: LabBackend> {
     norm_ff: LayerNorm<B>,
     dropout: Dropout,
     norm_first: bool,
+    #[module(skip)]
+    norm_epsilon: f64,
 }
 
 /// What a block returns: its output and the attention weights it used.
@@ -113,6 +118,7 @@ impl TransformerBlockConfig {
         let norm = || {
             LayerNormConfig::new(self.d_model)
                 .with_bias(self.bias)
+                .with_epsilon(self.norm_epsilon)
                 .init(device)
         };
         TransformerBlock {
@@ -132,6 +138,7 @@ impl TransformerBlockConfig {
             norm_ff: norm(),
             dropout: DropoutConfig::new(self.dropout).init(),
             norm_first: self.norm_first,
+            norm_epsilon: self.norm_epsilon,
         }
     }
 }
@@ -265,11 +272,15 @@ impl<B: LabBackend> TransformerBlock<B> {
         sublayer: impl FnOnce(Tensor<B, 3>) -> Tensor<B, 3>,
     ) -> Tensor<B, 3> {
         if self.norm_first {
-            let h = sublayer(layer_norm(norm, x.clone()));
+            let h = sublayer(layer_norm(norm, self.norm_epsilon, x.clone()));
             x + crate::kernels::dropout(&self.dropout, h)
         } else {
             let h = sublayer(x.clone());
-            layer_norm(norm, x + crate::kernels::dropout(&self.dropout, h))
+            layer_norm(
+                norm,
+                self.norm_epsilon,
+                x + crate::kernels::dropout(&self.dropout, h),
+            )
         }
     }
 
@@ -287,7 +298,7 @@ impl<B: LabBackend> TransformerBlock<B> {
     /// post-norm blocks, where it follows the residual instead).
     pub fn self_attention_input(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
         if self.norm_first {
-            layer_norm(&self.norm_self, x)
+            layer_norm(&self.norm_self, self.norm_epsilon, x)
         } else {
             x
         }

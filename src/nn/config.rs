@@ -40,6 +40,21 @@ pub struct StackConfig {
     /// default): every layer has `n_heads` heads.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub pruned_heads: BTreeMap<String, Vec<usize>>,
+    /// Every LayerNorm's epsilon: burn's 1e-5 (the default, left out of saved configs), or an
+    /// imported model's (BERT's 1e-12).
+    #[serde(
+        default = "default_norm_epsilon",
+        skip_serializing_if = "is_default_norm_epsilon"
+    )]
+    pub norm_epsilon: f64,
+}
+
+fn default_norm_epsilon() -> f64 {
+    crate::kernels::LAYER_NORM_EPSILON
+}
+
+fn is_default_norm_epsilon(epsilon: &f64) -> bool {
+    *epsilon == crate::kernels::LAYER_NORM_EPSILON
 }
 
 impl Default for StackConfig {
@@ -55,6 +70,7 @@ impl Default for StackConfig {
             bias: true,
             mixer: Mixer::Full,
             pruned_heads: BTreeMap::new(),
+            norm_epsilon: crate::kernels::LAYER_NORM_EPSILON,
         }
     }
 }
@@ -62,7 +78,7 @@ impl Default for StackConfig {
 impl StackConfig {
     /// Fields left out of a saved config while they hold their default (a model section's
     /// reader accepts them though its default does not list them).
-    pub const UNSERIALIZED_DEFAULTS: &[&str] = &["pruned_heads"];
+    pub const UNSERIALIZED_DEFAULTS: &[&str] = &["pruned_heads", "norm_epsilon"];
 
     /// The feed-forward width, with `0` resolved to `4 · d_model`.
     pub fn d_ff(&self) -> usize {
@@ -90,6 +106,12 @@ impl StackConfig {
         }
         if !(0.0..1.0).contains(&self.dropout) {
             bail!("model: dropout must be in [0, 1), got {}", self.dropout);
+        }
+        if !(self.norm_epsilon > 0.0 && self.norm_epsilon < 1.0) {
+            bail!(
+                "model: norm_epsilon must be in (0, 1), got {}",
+                self.norm_epsilon
+            );
         }
         self.mixer.validate(model, causal)
     }
@@ -133,6 +155,7 @@ impl StackConfig {
             .with_activation(self.activation)
             .with_norm_first(self.norm_first)
             .with_bias(self.bias)
+            .with_norm_epsilon(self.norm_epsilon)
             .with_residual_init_std(0.02 / ((2 * depth) as f64).sqrt())
             .with_mixer(self.mixer.clone())
             .with_max_len(max_len)

@@ -47,8 +47,10 @@ impl TransformerStackConfig {
             final_norm: self.block.norm_first.then(|| {
                 LayerNormConfig::new(self.block.d_model)
                     .with_bias(self.block.bias)
+                    .with_epsilon(self.block.norm_epsilon)
                     .init(device)
             }),
+            norm_epsilon: self.block.norm_epsilon,
         }
     }
 }
@@ -59,6 +61,8 @@ pub struct TransformerStack<B: LabBackend> {
     /// The layers, first to last.
     pub blocks: Vec<TransformerBlock<B>>,
     final_norm: Option<LayerNorm<B>>,
+    #[module(skip)]
+    norm_epsilon: f64,
 }
 
 /// The output of a stack and the attention weights of every layer.
@@ -96,7 +100,7 @@ impl<B: LabBackend> TransformerStack<B> {
             cross_attention.extend(out.cross_weights);
         }
         if let Some(norm) = &self.final_norm {
-            x = layer_norm(norm, x);
+            x = layer_norm(norm, self.norm_epsilon, x);
         }
         StackOutput {
             x,
@@ -123,7 +127,7 @@ impl<B: LabBackend> TransformerStack<B> {
             x = block.forward_cached(x, layer, memory);
         }
         match &self.final_norm {
-            Some(norm) => layer_norm(norm, x),
+            Some(norm) => layer_norm(norm, self.norm_epsilon, x),
             None => x,
         }
     }
@@ -141,7 +145,7 @@ impl<B: LabBackend> TransformerStack<B> {
         }
         cache.rows.next.iter_mut().for_each(|next| *next += 1);
         match &self.final_norm {
-            Some(norm) => layer_norm(norm, x),
+            Some(norm) => layer_norm(norm, self.norm_epsilon, x),
             None => x,
         }
     }

@@ -124,30 +124,41 @@ pub(crate) fn layer_norm_case<B: LabAutodiff>(
     bias: bool,
     device: &B::Device,
 ) {
-    let mut norm = LayerNormConfig::new(d).with_bias(bias).init::<B>(device);
-    norm.gamma = Param::from_tensor((norm.gamma.val() + random([d], 2, device)).detach());
-    norm.beta = norm
-        .beta
-        .map(|beta| Param::from_tensor((beta.val() + random([d], 3, device)).detach()));
-    let x = random::<B, 3>([b, t, d], 4, device)
-        .mul_scalar(2.0)
-        .add_scalar(1.0);
-    let case = compare([x], |[x]| kernels::layer_norm(&norm, x));
-    assert_close(&format!("layer norm (bias {bias})"), case, 1e-5);
-    // The parameters' gradients.
-    let grads = |on: bool| {
-        with_fused(on, || {
-            let y = kernels::layer_norm(&norm, random::<B, 3>([b, t, d], 4, device));
-            let g = (y * random([b, t, d], 5, device)).sum().backward();
-            let dgamma = norm.gamma.val().grad(&g).unwrap();
-            let dbeta = norm.beta.as_ref().map(|b| b.val().grad(&g).unwrap());
-            (dgamma, dbeta)
-        })
-    };
-    let ((g1, b1), (g2, b2)) = (grads(true), grads(false));
-    assert!(rel_diff(g1, g2) < 1e-5, "dγ differs");
-    if let (Some(b1), Some(b2)) = (b1, b2) {
-        assert!(rel_diff(b1, b2) < 1e-5, "dβ differs");
+    // burn's default epsilon, and a large one the fused kernel must honour as burn's does.
+    for epsilon in [kernels::LAYER_NORM_EPSILON, 0.5] {
+        let mut norm = LayerNormConfig::new(d)
+            .with_bias(bias)
+            .with_epsilon(epsilon)
+            .init::<B>(device);
+        norm.gamma = Param::from_tensor((norm.gamma.val() + random([d], 2, device)).detach());
+        norm.beta = norm
+            .beta
+            .map(|beta| Param::from_tensor((beta.val() + random([d], 3, device)).detach()));
+        let x = random::<B, 3>([b, t, d], 4, device)
+            .mul_scalar(2.0)
+            .add_scalar(1.0);
+        let case = compare([x], |[x]| kernels::layer_norm(&norm, epsilon, x));
+        assert_close(
+            &format!("layer norm (bias {bias}, ε {epsilon})"),
+            case,
+            1e-5,
+        );
+        // The parameters' gradients.
+        let grads = |on: bool| {
+            with_fused(on, || {
+                let x = random::<B, 3>([b, t, d], 4, device);
+                let y = kernels::layer_norm(&norm, epsilon, x);
+                let g = (y * random([b, t, d], 5, device)).sum().backward();
+                let dgamma = norm.gamma.val().grad(&g).unwrap();
+                let dbeta = norm.beta.as_ref().map(|b| b.val().grad(&g).unwrap());
+                (dgamma, dbeta)
+            })
+        };
+        let ((g1, b1), (g2, b2)) = (grads(true), grads(false));
+        assert!(rel_diff(g1, g2) < 1e-5, "dγ differs");
+        if let (Some(b1), Some(b2)) = (b1, b2) {
+            assert!(rel_diff(b1, b2) < 1e-5, "dβ differs");
+        }
     }
 }
 
@@ -166,15 +177,18 @@ fn large_inputs_split_across_cores_and_still_agree() {
     let norm = LayerNormConfig::new(500).init::<Ad>(&device);
     assert_close(
         "layer norm",
-        compare([x.clone()], |[x]| kernels::layer_norm(&norm, x)),
+        compare([x.clone()], |[x]| {
+            kernels::layer_norm(&norm, kernels::LAYER_NORM_EPSILON, x)
+        }),
         1e-5,
     );
     let w = random::<Ad, 2>([300, 500], 56, &device);
     let dgamma = |on| {
         with_fused(on, || {
-            let g = (kernels::layer_norm(&norm, x.clone()) * w.clone())
-                .sum()
-                .backward();
+            let g = (kernels::layer_norm(&norm, kernels::LAYER_NORM_EPSILON, x.clone())
+                * w.clone())
+            .sum()
+            .backward();
             norm.gamma.val().grad(&g).unwrap()
         })
     };
@@ -916,4 +930,38 @@ fn each_instruction_set_the_processor_offers_gives_the_same_bits() {
             "CI_EXPECT_AVX512=1 but this processor has no AVX-512"
         );
     }
+}
+
+#[test]
+fn a_post_norm_stack_normalises_with_its_own_epsilon_fused_or_not() {
+    // BERT's stack: post-norm, ε 1e-12. With a large ε the choice shows in every output; the
+    // fused kernel and burn's LayerNorm must both use the config's, and it must differ from
+    // burn's default.
+    let device = Default::default();
+    let stack = |epsilon: f64| transformer_lab::nn::StackConfig {
+        d_model: 16,
+        n_heads: 2,
+        norm_first: false,
+        norm_epsilon: epsilon,
+        ..Default::default()
+    };
+    let x = random::<Ad, 3>([2, 5, 16], 61, &device);
+    let out = |stack: &transformer_lab::nn::TransformerStack<Ad>, fused| {
+        with_fused(fused, || stack.forward(x.clone(), None, None).x)
+    };
+    let wide = stack(0.5).encoder(2, 8).init::<Ad>(&device);
+    // (The first forward pass draws the lazily initialised weights; the copy takes them after.)
+    let (fused, composed) = (out(&wide, true), out(&wide, false));
+    assert!(
+        rel_diff(fused.clone(), composed) < 1e-5,
+        "fused and composed differ"
+    );
+    let plain = stack(kernels::LAYER_NORM_EPSILON)
+        .encoder(2, 8)
+        .init::<Ad>(&device)
+        .load_record(wide.clone().into_record());
+    assert!(
+        rel_diff(fused, out(&plain, true)) > 1e-2,
+        "ε 0.5 normalises as ε 1e-5 does"
+    );
 }

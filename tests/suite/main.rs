@@ -2,6 +2,7 @@
 
 mod attention;
 mod bench;
+mod bert;
 mod bleu;
 mod browser;
 mod cache;

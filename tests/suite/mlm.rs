@@ -493,12 +493,13 @@ fn a_classifier_starts_from_the_pretrained_encoder_bit_for_bit_and_a_mismatch_is
             dir.path(),
             &["train", "-e", "c.json", "--artifact-dir", "c"],
         ),
-        "its encoder is not the one this config describes: d_model 48 here, 32 there",
+        "its encoder is not the one this config describes: d_ff 256 here, 64 there; d_model 48 \
+         here, 32 there",
     );
 }
 
 /// Every float parameter of `module`, exactly, in visiting order.
-fn values<M: Module<B>>(module: &M) -> Vec<Vec<f32>> {
+pub fn values<M: Module<B>>(module: &M) -> Vec<Vec<f32>> {
     struct Values(Vec<Vec<f32>>);
     impl ModuleVisitor<B> for Values {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
