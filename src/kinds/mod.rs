@@ -438,6 +438,29 @@ pub fn train<B: LabAutodiff>(request: TrainRequest, device: B::Device) -> Result
     })
 }
 
+/// The tokenizers of the artifact a run starts from (`init_from`): a run that starts from an
+/// artifact reads its data as that artifact did; the config must name their kind.
+fn init_from_tokenizers(
+    config: &ExperimentConfig,
+    from: Option<&ArtifactDir>,
+) -> Result<Option<Tokenizers>> {
+    let Some(from) = from else {
+        return Ok(None);
+    };
+    let tokenizers = Tokenizers::load(from)?;
+    let (named, theirs) = (config.data.tokenizer, tokenizers.target.kind());
+    if named != theirs {
+        let name = |kind| serde_json::to_value(kind).unwrap_or_default();
+        bail!(
+            "data.tokenizer is {}, but model.init_from's tokenizer is {}: name the one the \
+             model was trained with",
+            name(named).as_str().unwrap_or("?"),
+            name(theirs).as_str().unwrap_or("?")
+        );
+    }
+    Ok(Some(tokenizers))
+}
+
 /// One training of kind `K`: its data, then the shared path of `train/`.
 fn train_kind<K, B>(
     section: &K,
@@ -460,25 +483,11 @@ where
     >,
 {
     check_unpruned(section)?;
-    // A run that starts from an artifact reads its data with that artifact's tokenizers.
     let from = section.init_from().map(ArtifactDir::new);
-    let tokenizers = match (tokenizers, &from) {
-        (None, Some(from)) => {
-            let tokenizers = Tokenizers::load(from)?;
-            let (named, theirs) = (config.data.tokenizer, tokenizers.target.kind());
-            if named != theirs {
-                let name = |kind| serde_json::to_value(kind).unwrap_or_default();
-                bail!(
-                    "data.tokenizer is {}, but model.init_from's tokenizer is {}: name the one \
-                     the model was trained with",
-                    name(named).as_str().unwrap_or("?"),
-                    name(theirs).as_str().unwrap_or("?")
-                );
-            }
-            Some(tokenizers)
-        }
-        (tokenizers, _) => tokenizers,
-    };
+    let tokenizers = tokenizers.map_or_else(
+        || init_from_tokenizers(&config, from.as_ref()),
+        |t| Ok(Some(t)),
+    )?;
     let prepared = K::prepare(config, tokenizers, data_dir)?;
     let config = &prepared.config;
     if let Some(summary) = &prepared.summary {
@@ -530,7 +539,9 @@ where
     K::Model<B>: AutodiffModule<B>,
 {
     check_unpruned(section)?;
-    let prepared = K::prepare(config, None, data_dir)?;
+    let from = section.init_from().map(ArtifactDir::new);
+    let tokenizers = init_from_tokenizers(&config, from.as_ref())?;
+    let prepared = K::prepare(config, tokenizers, data_dir)?;
     let config = &prepared.config;
     let section = config.model_as::<K>()?;
     let padding = match (&prepared.lengths, prepared.padding.is_empty()) {
