@@ -19,14 +19,13 @@ use crate::inspect::{
     TextModel,
 };
 use crate::kernels::LabBackend;
-use crate::models::TextClassifier;
+use crate::models::{TextClassifier, TextEncoder};
 use crate::nn::StackConfig;
 use crate::train::{LaunchOptions, Throughput};
 use anyhow::{bail, Result};
 use burn::data::dataloader::batcher::Batcher;
 use burn::data::dataset::Dataset;
 use burn::module::Module;
-use burn::prelude::Tensor;
 use std::path::Path;
 
 supervised_steps!(TextClassifier, ClassifierConfig);
@@ -264,10 +263,10 @@ fn check_encoder_matches(
     Ok(())
 }
 
-/// A text encoder — the classifier's, or a clip model's text tower — as the reader of one text
-/// (`<s>` first, `last` after the text when given).
-pub(super) fn encoder_text_model<'a, B: LabBackend>(
-    model: &'a TextClassifier<B>,
+/// A text encoder — the classifier's, the masked language model's, or a clip model's text
+/// tower — as the reader of one text (`<s>` first, `last` after the text when given).
+pub(super) fn encoder_text_model<'a, B: LabBackend, E: TextEncoder<B>>(
+    model: &'a E,
     tokenizer: &'a Tokenizer,
     last: Option<usize>,
 ) -> TextModel<'a, B> {
@@ -277,29 +276,32 @@ pub(super) fn encoder_text_model<'a, B: LabBackend>(
         last,
         max_len: model.max_len(),
         causal: false,
-        stack: &model.encoder,
-        table: model.token_embedding.weight.val(),
+        stack: model.encoder(),
+        table: model.token_embedding().weight.val(),
         embed: Box::new(|tokens| model.embed(tokens)),
     }
 }
 
 /// A text encoder's self-attention, every layer, on `ids` (one unpadded text: no mask) as the
-/// group `name`, and its head's output `[1, classes]` (class scores, or a projection).
-pub(super) fn encoder_attention<B: LabBackend>(
-    model: &TextClassifier<B>,
+/// group `name`.
+pub(super) fn encoder_attention<B: LabBackend, E: TextEncoder<B>>(
+    model: &E,
     name: &str,
     text: &TextModel<'_, B>,
     ids: &[usize],
     device: &B::Device,
-) -> Result<(AttentionGroup, Tensor<B, 2>)> {
+) -> Result<AttentionGroup> {
     let tokens = text.tokens(ids, device);
-    let out = model.forward(tokens.clone());
-    let weights = weights_or_dense(out.attention, || {
-        model.encoder.mixer_weights(model.embed(tokens), None, None)
+    let (_, attention) = model.states(tokens.clone());
+    let weights = weights_or_dense(attention, || {
+        model
+            .encoder()
+            .mixer_weights(model.embed(tokens), None, None)
     })?;
     let labels = text.labels(ids);
-    let group = AttentionGroup::from_layers(name, false, &labels, &labels, weights);
-    Ok((group, out.logits))
+    Ok(AttentionGroup::from_layers(
+        name, false, &labels, &labels, weights,
+    ))
 }
 
 /// The classifier's self-attention on `ids` and the predicted class.
@@ -309,7 +311,8 @@ fn self_attention<B: LabBackend>(
     ids: &[usize],
     device: &B::Device,
 ) -> Result<(AttentionGroup, String)> {
-    let (group, logits) = encoder_attention(&trained.model, "self", text, ids, device)?;
+    let group = encoder_attention(&trained.model, "self", text, ids, device)?;
+    let logits = trained.model.forward(text.tokens(ids, device)).logits;
     let class = predicted_class(logits, &class_names(&trained.config.data.dataset)?);
     Ok((group, class))
 }

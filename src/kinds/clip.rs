@@ -25,6 +25,7 @@ use crate::plot::{embedding_png, similarity_png, Thumbnail};
 use crate::train::{LaunchOptions, Throughput};
 use anyhow::{bail, Result};
 use burn::prelude::*;
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -139,7 +140,7 @@ impl ModelKind for ClipConfig {
         self.init(device)
     }
 
-    /// The image encoder's settings; its `pruned_heads` lists both encoders' removed heads.
+    /// The image encoder's settings.
     fn stack(&self) -> &StackConfig {
         &self.image.stack
     }
@@ -152,8 +153,16 @@ impl ModelKind for ClipConfig {
         vec![&mut self.image.stack, &mut self.text.stack]
     }
 
+    fn pruned_heads(&self) -> BTreeMap<String, Vec<usize>> {
+        ClipConfig::pruned_heads(self)
+    }
+
+    fn set_pruned_heads(&mut self, pruned: BTreeMap<String, Vec<usize>>) {
+        ClipConfig::set_pruned_heads(self, pruned)
+    }
+
     fn activation_floats(&self, data: &DataConfig) -> f64 {
-        let vit = self.image.vit(self.embed_dim);
+        let vit = &self.image;
         vit.stack.activation_floats(vit.n_layers, vit.n_tokens())
             + self
                 .text
@@ -274,11 +283,8 @@ impl ModelKind for ClipConfig {
 
     fn text_model<B: LabBackend>(trained: &Trained<Clip<B>>) -> Result<TextModel<'_, B>> {
         let (model, tokenizer) = (&trained.model.text, trained.tokenizer());
-        Ok(encoder_text_model(
-            model,
-            tokenizer,
-            Some(Special::Eos.id()),
-        ))
+        let last = tokenizer.special(Special::Eos);
+        Ok(encoder_text_model(model, tokenizer, last))
     }
 }
 
@@ -324,7 +330,7 @@ fn text_attention<B: LabBackend>(
     ids: &[usize],
     device: &B::Device,
 ) -> Result<AttentionGroup> {
-    Ok(encoder_attention(&trained.model.text, "text", text, ids, device)?.0)
+    encoder_attention(&trained.model.text, "text", text, ids, device)
 }
 
 /// Unit-length embeddings of `n` grey `size × size` images, `batch` at a time: `n · e`

@@ -3,6 +3,7 @@
 //! encoder's self-attention to inspect. A classifier starts from its embeddings and encoder
 //! (`init_from`).
 
+use super::classifier::{encoder_attention, encoder_text_model};
 use super::{EvalRequest, ModelKind, Prepared};
 use crate::artifact::{Tokenizers, Trained};
 use crate::config::{DataConfig, ExperimentConfig, MlmConfig, ModelConfig, ModelSection};
@@ -11,9 +12,7 @@ use crate::data::{
     MaskedItem, MaskedSentences, Masking, MlmBatch, Special, Tokenizer, TokenizerKind,
 };
 use crate::inspect::heads::LossOutput;
-use crate::inspect::{
-    text_statistics, weights_or_dense, AttentionGroup, AttentionMaps, GroupStats, TextModel,
-};
+use crate::inspect::{text_statistics, AttentionMaps, GroupStats, TextModel};
 use crate::kernels::LabBackend;
 use crate::models::MaskedLm;
 use crate::nn::StackConfig;
@@ -216,7 +215,13 @@ impl ModelKind for MlmConfig {
         let text = Self::text_model(trained)?;
         let ids = text.encode(input)?;
         let mut maps = AttentionMaps::new(&trained.config.name, Self::KIND, input);
-        maps.groups = vec![self_attention(trained, &text, &ids, device)?];
+        maps.groups = vec![encoder_attention(
+            &trained.model,
+            "self",
+            &text,
+            &ids,
+            device,
+        )?];
         Ok(maps)
     }
 
@@ -230,42 +235,21 @@ impl ModelKind for MlmConfig {
         let ids = text.encode(&maps.input)?;
         // `<s>` and `</s>` stay where they are.
         text_statistics(maps, &ids, 1..ids.len() - 1, seed, |shuffled| {
-            Ok(vec![self_attention(trained, &text, shuffled, device)?])
+            Ok(vec![encoder_attention(
+                &trained.model,
+                "self",
+                &text,
+                shuffled,
+                device,
+            )?])
         })
     }
 
     fn text_model<B: LabBackend>(trained: &Trained<MaskedLm<B>>) -> Result<TextModel<'_, B>> {
-        let model = &trained.model;
-        Ok(TextModel {
-            tokenizer: trained.tokenizer(),
-            first: trained.tokenizer().special(Special::Bos),
-            last: trained.tokenizer().special(Special::Eos),
-            max_len: model.max_len(),
-            causal: false,
-            stack: &model.encoder,
-            table: model.token_embedding.weight.val(),
-            embed: Box::new(|tokens| model.embed(tokens)),
-        })
+        let tokenizer = trained.tokenizer();
+        let last = tokenizer.special(Special::Eos);
+        Ok(encoder_text_model(&trained.model, tokenizer, last))
     }
-}
-
-/// The encoder's self-attention, every layer, on `ids`.
-fn self_attention<B: LabBackend>(
-    trained: &Trained<MaskedLm<B>>,
-    text: &TextModel<'_, B>,
-    ids: &[usize],
-    device: &B::Device,
-) -> Result<AttentionGroup> {
-    let tokens = text.tokens(ids, device);
-    let model = &trained.model;
-    let out = model.forward(tokens.clone());
-    let weights = weights_or_dense(out.attention, || {
-        model.encoder.mixer_weights(model.embed(tokens), None, None)
-    })?;
-    let labels = text.labels(ids);
-    Ok(AttentionGroup::from_layers(
-        "self", false, &labels, &labels, weights,
-    ))
 }
 
 /// A masked language model's score on held-out sentences.

@@ -84,6 +84,7 @@ use anyhow::{bail, Context, Result};
 use burn::data::dataset::Dataset;
 use burn::module::{AutodiffModule, Module};
 use burn::train::{ClassificationOutput, InferenceStep, TrainStep};
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
@@ -142,6 +143,17 @@ pub trait ModelKind: ModelSection {
     /// Every stack's settings (a model with two encoders has two), to change.
     fn stacks_mut(&mut self) -> Vec<&mut StackConfig> {
         vec![self.stack_mut()]
+    }
+
+    /// The heads `heads --prune` removed, by the whole model's attention layer names (empty:
+    /// unpruned).
+    fn pruned_heads(&self) -> BTreeMap<String, Vec<usize>> {
+        self.stack().pruned_heads.clone()
+    }
+
+    /// Records the heads removed from the model (see [`ModelKind::pruned_heads`]).
+    fn set_pruned_heads(&mut self, pruned: BTreeMap<String, Vec<usize>>) {
+        self.stack_mut().pruned_heads = pruned;
     }
 
     /// Floats one training example keeps for the backward pass, vocabulary sizes resolved (a
@@ -398,13 +410,13 @@ pub fn load_as<K: ModelKind, B: LabBackend>(
 /// The model `section` describes: built whole, then cut to the heads its config keeps.
 fn build<K: ModelKind, B: LabBackend>(section: &K, device: &B::Device) -> Result<K::Model<B>> {
     let mut model = section.build::<B>(device);
-    remove_heads(&mut model, &section.stack().pruned_heads)?;
+    remove_heads(&mut model, &section.pruned_heads())?;
     Ok(model)
 }
 
 /// Refuses to train a pruned config from scratch (its heads were chosen for trained weights).
 fn check_unpruned<K: ModelKind>(section: &K) -> Result<()> {
-    if !section.stack().pruned_heads.is_empty() {
+    if !section.pruned_heads().is_empty() {
         bail!(
             "model.pruned_heads: this config describes a model pruned by `transformer-lab heads \
              --prune`; train the unpruned config (remove pruned_heads) and prune it after training"
@@ -774,7 +786,7 @@ fn write_pruned<K: ModelKind, B: LabBackend>(
     remove_heads(&mut model, &removed)?;
     let mut section = trained.config.model_as::<K>()?.clone();
     // Every layer knows its heads' places in the unpruned layer, earlier prunings included.
-    section.stack_mut().pruned_heads = pruned_heads(&mut model);
+    section.set_pruned_heads(pruned_heads(&mut model));
     let mut config = trained.config.clone();
     let (source, target) = section.vocab_sizes();
     config.model = section.with_vocab_sizes(source, target);
@@ -809,7 +821,7 @@ fn write_pruned<K: ModelKind, B: LabBackend>(
             score.loss
         );
     }
-    let map = &section.stack().pruned_heads;
+    let map = &section.pruned_heads();
     println!(
         "pruned artifact written to {}: {n} heads removed ({}), held-out loss {:.4} (with every \
          head {:.4}); one pass over the held-out batches {:.0} ms vs {:.0} ms",

@@ -7,7 +7,7 @@
 use super::classifier::{ClassifierConfig, TextClassifier};
 use super::vit::{VisionTransformer, VitConfig};
 use crate::kernels::{self, LabBackend};
-use crate::nn::config::over_defaults;
+use crate::nn::config::over_defaults_of;
 use crate::nn::{
     Activation, AttentionLayers, MultiHeadAttention, Pooling, PositionKind, StackConfig,
 };
@@ -15,21 +15,28 @@ use anyhow::{bail, Result};
 use burn::module::{Module, Param};
 use burn::nn::{Initializer, LinearConfig};
 use burn::prelude::*;
-use serde::de::Deserializer;
 use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
 
 /// Configuration of [`Clip`] (the `model` of a `"kind": "clip"` experiment).
+///
+/// Each tower is its own model's config — the image tower a [`VitConfig`], the text tower a
+/// [`ClassifierConfig`] — whose head is the projection into the shared space: its `n_classes`
+/// is `embed_dim` (never written in a tower). Each tower's `pruned_heads` names its own layers
+/// (`"layer 2"`); the whole model's names are `"image layer 2"`, `"text layer 2"`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(default)]
+#[serde(try_from = "ClipSections")]
 pub struct ClipConfig {
     /// Width of the shared image–text space.
     pub embed_dim: usize,
-    /// The image encoder.
-    #[serde(deserialize_with = "tower")]
-    pub image: ImageTowerConfig,
-    /// The text encoder.
-    #[serde(deserialize_with = "tower")]
-    pub text: TextTowerConfig,
+    /// The image encoder: a ViT (patch 7 and no dropout unless written).
+    #[serde(serialize_with = "tower_out")]
+    pub image: VitConfig,
+    /// The text encoder over `<s> caption </s>`: a classifier's encoder (width 64, `d_ff` 128,
+    /// `max_len` 24, no dropout, `pool` `last` — the end-of-text token, as in CLIP — unless
+    /// written).
+    #[serde(serialize_with = "tower_out")]
+    pub text: ClassifierConfig,
     /// The temperature's starting value τ: similarities are multiplied by 1/τ (learned, as its
     /// logarithm).
     pub init_temperature: f64,
@@ -37,135 +44,166 @@ pub struct ClipConfig {
     pub max_logit_scale: f64,
 }
 
-/// The image encoder of a [`ClipConfig`]: a ViT whose head is the projection.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+/// A clip section as written: the towers as JSON objects, read over their own defaults once
+/// `embed_dim` is known.
+#[derive(Deserialize)]
 #[serde(default)]
-pub struct ImageTowerConfig {
-    /// Input image height and width in pixels (square images).
-    pub image_size: usize,
-    /// Input channels (1 for grey images).
-    pub channels: usize,
-    /// Patch side `p`; must divide `image_size`.
-    pub patch_size: usize,
-    /// Width, heads, feed-forward, dropout, activation, norm placement, biases and mixer.
-    #[serde(flatten)]
-    pub stack: StackConfig,
-    /// Encoder blocks.
-    pub n_layers: usize,
-    /// Positions: `learned`, `sinusoidal`, `sincos2d` or `none`.
-    pub position: PositionKind,
-    /// What the projection reads: `cls` (the classification token) or `mean`.
-    pub pool: Pooling,
+struct ClipSections {
+    embed_dim: usize,
+    image: serde_json::Map<String, serde_json::Value>,
+    text: serde_json::Map<String, serde_json::Value>,
+    init_temperature: f64,
+    max_logit_scale: f64,
 }
 
-/// The text encoder of a [`ClipConfig`]: an encoder over `<s> caption </s>` whose head is the
-/// projection.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(default)]
-pub struct TextTowerConfig {
-    /// Vocabulary size; `0` = from the tokenizer (the saved config has it filled).
-    pub vocab_size: usize,
-    /// Width, heads, feed-forward, dropout, activation, norm placement, biases and mixer.
-    #[serde(flatten)]
-    pub stack: StackConfig,
-    /// Encoder blocks.
-    pub n_layers: usize,
-    /// Longest caption in tokens (`<s>` and `</s>` included); longer captions are cut.
-    pub max_len: usize,
-    /// Positions: `learned`, `sinusoidal` or `none`.
-    pub position: PositionKind,
-    /// What the projection reads: `last` (the end-of-text token `</s>`, as in CLIP), `cls`
-    /// (`<s>`) or `mean`.
-    pub pool: Pooling,
+impl Default for ClipSections {
+    fn default() -> Self {
+        let clip = ClipConfig::default();
+        Self {
+            embed_dim: clip.embed_dim,
+            image: Default::default(),
+            text: Default::default(),
+            init_temperature: clip.init_temperature,
+            max_logit_scale: clip.max_logit_scale,
+        }
+    }
+}
+
+/// Fields of the towers' own configs a tower does not have: the projection's width is the clip
+/// model's; a tower starts from nothing but the clip model's init.
+const NOT_IN_A_TOWER: [&str; 2] = ["n_classes", "init_from"];
+
+impl TryFrom<ClipSections> for ClipConfig {
+    type Error = String;
+
+    fn try_from(sections: ClipSections) -> Result<Self, String> {
+        let defaults = ClipConfig::default();
+        let read = |name: &str, given: serde_json::Map<String, serde_json::Value>| {
+            if let Some(key) = NOT_IN_A_TOWER.iter().find(|k| given.contains_key(**k)) {
+                return Err(format!(
+                    "model.{name}: `{key}` is not a tower's (the projection's width is \
+                     embed_dim)"
+                ));
+            }
+            Ok(given)
+        };
+        let mut image: VitConfig =
+            over_defaults_of(&defaults.image, read("image", sections.image)?, &[])
+                .map_err(|e| format!("model.image: {e}"))?;
+        let mut text: ClassifierConfig = over_defaults_of(
+            &defaults.text,
+            read("text", sections.text)?,
+            &["embedding_norm"],
+        )
+        .map_err(|e| format!("model.text: {e}"))?;
+        image.n_classes = sections.embed_dim;
+        text.n_classes = sections.embed_dim;
+        // Artifacts written before each tower kept its own: both towers' pruned heads in the
+        // image tower's list, by the whole model's names.
+        let mut clip = ClipConfig {
+            embed_dim: sections.embed_dim,
+            image,
+            text,
+            init_temperature: sections.init_temperature,
+            max_logit_scale: sections.max_logit_scale,
+        };
+        let all = clip.pruned_heads();
+        clip.set_pruned_heads(all);
+        Ok(clip)
+    }
+}
+
+/// A tower as written: its config without the fields a tower does not have.
+fn tower_out<S: serde::Serializer, T: Serialize>(
+    tower: &T,
+    serializer: S,
+) -> Result<S::Ok, S::Error> {
+    let mut fields = match serde_json::to_value(tower) {
+        Ok(serde_json::Value::Object(fields)) => fields,
+        _ => return Err(serde::ser::Error::custom("a tower serializes to an object")),
+    };
+    for key in NOT_IN_A_TOWER {
+        fields.remove(key);
+    }
+    fields.serialize(serializer)
 }
 
 impl Default for ClipConfig {
     fn default() -> Self {
+        let embed_dim = 64;
         Self {
-            embed_dim: 64,
-            image: ImageTowerConfig::default(),
-            text: TextTowerConfig::default(),
+            embed_dim,
+            image: VitConfig {
+                patch_size: 7,
+                n_classes: embed_dim,
+                stack: StackConfig {
+                    dropout: 0.0,
+                    ..VitConfig::default().stack
+                },
+                ..VitConfig::default()
+            },
+            text: ClassifierConfig {
+                vocab_size: 0,
+                n_classes: embed_dim,
+                stack: StackConfig {
+                    d_model: 64,
+                    d_ff: 128,
+                    activation: Activation::Gelu,
+                    ..StackConfig::default()
+                },
+                n_layers: 2,
+                max_len: 24,
+                position: PositionKind::Learned,
+                pool: Pooling::Last,
+                init_from: None,
+                embedding_norm: false,
+            },
             init_temperature: 0.07,
             max_logit_scale: 100.0,
         }
     }
 }
 
-impl Default for ImageTowerConfig {
-    fn default() -> Self {
-        let vit = VitConfig::default();
-        Self {
-            image_size: vit.image_size,
-            channels: vit.channels,
-            patch_size: 7,
-            stack: vit.stack,
-            n_layers: vit.n_layers,
-            position: vit.position,
-            pool: vit.pool,
-        }
-    }
-}
-
-impl Default for TextTowerConfig {
-    fn default() -> Self {
-        Self {
-            vocab_size: 0,
-            stack: StackConfig {
-                d_model: 64,
-                d_ff: 128,
-                activation: Activation::Gelu,
-                ..StackConfig::default()
-            },
-            n_layers: 2,
-            max_len: 24,
-            position: PositionKind::Learned,
-            pool: Pooling::Last,
-        }
-    }
-}
-
-/// A tower read over its defaults, unknown keys refused.
-fn tower<'de, D: Deserializer<'de>, T: Default + Serialize + serde::de::DeserializeOwned>(
-    deserializer: D,
-) -> Result<T, D::Error> {
-    let given = serde_json::Map::<String, serde_json::Value>::deserialize(deserializer)?;
-    over_defaults(given, &[]).map_err(serde::de::Error::custom)
-}
-
-impl ImageTowerConfig {
-    /// The ViT this tower is, its head projecting to `embed_dim`.
-    pub fn vit(&self, embed_dim: usize) -> VitConfig {
-        VitConfig {
-            image_size: self.image_size,
-            channels: self.channels,
-            patch_size: self.patch_size,
-            n_classes: embed_dim,
-            stack: self.stack.clone(),
-            n_layers: self.n_layers,
-            position: self.position,
-            pool: self.pool,
-        }
-    }
-}
-
-impl TextTowerConfig {
-    /// The text encoder this tower is, its head projecting to `embed_dim`.
-    pub fn encoder(&self, embed_dim: usize) -> ClassifierConfig {
-        ClassifierConfig {
-            vocab_size: self.vocab_size,
-            n_classes: embed_dim,
-            stack: self.stack.clone(),
-            n_layers: self.n_layers,
-            max_len: self.max_len,
-            position: self.position,
-            pool: self.pool,
-            init_from: None,
-            embedding_norm: false,
-        }
-    }
-}
+/// The towers, by the prefix of their layers' names in the whole model.
+const TOWERS: [&str; 2] = ["image ", "text "];
 
 impl ClipConfig {
+    /// The whole model's pruned heads: each tower's, its layers' names prefixed (`"text layer 1"`).
+    pub fn pruned_heads(&self) -> BTreeMap<String, Vec<usize>> {
+        let stacks = [&self.image.stack, &self.text.stack];
+        TOWERS
+            .iter()
+            .zip(stacks)
+            .flat_map(|(tower, stack)| {
+                stack.pruned_heads.iter().map(move |(layer, heads)| {
+                    // (A name already carrying a tower's prefix: an older artifact's.)
+                    let named = if TOWERS.iter().any(|t| layer.starts_with(t)) {
+                        layer.clone()
+                    } else {
+                        format!("{tower}{layer}")
+                    };
+                    (named, heads.clone())
+                })
+            })
+            .collect()
+    }
+
+    /// Gives each tower its layers' part of the whole model's `pruned` heads.
+    pub fn set_pruned_heads(&mut self, pruned: BTreeMap<String, Vec<usize>>) {
+        self.image.stack.pruned_heads.clear();
+        self.text.stack.pruned_heads.clear();
+        for (layer, heads) in pruned {
+            let (stack, own) = match layer.strip_prefix(TOWERS[1]) {
+                Some(own) => (&mut self.text.stack, own),
+                None => (
+                    &mut self.image.stack,
+                    layer.strip_prefix(TOWERS[0]).unwrap_or(&layer),
+                ),
+            };
+            stack.pruned_heads.insert(own.to_string(), heads);
+        }
+    }
+
     /// Checks the relations between fields.
     pub fn validate(&self) -> Result<()> {
         if self.embed_dim < 2 {
@@ -184,14 +222,17 @@ impl ClipConfig {
         if self.image.pool == Pooling::Last {
             bail!("model.image: pool must be cls or mean (last is the text encoder's)");
         }
-        if !self.text.stack.pruned_heads.is_empty() {
+        if self.image.n_classes != self.embed_dim || self.text.n_classes != self.embed_dim {
             bail!(
-                "model.text: pruned_heads of the whole model (both encoders) are listed in \
-                 model.image"
+                "model: each tower projects to embed_dim ({})",
+                self.embed_dim
             );
         }
-        self.image.vit(self.embed_dim).validate()?;
-        self.text.encoder(self.embed_dim).validate()
+        if self.text.init_from.is_some() {
+            bail!("model.text: init_from is not a tower's");
+        }
+        self.image.validate()?;
+        self.text.validate()
     }
 
     /// Builds the model. `text.vocab_size` must be resolved and the config validated.
@@ -205,9 +246,9 @@ impl ClipConfig {
                 })
                 .init(device)
         };
-        let mut image = self.image.vit(self.embed_dim).init(device);
+        let mut image = self.image.init(device);
         image.head = projection(self.image.stack.d_model);
-        let mut text = self.text.encoder(self.embed_dim).init(device);
+        let mut text = self.text.init(device);
         text.head = projection(self.text.stack.d_model);
         let log_scale = (1.0 / self.init_temperature).ln();
         Clip {

@@ -110,3 +110,19 @@ pub(crate) fn embed_tokens<B: LabBackend>(
     };
     kernels::dropout(dropout, x)
 }
+
+/// What the commands that read one text (attention, embed, explain, statistics) need of a text
+/// encoder: the classifier's, the masked language model's, CLIP's text tower.
+pub trait TextEncoder<B: LabBackend> {
+    /// Token embedding `[v, d]`.
+    fn token_embedding(&self) -> &Embedding<B>;
+    /// The encoder stack.
+    fn encoder(&self) -> &TransformerStack<B>;
+    /// The encoder's input of token rows `[b, n]` → `[b, n, d]`.
+    fn embed(&self, tokens: Tensor<B, 2, Int>) -> Tensor<B, 3>;
+    /// Longest input the positions cover.
+    fn max_len(&self) -> usize;
+    /// The encoder's states `[b, n, d]` and every layer's attention `[b, h, n, n]` on padded
+    /// token rows.
+    fn states(&self, tokens: Tensor<B, 2, Int>) -> (Tensor<B, 3>, Vec<Tensor<B, 4>>);
+}

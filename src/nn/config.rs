@@ -186,8 +186,18 @@ pub fn over_defaults<T: Default + Serialize + DeserializeOwned>(
     given: serde_json::Map<String, serde_json::Value>,
     optional: &[&str],
 ) -> std::result::Result<T, String> {
+    over_defaults_of(&T::default(), given, optional)
+}
+
+/// [`over_defaults`] over `defaults` instead of `T::default()` (a clip model's towers have
+/// defaults of their own).
+pub fn over_defaults_of<T: Serialize + DeserializeOwned>(
+    defaults: &T,
+    given: serde_json::Map<String, serde_json::Value>,
+    optional: &[&str],
+) -> std::result::Result<T, String> {
     let serde_json::Value::Object(mut fields) =
-        serde_json::to_value(T::default()).map_err(|e| e.to_string())?
+        serde_json::to_value(defaults).map_err(|e| e.to_string())?
     else {
         return Err("a config section serializes to an object".into());
     };

@@ -339,3 +339,56 @@ fn a_tiny_clip_trained_on_a_caption_file_classifies_new_images_zero_shot() {
     );
     assert_clean_error(&out, "bad.tsv:1: expected an image path, a tab");
 }
+
+#[test]
+fn each_tower_is_its_own_models_config_and_keeps_its_own_pruned_heads_old_layouts_included() {
+    // The layout older builds wrote: both towers' pruned heads in the image tower's list, by the
+    // whole model's layer names.
+    let old: ClipConfig = serde_json::from_str(
+        r#"{"embed_dim": 8,
+            "image": {"image_size": 8, "patch_size": 4, "d_model": 16, "n_layers": 1, "n_heads": 2,
+                      "d_ff": 32, "pruned_heads": {"image layer 0": [1], "text layer 0": [0]}},
+            "text": {"vocab_size": 20, "d_model": 16, "n_layers": 1, "n_heads": 2, "d_ff": 32,
+                     "max_len": 8}}"#,
+    )
+    .unwrap();
+    old.validate().unwrap();
+    let own = |layer: &str, heads: Vec<usize>| {
+        std::collections::BTreeMap::from([(layer.to_string(), heads)])
+    };
+    assert_eq!(old.image.stack.pruned_heads, own("layer 0", vec![1]));
+    assert_eq!(old.text.stack.pruned_heads, own("layer 0", vec![0]));
+    let whole = old.pruned_heads();
+    let mut expected = own("image layer 0", vec![1]);
+    expected.extend(own("text layer 0", vec![0]));
+    assert_eq!(whole, expected);
+    // The model built from it has lost exactly those heads.
+    let mut model = old.init::<B>(&Default::default());
+    transformer_lab::nn::remove_heads(&mut model, &whole).unwrap();
+    assert_eq!(transformer_lab::nn::pruned_heads(&mut model), whole);
+
+    // Written per tower, without the projection's width, and read back the same.
+    let text = serde_json::to_string(&old).unwrap();
+    assert!(
+        !text.contains("n_classes") && !text.contains("text layer"),
+        "{text}"
+    );
+    let again: ClipConfig = serde_json::from_str(&text).unwrap();
+    assert_eq!(again, old);
+    assert_eq!((again.image.n_classes, again.text.n_classes), (8, 8));
+
+    // A tower's omitted fields take the tower's defaults, not its model's.
+    let bare: ClipConfig = serde_json::from_str(r#"{"embed_dim": 8}"#).unwrap();
+    assert_eq!(bare.text.pool, transformer_lab::nn::Pooling::Last);
+    assert_eq!((bare.image.patch_size, bare.text.max_len), (7, 24));
+    assert_eq!(
+        (bare.image.stack.dropout, bare.text.stack.dropout),
+        (0.0, 0.0)
+    );
+    // And what a tower does not have is refused.
+    let err = serde_json::from_str::<ClipConfig>(r#"{"image": {"n_classes": 10}}"#).unwrap_err();
+    assert!(
+        err.to_string().contains("`n_classes` is not a tower's"),
+        "{err}"
+    );
+}
