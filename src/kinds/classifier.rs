@@ -21,7 +21,7 @@ use crate::inspect::{
 use crate::kernels::LabBackend;
 use crate::models::{TextClassifier, TextEncoder};
 use crate::nn::StackConfig;
-use crate::train::{LaunchOptions, Throughput};
+use crate::train::LaunchOptions;
 use anyhow::{bail, Result};
 use burn::data::dataloader::batcher::Batcher;
 use burn::data::dataset::Dataset;
@@ -158,15 +158,7 @@ impl ModelKind for ClassifierConfig {
             batcher: SentenceBatcher,
             padding: vec![("tokens", lengths.clone())],
             lengths: Some(lengths),
-            launch: LaunchOptions {
-                pad: None,
-                perplexity: false,
-                throughput: Throughput {
-                    per_step: config.train.batch_size,
-                    unit: "sent",
-                    units: "sentences",
-                },
-            },
+            launch: LaunchOptions::items(config.train.batch_size, "sent", "sentences"),
             valid_items: "validation sentences".into(),
             accuracy: true,
             config,

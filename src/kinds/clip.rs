@@ -22,7 +22,7 @@ use crate::kernels::LabBackend;
 use crate::models::Clip;
 use crate::nn::StackConfig;
 use crate::plot::{embedding_png, similarity_png, Thumbnail};
-use crate::train::{LaunchOptions, Throughput};
+use crate::train::LaunchOptions;
 use anyhow::{bail, Result};
 use burn::prelude::*;
 use std::collections::BTreeMap;
@@ -204,15 +204,7 @@ impl ModelKind for ClipConfig {
             },
             lengths: None,
             padding: Vec::new(),
-            launch: LaunchOptions {
-                pad: None,
-                perplexity: false,
-                throughput: Throughput {
-                    per_step: config.train.batch_size,
-                    unit: "pair",
-                    units: "pairs",
-                },
-            },
+            launch: LaunchOptions::items(config.train.batch_size, "pair", "pairs"),
             valid_items: "validation image–caption pairs".into(),
             accuracy: false,
             config,

@@ -12,7 +12,7 @@ use crate::inspect::{
 use crate::kernels::LabBackend;
 use crate::models::LanguageModel;
 use crate::nn::StackConfig;
-use crate::train::{LaunchOptions, Throughput};
+use crate::train::LaunchOptions;
 use anyhow::{bail, Context, Result};
 use burn::data::dataloader::batcher::Batcher;
 use burn::data::dataloader::DataLoaderBuilder;
@@ -111,15 +111,7 @@ impl ModelKind for LmConfig {
             batcher: LmBatcher,
             lengths: None,
             padding: Vec::new(),
-            launch: LaunchOptions {
-                pad: None,
-                perplexity: true,
-                throughput: Throughput {
-                    per_step,
-                    unit: "tok",
-                    units: "tokens",
-                },
-            },
+            launch: LaunchOptions::tokens(per_step, "tokens"),
             valid_items: format!("windows of {context} tokens spread over the validation split"),
             accuracy: false,
             config,

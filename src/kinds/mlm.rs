@@ -16,7 +16,7 @@ use crate::inspect::{text_statistics, AttentionMaps, GroupStats, TextModel};
 use crate::kernels::LabBackend;
 use crate::models::MaskedLm;
 use crate::nn::StackConfig;
-use crate::train::{LaunchOptions, Throughput};
+use crate::train::LaunchOptions;
 use anyhow::{bail, Context, Result};
 use burn::data::dataset::Dataset;
 use burn::prelude::*;
@@ -147,15 +147,10 @@ impl ModelKind for MlmConfig {
             },
             padding: vec![("tokens", lengths.clone())],
             lengths: Some(lengths),
-            launch: LaunchOptions {
-                pad: None,
-                perplexity: true,
-                throughput: Throughput {
-                    per_step: (config.train.batch_size as f64 * mean).round() as usize,
-                    unit: "tok",
-                    units: "tokens",
-                },
-            },
+            launch: LaunchOptions::tokens(
+                (config.train.batch_size as f64 * mean).round() as usize,
+                "tokens",
+            ),
             valid_items: "validation sentences (the same masks every time)".into(),
             accuracy: true,
             config,

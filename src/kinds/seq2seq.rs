@@ -21,7 +21,7 @@ use crate::kernels::LabBackend;
 use crate::models::Seq2Seq;
 use crate::nn::AttentionMask;
 use crate::nn::StackConfig;
-use crate::train::{LaunchOptions, Throughput};
+use crate::train::LaunchOptions;
 use crate::translate::{greedy, translate_texts, warn_truncated, SearchConfig};
 use anyhow::{bail, Result};
 use burn::data::dataloader::batcher::Batcher;
@@ -147,15 +147,11 @@ impl ModelKind for Seq2SeqConfig {
             train: data.train,
             valid: data.valid,
             batcher: Seq2SeqBatcher,
-            launch: LaunchOptions {
-                pad: Some(Special::Pad.id()),
-                perplexity: true,
-                throughput: Throughput {
-                    per_step: (config.train.batch_size as f64 * mean_target).round() as usize,
-                    unit: "tok",
-                    units: "target tokens",
-                },
-            },
+            launch: LaunchOptions::tokens(
+                (config.train.batch_size as f64 * mean_target).round() as usize,
+                "target tokens",
+            )
+            .padded(Special::Pad.id()),
             valid_items: "validation pairs (teacher-forced target loss)".into(),
             accuracy: false,
             config,

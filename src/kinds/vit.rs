@@ -14,7 +14,7 @@ use crate::inspect::{
 use crate::kernels::LabBackend;
 use crate::models::VisionTransformer;
 use crate::nn::StackConfig;
-use crate::train::{LaunchOptions, Throughput};
+use crate::train::LaunchOptions;
 use anyhow::{bail, Result};
 use std::path::Path;
 
@@ -116,15 +116,7 @@ impl ModelKind for VitConfig {
             },
             lengths: None,
             padding: Vec::new(),
-            launch: LaunchOptions {
-                pad: None,
-                perplexity: false,
-                throughput: Throughput {
-                    per_step: config.train.batch_size,
-                    unit: "img",
-                    units: "images",
-                },
-            },
+            launch: LaunchOptions::items(config.train.batch_size, "img", "images"),
             valid_items: "validation images".into(),
             accuracy: true,
             config,

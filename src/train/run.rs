@@ -327,6 +327,39 @@ pub struct LaunchOptions {
     pub throughput: Throughput,
 }
 
+impl LaunchOptions {
+    /// A model that scores whole items (sentences, images, pairs), `per_step` a step, `unit` /
+    /// `units` in the speed reports (`"img"`, `"images"`): no perplexity, nothing padded.
+    pub fn items(per_step: usize, unit: &'static str, units: &'static str) -> Self {
+        Self {
+            pad: None,
+            perplexity: false,
+            throughput: Throughput {
+                per_step,
+                unit,
+                units,
+            },
+        }
+    }
+
+    /// A model that predicts tokens, about `per_step` a step (`units` in `bench train`'s
+    /// report): perplexity reported.
+    pub fn tokens(per_step: usize, units: &'static str) -> Self {
+        Self {
+            perplexity: true,
+            ..Self::items(per_step, "tok", units)
+        }
+    }
+
+    /// The same, accuracy and perplexity skipping the targets' padding `pad`.
+    pub fn padded(self, pad: usize) -> Self {
+        Self {
+            pad: Some(pad),
+            ..self
+        }
+    }
+}
+
 /// Trains `model` through burn-train's Learner — AdamW with decay on matrices only, global-norm
 /// clipping, the configured warmup schedule, loss/accuracy/perplexity/LR metrics, a checkpoint
 /// per epoch (the newest loadable one restored on resume; the last `keep_checkpoints` and the
