@@ -199,25 +199,4 @@ impl<B: LabBackend> AttentionLayers<B> for TextClassifier<B> {
     }
 }
 
-impl<B: LabBackend> super::TextEncoder<B> for TextClassifier<B> {
-    fn token_embedding(&self) -> &Embedding<B> {
-        &self.token_embedding
-    }
-
-    fn encoder(&self) -> &TransformerStack<B> {
-        &self.encoder
-    }
-
-    fn embed(&self, tokens: Tensor<B, 2, Int>) -> Tensor<B, 3> {
-        TextClassifier::embed(self, tokens)
-    }
-
-    fn max_len(&self) -> usize {
-        TextClassifier::max_len(self)
-    }
-
-    fn states(&self, tokens: Tensor<B, 2, Int>) -> (Tensor<B, 3>, Vec<Tensor<B, 4>>) {
-        let out = self.forward(tokens);
-        (out.states, out.attention)
-    }
-}
+super::text::text_encoder!(TextClassifier);

@@ -214,25 +214,4 @@ impl<B: LabBackend> AttentionLayers<B> for MaskedLm<B> {
     }
 }
 
-impl<B: LabBackend> super::TextEncoder<B> for MaskedLm<B> {
-    fn token_embedding(&self) -> &Embedding<B> {
-        &self.token_embedding
-    }
-
-    fn encoder(&self) -> &TransformerStack<B> {
-        &self.encoder
-    }
-
-    fn embed(&self, tokens: Tensor<B, 2, Int>) -> Tensor<B, 3> {
-        MaskedLm::embed(self, tokens)
-    }
-
-    fn max_len(&self) -> usize {
-        MaskedLm::max_len(self)
-    }
-
-    fn states(&self, tokens: Tensor<B, 2, Int>) -> (Tensor<B, 3>, Vec<Tensor<B, 4>>) {
-        let out = self.forward(tokens);
-        (out.states, out.attention)
-    }
-}
+super::text::text_encoder!(MaskedLm);

@@ -126,3 +126,33 @@ pub trait TextEncoder<B: LabBackend> {
     /// token rows.
     fn states(&self, tokens: Tensor<B, 2, Int>) -> (Tensor<B, 3>, Vec<Tensor<B, 4>>);
 }
+
+/// [`TextEncoder`] for a model with the text encoders' fields (`token_embedding`, `encoder`)
+/// and methods (`embed`, `max_len`, `forward` giving `states` and `attention`).
+macro_rules! text_encoder {
+    ($model:ident) => {
+        impl<B: LabBackend> super::TextEncoder<B> for $model<B> {
+            fn token_embedding(&self) -> &burn::nn::Embedding<B> {
+                &self.token_embedding
+            }
+
+            fn encoder(&self) -> &crate::nn::TransformerStack<B> {
+                &self.encoder
+            }
+
+            fn embed(&self, tokens: Tensor<B, 2, Int>) -> Tensor<B, 3> {
+                $model::embed(self, tokens)
+            }
+
+            fn max_len(&self) -> usize {
+                $model::max_len(self)
+            }
+
+            fn states(&self, tokens: Tensor<B, 2, Int>) -> (Tensor<B, 3>, Vec<Tensor<B, 4>>) {
+                let out = self.forward(tokens);
+                (out.states, out.attention)
+            }
+        }
+    };
+}
+pub(crate) use text_encoder;
