@@ -17,11 +17,11 @@
 use crate::artifact::{check_new_artifact_dir, write_new_artifact, ArtifactDir, Tokenizers};
 use crate::config::{ExperimentConfig, MlmConfig, ModelConfig, TokenizerKind};
 use crate::data::{BpeTokenizer, Tokenizer};
-use crate::hf::{apply, read_config, snapshot, transposed, Tensors};
+use crate::hf::{apply, read_config, snapshot, transposed, unfit, Tensors};
 use crate::kernels::LabBackend;
 use crate::models::MaskedLm;
 use crate::nn::{Activation, Mixer, PositionKind, StackConfig};
-use anyhow::{anyhow, bail, Context, Result};
+use anyhow::{bail, Context, Result};
 use burn::prelude::*;
 use serde::Deserialize;
 use std::collections::BTreeMap;
@@ -49,7 +49,7 @@ struct HfConfig {
     position_embedding_type: String,
     #[serde(default)]
     is_decoder: bool,
-    #[serde(default = "yes")]
+    #[serde(default = "crate::hf::yes")]
     tie_word_embeddings: bool,
 }
 
@@ -68,18 +68,10 @@ fn layer_norm_eps() -> f64 {
 fn absolute() -> String {
     "absolute".into()
 }
-fn yes() -> bool {
-    true
-}
 
 /// The masked language model a BERT config describes, or what does not fit.
 fn mlm_config(hf: &HfConfig, path: &Path) -> Result<MlmConfig> {
-    let what = |field: &str, value: String, need: &str| {
-        anyhow!(
-            "{}: {field} is {value}; transformer-lab's BERT needs {need}",
-            path.display()
-        )
-    };
+    let what = |field: &str, value: String, need: &str| unfit(path, "BERT", field, value, need);
     if hf.model_type.as_deref() != Some("bert") {
         let found = format!("{:?}", hf.model_type);
         return Err(what("model_type", found, "\"bert\""));

@@ -14,7 +14,7 @@ use crate::artifact::{
 };
 use crate::config::{ExperimentConfig, LmConfig, ModelConfig, TokenizerKind};
 use crate::data::{BpeTokenizer, Tokenizer};
-use crate::hf::{apply, read_config, snapshot, Tensors};
+use crate::hf::{apply, read_config, snapshot, unfit, Tensors};
 use crate::kernels::LabBackend;
 use crate::models::LanguageModel;
 use crate::nn::{Activation, Mixer, PositionKind, StackConfig};
@@ -41,9 +41,9 @@ struct HfConfig {
     activation_function: String,
     #[serde(default = "layer_norm_epsilon")]
     layer_norm_epsilon: f64,
-    #[serde(default = "yes")]
+    #[serde(default = "crate::hf::yes")]
     tie_word_embeddings: bool,
-    #[serde(default = "yes")]
+    #[serde(default = "crate::hf::yes")]
     scale_attn_weights: bool,
     #[serde(default)]
     scale_attn_by_inverse_layer_idx: bool,
@@ -55,18 +55,10 @@ fn gelu_new() -> String {
 fn layer_norm_epsilon() -> f64 {
     1e-5
 }
-fn yes() -> bool {
-    true
-}
 
 /// The language model a GPT-2 config describes, or what does not fit.
 fn lm_config(hf: &HfConfig, path: &Path) -> Result<LmConfig> {
-    let what = |field: &str, value: String, need: &str| {
-        anyhow!(
-            "{}: {field} is {value}; transformer-lab's GPT-2 needs {need}",
-            path.display()
-        )
-    };
+    let what = |field: &str, value: String, need: &str| unfit(path, "GPT-2", field, value, need);
     if hf.model_type.as_deref() != Some("gpt2") {
         return Err(what(
             "model_type",

@@ -11,6 +11,26 @@ use serde::de::DeserializeOwned;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
+/// `true`, the serde default of a config's flags that are on unless written.
+pub(crate) fn yes() -> bool {
+    true
+}
+
+/// The one error line for a `config.json` (at `path`) field that `model` here cannot take:
+/// `PATH: FIELD is VALUE; transformer-lab's MODEL needs NEED`.
+pub(crate) fn unfit(
+    path: &Path,
+    model: &str,
+    field: &str,
+    value: impl std::fmt::Display,
+    need: &str,
+) -> anyhow::Error {
+    anyhow!(
+        "{}: {field} is {value}; transformer-lab's {model} needs {need}",
+        path.display()
+    )
+}
+
 /// `dir/config.json` as `T`; `model` names the checkpoint in the errors ("GPT-2").
 pub(crate) fn read_config<T: DeserializeOwned>(dir: &Path, model: &str) -> Result<(T, PathBuf)> {
     let path = dir.join("config.json");
