@@ -153,10 +153,11 @@ pub enum Command {
     /// artifact without the first N heads the greedy curve removed (smaller projections, not a
     /// mask) that every command loads.
     Heads(HeadsArgs),
-    /// Import a Hugging Face GPT-2 checkpoint as an artifact every command uses.
+    /// Import a Hugging Face GPT-2 or BERT checkpoint as an artifact every command uses.
     ///
-    /// DIR holds config.json, model.safetensors and the tokenizer (tokenizer.json, or
-    /// vocab.json and merges.txt), as `save_pretrained` writes them or the Hub serves them.
+    /// DIR holds config.json, model.safetensors and the tokenizer (GPT-2: tokenizer.json, or
+    /// vocab.json and merges.txt; BERT: its WordPiece tokenizer.json), as `save_pretrained`
+    /// writes them or the Hub serves them.
     Import(ImportArgs),
     /// Export a trained language model as a Hugging Face GPT-2 checkpoint (config.json,
     /// model.safetensors, tokenizer.json) that `GPT2LMHeadModel.from_pretrained` loads.

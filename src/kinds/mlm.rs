@@ -33,7 +33,10 @@ impl ModelSection for MlmConfig {
     fn validate(&self, data: &DataConfig) -> Result<()> {
         MlmConfig::validate(self)?;
         if !matches!(data.tokenizer, TokenizerKind::Bpe | TokenizerKind::Bert) {
-            bail!("data: a masked language model needs the bpe tokenizer (it adds [MASK] to it)");
+            bail!(
+                "data: a masked language model needs the bpe tokenizer (it adds [MASK] to it), \
+                 or an imported BERT's"
+            );
         }
         if data.text_file.is_none() {
             english_parts(&data.dataset)?;
