@@ -131,6 +131,65 @@ pub fn check_available(kind: BackendKind) -> Result<()> {
     Ok(())
 }
 
+/// The devices `ids` of the backend whose default device is `default`, for data-parallel
+/// training: CUDA device `i`; for wgpu the `i`-th adapter of the kind burn picks by default
+/// (discrete, else integrated, virtual); on a CPU backend (and wgpu on a CPU adapter) every id
+/// is the one CPU device, each peer a thread of its own (the path works and is tested there,
+/// it is not faster). One error line for an id the machine does not have.
+pub fn peer_devices<B: burn::tensor::backend::Backend>(
+    default: &B::Device,
+    ids: &[usize],
+) -> Result<Vec<B::Device>> {
+    use burn::tensor::backend::Device as _;
+    use burn::tensor::backend::DeviceId;
+    let name = std::any::type_name::<B::Device>();
+    let first = default.to_id();
+    let (type_id, available, what) = if name.contains("CudaDevice") {
+        (first.type_id, cuda_driver::count()?, "CUDA devices")
+    } else if name.contains("WgpuDevice") {
+        wgpu_peer_kind()
+    } else {
+        (first.type_id, usize::MAX, "")
+    };
+    ids.iter()
+        .map(|&id| {
+            if id >= available {
+                bail!(
+                    "--devices: there is no device {id}: this machine has {available} {what} \
+                     (numbered from 0)"
+                );
+            }
+            Ok(B::Device::from_id(DeviceId::new(type_id, id as u16)))
+        })
+        .collect()
+}
+
+/// The wgpu device kind data-parallel peers use (burn's `DeviceId` type numbers: 0 discrete,
+/// 1 integrated, 2 virtual, 3 the CPU adapter, which has no index), how many adapters of it
+/// there are, and their name.
+fn wgpu_peer_kind() -> (u16, usize, &'static str) {
+    #[cfg(feature = "wgpu-backend")]
+    {
+        let adapters = wgpu_adapters();
+        let of = |t: wgpu::DeviceType| {
+            adapters
+                .iter()
+                .filter(|a| a.get_info().device_type == t)
+                .count()
+        };
+        for (id, kind, what) in [
+            (0, wgpu::DeviceType::DiscreteGpu, "discrete GPUs"),
+            (1, wgpu::DeviceType::IntegratedGpu, "integrated GPUs"),
+            (2, wgpu::DeviceType::VirtualGpu, "virtual GPUs"),
+        ] {
+            if of(kind) > 0 {
+                return (id, of(kind), what);
+            }
+        }
+    }
+    (3, usize::MAX, "")
+}
+
 /// The device `kind` runs on, in words that change with the hardware and its driver: the
 /// wgpu adapter burn picks (name, driver), the first CUDA device (name, driver version), or
 /// the CPU.
@@ -177,8 +236,14 @@ mod cuda_driver {
     use anyhow::{bail, Result};
 
     /// Fails with one line where no CUDA driver or no CUDA device is found.
-    #[cfg(unix)]
     pub fn check() -> Result<()> {
+        count().map(|_| ())
+    }
+
+    /// How many CUDA devices the driver sees; fails with one line where there is no driver or
+    /// no device.
+    #[cfg(unix)]
+    pub fn count() -> Result<usize> {
         use std::ffi::{c_char, c_int, c_uint, CStr};
         const NAMES: [&CStr; 2] = [c"libcuda.so.1", c"libcuda.so"];
         // SAFETY: dlopen/dlsym with valid C strings; the symbols are called with the
@@ -210,14 +275,14 @@ mod cuda_driver {
                      {status}, {devices} devices); use --backend wgpu or a CPU backend"
                 );
             }
+            Ok(devices as usize)
         }
-        Ok(())
     }
 
-    /// Elsewhere burn's own loader reports a missing driver.
+    /// Elsewhere burn's own loader reports a missing driver; the count is not asked.
     #[cfg(not(unix))]
-    pub fn check() -> Result<()> {
-        Ok(())
+    pub fn count() -> Result<usize> {
+        Ok(usize::MAX)
     }
 
     /// The first CUDA device's name and the driver's version (`cuda` where the driver cannot

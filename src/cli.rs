@@ -234,6 +234,11 @@ pub struct TrainArgs {
     /// from its last good checkpoint.
     #[arg(long, value_name = "LR")]
     pub lr: Option<f64>,
+    /// Train data-parallel on these devices of the backend (e.g. `0,1,2,3`), replacing the
+    /// experiment's `train.devices`: each step's batch is split evenly across them and their
+    /// gradients averaged (burn-collective's all-reduce) before one optimizer step.
+    #[arg(long, value_name = "LIST", value_delimiter = ',')]
+    pub devices: Option<Vec<usize>>,
     #[command(flatten)]
     pub data: DataArgs,
     #[command(flatten)]

@@ -31,6 +31,7 @@ pub(super) fn run_train<B: LabBackend>(args: TrainArgs, device: B::Device) -> Re
         plain: args.plain,
         precision: args.precision,
         lr: args.lr,
+        devices: args.devices,
     };
     let artifact = request.artifact.clone();
     crate::train::stop::install()?;

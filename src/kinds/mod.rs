@@ -507,12 +507,35 @@ where
     }
     let section = config.model_as::<K>()?;
     let floats = section.activation_floats(&config.data);
+    let devices = match &config.train.devices {
+        Some(ids) if ids.len() > 1 => crate::backend::peer_devices::<B>(&device, ids)?,
+        _ => vec![device.clone()],
+    };
     session.begin(config, prepared.tokenizers.as_ref(), floats)?;
+    if devices.len() > 1 {
+        let shared = devices.iter().skip(1).all(|d| *d == devices[0]);
+        println!(
+            "data-parallel on {} devices ({}): each trains on {} of every batch's {} items{}",
+            devices.len(),
+            devices
+                .iter()
+                .map(|d| format!("{d:?}"))
+                .collect::<Vec<_>>()
+                .join(", "),
+            config.train.batch_size / devices.len(),
+            config.train.batch_size,
+            if shared {
+                "; they share one device here, so this tests the path and is no faster"
+            } else {
+                ""
+            }
+        );
+    }
     crate::kernels::seed::<B>(&device, config.seed);
     let batcher = Arc::new(prepared.batcher);
     let loaders = session.loaders(
         config,
-        &device,
+        &devices,
         prepared.train,
         train_batches::<K, B>(batcher.clone()),
         prepared.valid,

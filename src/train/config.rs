@@ -75,6 +75,13 @@ pub struct TrainConfig {
     /// on a GPU backend, with `f32` master weights (see [`Precision`]).
     #[serde(skip_serializing_if = "Precision::is_f32")]
     pub precision: Precision,
+    /// The devices of the backend the run trains on, data-parallel (`[0, 1, 2, 3]`: four
+    /// GPUs): each step's batch is split evenly across them, each computes the gradients of its
+    /// share, and their mean (burn-collective's all-reduce) makes one optimizer step. None: the
+    /// backend's default device. The batch, the steps and the checkpoints are those of one
+    /// device; `batch_size` must be a multiple of the count.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub devices: Option<Vec<usize>>,
 }
 
 /// How often a run writes a mid-epoch checkpoint.
@@ -119,11 +126,17 @@ impl Default for TrainConfig {
             checkpoint_every: None,
             early_stopping: None,
             precision: Precision::F32,
+            devices: None,
         }
     }
 }
 
 impl TrainConfig {
+    /// How many devices the run trains on.
+    pub fn device_count(&self) -> usize {
+        self.devices.as_ref().map_or(1, Vec::len)
+    }
+
     /// Number of Learner epochs (`steps / steps_per_epoch`).
     pub fn epochs(&self) -> usize {
         self.steps / self.steps_per_epoch
@@ -177,6 +190,22 @@ impl TrainConfig {
         }
         if !(0.0..1.0).contains(&self.label_smoothing) {
             bail!("train: label_smoothing must be in [0, 1)");
+        }
+        if let Some(devices) = &self.devices {
+            let mut sorted = devices.clone();
+            sorted.sort_unstable();
+            sorted.dedup();
+            if devices.is_empty() || sorted.len() != devices.len() {
+                bail!("train: devices must name each device once, got {devices:?}");
+            }
+            if !self.batch_size.is_multiple_of(devices.len()) {
+                bail!(
+                    "train: batch_size ({}) must be a multiple of the number of devices ({}): \
+                     each device trains on an equal share of every batch",
+                    self.batch_size,
+                    devices.len()
+                );
+            }
         }
         if self.keep_checkpoints == 0 {
             bail!("train: keep_checkpoints must be at least 1 (resuming needs a checkpoint)");

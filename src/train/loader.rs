@@ -63,6 +63,21 @@ pub fn replacement_batches(
     seed: u64,
     lengths: Option<&[usize]>,
 ) -> Vec<Vec<usize>> {
+    replacement_batches_in_groups(len, batches, batch_size, seed, lengths, 1)
+}
+
+/// [`replacement_batches`] whose length-sorted batches are cut only between runs of `group`
+/// items (consecutive in length order), so that every batch holds a multiple of `group` items:
+/// what a batch split across `group` devices needs (one item at least for each). `group` 1 is
+/// `replacement_batches`; without `lengths` batches are `batch_size` items whatever `group`.
+pub fn replacement_batches_in_groups(
+    len: usize,
+    batches: usize,
+    batch_size: usize,
+    seed: u64,
+    lengths: Option<&[usize]>,
+    group: usize,
+) -> Vec<Vec<usize>> {
     let mut rng = StdRng::seed_from_u64(seed);
     let mut drawn: Vec<usize> = (0..batches * batch_size)
         .map(|_| rng.random_range(0..len.max(1)))
@@ -75,11 +90,28 @@ pub fn replacement_batches(
     };
     let length = |i: usize| lengths.get(i).copied().unwrap_or(0);
     drawn.sort_by_key(|&i| length(i));
-    let mut grouped = balanced(
-        &drawn,
-        &drawn.iter().map(|&i| length(i)).collect::<Vec<_>>(),
-        batches,
-    );
+    let mut grouped = if group <= 1 {
+        balanced(
+            &drawn,
+            &drawn.iter().map(|&i| length(i)).collect::<Vec<_>>(),
+            batches,
+        )
+    } else {
+        // The same cut over runs of `group` items, each as long as its items together.
+        let runs: Vec<usize> = (0..drawn.len().div_ceil(group)).collect();
+        let run_lengths: Vec<usize> = drawn
+            .chunks(group)
+            .map(|run| run.iter().map(|&i| length(i)).sum())
+            .collect();
+        balanced(&runs, &run_lengths, batches)
+            .into_iter()
+            .map(|cut| {
+                cut.iter()
+                    .flat_map(|&r| drawn.chunks(group).nth(r).unwrap_or_default().to_vec())
+                    .collect()
+            })
+            .collect()
+    };
     grouped.shuffle(&mut rng);
     grouped
 }
@@ -151,6 +183,9 @@ pub struct EpochLoader<B: Backend, I, O> {
     skip: Option<Arc<AtomicUsize>>,
     /// The part of each epoch's items this loader serves (`slice`).
     range: Option<Range<usize>>,
+    /// `(j, k)`: this loader serves the `j`-th of `k` shares of every batch (data-parallel
+    /// training: one loader per device).
+    shard: Option<(usize, usize)>,
     /// Each item's length, when batches group similar lengths (see [`Self::by_length`]).
     lengths: Option<Arc<Vec<usize>>>,
     /// The run's checkpoints, whose reads every epoch waits for (see [`Self::after_checkpoints`]).
@@ -171,6 +206,7 @@ impl<B: Backend, I, O> Clone for EpochLoader<B, I, O> {
             reseed_backend: self.reseed_backend,
             skip: self.skip.clone(),
             range: self.range.clone(),
+            shard: self.shard,
             lengths: self.lengths.clone(),
             checkpoints: self.checkpoints.clone(),
         }
@@ -208,9 +244,24 @@ where
             reseed_backend: false,
             skip: None,
             range: None,
+            shard: None,
             lengths: None,
             checkpoints: None,
         }
+    }
+
+    /// Serves the `index`-th of `count` shares of every batch: items `index`, `index + count`,
+    /// `index + 2·count`, … of it (in length-grouped epochs every batch holds a multiple of
+    /// `count` items, similar lengths side by side, so each share gets one of each run), on
+    /// `device`. The `count` loaders of one run read disjoint items that together are the
+    /// unsharded batch. Each share's dropout masks and augmentation are drawn from seeds of
+    /// their own (mixed with `index`).
+    pub fn shard(mut self, index: usize, count: usize, device: B::Device) -> Self {
+        if count > 1 {
+            self.shard = Some((index, count));
+        }
+        self.device = device;
+        self
     }
 
     /// Also reseeds the backend's random generator and the dropout stream from
@@ -253,12 +304,13 @@ impl<B: Backend, I, O> EpochLoader<B, I, O> {
     pub fn batches(&self, epoch: usize) -> Vec<Vec<usize>> {
         let len = self.dataset.len();
         let all = match self.draw {
-            Draw::Replacement { batches } => replacement_batches(
+            Draw::Replacement { batches } => replacement_batches_in_groups(
                 len,
                 batches,
                 self.batch_size,
                 mix(self.seed, epoch as u64),
                 self.lengths.as_ref().map(|l| l.as_slice()),
+                self.shard.map_or(1, |(_, count)| count),
             ),
             Draw::Fixed { items } => {
                 let mut order: Vec<usize> = (0..len).collect();
@@ -269,6 +321,13 @@ impl<B: Backend, I, O> EpochLoader<B, I, O> {
                     .map(<[usize]>::to_vec)
                     .collect()
             }
+        };
+        let all = match self.shard {
+            Some((index, count)) => all
+                .into_iter()
+                .map(|batch| batch.into_iter().skip(index).step_by(count).collect())
+                .collect(),
+            None => all,
         };
         let Some(range) = &self.range else {
             return all;
@@ -286,42 +345,16 @@ impl<B: Backend, I, O> EpochLoader<B, I, O> {
         kept
     }
 
-    /// The dataset indices of `epoch`'s items, in order.
-    pub fn indices(&self, epoch: usize) -> Vec<usize> {
-        self.batches(epoch).concat()
-    }
-
-    fn items_per_epoch(&self) -> usize {
-        let all = match self.draw {
-            Draw::Replacement { batches } => batches * self.batch_size,
-            Draw::Fixed { items } => items.min(self.dataset.len()),
-        };
-        match &self.range {
-            Some(range) => range.end.min(all).saturating_sub(range.start),
-            None => all,
-        }
-    }
-}
-
-impl<B, I, O> DataLoader<B, O> for EpochLoader<B, I, O>
-where
-    B: Backend,
-    I: Send + Sync + 'static,
-    O: Send + 'static,
-{
-    fn iter<'a>(&'a self) -> Box<dyn DataLoaderIterator<O> + 'a> {
-        if let Some(watch) = &self.checkpoints {
-            watch.wait_for_reads();
-        }
-        let epoch = self.epoch.fetch_add(1, Ordering::SeqCst) + 1;
+    /// The batches of epoch `epoch` (1-based) after its first `skip`, whatever epoch the loader's
+    /// own count stands at: what a data-parallel peer reads, told the epoch by the first.
+    pub fn epoch_iter(&self, epoch: usize, skip: usize) -> EpochIter<B, I, O>
+    where
+        I: Send + Sync + 'static,
+    {
         let epoch_batches = Arc::new(self.batches(epoch));
         let items: usize = epoch_batches.iter().map(Vec::len).sum();
         let batches = epoch_batches.len();
-        let skip = self
-            .skip
-            .as_ref()
-            .map_or(0, |skip| skip.swap(0, Ordering::SeqCst))
-            .min(batches);
+        let skip = skip.min(batches);
         let skipped: usize = epoch_batches[..skip].iter().map(Vec::len).sum();
         let workers = self.workers.min((batches - skip).max(1));
         // Worker `w` reads the items of batches w, w + workers, …; the iterator takes them
@@ -329,7 +362,12 @@ where
         // batch's tensors are made by the iterator, on the training thread: on burn's GPU
         // backends each thread has its own stream, and tensors made on a loader thread that
         // ends with the epoch were measured to corrupt a validation now and then on wgpu.
-        let seed = mix(self.seed, epoch as u64);
+        // A shard's batches draw their own augmentation and dropout masks.
+        let own = |seed: u64| match self.shard {
+            Some((index, _)) => mix(seed, 0x5a4d_0000 | index as u64),
+            None => seed,
+        };
+        let seed = own(mix(self.seed, epoch as u64));
         let receivers = (0..workers)
             .map(|w| {
                 let (sender, receiver) = sync_channel(2);
@@ -350,19 +388,58 @@ where
                 receiver
             })
             .collect();
-        Box::new(EpochIter::<B, I, O> {
+        EpochIter::<B, I, O> {
             receivers,
             batch: self.batch.clone(),
             device: self.device.clone(),
             seed,
             reseed: self
                 .reseed_backend
-                .then(|| mix(self.seed, (epoch as u64) << 32 | 0xd409)),
+                .then(|| own(mix(self.seed, (epoch as u64) << 32 | 0xd409))),
             first: skip,
             next: skip,
             batches,
             progress: Progress::new(skipped, items),
-        })
+        }
+    }
+
+    /// The dataset indices of `epoch`'s items, in order.
+    pub fn indices(&self, epoch: usize) -> Vec<usize> {
+        self.batches(epoch).concat()
+    }
+
+    fn items_per_epoch(&self) -> usize {
+        let all = match self.draw {
+            Draw::Replacement { batches } => batches * self.batch_size,
+            Draw::Fixed { items } => items.min(self.dataset.len()),
+        };
+        let all = match self.shard {
+            Some((index, count)) => (all + count - 1 - index) / count,
+            None => all,
+        };
+        match &self.range {
+            Some(range) => range.end.min(all).saturating_sub(range.start),
+            None => all,
+        }
+    }
+}
+
+impl<B, I, O> DataLoader<B, O> for EpochLoader<B, I, O>
+where
+    B: Backend,
+    I: Send + Sync + 'static,
+    O: Send + 'static,
+{
+    fn iter<'a>(&'a self) -> Box<dyn DataLoaderIterator<O> + 'a> {
+        if let Some(watch) = &self.checkpoints {
+            watch.wait_for_reads();
+        }
+        let epoch = self.epoch.fetch_add(1, Ordering::SeqCst) + 1;
+        let skip = self
+            .skip
+            .as_ref()
+            .map_or(0, |skip| skip.swap(0, Ordering::SeqCst));
+        Box::new(self.epoch_iter(epoch, skip))
     }
 
     fn num_items(&self) -> usize {
@@ -383,7 +460,8 @@ where
     }
 }
 
-struct EpochIter<B: Backend, I, O> {
+/// One epoch of an [`EpochLoader`].
+pub struct EpochIter<B: Backend, I, O> {
     /// Each batch's items, with how many were asked for.
     receivers: Vec<Receiver<(Vec<I>, usize)>>,
     batch: BatchFn<B, I, O>,

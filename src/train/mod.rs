@@ -8,6 +8,7 @@ pub mod config;
 mod loader;
 mod metrics;
 mod optim;
+pub mod parallel;
 mod perplexity;
 mod preflight;
 pub use preflight::AlreadyFinished;
@@ -20,7 +21,8 @@ mod strategy;
 
 pub use checkpoint::{prune, KeepCheckpoints, Patience, ValidLosses};
 pub use loader::{
-    mix, padding_fraction, replacement_batches, unseeded, BatchFn, Draw, EpochLoader,
+    mix, padding_fraction, replacement_batches, replacement_batches_in_groups, unseeded, BatchFn,
+    Draw, EpochIter, EpochLoader,
 };
 pub use optim::{clip_global_norm, reference_adamw, LabAdamW, ReferenceOptimizer, NAN_ENV};
 pub use perplexity::{EpochPerplexity, NllSums};
@@ -56,6 +58,8 @@ pub struct TrainRequest {
     /// The peak learning rate, replacing the experiment's for this invocation (also on
     /// resume); `min_lr` is scaled with it.
     pub lr: Option<f64>,
+    /// The devices to train on, replacing the experiment's `train.devices` (also on resume).
+    pub devices: Option<Vec<usize>>,
 }
 
 /// What a finished (or stopped) training reports.

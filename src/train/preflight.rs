@@ -51,6 +51,8 @@ pub(super) fn prepare_artifact(
             let mut asked = asked.clone();
             let (source, target) = saved.model.vocab_sizes();
             asked.model.set_vocab_sizes(source, target);
+            // Where it runs is not what it trains: a run may resume on other devices.
+            asked.train.devices.clone_from(&saved.train.devices);
             if asked != saved {
                 bail!(
                     "--resume: the experiment given differs from the one {} was trained with; \
@@ -86,6 +88,14 @@ pub(super) fn prepare_artifact(
         };
         let mut saved = saved;
         set_lr(&mut saved, request.lr)?;
+        let asked_devices = request.config.as_ref().map(|c| c.train.devices.clone());
+        set_devices(
+            &mut saved,
+            request
+                .devices
+                .as_ref()
+                .or(asked_devices.flatten().as_ref()),
+        )?;
         return Ok((saved, tokenizers));
     }
     if artifact.holds_run() && !request.force {
@@ -103,8 +113,17 @@ pub(super) fn prepare_artifact(
         config.train.precision = precision;
     }
     set_lr(&mut config, request.lr)?;
+    set_devices(&mut config, request.devices.as_ref())?;
     config.validate()?;
     Ok((config, None))
+}
+
+/// `--devices`: the devices replaced for this invocation (one device: the plain path).
+fn set_devices(config: &mut ExperimentConfig, devices: Option<&Vec<usize>>) -> Result<()> {
+    if let Some(devices) = devices {
+        config.train.devices = Some(devices.clone());
+    }
+    config.train.validate()
 }
 
 /// `--lr`: the peak learning rate replaced, `min_lr` scaled with it (the schedule's shape kept).

@@ -5,6 +5,7 @@
 use super::checkpoint::{prune, KeepCheckpoints, Patience, ValidLosses};
 use super::loader::{BatchFn, Draw, EpochLoader};
 use super::metrics::{CsvLogger, Divergence, EpochCorrected, Logged};
+use super::parallel::{AnyPeers, Peers, ShardFn, ShardIter};
 use super::perplexity::{EpochPerplexity, NllSums};
 use super::stop::StopRequest;
 use super::strategy::{
@@ -46,12 +47,14 @@ pub type Loaders<B, M> = (
             <<M as AutodiffModule<B>>::InnerModule as InferenceStep>::Input,
         >,
     >,
+    Option<AnyPeers>,
 );
 
 /// A training loader and a validation loader (on the inner backend).
 type LoaderPair<B, O, OV> = (
     Arc<dyn DataLoader<B, O>>,
     Arc<dyn DataLoader<<B as AutodiffBackend>::InnerBackend, OV>>,
+    Option<AnyPeers>,
 );
 
 /// Where a training writes, and what its parts share while it runs.
@@ -143,7 +146,7 @@ impl Session {
     pub fn loaders<B, I, O, IV, OV>(
         &self,
         config: &ExperimentConfig,
-        device: &B::Device,
+        devices: &[B::Device],
         train_set: impl Dataset<I> + 'static,
         train_batch: BatchFn<B, I, O>,
         valid_set: impl Dataset<IV> + 'static,
@@ -160,6 +163,7 @@ impl Session {
         let train = &config.train;
         let valid_items = (train.eval_batches * train.batch_size).min(valid_set.len());
         let _ = self.valid_sample.set((valid_items, valid_set.len()));
+        let device = &devices[0];
         let loader_train = train_loader(
             config,
             device,
@@ -170,6 +174,25 @@ impl Session {
         )
         .skipping(self.skip.clone())
         .after_checkpoints(self.watch.clone());
+        // Data-parallel: every peer reads its own share of each batch.
+        let count = devices.len();
+        let peers = (count > 1).then(|| {
+            let shards = (1..count)
+                .map(|peer| {
+                    let shard = loader_train
+                        .clone()
+                        .shard(peer, count, devices[peer].clone());
+                    Arc::new(move |epoch, skip| {
+                        Box::new(shard.epoch_iter(epoch, skip)) as ShardIter<O>
+                    }) as ShardFn<O>
+                })
+                .collect();
+            Arc::new(Peers::<B, O> {
+                devices: devices.to_vec(),
+                shards,
+            }) as AnyPeers
+        });
+        let loader_train = loader_train.shard(0, count, device.clone());
         let loader_valid = EpochLoader::new(
             valid_set,
             valid_batch,
@@ -181,7 +204,7 @@ impl Session {
             Arc::new(AtomicUsize::new(0)),
         )
         .after_checkpoints(self.watch.clone());
-        (Arc::new(loader_train), Arc::new(loader_valid))
+        (Arc::new(loader_train), Arc::new(loader_valid), peers)
     }
 
     /// After training (or its failure): a run moved aside by `--force` comes back if the new
@@ -475,7 +498,10 @@ where
         divergence: divergence.clone(),
         watch: session.watch.clone(),
         saved: Arc::default(),
+        peers: loaders.2,
+        failure: Arc::default(),
     };
+    let failure = strategy.failure.clone();
     let saved = strategy.saved.clone();
     let mut training = SupervisedTraining::new(artifact.root(), loaders.0, loaders.1)
         .with_interrupter(interrupter)
@@ -537,6 +563,7 @@ where
     let result = training.launch(Learner::new(model, optimizer, schedule));
     report.seconds = began.elapsed().as_secs_f64();
     let ended = Ended {
+        failure: failure.lock().unwrap_or_else(|e| e.into_inner()).take(),
         saved: *saved.lock().unwrap_or_else(|e| e.into_inner()),
         metrics_failure: csv_failure.lock().unwrap_or_else(|e| e.into_inner()).take(),
         diverged_at: divergence.step(),
@@ -555,6 +582,8 @@ where
 
 /// How the Learner left a run.
 struct Ended<M> {
+    /// Why a data-parallel step failed, if one did.
+    failure: Option<String>,
     /// The step whose checkpoint a stop request saved.
     saved: Option<usize>,
     /// Why `metrics.csv` stopped being written, if it did.
@@ -602,6 +631,18 @@ fn conclude<B: crate::kernels::LabBackend, M: burn::module::Module<B>>(
                 .to_string(),
         };
         bail!("{failure}; training stopped, {next}");
+    }
+    if let Some(failure) = ended.failure {
+        let next = match artifact.latest_checkpoint() {
+            Some(epoch) => format!(
+                "the checkpoint of step {} is complete: continue with `train --resume \
+                 --artifact-dir {}`",
+                epoch * spe,
+                artifact.root().display()
+            ),
+            None => "no checkpoint was complete".to_string(),
+        };
+        bail!("data-parallel training failed on {failure}; {next}");
     }
     if let Some(step) = ended.diverged_at {
         bail!("{}", diverged(artifact, train, step)?);

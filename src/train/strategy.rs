@@ -15,6 +15,7 @@
 
 use super::config::CheckpointEvery;
 use super::metrics::{Divergence, Logged};
+use super::parallel::{mean_across_peers, AnyPeers, PeerThreads, Peers};
 use super::perplexity::NllSums;
 use super::stop::StopRequest;
 use crate::artifact::{write_atomic, ArtifactDir, ArtifactRecorder, CheckpointWatch};
@@ -29,8 +30,8 @@ use burn::train::metric::store::EventStoreClient;
 use burn::train::{
     EventProcessorTraining, InferenceStep, Interrupter, Learner, LearnerEvent,
     LearningCheckpointer, LearningComponentsTypes, SupervisedLearningStrategy,
-    SupervisedTrainingEventProcessor, TrainLoader, TrainingComponents, TrainingItem, TrainingModel,
-    ValidLoader,
+    SupervisedTrainingEventProcessor, TrainLoader, TrainStep, TrainingComponents, TrainingItem,
+    TrainingModel, ValidLoader,
 };
 use serde::{Deserialize, Serialize};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -110,6 +111,11 @@ pub struct StepStrategy {
     pub(super) watch: Arc<CheckpointWatch>,
     /// The step a stop saved, once it has.
     pub(super) saved: Arc<Mutex<Option<usize>>>,
+    /// The devices and loaders of a data-parallel run ([`Peers`] of the run's types); `None`
+    /// trains on one device.
+    pub(super) peers: Option<AnyPeers>,
+    /// Why a data-parallel step failed, if one did (the run stops there).
+    pub(super) failure: Arc<Mutex<Option<String>>>,
 }
 
 /// Saves every time it is asked: a mid-epoch checkpoint replaces the previous one itself.
@@ -258,6 +264,20 @@ where
             }
             None => (starting_epoch, 0),
         };
+        let peers = self.peers.as_ref().map(|peers| {
+            let peers = peers
+                .downcast_ref::<Peers<LC::Backend, <LC::TrainingModel as TrainStep>::Input>>()
+                .expect("the peers of a run are made for its model and batches");
+            PeerThreads::<LC::TrainingModel>::start(peers)
+        });
+        let (peers, first_epoch) = match peers {
+            Some(Err(err)) => {
+                self.fail(err, &interrupter);
+                (None, usize::MAX)
+            }
+            Some(Ok(peers)) => (Some(peers), first_epoch),
+            None => (None, first_epoch),
+        };
         let spe = self.steps_per_epoch;
         let mut last_save = Instant::now();
         let mut warned = false;
@@ -284,6 +304,9 @@ where
             if let Err(err) = remove_superseded_steps(&self.artifact, spe) {
                 eprintln!("warning: {err:#}");
             }
+            if let Some(peers) = &peers {
+                peers.begin_epoch(epoch, skip);
+            }
             let mut batch = std::mem::take(&mut skip);
             while let Some(item) = iterator.next() {
                 let began = Instant::now();
@@ -294,10 +317,22 @@ where
                 batch += 1;
                 learner.lr_step();
                 let progress = iterator.progress();
-                let output = learner.train_step(item);
-                learner.optimizer_step(output.grads);
+                let item = match &peers {
+                    None => {
+                        let output = learner.train_step(item);
+                        learner.optimizer_step(output.grads);
+                        output.item
+                    }
+                    Some(peers) => match parallel_step(&mut learner, peers, item, steps_run == 0) {
+                        Ok(item) => item,
+                        Err(err) => {
+                            self.fail(err, &interrupter);
+                            break 'epochs;
+                        }
+                    },
+                };
                 processor.process_train(LearnerEvent::ProcessedItem(TrainingItem::new(
-                    output.item,
+                    item,
                     progress,
                     global.clone(),
                     Some(batch),
@@ -375,6 +410,44 @@ where
                 break;
             }
         }
+        if let Some(peers) = peers {
+            peers.stop::<LC::Backend>();
+        }
         (learner.model(), processor)
     }
+}
+
+impl StepStrategy {
+    /// Records why a data-parallel run cannot go on and stops it.
+    fn fail(&self, err: String, interrupter: &Interrupter) {
+        self.failure
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get_or_insert(err);
+        interrupter.stop(None);
+    }
+}
+
+/// One data-parallel step: the other peers start from the learner's weights, every peer
+/// computes the gradients of its share, their mean updates the learner's weights. The first
+/// step hands the weights over only after peer 0's forward pass, which initialises the
+/// parameters burn creates lazily (as a one-device run's first step does, so both start from
+/// the same weights).
+fn parallel_step<LC: LearningComponentsTypes>(
+    learner: &mut Learner<LC>,
+    peers: &PeerThreads<LC::TrainingModel>,
+    item: <LC::TrainingModel as TrainStep>::Input,
+    first: bool,
+) -> Result<<LC::TrainingModel as TrainStep>::Output, String> {
+    if !first {
+        peers.step(&learner.model());
+    }
+    let output = learner.train_step(item);
+    if first {
+        peers.step(&learner.model());
+    }
+    let mean = mean_across_peers::<LC::Backend, _>(0, &learner.model(), output.grads);
+    peers.finish_step()?;
+    learner.optimizer_step(mean?);
+    Ok(output.item)
 }

@@ -33,6 +33,7 @@ mod mixer;
 mod mlm;
 mod newcomer;
 mod old_artifacts;
+mod parallel;
 mod position;
 mod real_data;
 mod reliability;

@@ -288,11 +288,33 @@ fn stopped_and_resumed_equals_uninterrupted(
     kill_at: Option<usize>,
     signals: &[i32],
 ) {
+    stopped_and_resumed_equals_uninterrupted_with(backend, workers, seed, kill_at, signals, "")
+}
+
+/// [`stopped_and_resumed_equals_uninterrupted`] with more `"train"` fields (`extra`: JSON
+/// object members) in both runs.
+fn stopped_and_resumed_equals_uninterrupted_with(
+    backend: &str,
+    workers: usize,
+    seed: u64,
+    kill_at: Option<usize>,
+    signals: &[i32],
+    extra: &str,
+) {
     use rand::{RngExt, SeedableRng};
     let run = Run::new();
     // lavapipe's steps are slow: six epochs there, twelve on a CPU.
     let steps = if backend == "wgpu" { 120 } else { 240 };
-    run.experiment("tiny.json", workers, &format!(r#"{{"steps": {steps}}}"#));
+    let extra = if extra.is_empty() {
+        String::new()
+    } else {
+        format!(", {extra}")
+    };
+    run.experiment(
+        "tiny.json",
+        workers,
+        &format!(r#"{{"steps": {steps}{extra}}}"#),
+    );
     let whole = run
         .command(
             backend,
@@ -402,6 +424,22 @@ fn sigterm_and_sigint_at_random_steps_then_resume_equal_the_uninterrupted_run_on
 #[test]
 fn sigterm_and_sigint_at_random_steps_then_resume_equal_the_uninterrupted_run_on_flex() {
     stopped_and_resumed_equals_uninterrupted("flex", 2, 3, None, &[libc::SIGTERM, libc::SIGINT]);
+}
+
+/// Data-parallel on two devices (two peers on the CPU backend), dropout on: a kill at an
+/// epoch's checkpoint and a SIGTERM mid-epoch, each resumed, end where the uninterrupted
+/// two-device run ends, to the bit (every peer's share and dropout masks depend only on the
+/// seed, the epoch and the batch).
+#[test]
+fn a_data_parallel_run_killed_and_stopped_then_resumed_equals_the_uninterrupted_run() {
+    stopped_and_resumed_equals_uninterrupted_with(
+        "ndarray",
+        1,
+        6,
+        Some(2),
+        &[libc::SIGTERM],
+        r#""devices": [0, 1]"#,
+    );
 }
 
 /// On the GPU backend as well: with burn's fusion, the checkpoint threads read tensors the

@@ -230,6 +230,7 @@ fn the_copy_task_is_solved_exactly_by_greedy_decoding() {
             plain: true,
             precision: None,
             lr: None,
+            devices: None,
         },
         Default::default(),
     )
