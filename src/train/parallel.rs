@@ -257,7 +257,7 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for Scatter<B> {
         if let Some(grad) = self.grads.remove::<B::InnerBackend, D>(param.id) {
             let dims = grad.dims();
             let len = grad.shape().num_elements();
-            let part = self.mean.clone().slice([self.at..self.at + len]);
+            let part = self.mean.clone().slice(self.at..self.at + len);
             self.at += len;
             self.grads.register(param.id, part.reshape(dims));
         }
