@@ -24,10 +24,12 @@ use burn_collective::{
     ReduceOperation,
 };
 use std::any::Any;
+use std::cell::Cell;
 use std::panic::AssertUnwindSafe;
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::Arc;
 use std::thread::JoinHandle;
+use std::time::Duration;
 
 /// One epoch of a peer's batches.
 pub type ShardIter<O> = Box<dyn Iterator<Item = O>>;
@@ -61,6 +63,9 @@ pub struct PeerThreads<M> {
     jobs: Vec<Sender<Job<M>>>,
     done: Receiver<(usize, Result<(), String>)>,
     threads: Vec<JoinHandle<()>>,
+    /// Steps taken, their wall time on the training thread, and the part of it spent in the
+    /// all-reduce (waiting for the other devices included).
+    timing: Cell<(usize, Duration, Duration)>,
 }
 
 impl<M: Send + 'static> PeerThreads<M> {
@@ -96,6 +101,7 @@ impl<M: Send + 'static> PeerThreads<M> {
             jobs,
             done,
             threads,
+            timing: Cell::default(),
         })
     }
 
@@ -133,8 +139,26 @@ impl<M: Send + 'static> PeerThreads<M> {
         failure.map_or(Ok(()), Err)
     }
 
-    /// Ends the peers' threads and unregisters the training thread.
+    /// Counts a step of `step` wall time, `reduce` of it in the all-reduce.
+    pub fn timed(&self, step: Duration, reduce: Duration) {
+        let (steps, total, reduced) = self.timing.get();
+        self.timing.set((steps + 1, total + step, reduced + reduce));
+    }
+
+    /// Ends the peers' threads and unregisters the training thread; says what the all-reduce
+    /// cost.
     pub fn stop<B: AutodiffBackend>(self) {
+        let (steps, total, reduced) = self.timing.get();
+        if steps > 0 {
+            println!(
+                "data-parallel on {} devices: {:.1} ms a step, of which {:.1} ms ({:.0}%) in the \
+                 gradients' all-reduce (waiting for the slowest device included)",
+                self.jobs.len() + 1,
+                total.as_secs_f64() * 1e3 / steps as f64,
+                reduced.as_secs_f64() * 1e3 / steps as f64,
+                100.0 * reduced.as_secs_f64() / total.as_secs_f64().max(1e-9),
+            );
+        }
         drop(self.jobs);
         for thread in self.threads {
             let _ = thread.join();

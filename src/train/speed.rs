@@ -58,6 +58,8 @@ pub struct BenchReport {
     pub runs: Vec<RunTimes>,
     /// Lines printed under the numbers (padding of variable-length batches).
     pub notes: Vec<String>,
+    /// The model's parameters (what a data-parallel step all-reduces, one f32 gradient each).
+    pub parameters: usize,
 }
 
 /// The median of `values` (the mean of the middle two for an even count).
@@ -117,6 +119,14 @@ impl BenchReport {
                 self.runs.last().map_or(0.0, |r| r.warmup.iter().sum::<f64>()),
             ));
         }
+        if self.parameters > 0 {
+            text.push_str(&format!(
+                "{:.2} M parameters: a data-parallel step (--devices) all-reduces {:.1} MB of \
+                 f32 gradients\n",
+                self.parameters as f64 / 1e6,
+                self.parameters as f64 * 4.0 / 1e6,
+            ));
+        }
         for note in &self.notes {
             text.push_str(note);
             text.push('\n');
@@ -164,9 +174,11 @@ where
     let batches = draw_batches(loader, plan.warmup + plan.steps);
     let units_per_run = batches[plan.warmup..].iter().map(units).sum();
     let mut runs = Vec::new();
+    let mut parameters = 0;
     for run in 0..plan.runs {
         crate::kernels::seed::<B>(device, config.seed + run as u64);
         let mut model = init();
+        parameters = model.num_params();
         let mut optimizer = reference_adamw::<B, M>(train);
         let mut times = RunTimes::default();
         for (step, batch) in batches.iter().enumerate() {
@@ -205,6 +217,7 @@ where
         units_per_run,
         runs,
         notes: Vec::new(),
+        parameters,
     })
 }
 

@@ -439,6 +439,7 @@ fn parallel_step<LC: LearningComponentsTypes>(
     item: <LC::TrainingModel as TrainStep>::Input,
     first: bool,
 ) -> Result<<LC::TrainingModel as TrainStep>::Output, String> {
+    let began = Instant::now();
     if !first {
         peers.step(&learner.model());
     }
@@ -446,8 +447,11 @@ fn parallel_step<LC: LearningComponentsTypes>(
     if first {
         peers.step(&learner.model());
     }
+    let reducing = Instant::now();
     let mean = mean_across_peers::<LC::Backend, _>(0, &learner.model(), output.grads);
     peers.finish_step()?;
+    let reduce = reducing.elapsed();
     learner.optimizer_step(mean?);
+    peers.timed(began.elapsed(), reduce);
     Ok(output.item)
 }

@@ -50,6 +50,37 @@ fn bench_train_times_every_phase_of_real_steps() {
     for phase in ["forward", "backward", "optimizer"] {
         assert!(text.contains(phase), "{text}");
     }
+    // What a data-parallel step all-reduces: every parameter's f32 gradient, the parameters
+    // `train` counts.
+    tiny_text_experiment(
+        dir.path(),
+        r#"{"batch_size": 4, "steps": 2, "steps_per_epoch": 2, "eval_batches": 1,
+            "warmup_steps": 1}"#,
+    );
+    let train = run(
+        dir.path(),
+        &[
+            "train",
+            "-e",
+            "tiny.json",
+            "--artifact-dir",
+            "art",
+            "--plain",
+        ],
+    );
+    let log = String::from_utf8_lossy(&train.stdout);
+    let count: f64 = log
+        .split(" parameters)")
+        .next()
+        .and_then(|head| head.rsplit('(').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no parameter count in {log}"));
+    let line = format!(
+        "{:.2} M parameters: a data-parallel step (--devices) all-reduces {:.1} MB",
+        count / 1e6,
+        count * 4.0 / 1e6
+    );
+    assert!(text.contains(&line), "{line:?} not in {text}");
     assert_clean_error(
         &run(
             dir.path(),
