@@ -239,6 +239,28 @@ pub struct TrainArgs {
     /// gradients averaged (burn-collective's all-reduce) before one optimizer step.
     #[arg(long, value_name = "LIST", value_delimiter = ',')]
     pub devices: Option<Vec<usize>>,
+    /// Train on several machines: how many take part, one `train` process on each (with the
+    /// same experiment and binary), like torchrun's --nnodes.
+    #[arg(long, value_name = "N", env = "TRANSFORMER_LAB_NODES", requires_all = ["node_rank", "coordinator"])]
+    pub nodes: Option<usize>,
+    /// This machine's number among --nodes, from 0; node 0 hosts the coordinator and writes the
+    /// artifact (node R keeps its copy of the run in ARTIFACT_DIR-node-R, to resume from).
+    #[arg(
+        long,
+        value_name = "R",
+        env = "TRANSFORMER_LAB_NODE_RANK",
+        requires = "nodes"
+    )]
+    pub node_rank: Option<usize>,
+    /// Where node 0 listens for the others (HOST:PORT, HOST as the other nodes reach node 0);
+    /// node R also uses PORT + 1 + R.
+    #[arg(
+        long,
+        value_name = "HOST:PORT",
+        env = "TRANSFORMER_LAB_COORDINATOR",
+        requires = "nodes"
+    )]
+    pub coordinator: Option<String>,
     #[command(flatten)]
     pub data: DataArgs,
     #[command(flatten)]

@@ -5,6 +5,7 @@ use crate::cli::TrainArgs;
 use crate::config::ExperimentConfig;
 use crate::data::data_dir;
 use crate::kernels::LabBackend;
+use crate::train::parallel::NodeGroup;
 use crate::train::stop::Stopped;
 use crate::train::{AlreadyFinished, Outcome, TrainRequest};
 use anyhow::Result;
@@ -22,6 +23,29 @@ pub(super) fn run_train<B: LabBackend>(args: TrainArgs, device: B::Device) -> Re
         (None, Some(config)) => PathBuf::from("artifacts").join(&config.name),
         (None, None) => PathBuf::from("artifacts/shakespeare-char"),
     };
+    let nodes = match (args.nodes, args.node_rank, &args.coordinator) {
+        (Some(count), Some(rank), Some(coordinator)) => {
+            Some(NodeGroup::new(count, rank, coordinator)?)
+        }
+        _ => None,
+    };
+    // Node 0 writes the artifact; the others keep their copy of the run beside it.
+    let artifact_dir = match &nodes {
+        Some(group) if group.rank > 0 => {
+            let mut own = artifact_dir.clone().into_os_string();
+            own.push(format!("-node-{}", group.rank));
+            let own = PathBuf::from(own);
+            println!(
+                "node {} of {}: node 0 writes {}; this node keeps its copy of the run in {}",
+                group.rank,
+                group.count,
+                artifact_dir.display(),
+                own.display()
+            );
+            own
+        }
+        _ => artifact_dir,
+    };
     let request = TrainRequest {
         config,
         artifact: ArtifactDir::new(artifact_dir),
@@ -32,6 +56,7 @@ pub(super) fn run_train<B: LabBackend>(args: TrainArgs, device: B::Device) -> Re
         precision: args.precision,
         lr: args.lr,
         devices: args.devices,
+        nodes,
     };
     let artifact = request.artifact.clone();
     crate::train::stop::install()?;

@@ -511,18 +511,31 @@ where
         Some(ids) if ids.len() > 1 => crate::backend::peer_devices::<B>(&device, ids)?,
         _ => vec![device.clone()],
     };
+    let nodes = session.nodes().map_or(1, |g| g.count);
+    let peers = devices.len() * nodes;
+    if !config.train.batch_size.is_multiple_of(peers) {
+        bail!(
+            "train: batch_size ({}) must be a multiple of the devices of all nodes ({peers}): each \
+             trains on an equal share of every batch",
+            config.train.batch_size
+        );
+    }
     session.begin(config, prepared.tokenizers.as_ref(), floats)?;
-    if devices.len() > 1 {
-        let shared = devices.iter().skip(1).all(|d| *d == devices[0]);
+    if peers > 1 {
+        let shared = devices.len() > 1 && devices.iter().skip(1).all(|d| *d == devices[0]);
         println!(
-            "data-parallel on {} devices ({}): each trains on {} of every batch's {} items{}",
+            "data-parallel on {} devices ({}){}: each trains on {} of every batch's {} items{}",
             devices.len(),
             devices
                 .iter()
                 .map(|d| format!("{d:?}"))
                 .collect::<Vec<_>>()
                 .join(", "),
-            config.train.batch_size / devices.len(),
+            session
+                .nodes()
+                .map(|g| format!(" × {} nodes (this is node {})", g.count, g.rank))
+                .unwrap_or_default(),
+            config.train.batch_size / peers,
             config.train.batch_size,
             if shared {
                 "; they share one device here, so this tests the path and is no faster"

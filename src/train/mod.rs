@@ -60,6 +60,8 @@ pub struct TrainRequest {
     pub lr: Option<f64>,
     /// The devices to train on, replacing the experiment's `train.devices` (also on resume).
     pub devices: Option<Vec<usize>>,
+    /// The machines, when the run spans several (this process is one node).
+    pub nodes: Option<parallel::NodeGroup>,
 }
 
 /// What a finished (or stopped) training reports.

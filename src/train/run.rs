@@ -5,7 +5,7 @@
 use super::checkpoint::{prune, KeepCheckpoints, Patience, ValidLosses};
 use super::loader::{BatchFn, Draw, EpochLoader};
 use super::metrics::{CsvLogger, Divergence, EpochCorrected, Logged};
-use super::parallel::{AnyPeers, Peers, ShardFn, ShardIter};
+use super::parallel::{AnyPeers, NodeGroup, Peers, ShardFn, ShardIter};
 use super::perplexity::{EpochPerplexity, NllSums};
 use super::stop::StopRequest;
 use super::strategy::{
@@ -70,6 +70,8 @@ pub struct Session {
     watch: Arc<CheckpointWatch>,
     /// The validation examples each epoch is judged on, of how many (set by `loaders`).
     valid_sample: OnceLock<(usize, usize)>,
+    /// The machines of a run across several.
+    nodes: Option<NodeGroup>,
 }
 
 impl Session {
@@ -82,7 +84,13 @@ impl Session {
             skip: Arc::new(AtomicUsize::new(0)),
             watch: Arc::new(CheckpointWatch::new()),
             valid_sample: OnceLock::new(),
+            nodes: request.nodes.clone(),
         }
+    }
+
+    /// The machines of a run across several.
+    pub fn nodes(&self) -> Option<&NodeGroup> {
+        self.nodes.as_ref()
     }
 
     /// What the validation figures of a training run are computed over, for the lines that
@@ -174,14 +182,19 @@ impl Session {
         )
         .skipping(self.skip.clone())
         .after_checkpoints(self.watch.clone());
-        // Data-parallel: every peer reads its own share of each batch.
-        let count = devices.len();
+        // Data-parallel: every peer (of every node) reads its own share of each batch.
+        let local = devices.len();
+        let (first, count) = match &self.nodes {
+            Some(group) => (group.rank * local, group.count * local),
+            None => (0, local),
+        };
         let peers = (count > 1).then(|| {
-            let shards = (1..count)
+            let shards = (1..local)
                 .map(|peer| {
-                    let shard = loader_train
-                        .clone()
-                        .shard(peer, count, devices[peer].clone());
+                    let shard =
+                        loader_train
+                            .clone()
+                            .shard(first + peer, count, devices[peer].clone());
                     Arc::new(move |epoch, skip| {
                         Box::new(shard.epoch_iter(epoch, skip)) as ShardIter<O>
                     }) as ShardFn<O>
@@ -190,9 +203,11 @@ impl Session {
             Arc::new(Peers::<B, O> {
                 devices: devices.to_vec(),
                 shards,
+                group: self.nodes.clone(),
+                identity: identity(config),
             }) as AnyPeers
         });
-        let loader_train = loader_train.shard(0, count, device.clone());
+        let loader_train = loader_train.shard(first, count, device.clone());
         let loader_valid = EpochLoader::new(
             valid_set,
             valid_batch,
@@ -763,4 +778,23 @@ where
         Some(lengths) if train.batch_by_length => loader.by_length(lengths),
         _ => loader,
     }
+}
+
+/// What every node of a run must run alike: the resolved experiment and the binary (its version
+/// and size), hashed.
+fn identity(config: &ExperimentConfig) -> u64 {
+    use sha2::{Digest, Sha256};
+    let mut config = config.clone();
+    // Where each node runs is its own business.
+    config.train.devices = None;
+    let binary = std::env::current_exe()
+        .and_then(std::fs::metadata)
+        .map_or(0, |m| m.len());
+    let text = format!(
+        "{} | transformer-lab {} | {binary} bytes",
+        serde_json::to_string(&config).unwrap_or_default(),
+        env!("CARGO_PKG_VERSION")
+    );
+    let digest = Sha256::digest(text.as_bytes());
+    u64::from_le_bytes(digest[..8].try_into().unwrap_or_default())
 }

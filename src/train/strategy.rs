@@ -34,6 +34,7 @@ use burn::train::{
     TrainingModel, ValidLoader,
 };
 use serde::{Deserialize, Serialize};
+use std::cell::Cell;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -268,7 +269,11 @@ where
             let peers = peers
                 .downcast_ref::<Peers<LC::Backend, <LC::TrainingModel as TrainStep>::Input>>()
                 .expect("the peers of a run are made for its model and batches");
-            PeerThreads::<LC::TrainingModel>::start(peers)
+            let start = match self.resume {
+                Some(point) => point.step,
+                None => starting_epoch.saturating_sub(1) * self.steps_per_epoch,
+            };
+            PeerThreads::<LC::TrainingModel>::start(peers, start)
         });
         let (peers, first_epoch) = match peers {
             Some(Err(err)) => {
@@ -285,7 +290,7 @@ where
         // The user's stop (a signal, or the dashboard's q through the interrupter) is told
         // apart from the other reasons the interrupter stops a run: a loss that is not finite
         // and a checkpoint that could not be written, which save nothing.
-        let user_stop = |interrupter: &Interrupter| {
+        let asked = |interrupter: &Interrupter| {
             if interrupter.should_stop()
                 && self.divergence.step().is_none()
                 && self.watch.failure().is_none()
@@ -293,6 +298,18 @@ where
                 self.request.ask(StopRequest::KEY);
             }
             self.request.asked().is_some()
+        };
+        // Data-parallel, a stop takes effect once every peer knows of it: each step's
+        // all-reduce carries this node's wish (stop and save; stop for another reason), and
+        // the agreed answer is what every node acts on, after the same step.
+        let agreed = Cell::new((false, false));
+        let user_stop = |interrupter: &Interrupter| match &peers {
+            Some(_) => agreed.get().0,
+            None => asked(interrupter),
+        };
+        let stopping = |interrupter: &Interrupter| match &peers {
+            Some(_) => agreed.get().0 || agreed.get().1,
+            None => interrupter.should_stop(),
         };
         'epochs: for epoch in first_epoch..=components.num_epochs {
             let global = Progress {
@@ -323,13 +340,24 @@ where
                         learner.optimizer_step(output.grads);
                         output.item
                     }
-                    Some(peers) => match parallel_step(&mut learner, peers, item, steps_run == 0) {
-                        Ok(item) => item,
-                        Err(err) => {
-                            self.fail(err, &interrupter);
-                            break 'epochs;
+                    Some(peers) => {
+                        let user = asked(&interrupter);
+                        let wish = [
+                            f32::from(user),
+                            f32::from(interrupter.should_stop() && !user),
+                        ];
+                        let step = (epoch - 1) * spe + batch;
+                        match parallel_step(&mut learner, peers, item, steps_run == 0, step, wish) {
+                            Ok((item, [user, other])) => {
+                                agreed.set((user > 0.0, other > 0.0));
+                                item
+                            }
+                            Err(err) => {
+                                self.fail(err, &interrupter);
+                                break 'epochs;
+                            }
                         }
-                    },
+                    }
                 };
                 processor.process_train(LearnerEvent::ProcessedItem(TrainingItem::new(
                     item,
@@ -359,7 +387,7 @@ where
                     }
                     break 'epochs;
                 }
-                if interrupter.should_stop() {
+                if stopping(&interrupter) {
                     break 'epochs;
                 }
                 let due = match self.every {
@@ -402,7 +430,7 @@ where
                     break;
                 }
             }
-            if interrupter.should_stop() && !user_stop(&interrupter) {
+            if stopping(&interrupter) && !user_stop(&interrupter) {
                 break;
             }
             if user_stop(&interrupter) && epoch < components.num_epochs {
@@ -438,7 +466,9 @@ fn parallel_step<LC: LearningComponentsTypes>(
     peers: &PeerThreads<LC::TrainingModel>,
     item: <LC::TrainingModel as TrainStep>::Input,
     first: bool,
-) -> Result<<LC::TrainingModel as TrainStep>::Output, String> {
+    step: usize,
+    wish: [f32; 2],
+) -> Result<(<LC::TrainingModel as TrainStep>::Output, [f32; 2]), String> {
     let began = Instant::now();
     if !first {
         peers.step(&learner.model());
@@ -448,10 +478,22 @@ fn parallel_step<LC: LearningComponentsTypes>(
         peers.step(&learner.model());
     }
     let reducing = Instant::now();
-    let mean = mean_across_peers::<LC::Backend, _>(0, &learner.model(), output.grads);
+    peers.reducing(Some(step));
+    let mean =
+        mean_across_peers::<LC::Backend, _>(peers.first(), &learner.model(), output.grads, wish);
+    peers.reducing(None);
+    let mean = mean.map_err(|err| match peers.group() {
+        Some(group) => format!(
+            "node {} at step {step}: {} left (stopped, killed or unreachable) — {err}",
+            group.rank,
+            group.others()
+        ),
+        None => err,
+    })?;
     peers.finish_step()?;
     let reduce = reducing.elapsed();
-    learner.optimizer_step(mean?);
+    let (grads, agreed) = mean;
+    learner.optimizer_step(grads);
     peers.timed(began.elapsed(), reduce);
-    Ok(output.item)
+    Ok((output.item, agreed))
 }

@@ -231,6 +231,7 @@ fn the_copy_task_is_solved_exactly_by_greedy_decoding() {
             precision: None,
             lr: None,
             devices: None,
+            nodes: None,
         },
         Default::default(),
     )
