@@ -524,8 +524,8 @@ where
     if peers > 1 {
         let shared = devices.len() > 1 && devices.iter().skip(1).all(|d| *d == devices[0]);
         println!(
-            "data-parallel on {} devices ({}){}: each trains on {} of every batch's {} items{}",
-            devices.len(),
+            "data-parallel on {} ({}){}: each trains on {} of every batch's {} items{}",
+            crate::stdio::count(devices.len(), "device"),
             devices
                 .iter()
                 .map(|d| format!("{d:?}"))

@@ -221,8 +221,10 @@ pub struct PeerThreads<M> {
 
 impl<M: Send + 'static> PeerThreads<M> {
     /// Starts peers 1.. of `peers`, registers the training thread as this node's first peer
-    /// and, across nodes, checks that every node runs alike and starts after step `start`.
-    pub fn start<B>(peers: &Peers<B, M::Input>, start: usize) -> Result<Self, String>
+    /// and, across nodes, checks that every node runs alike; with the step the run starts
+    /// after: `start` (the newest checkpoint this node has), or across nodes the lowest of
+    /// theirs.
+    pub fn start<B>(peers: &Peers<B, M::Input>, start: usize) -> Result<(Self, usize), String>
     where
         B: AutodiffBackend,
         M: TrainStep + AutodiffModule<B>,
@@ -230,7 +232,7 @@ impl<M: Send + 'static> PeerThreads<M> {
         Self::start_group(peers, start).map_err(|err| format!("{err:#}"))
     }
 
-    fn start_group<B>(peers: &Peers<B, M::Input>, start: usize) -> Result<Self>
+    fn start_group<B>(peers: &Peers<B, M::Input>, start: usize) -> Result<(Self, usize)>
     where
         B: AutodiffBackend,
         M: TrainStep + AutodiffModule<B>,
@@ -289,7 +291,7 @@ impl<M: Send + 'static> PeerThreads<M> {
         let Some(group) = &peers.group else {
             register::<B::InnerBackend>(id, device, config)
                 .map_err(|err| anyhow::anyhow!("burn-collective refused device 0: {err:?}"))?;
-            return Ok(threads);
+            return Ok((threads, start));
         };
         let join = seconds(JOIN_TIMEOUT_ENV, 300);
         within(join, move || {
@@ -316,7 +318,8 @@ impl<M: Send + 'static> PeerThreads<M> {
                 anyhow::anyhow!("the nodes did not compare their runs within {join:?}")
             })??;
         Row::check(&rows, group)?;
-        Ok(threads)
+        let start = rows.iter().map(Row::start).min().unwrap_or(start);
+        Ok((threads, start))
     }
     /// Tells the other peers that epoch `epoch` begins after `skip` batches.
     pub fn begin_epoch(&self, epoch: usize, skip: usize) {
@@ -383,9 +386,9 @@ impl<M: Send + 'static> PeerThreads<M> {
         let (steps, total, reduced) = self.timing.get();
         if steps > 0 {
             println!(
-                "data-parallel on {} devices{}: {:.1} ms a step, of which {:.1} ms ({:.0}%) in \
+                "data-parallel on {}{}: {:.1} ms a step, of which {:.1} ms ({:.0}%) in \
                  the gradients' all-reduce (waiting for the slowest device included)",
-                self.jobs.len() + 1,
+                crate::stdio::count(self.jobs.len() + 1, "device"),
                 self.group()
                     .map(|g| format!(" × {} nodes", g.count))
                     .unwrap_or_default(),
@@ -480,14 +483,6 @@ impl Row {
                     zero.0[6]
                 );
             }
-            if row.start() != zero.start() {
-                bail!(
-                    "node {rank} would start after step {}, node 0 after step {}: every node must \
-                     resume from the same checkpoint (--resume on all, or on none)",
-                    row.start(),
-                    zero.start()
-                );
-            }
         }
         Ok(())
     }
@@ -554,7 +549,7 @@ impl Watchdog {
                     who.others(),
                     limit.as_secs_f64()
                 );
-                std::process::exit(1);
+                crate::stdio::exit(1);
             }
         });
         Self {

@@ -5,7 +5,7 @@
 use super::checkpoint::{prune, KeepCheckpoints, Patience, ValidLosses};
 use super::loader::{BatchFn, Draw, EpochLoader};
 use super::metrics::{CsvLogger, Divergence, EpochCorrected, Logged};
-use super::parallel::{AnyPeers, NodeGroup, Peers, ShardFn, ShardIter};
+use super::parallel::{AnyPeers, NodeGroup, PeerThreads, Peers, ShardFn, ShardIter};
 use super::perplexity::{EpochPerplexity, NllSums};
 use super::stop::StopRequest;
 use super::strategy::{
@@ -35,7 +35,7 @@ use burn::train::{
 };
 use std::io::IsTerminal;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Instant;
 
 /// The training and validation loaders of a model trained through [`launch`].
@@ -262,6 +262,7 @@ impl Start {
 
 /// The newest checkpoint — an epoch's, or a mid-epoch one — whose model, optimizer and
 /// scheduler files all load, saying which newer ones were skipped and why.
+#[allow(clippy::too_many_arguments)]
 fn newest_loadable<B, M, O, S>(
     artifact: &ArtifactDir,
     model: &M,
@@ -269,6 +270,7 @@ fn newest_loadable<B, M, O, S>(
     _schedule: &S,
     steps_per_epoch: usize,
     device: &B::Device,
+    at_most: Option<usize>,
 ) -> Result<Start>
 where
     B: LabAutodiff,
@@ -288,6 +290,7 @@ where
                 .into_iter()
                 .map(|s| (s, false, format!("step-{s}"))),
         )
+        .filter(|c| at_most.is_none_or(|limit| c.0 <= limit))
         .collect();
     candidates.sort_by_key(|c| std::cmp::Reverse((c.0, c.1)));
     let mut reasons = Vec::new();
@@ -429,19 +432,45 @@ where
     let schedule = WarmupSchedule::from_config(train);
     let epochs = train.epochs();
     let device = model.devices()[0].clone();
-    let resumed = if session.resume {
+    let spe = train.steps_per_epoch;
+    let newest = |at_most| {
         newest_loadable(
-            artifact,
-            &model,
-            &optimizer,
-            &schedule,
-            train.steps_per_epoch,
-            &device,
-        )?
+            artifact, &model, &optimizer, &schedule, spe, &device, at_most,
+        )
+    };
+    let mut resumed = if session.resume {
+        newest(None)?
     } else {
         Start::Fresh
     };
-    let spe = train.steps_per_epoch;
+    // Data-parallel: the other peers start, and across machines the nodes agree on what they
+    // run and where they start: the newest checkpoint every node has (a node killed while
+    // writing one may lack the newest).
+    let peers = match &loaders.2 {
+        Some(peers) => {
+            let peers = peers
+                .downcast_ref::<Peers<B, M::Input>>()
+                .expect("the peers of a run are made for its model and batches");
+            let (threads, start) = PeerThreads::<M>::start(peers, resumed.point(spe).step)
+                .map_err(|err| anyhow::anyhow!(err))?;
+            if start < resumed.point(spe).step {
+                resumed = if start == 0 {
+                    Start::Fresh
+                } else {
+                    newest(Some(start))?
+                };
+                if resumed.point(spe).step != start {
+                    bail!(
+                        "this node has no checkpoint of step {start}, the newest another node has: \
+                         every node must resume from the same one"
+                    );
+                }
+                println!("resuming after step {start}: the newest checkpoint every node has");
+            }
+            Some(Box::new(threads) as Box<dyn std::any::Any + Send>)
+        }
+        None => None,
+    };
     let point = resumed.point(spe);
     // The epoch checkpoint the run starts after (or stands at).
     let start = point.epoch - 1;
@@ -513,7 +542,7 @@ where
         divergence: divergence.clone(),
         watch: session.watch.clone(),
         saved: Arc::default(),
-        peers: loaders.2,
+        peers: Mutex::new(peers),
         failure: Arc::default(),
     };
     let failure = strategy.failure.clone();

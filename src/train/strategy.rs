@@ -15,7 +15,7 @@
 
 use super::config::CheckpointEvery;
 use super::metrics::{Divergence, Logged};
-use super::parallel::{mean_across_peers, AnyPeers, PeerThreads, Peers};
+use super::parallel::{mean_across_peers, PeerThreads};
 use super::perplexity::NllSums;
 use super::stop::StopRequest;
 use crate::artifact::{write_atomic, ArtifactDir, ArtifactRecorder, CheckpointWatch};
@@ -112,9 +112,9 @@ pub struct StepStrategy {
     pub(super) watch: Arc<CheckpointWatch>,
     /// The step a stop saved, once it has.
     pub(super) saved: Arc<Mutex<Option<usize>>>,
-    /// The devices and loaders of a data-parallel run ([`Peers`] of the run's types); `None`
-    /// trains on one device.
-    pub(super) peers: Option<AnyPeers>,
+    /// The other peers of a data-parallel run, started ([`PeerThreads`] of the run's model);
+    /// `None` trains on one device.
+    pub(super) peers: Mutex<Option<Box<dyn std::any::Any + Send>>>,
     /// Why a data-parallel step failed, if one did (the run stops there).
     pub(super) failure: Arc<Mutex<Option<String>>>,
 }
@@ -265,24 +265,16 @@ where
             }
             None => (starting_epoch, 0),
         };
-        let peers = self.peers.as_ref().map(|peers| {
-            let peers = peers
-                .downcast_ref::<Peers<LC::Backend, <LC::TrainingModel as TrainStep>::Input>>()
-                .expect("the peers of a run are made for its model and batches");
-            let start = match self.resume {
-                Some(point) => point.step,
-                None => starting_epoch.saturating_sub(1) * self.steps_per_epoch,
-            };
-            PeerThreads::<LC::TrainingModel>::start(peers, start)
-        });
-        let (peers, first_epoch) = match peers {
-            Some(Err(err)) => {
-                self.fail(err, &interrupter);
-                (None, usize::MAX)
-            }
-            Some(Ok(peers)) => (Some(peers), first_epoch),
-            None => (None, first_epoch),
-        };
+        let peers = self
+            .peers
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+            .map(|peers| {
+                *peers
+                    .downcast::<PeerThreads<LC::TrainingModel>>()
+                    .expect("the peers of a run are started for its model")
+            });
         let spe = self.steps_per_epoch;
         let mut last_save = Instant::now();
         let mut warned = false;

@@ -198,3 +198,249 @@ fn impossible_device_lists_are_refused_in_one_line() {
     assert_clean_error(&train("0,0"), "devices must name each device once");
     assert!(!dir.path().join("art").exists(), "nothing written");
 }
+
+// ---- Several machines: processes on loopback ----
+
+/// A free TCP port with the `count` after it free too (the nodes' tensor services).
+fn free_ports(count: u16) -> u16 {
+    loop {
+        let base = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        if base < 60000
+            && (0..=count).all(|i| std::net::TcpListener::bind(("0.0.0.0", base + i)).is_ok())
+        {
+            return base;
+        }
+    }
+}
+
+/// `train` as node `rank` of `nodes` with the coordinator on `port`.
+fn node(dir: &Path, rank: usize, nodes: usize, port: u16, args: &[&str]) -> std::process::Command {
+    let mut command = std::process::Command::new(crate::common::BIN);
+    command
+        .args(["--backend", "ndarray", "train", "--plain"])
+        .args(args)
+        .args([
+            "--nodes",
+            &nodes.to_string(),
+            "--node-rank",
+            &rank.to_string(),
+        ])
+        .args(["--coordinator", &format!("127.0.0.1:{port}")])
+        .env("TRANSFORMER_LAB_JOIN_TIMEOUT", "60")
+        .env("TRANSFORMER_LAB_LEAVE_TIMEOUT", "20")
+        .current_dir(dir)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
+    command
+}
+
+/// Runs nodes 0..`count` of `args` at once; their outputs, node 0's first.
+fn nodes(dir: &Path, count: usize, args: &[&str]) -> Vec<std::process::Output> {
+    let port = free_ports(count as u16 + 1);
+    let children: Vec<_> = (0..count)
+        .map(|rank| node(dir, rank, count, port, args).spawn().unwrap())
+        .collect();
+    // Read every node's output at once: a node blocked on a full pipe would stall the others.
+    let waiting: Vec<_> = children
+        .into_iter()
+        .map(|child| std::thread::spawn(move || child.wait_with_output().unwrap()))
+        .collect();
+    waiting.into_iter().map(|w| w.join().unwrap()).collect()
+}
+
+#[test]
+fn two_processes_train_the_weights_one_process_trains() {
+    let dir = tempfile::tempdir().unwrap();
+    tiny_text_experiment(
+        dir.path(),
+        r#"{"batch_size": 8, "steps": 40, "steps_per_epoch": 20, "eval_batches": 1,
+            "warmup_steps": 4, "lr": 0.01}"#,
+    );
+    let out = run(
+        dir.path(),
+        &[
+            "train",
+            "-e",
+            "tiny.json",
+            "--artifact-dir",
+            "one",
+            "--plain",
+        ],
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    // Two nodes of one device each, then two nodes of two devices: batch 8 in shares of 4, 2.
+    for (name, extra) in [("two", vec![]), ("four", vec!["--devices", "0,1"])] {
+        let mut args = vec!["-e", "tiny.json", "--artifact-dir", name];
+        args.extend(&extra);
+        let outs = nodes(dir.path(), 2, &args);
+        for (rank, out) in outs.iter().enumerate() {
+            assert!(out.status.success(), "node {rank}: {}", stderr(out));
+        }
+        let log = String::from_utf8_lossy(&outs[1].stdout);
+        assert!(log.contains("× 2 nodes (this is node 1)"), "{log}");
+        assert!(
+            log.contains("data-parallel on 1 device × 2 nodes:") || name == "four",
+            "{log}"
+        );
+        // Node 0 writes the artifact, node 1 its own copy beside it: the same weights, bit for
+        // bit; the one-process run's up to the order of sums.
+        let zero = weights(&dir.path().join(name));
+        let copy = weights(&dir.path().join(format!("{name}-node-1")));
+        assert_eq!(zero, copy, "{name}: the nodes end with different weights");
+        let difference = largest_difference(&weights(&dir.path().join("one")), &zero);
+        assert!(difference < 1e-5, "{name}: {difference}");
+    }
+}
+
+#[test]
+fn a_node_that_differs_or_leaves_stops_the_others_in_one_line_and_the_group_resumes() {
+    let dir = tempfile::tempdir().unwrap();
+    tiny_text_experiment(
+        dir.path(),
+        r#"{"batch_size": 8, "steps": 400, "steps_per_epoch": 50, "eval_batches": 1,
+            "warmup_steps": 4, "lr": 0.003}"#,
+    );
+    // Another experiment on one node: both refuse before the first step, naming it.
+    let text = std::fs::read_to_string(dir.path().join("tiny.json")).unwrap();
+    std::fs::write(
+        dir.path().join("other.json"),
+        text.replace("0.003", "0.002"),
+    )
+    .unwrap();
+    let port = free_ports(3);
+    let zero = node(
+        dir.path(),
+        0,
+        2,
+        port,
+        &["-e", "tiny.json", "--artifact-dir", "odd"],
+    )
+    .spawn()
+    .unwrap();
+    let one = node(
+        dir.path(),
+        1,
+        2,
+        port,
+        &["-e", "other.json", "--artifact-dir", "odd"],
+    )
+    .output()
+    .unwrap();
+    let zero = zero.wait_with_output().unwrap();
+    for out in [&zero, &one] {
+        assert_clean_error(
+            out,
+            "node 1 runs another experiment or another binary than node 0",
+        );
+    }
+    // No coordinator: one line after the join timeout.
+    let began = std::time::Instant::now();
+    let alone = node(
+        dir.path(),
+        1,
+        2,
+        free_ports(3),
+        &["-e", "tiny.json", "--artifact-dir", "alone"],
+    )
+    .env("TRANSFORMER_LAB_JOIN_TIMEOUT", "3")
+    .output()
+    .unwrap();
+    assert_clean_error(
+        &alone,
+        "did not answer, or not all 2 nodes joined, within 3 s",
+    );
+    assert!(began.elapsed().as_secs() < 30, "{:?}", began.elapsed());
+    // Node 1 killed mid-run: node 0 stops within a bounded time, naming node 1.
+    let port = free_ports(3);
+    let args = ["-e", "tiny.json", "--artifact-dir", "cut"];
+    let zero = node(dir.path(), 0, 2, port, &args).spawn().unwrap();
+    let mut one = node(dir.path(), 1, 2, port, &args).spawn().unwrap();
+    let checkpoint = dir.path().join("cut-node-1/checkpoint/scheduler-2.mpk");
+    let began = std::time::Instant::now();
+    while !checkpoint.exists() {
+        assert!(began.elapsed().as_secs() < 120, "no checkpoint of epoch 2");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    one.kill().unwrap();
+    let _ = one.wait();
+    let killed = std::time::Instant::now();
+    let zero = zero.wait_with_output().unwrap();
+    assert!(
+        killed.elapsed().as_secs() < 30,
+        "node 0 took {:?}",
+        killed.elapsed()
+    );
+    assert_clean_error(&zero, "node 1");
+    // Node 1 alive but silent (SIGSTOP): node 0 ends after the leave timeout, naming node 1.
+    let port = free_ports(3);
+    let args = ["-e", "tiny.json", "--artifact-dir", "silent"];
+    let zero = node(dir.path(), 0, 2, port, &args)
+        .env("TRANSFORMER_LAB_LEAVE_TIMEOUT", "3")
+        .spawn()
+        .unwrap();
+    let mut one = node(dir.path(), 1, 2, port, &args).spawn().unwrap();
+    let checkpoint = dir.path().join("silent-node-1/checkpoint/scheduler-1.mpk");
+    let began = std::time::Instant::now();
+    while !checkpoint.exists() {
+        assert!(began.elapsed().as_secs() < 120, "no checkpoint of epoch 1");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    unsafe { libc::kill(one.id() as i32, libc::SIGSTOP) };
+    let stopped = std::time::Instant::now();
+    let zero = zero.wait_with_output().unwrap();
+    let waited = stopped.elapsed();
+    one.kill().unwrap();
+    let _ = one.wait();
+    assert!(waited.as_secs_f64() < 20.0, "node 0 took {waited:?}");
+    assert_clean_error(&zero, "node 1 did not join the all-reduce of step");
+    // Both resume as a group and finish where the uninterrupted group ends, to the bit. Node 1
+    // loses its newest epoch checkpoint first (as if killed while writing it): the group
+    // starts from the newest one both have.
+    let dir_of = |name: &str| dir.path().join(name).join("checkpoint");
+    let epochs = |dir: &str| -> Vec<usize> {
+        let mut epochs: Vec<usize> = std::fs::read_dir(dir_of(dir))
+            .unwrap()
+            .filter_map(|e| {
+                let name = e.ok()?.file_name().into_string().ok()?;
+                name.strip_prefix("scheduler-")?
+                    .strip_suffix(".mpk")?
+                    .parse()
+                    .ok()
+            })
+            .collect();
+        epochs.sort();
+        epochs
+    };
+    let newest = *epochs("cut-node-1").last().unwrap();
+    for kind in ["model", "optim", "scheduler"] {
+        let _ = std::fs::remove_file(dir_of("cut-node-1").join(format!("{kind}-{newest}.mpk")));
+    }
+    let outs = nodes(dir.path(), 2, &["--artifact-dir", "cut", "--resume"]);
+    for (rank, out) in outs.iter().enumerate() {
+        assert!(out.status.success(), "node {rank}: {}", stderr(out));
+        let log = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            log.contains(&format!("resuming after step {}", (newest - 1) * 50)),
+            "{log}"
+        );
+    }
+    let whole = nodes(
+        dir.path(),
+        2,
+        &["-e", "tiny.json", "--artifact-dir", "whole"],
+    );
+    for (rank, out) in whole.iter().enumerate() {
+        assert!(out.status.success(), "node {rank}: {}", stderr(out));
+    }
+    let cut = weights(&dir.path().join("cut"));
+    assert_eq!(cut, weights(&dir.path().join("cut-node-1")));
+    assert_eq!(
+        cut,
+        weights(&dir.path().join("whole")),
+        "resumed ≠ uninterrupted"
+    );
+}

@@ -28,6 +28,7 @@ pub async fn os_shutdown_signal() {
     }
 }
 
+#[allow(dead_code)]
 pub(crate) fn init_logging() {
     let layer = tracing_subscriber::fmt::layer()
         .with_filter(LevelFilter::INFO)

@@ -1,9 +1,6 @@
 use std::net::SocketAddr;
 
-use crate::{
-    base::{CommunicationChannel, CommunicationError, Message, ProtocolServer},
-    util::init_logging,
-};
+use crate::base::{CommunicationChannel, CommunicationError, Message, ProtocolServer};
 use axum::{
     Router,
     extract::{
@@ -41,8 +38,7 @@ impl ProtocolServer for WsServer {
     where
         F: Future<Output = ()> + Send + 'static,
     {
-        init_logging();
-
+        // No global log subscriber installed here: the program decides where logs go.
         let address = format!("0.0.0.0:{}", self.port);
         log::info!("Starting server {address}");
 

@@ -64,6 +64,9 @@ impl<P: Protocol> SyncService<P> {
                 .send(Message::new(sync_bytes.into()))
                 .await
                 .expect("Peer closed connection unexpectedly");
+            // Wait for the peer's acknowledgement: dropping the connection right after the send
+            // can reset it before the peer has read the request, which then never arrives.
+            let _ = connection.recv().await;
         }
         loop {
             // Registered before the check, so a request that lands in between still wakes it.
@@ -99,5 +102,7 @@ impl<P: Protocol> SyncService<P> {
         self.add_syncing_peer(msg.0);
 
         self.sync_notif.notify_waiters();
+        // The acknowledgement the requesting node waits for before it closes the connection.
+        let _ = channel.send(Message::new(vec![1u8].into())).await;
     }
 }
