@@ -417,17 +417,16 @@ impl<M: Send + 'static> PeerThreads<M> {
 /// burn-collective's tasks panic where a node goes away mid-transfer (tokio catches it and the
 /// all-reduce returns an error, which the run reports in one line): their panic messages are
 /// not printed. Every other panic still is.
-fn quiet_collective_panics() {
-    static ONCE: std::sync::Once = std::sync::Once::new();
-    ONCE.call_once(|| {
-        let previous = std::panic::take_hook();
-        std::panic::set_hook(Box::new(move |info| {
-            let file = info.location().map_or("", |l| l.file());
-            if !(file.contains("burn-collective") || file.contains("burn-communication")) {
-                previous(info);
-            }
-        }));
-    });
+/// Installed on top of the hook in place (burn-train's learner installs its own when it starts:
+/// this is called again after it).
+pub fn quiet_collective_panics() {
+    let previous = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        let file = info.location().map_or("", |l| l.file());
+        if !(file.contains("burn-collective") || file.contains("burn-communication")) {
+            previous(info);
+        }
+    }));
 }
 
 /// Runs `work` on a thread of its own; its result, or `Err` after `limit`.

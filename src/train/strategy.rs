@@ -275,6 +275,9 @@ where
                     .downcast::<PeerThreads<LC::TrainingModel>>()
                     .expect("the peers of a run are started for its model")
             });
+        if peers.as_ref().is_some_and(|p| p.group().is_some()) {
+            super::parallel::quiet_collective_panics();
+        }
         let spe = self.steps_per_epoch;
         let mut last_save = Instant::now();
         let mut warned = false;

@@ -375,6 +375,7 @@ fn a_node_that_differs_or_leaves_stops_the_others_in_one_line_and_the_group_resu
         killed.elapsed()
     );
     assert_clean_error(&zero, "node 1");
+    assert!(!stderr(&zero).contains("PANIC"), "{}", stderr(&zero));
     // Node 1 alive but silent (SIGSTOP): node 0 ends after the leave timeout, naming node 1.
     let port = free_ports(3);
     let args = ["-e", "tiny.json", "--artifact-dir", "silent"];
@@ -419,12 +420,60 @@ fn a_node_that_differs_or_leaves_stops_the_others_in_one_line_and_the_group_resu
     for kind in ["model", "optim", "scheduler"] {
         let _ = std::fs::remove_file(dir_of("cut-node-1").join(format!("{kind}-{newest}.mpk")));
     }
+    let start = (newest - 1) * 50;
+    // The group resumes; SIGTERM reaches node 1 alone: both stop after the same step, saved.
+    let port = free_ports(3);
+    let args = ["--artifact-dir", "cut", "--resume"];
+    let children: Vec<_> = (0..2)
+        .map(|rank| node(dir.path(), rank, 2, port, &args).spawn().unwrap())
+        .collect();
+    let next = dir_of("cut").join(format!("scheduler-{}.mpk", newest + 1));
+    let began = std::time::Instant::now();
+    while !next.exists() {
+        assert!(
+            began.elapsed().as_secs() < 120,
+            "no checkpoint of epoch {}",
+            newest + 1
+        );
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    unsafe { libc::kill(children[1].id() as i32, libc::SIGTERM) };
+    let outs: Vec<_> = children
+        .into_iter()
+        .map(|c| std::thread::spawn(move || c.wait_with_output().unwrap()))
+        .collect::<Vec<_>>()
+        .into_iter()
+        .map(|w| w.join().unwrap())
+        .collect();
+    let saved: Vec<usize> = outs
+        .iter()
+        .enumerate()
+        .map(|(rank, out)| {
+            let log = String::from_utf8_lossy(&out.stdout);
+            assert!(
+                log.contains(&format!("resuming after step {start}")),
+                "{log}"
+            );
+            assert_eq!(out.status.code(), Some(75), "node {rank}: {}", stderr(out));
+            let err = stderr(out);
+            err.split("stopped: step ")
+                .nth(1)
+                .and_then(|rest| rest.split(' ').next())
+                .and_then(|step| step.parse().ok())
+                .unwrap_or_else(|| panic!("node {rank}: no saved step in {err}"))
+        })
+        .collect();
+    assert_eq!(
+        saved[0], saved[1],
+        "the nodes stopped after different steps"
+    );
+    assert!(saved[0] > start && saved[0] < 400, "{saved:?}");
     let outs = nodes(dir.path(), 2, &["--artifact-dir", "cut", "--resume"]);
     for (rank, out) in outs.iter().enumerate() {
         assert!(out.status.success(), "node {rank}: {}", stderr(out));
         let log = String::from_utf8_lossy(&out.stdout);
         assert!(
-            log.contains(&format!("resuming after step {}", (newest - 1) * 50)),
+            log.contains(&format!("resuming after step {}", saved[0])),
             "{log}"
         );
     }
