@@ -524,3 +524,30 @@ pub fn mixer_lm(mixer: transformer_lab::nn::Mixer, context: usize) -> LanguageMo
     }
     .init(&Default::default())
 }
+
+/// Every float parameter of the language model in `dir/model.mpk`, exactly.
+#[allow(dead_code)]
+pub fn lm_weights(dir: &Path) -> Vec<Vec<f32>> {
+    lm_weights_of(dir, &dir.join("model"))
+}
+
+/// Every float parameter of the language model whose config is in `dir`, read from `file`.
+#[allow(dead_code)]
+pub fn lm_weights_of(dir: &Path, file: &Path) -> Vec<Vec<f32>> {
+    struct Values(Vec<Vec<f32>>);
+    impl burn::module::ModuleVisitor<NdArray> for Values {
+        fn visit_float<const D: usize>(&mut self, param: &burn::module::Param<Tensor<NdArray, D>>) {
+            self.0.push(param.val().into_data().to_vec().unwrap());
+        }
+    }
+    let config = ExperimentConfig::load(&dir.join("config.json")).unwrap();
+    let device = Default::default();
+    let model = config
+        .model_as::<LmConfig>()
+        .unwrap()
+        .init::<NdArray>(&device);
+    let model = transformer_lab::artifact::load_weights(model, file, &device).unwrap();
+    let mut values = Values(Vec::new());
+    model.visit(&mut values);
+    values.0
+}

@@ -1,15 +1,11 @@
 //! Data-parallel training (`train --devices`): each device's share of every batch, and the
 //! promise that splitting a batch across devices changes nothing but the order of sums.
 
-use crate::common::{assert_clean_error, run, stderr, tiny_text_experiment};
+use crate::common::{assert_clean_error, lm_weights as weights, run, stderr, tiny_text_experiment};
 use burn::backend::NdArray;
 use burn::data::dataset::InMemDataset;
-use burn::module::{Module, ModuleVisitor, Param};
-use burn::tensor::Tensor;
 use std::path::Path;
 use std::sync::Arc;
-use transformer_lab::artifact::load_weights;
-use transformer_lab::config::{ExperimentConfig, LmConfig};
 use transformer_lab::train::{mix, replacement_batches_in_groups, Draw, EpochLoader};
 
 /// A loader of the items `0..n` whose batch function returns the items themselves.
@@ -88,26 +84,6 @@ fn each_device_reads_its_own_share_and_the_shares_make_the_batch() {
             }
         }
     }
-}
-
-/// Every float parameter of the language model in `dir/model.mpk`.
-fn weights(dir: &Path) -> Vec<Vec<f32>> {
-    struct Values(Vec<Vec<f32>>);
-    impl ModuleVisitor<NdArray> for Values {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<NdArray, D>>) {
-            self.0.push(param.val().into_data().to_vec().unwrap());
-        }
-    }
-    let config = ExperimentConfig::load(&dir.join("config.json")).unwrap();
-    let device = Default::default();
-    let model = config
-        .model_as::<LmConfig>()
-        .unwrap()
-        .init::<NdArray>(&device);
-    let model = load_weights(model, &dir.join("model"), &device).unwrap();
-    let mut values = Values(Vec::new());
-    model.visit(&mut values);
-    values.0
 }
 
 fn largest_difference(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {

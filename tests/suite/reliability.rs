@@ -3,14 +3,10 @@
 //! promise that makes resuming trustworthy: same seed, same weights; resumed = uninterrupted.
 
 use crate::common::{assert_clean_error, BIN};
-use burn::backend::NdArray;
-use burn::module::{Module, ModuleVisitor, Param};
-use burn::prelude::*;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
-use transformer_lab::artifact::{load_weights, ArtifactDir};
-use transformer_lab::config::ExperimentConfig;
+use transformer_lab::artifact::ArtifactDir;
 
 /// A temp dir with a corpus and `tiny.json`: a one-layer char LM with dropout (so resuming
 /// must also restore the random stream), 6 epochs of 20 steps.
@@ -90,28 +86,8 @@ fn stdout(out: &Output) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
-/// Every float parameter of the language model in `dir/model.mpk`, exactly.
 fn weights(dir: &Path) -> Vec<Vec<f32>> {
-    weights_of(dir, &dir.join("model"))
-}
-
-fn weights_of(dir: &Path, file: &Path) -> Vec<Vec<f32>> {
-    struct Values(Vec<Vec<f32>>);
-    impl ModuleVisitor<NdArray> for Values {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<NdArray, D>>) {
-            self.0.push(param.val().into_data().to_vec().unwrap());
-        }
-    }
-    let config = ExperimentConfig::load(&dir.join("config.json")).unwrap();
-    let device = Default::default();
-    let model = config
-        .model_as::<transformer_lab::config::LmConfig>()
-        .unwrap()
-        .init::<NdArray>(&device);
-    let model = load_weights(model, file, &device).unwrap();
-    let mut values = Values(Vec::new());
-    model.visit(&mut values);
-    values.0
+    crate::common::lm_weights(dir)
 }
 
 /// Fails unless the process ended by SIGKILL (not by finishing before the kill).
@@ -152,7 +128,7 @@ fn same_seed_same_weights_whatever_the_number_of_workers() {
         "the batches do not depend on num_workers"
     );
     // model.mpk is what training ended with.
-    let first = weights_of(&run.path("one"), &run.path("one/checkpoint/model-6"));
+    let first = crate::common::lm_weights_of(&run.path("one"), &run.path("one/checkpoint/model-6"));
     assert_eq!(one, first, "model.mpk is the last epoch's checkpoint");
 }
 
