@@ -192,7 +192,16 @@ pub struct Peers<B: Backend, O> {
 impl<B: Backend, O> Peers<B, O> {
     /// The first peer of this node in the whole run's numbering.
     fn first(&self) -> usize {
-        self.group.as_ref().map_or(0, |g| g.rank) * self.devices.len()
+        peer_numbers(self.group.as_ref(), self.devices.len()).0
+    }
+}
+
+/// With `local` devices on each node: the number of this node's first peer in the whole run,
+/// and how many peers the run has.
+pub fn peer_numbers(group: Option<&NodeGroup>, local: usize) -> (usize, usize) {
+    match group {
+        Some(group) => (group.rank * local, group.count * local),
+        None => (0, local),
     }
 }
 
@@ -217,6 +226,8 @@ pub struct PeerThreads<M> {
     timing: Cell<(usize, Duration, Duration)>,
     /// Across nodes: ends the process when a step's all-reduce waits too long.
     watchdog: Option<Watchdog>,
+    /// This node's first peer in the run's numbering (the training thread's).
+    first: usize,
 }
 
 impl<M: Send + 'static> PeerThreads<M> {
@@ -285,6 +296,7 @@ impl<M: Send + 'static> PeerThreads<M> {
             threads,
             timing: Cell::default(),
             watchdog: peers.group.clone().map(Watchdog::start),
+            first,
         };
         let device = peers.devices[0].clone();
         let id = PeerId(first as u32);
@@ -377,7 +389,7 @@ impl<M: Send + 'static> PeerThreads<M> {
 
     /// This node's first peer in the run's numbering.
     pub fn first(&self) -> usize {
-        self.group().map_or(0, |g| g.rank * (self.jobs.len() + 1))
+        self.first
     }
 
     /// Ends the peers' threads and unregisters the training thread; says what the all-reduce
@@ -397,7 +409,7 @@ impl<M: Send + 'static> PeerThreads<M> {
                 100.0 * reduced.as_secs_f64() / total.as_secs_f64().max(1e-9),
             );
         }
-        let first = self.first();
+        let first = self.first;
         drop(self.jobs);
         for thread in self.threads {
             let _ = thread.join();

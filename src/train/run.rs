@@ -5,7 +5,7 @@
 use super::checkpoint::{prune, KeepCheckpoints, Patience, ValidLosses};
 use super::loader::{BatchFn, Draw, EpochLoader};
 use super::metrics::{CsvLogger, Divergence, EpochCorrected, Logged};
-use super::parallel::{AnyPeers, NodeGroup, PeerThreads, Peers, ShardFn, ShardIter};
+use super::parallel::{peer_numbers, AnyPeers, NodeGroup, PeerThreads, Peers, ShardFn, ShardIter};
 use super::perplexity::{EpochPerplexity, NllSums};
 use super::stop::StopRequest;
 use super::strategy::{
@@ -184,10 +184,7 @@ impl Session {
         .after_checkpoints(self.watch.clone());
         // Data-parallel: every peer (of every node) reads its own share of each batch.
         let local = devices.len();
-        let (first, count) = match &self.nodes {
-            Some(group) => (group.rank * local, group.count * local),
-            None => (0, local),
-        };
+        let (first, count) = peer_numbers(self.nodes.as_ref(), local);
         let peers = (count > 1).then(|| {
             let shards = (1..local)
                 .map(|peer| {
