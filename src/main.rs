@@ -15,6 +15,11 @@ fn main() -> ExitCode {
     // clap prints --help and usage errors itself (ignoring a closed pipe) and exits.
     let cli = Cli::parse();
     transformer_lab::memory::keep_freed_memory();
+    // Commands run on a thread of rayon's pool (`kernels::cpu::in_pool`): give its threads
+    // the stack a main thread has (8 MiB; spawned threads get 2 MiB).
+    let _ = rayon::ThreadPoolBuilder::new()
+        .stack_size(8 << 20)
+        .build_global();
     // A closed stdout or stderr (`train | head -1`) must not stop the work: see `stdio`.
     let stdio = transformer_lab::stdio::guard();
     let code = match run(cli.compute, cli.command) {

@@ -16,9 +16,16 @@ use anyhow::{Context, Result};
 use std::io::BufRead;
 
 /// Something to run on a backend chosen at run time.
-pub trait BackendTask {
+pub trait BackendTask: Send {
     /// Runs on backend `B` with device `device`.
     fn run<B: LabBackend>(self, device: B::Device) -> Result<()>;
+
+    /// Whether a CPU backend runs it on a thread of the kernels' pool
+    /// ([`crate::kernels::cpu::in_pool`]): everything but a server, whose requests arrive on
+    /// threads of their own.
+    fn in_pool(&self) -> bool {
+        true
+    }
 }
 
 /// Runs `task` on the chosen backend (the default one when `kind` is `None`).
@@ -27,15 +34,29 @@ pub fn dispatch(kind: Option<BackendKind>, task: impl BackendTask) -> Result<()>
     check_available(kind)?;
     match kind {
         #[cfg(feature = "ndarray")]
-        BackendKind::Ndarray => task.run::<crate::backend::Cpu>(Default::default()),
+        BackendKind::Ndarray => on_cpu(task, |task| {
+            task.run::<crate::backend::Cpu>(Default::default())
+        }),
         #[cfg(feature = "flex")]
-        BackendKind::Flex => task.run::<crate::backend::Flex>(Default::default()),
+        BackendKind::Flex => on_cpu(task, |task| {
+            task.run::<crate::backend::Flex>(Default::default())
+        }),
         #[cfg(feature = "wgpu-backend")]
         BackendKind::Wgpu => task.run::<crate::backend::Gpu>(Default::default()),
         #[cfg(feature = "cuda-backend")]
         BackendKind::Cuda => task.run::<crate::backend::CudaGpu>(Default::default()),
         #[allow(unreachable_patterns)]
         _ => unreachable!("check_available refuses backends left out of the build"),
+    }
+}
+
+/// Runs a task on a CPU backend: in the kernels' thread pool when it asks to be.
+#[allow(dead_code)] // unused in builds without a CPU backend
+fn on_cpu<T: BackendTask>(task: T, run: impl FnOnce(T) -> Result<()> + Send) -> Result<()> {
+    if task.in_pool() {
+        crate::kernels::cpu::in_pool(|| run(task))
+    } else {
+        run(task)
     }
 }
 
@@ -135,6 +156,10 @@ struct Checked {
 }
 
 impl BackendTask for Checked {
+    fn in_pool(&self) -> bool {
+        self.command.in_pool()
+    }
+
     fn run<B: LabBackend>(self, device: B::Device) -> Result<()> {
         if let Command::Doctor(_) = self.command {
             return doctor::run_doctor::<B>(self.kind, &device);
@@ -155,6 +180,10 @@ fn run_curves(args: crate::cli::CurvesArgs) -> Result<()> {
 }
 
 impl BackendTask for Command {
+    fn in_pool(&self) -> bool {
+        !matches!(self, Command::Serve(_))
+    }
+
     fn run<B: LabBackend>(self, device: B::Device) -> Result<()> {
         match self {
             Command::Train(args) => train::run_train::<B>(args, device),

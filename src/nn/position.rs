@@ -137,9 +137,15 @@ impl<B: Backend> PositionEncoding<B> {
     /// # Panics
     /// If `start + t` exceeds `max_len`.
     pub fn forward_from(&self, x: Tensor<B, 3>, start: usize) -> Tensor<B, 3> {
-        let [_, t, _] = x.dims();
+        let [b, t, d] = x.dims();
         match self.encodings(start + t) {
-            Some(table) => x + table.narrow(0, start, t).unsqueeze::<3>(), // [1, t, d] over b
+            // [b, t·d] + [1, t·d]: one row added to every sequence (a broadcast a CPU backend
+            // runs as a vector loop; over [b, t, d] + [1, t, d] flex walks strides element by
+            // element, 2% of a training step).
+            Some(table) => {
+                let rows = table.narrow(0, start, t).reshape([1, t * d]);
+                (x.reshape([b, t * d]) + rows).reshape([b, t, d])
+            }
             None => x,
         }
     }

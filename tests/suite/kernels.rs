@@ -878,7 +878,23 @@ fn everything_the_cpu_kernels_compute() -> Vec<Vec<f32>> {
         Some(&pad),
         mask,
     );
+    // Causal without padding, the same shape: the tiles' products skip what the mask hides.
+    let (causal_o, causal_lse) =
+        cpu::attention_forward(shape, heads(&q), heads(&k), heads(&v), true, None, mask);
+    let (causal_dq, causal_dk, causal_dv) = cpu::attention_backward(
+        shape,
+        heads(&q),
+        heads(&k),
+        heads(&v),
+        heads(&causal_o),
+        &causal_lse,
+        heads(&d_o),
+        true,
+        None,
+        mask,
+    );
     out.extend([o, lse, dq, dk, dv]);
+    out.extend([causal_o, causal_lse, causal_dq, causal_dk, causal_dv]);
     out
 }
 

@@ -2,7 +2,8 @@
 //! and a backward pass that recomputes the probabilities tile by tile from the saved
 //! log-sum-exp — the `t × s` score matrix is never stored.
 
-use super::linear::{matmul, Operand};
+use super::linear::Operand;
+use super::tile::{padded, transpose, Limit, Product};
 use super::{dot, exp, multiversion, sum, uninit, written};
 use crate::kernels::reference::MASKED_SCORE;
 use crate::kernels::DropoutMask;
@@ -83,12 +84,6 @@ impl Out {
     }
 }
 
-/// Whether key `j` is masked for query `i`.
-#[inline(always)]
-fn masked(i: usize, j: usize, causal: bool, pad: Option<&[f32]>) -> bool {
-    (causal && j > i) || pad.is_some_and(|pad| pad[j] > 0.5)
-}
-
 impl Heads<'_> {
     /// Rows `i0..` of head `(b, h)` as a matrix operand (row-major, `k` columns).
     #[inline(always)]
@@ -96,31 +91,32 @@ impl Heads<'_> {
         let start = self.offset + b * self.strides[0] + h * self.strides[1] + i0 * self.strides[2];
         (self.data[start..].as_ptr(), self.strides[2], 1)
     }
-
-    /// Rows `j0..` of head `(b, h)` transposed (a `k × n` operand).
-    #[inline(always)]
-    fn rows_transposed(&self, b: usize, h: usize, j0: usize) -> Operand {
-        let (ptr, rs, cs) = self.rows(b, h, j0);
-        (ptr, cs, rs)
-    }
 }
 
-/// Masks the score tile `scores` (`rows × n`, queries `i0..`, keys `j0..`).
+/// Masks the score tile `scores` (`m × n`, rows `ld` apart; queries `i0..`, keys `j0..`): every
+/// masked score is written, including those a [`Limit::Columns`] product left unwritten.
+#[allow(clippy::too_many_arguments)]
 fn mask_tile(
     scores: &mut [f32],
-    n: usize,
+    [ld, m, n]: [usize; 3],
     i0: usize,
     j0: usize,
     causal: bool,
     pad: Option<&[f32]>,
+    value: f32,
 ) {
-    if !causal && pad.is_none() {
-        return;
-    }
-    for (ii, row) in scores.chunks_exact_mut(n).enumerate() {
-        for (jj, x) in row.iter_mut().enumerate() {
-            if masked(i0 + ii, j0 + jj, causal, pad) {
-                *x = MASKED_SCORE;
+    for ii in 0..m {
+        let row = &mut scores[ii * ld..ii * ld + n];
+        if causal {
+            // Keys after query i0 + ii: from column i0 + ii + 1 − j0 on.
+            let first = (i0 + ii + 1).saturating_sub(j0).min(n);
+            row[first..].fill(value);
+        }
+        if let Some(pad) = pad {
+            for (x, &p) in row.iter_mut().zip(&pad[j0..j0 + n]) {
+                if p > 0.5 {
+                    *x = value;
+                }
             }
         }
     }
@@ -136,6 +132,39 @@ fn mask_multipliers(mask: DropoutMask, first: u64, [i0, j0, n, s]: [usize; 4], o
             mask.fill(first + ((i0 + ii) * s + j0) as u64, row);
         }
     }
+}
+
+/// Rows `0..n` of head `(b, h)` copied row-major, `padded(kw)` apart (zeros after `kw`): a
+/// packed `B` operand.
+fn pack_rows(x: Heads, b: usize, h: usize, n: usize, kw: usize) -> Vec<f32> {
+    let ld = padded(kw);
+    let mut out = vec![0.0; n * ld];
+    for (i, row) in out.chunks_exact_mut(ld).enumerate() {
+        row[..kw].copy_from_slice(x.row(b, h, i, kw));
+    }
+    out
+}
+
+/// Rows `0..n` of head `(b, h)` transposed: `kw` rows of `padded(n)` (zeros after `n`).
+fn pack_transposed(x: Heads, b: usize, h: usize, n: usize, kw: usize) -> Vec<f32> {
+    let ld = padded(n);
+    let mut out = vec![0.0; kw * ld];
+    if n > 0 {
+        let (first, rs, _) = x.rows(b, h, 0);
+        // The last row read, n − 1, is in bounds (`row` checks it).
+        let _ = x.row(b, h, n - 1, kw);
+        // SAFETY: rows 0..n of the head, `kw` wide, are in bounds (checked above); `out`
+        // holds `kw` rows of `ld ≥ n`.
+        unsafe { transpose(first, rs, [n, kw], &mut out, ld) };
+    }
+    out
+}
+
+/// What a tile's products may skip: with a causal mask and no padding every row sees at least
+/// its own key, so a masked weight is exactly zero; with padding a row may see no key at all
+/// and then weighs every key alike (as the composed form does), so nothing is skipped.
+fn limits(causal: bool, pad: Option<&[f32]>, i0: usize, j0: usize) -> Option<isize> {
+    (causal && pad.is_none()).then_some(i0 as isize - j0 as isize)
 }
 
 multiversion! {
@@ -157,13 +186,14 @@ multiversion! {
         let first = ((b * shape.h + h) * t) as u64 * s as u64;
         let mut keep = vec![0.0f32; if dropout.is_some() { TILE * TILE } else { 0 }];
         let scale = 1.0 / (kw as f32).sqrt();
+        let (kwp, lds) = (padded(kw), padded(s));
+        let (kt, vp) = (pack_transposed(k, b, h, s, kw), pack_rows(v, b, h, s, kw));
         let mut scores = vec![0.0f32; TILE * TILE];
-        let mut acc = vec![0.0f32; TILE * kw];
+        let mut acc = vec![0.0f32; TILE * kwp];
         let (mut max, mut denom) = ([0.0f32; TILE], [0.0f32; TILE]);
         for i0 in (0..t).step_by(TILE) {
             let m = TILE.min(t - i0);
-            let acc = &mut acc[..m * kw];
-            acc.fill(0.0);
+            acc[..m * kwp].fill(0.0);
             max[..m].fill(f32::NEG_INFINITY);
             denom[..m].fill(0.0);
             for j0 in (0..s).step_by(TILE) {
@@ -171,23 +201,36 @@ multiversion! {
                     break; // every later key is in the future of every row of this block
                 }
                 let n = TILE.min(s - j0);
-                let scores = &mut scores[..m * n];
-                // SAFETY: operands are rows of this head, in bounds; `scores` is local.
+                let limit = limits(causal, pad, i0, j0);
+                // SAFETY (both products): the operands are rows of this head or local packed
+                // copies, in bounds for whole column units; the destinations are local.
                 unsafe {
-                    let (qr, kt) = (q.rows(b, h, i0), k.rows_transposed(b, h, j0));
-                    matmul([m, n, kw], scores.as_mut_ptr(), n, false, qr, kt, scale);
+                    Product {
+                        m,
+                        n,
+                        k: kw,
+                        a: q.rows(b, h, i0),
+                        b: kt[j0..].as_ptr(),
+                        ldb: lds,
+                        c: scores.as_mut_ptr(),
+                        ldc: TILE,
+                        accumulate: false,
+                        scale,
+                        limit: limit.map_or(Limit::All, Limit::Columns),
+                    }
+                    .run();
                 }
-                mask_tile(scores, n, i0, j0, causal, pad);
+                mask_tile(&mut scores, [TILE, m, n], i0, j0, causal, pad, MASKED_SCORE);
                 if let Some(mask) = dropout {
                     mask_multipliers(mask, first, [i0, j0, n, s], &mut keep[..m * n]);
                 }
-                for (ii, row) in scores.chunks_exact_mut(n).enumerate() {
-                    let tile_max = row.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
-                    let new_max = max[ii].max(tile_max);
+                for ii in 0..m {
+                    let row = &mut scores[ii * TILE..ii * TILE + n];
+                    let new_max = max[ii].max(super::max(row));
                     let rescale = exp(max[ii] - new_max);
                     if rescale != 1.0 {
                         denom[ii] *= rescale;
-                        acc[ii * kw..(ii + 1) * kw].iter_mut().for_each(|x| *x *= rescale);
+                        acc[ii * kwp..(ii + 1) * kwp].iter_mut().for_each(|x| *x *= rescale);
                     }
                     for x in row.iter_mut() {
                         *x = exp(*x - new_max);
@@ -200,13 +243,25 @@ multiversion! {
                         row.iter_mut().zip(keep).for_each(|(x, &m)| *x *= m);
                     }
                 }
-                // SAFETY: as above; `acc` is local.
                 unsafe {
-                    let p = (scores.as_ptr(), n, 1);
-                    matmul([m, kw, n], acc.as_mut_ptr(), kw, true, p, v.rows(b, h, j0), 1.0);
+                    Product {
+                        m,
+                        n: kw,
+                        k: n,
+                        a: (scores.as_ptr(), TILE, 1),
+                        b: vp[j0 * kwp..].as_ptr(),
+                        ldb: kwp,
+                        c: acc.as_mut_ptr(),
+                        ldc: kwp,
+                        accumulate: true,
+                        scale: 1.0,
+                        limit: limit.map_or(Limit::All, Limit::InnerUpTo),
+                    }
+                    .run();
                 }
             }
-            for (ii, row) in acc.chunks_exact_mut(kw).enumerate() {
+            for ii in 0..m {
+                let row = &mut acc[ii * kwp..ii * kwp + kw];
                 let inv = 1.0 / denom[ii];
                 row.iter_mut().for_each(|a| *a *= inv);
                 // SAFETY: row i0 + ii of head (b, h) belongs to this task.
@@ -262,7 +317,7 @@ multiversion! {
     ) {
         let AttentionShape { t, s, k: kw, .. } = shape;
         let first = ((b * shape.h + h) * t) as u64 * s as u64;
-        // The dropout multipliers of a tile and the dropped weights P⊙M.
+        // The dropout multipliers of a tile (rows of n) and the dropped weights P⊙M.
         let (mut keep, mut dropped) = match dropout {
             Some(_) => (vec![0.0f32; TILE * TILE], vec![0.0f32; TILE * TILE]),
             None => (Vec::new(), Vec::new()),
@@ -272,8 +327,17 @@ multiversion! {
         let delta: Vec<f32> = (0..t)
             .map(|i| dot(d_o.row(b, h, i, kw), o.row(b, h, i, kw)))
             .collect();
-        // This head's gradients, row-major; written out at the end.
-        let (mut dq, mut dk, mut dv) = (vec![0.0f32; t * kw], vec![0.0f32; s * kw], vec![0.0f32; s * kw]);
+        let (kwp, lds) = (padded(kw), padded(s));
+        // Packed operands: Kᵀ for S = Q·Kᵀ, Vᵀ for dP = dO·Vᵀ, K, Q and dO as the right-hand
+        // sides of dQ = dS·K, dK = dSᵀ·Q and dV = Pᵀ·dO.
+        let (kt, vt) = (pack_transposed(k, b, h, s, kw), pack_transposed(v, b, h, s, kw));
+        let (kp, qp, dop) = (
+            pack_rows(k, b, h, s, kw),
+            pack_rows(q, b, h, t, kw),
+            pack_rows(d_o, b, h, t, kw),
+        );
+        // This head's gradients, rows `kwp` apart; written out at the end.
+        let (mut dq, mut dk, mut dv) = (vec![0.0f32; t * kwp], vec![0.0f32; s * kwp], vec![0.0f32; s * kwp]);
         let mut p = vec![0.0f32; TILE * TILE];
         let mut ds = vec![0.0f32; TILE * TILE];
         for i0 in (0..t).step_by(TILE) {
@@ -284,15 +348,20 @@ multiversion! {
                     break;
                 }
                 let n = TILE.min(s - j0);
-                let (p, ds) = (&mut p[..m * n], &mut ds[..m * n]);
-                // SAFETY (every product): operands are rows of this head or local buffers, in
-                // bounds, and each destination is local.
-                unsafe {
-                    let (qr, kt) = (q.rows(b, h, i0), k.rows_transposed(b, h, j0));
-                    matmul([m, n, kw], p.as_mut_ptr(), n, false, qr, kt, scale);
-                }
-                mask_tile(p, n, i0, j0, causal, pad);
-                for (row, &l) in p.chunks_exact_mut(n).zip(lse) {
+                let limit = limits(causal, pad, i0, j0);
+                // The tile's products; each reads rows of this head or local packed copies, in
+                // bounds for whole column units, and writes a local buffer.
+                let product = |a: Operand, [m, n, k]: [usize; 3], b: &[f32], ldb: usize, c: *mut f32, ldc: usize, accumulate: bool, scale: f32, limit: Limit| {
+                    // SAFETY: as above.
+                    unsafe {
+                        Product { m, n, k, a, b: b.as_ptr(), ldb, c, ldc, accumulate, scale, limit }.run()
+                    }
+                };
+                let columns = limit.map_or(Limit::All, Limit::Columns);
+                product(q.rows(b, h, i0), [m, n, kw], &kt[j0..], lds, p.as_mut_ptr(), TILE, false, scale, columns);
+                mask_tile(&mut p, [TILE, m, n], i0, j0, causal, pad, MASKED_SCORE);
+                for (ii, &l) in lse.iter().enumerate() {
+                    let row = &mut p[ii * TILE..ii * TILE + n];
                     if l > REAL_SCORE {
                         row.iter_mut().for_each(|x| *x = exp(*x - l));
                     } else {
@@ -303,57 +372,55 @@ multiversion! {
                 // With dropout M the output read P⊙M: dV = (P⊙M)ᵀ·dO and dP = (dO·Vᵀ)⊙M.
                 let weights = match dropout {
                     Some(mask) => {
-                        let (keep, dropped) = (&mut keep[..m * n], &mut dropped[..m * n]);
+                        let keep = &mut keep[..m * n];
                         mask_multipliers(mask, first, [i0, j0, n, s], keep);
-                        for ((x, &pj), &mj) in dropped.iter_mut().zip(p.iter()).zip(keep.iter()) {
-                            *x = pj * mj;
-                        }
-                        &dropped[..m * n]
-                    }
-                    None => &p[..],
-                };
-                unsafe {
-                    // dV += Pᵀ·dO; dP = dO·Vᵀ.
-                    let pt = (weights.as_ptr(), 1, n);
-                    let dv_tile = dv[j0 * kw..].as_mut_ptr();
-                    matmul([n, kw, m], dv_tile, kw, true, pt, d_o.rows(b, h, i0), 1.0);
-                    let (dor, vt) = (d_o.rows(b, h, i0), v.rows_transposed(b, h, j0));
-                    matmul([m, n, kw], ds.as_mut_ptr(), n, false, dor, vt, 1.0);
-                }
-                if dropout.is_some() {
-                    ds.iter_mut().zip(&keep[..m * n]).for_each(|(x, &mj)| *x *= mj);
-                }
-                // dS = P ⊙ (dP − D)·scale; a masked score is a constant: no gradient.
-                for (ii, (ds_row, p_row)) in ds.chunks_exact_mut(n).zip(p.chunks_exact(n)).enumerate() {
-                    let d = delta[i0 + ii];
-                    for (x, &pj) in ds_row.iter_mut().zip(p_row) {
-                        *x = pj * (*x - d) * scale;
-                    }
-                    if causal || pad.is_some() {
-                        for (jj, x) in ds_row.iter_mut().enumerate() {
-                            if masked(i0 + ii, j0 + jj, causal, pad) {
-                                *x = 0.0;
+                        for ii in 0..m {
+                            let at = ii * TILE..ii * TILE + n;
+                            for ((x, &pj), &mj) in dropped[at.clone()].iter_mut().zip(&p[at]).zip(&keep[ii * n..]) {
+                                *x = pj * mj;
                             }
                         }
+                        &dropped
+                    }
+                    None => &p,
+                };
+                // dV += Pᵀ·dO: key row jj reads queries ii ≥ jj + j0 − i0 only.
+                let from = limit.map_or(Limit::All, |o| Limit::InnerFrom(-o));
+                let dv_tile = dv[j0 * kwp..].as_mut_ptr();
+                product((weights.as_ptr(), 1, TILE), [n, kw, m], &dop[i0 * kwp..], kwp, dv_tile, kwp, true, 1.0, from);
+                // dP = dO·Vᵀ.
+                product(d_o.rows(b, h, i0), [m, n, kw], &vt[j0..], lds, ds.as_mut_ptr(), TILE, false, 1.0, columns);
+                if dropout.is_some() {
+                    for ii in 0..m {
+                        let row = &mut ds[ii * TILE..ii * TILE + n];
+                        row.iter_mut().zip(&keep[ii * n..]).for_each(|(x, &mj)| *x *= mj);
                     }
                 }
-                unsafe {
-                    // dQ += dS·K; dK += dSᵀ·Q.
-                    let dq_blk = dq[i0 * kw..].as_mut_ptr();
-                    matmul([m, kw, n], dq_blk, kw, true, (ds.as_ptr(), n, 1), k.rows(b, h, j0), 1.0);
-                    let dk_tile = dk[j0 * kw..].as_mut_ptr();
-                    matmul([n, kw, m], dk_tile, kw, true, (ds.as_ptr(), 1, n), q.rows(b, h, i0), 1.0);
+                // dS = P ⊙ (dP − D)·scale; a masked score is a constant: no gradient.
+                for ii in 0..m {
+                    let d = delta[i0 + ii];
+                    let at = ii * TILE..ii * TILE + n;
+                    for (x, &pj) in ds[at.clone()].iter_mut().zip(&p[at]) {
+                        *x = pj * (*x - d) * scale;
+                    }
                 }
+                mask_tile(&mut ds, [TILE, m, n], i0, j0, causal, pad, 0.0);
+                // dQ += dS·K; dK += dSᵀ·Q.
+                let dq_blk = dq[i0 * kwp..].as_mut_ptr();
+                let up_to = limit.map_or(Limit::All, Limit::InnerUpTo);
+                product((ds.as_ptr(), TILE, 1), [m, kw, n], &kp[j0 * kwp..], kwp, dq_blk, kwp, true, 1.0, up_to);
+                let dk_tile = dk[j0 * kwp..].as_mut_ptr();
+                product((ds.as_ptr(), 1, TILE), [n, kw, m], &qp[i0 * kwp..], kwp, dk_tile, kwp, true, 1.0, from);
             }
         }
         // SAFETY: rows of head (b, h) belong to this task.
-        for (i, row) in dq.chunks_exact(kw).enumerate() {
-            unsafe { dq_out.write(b, h, i, row) };
+        for (i, row) in dq.chunks_exact(kwp).enumerate() {
+            unsafe { dq_out.write(b, h, i, &row[..kw]) };
         }
-        for (j, (dk_row, dv_row)) in dk.chunks_exact(kw).zip(dv.chunks_exact(kw)).enumerate() {
+        for (j, (dk_row, dv_row)) in dk.chunks_exact(kwp).zip(dv.chunks_exact(kwp)).enumerate() {
             unsafe {
-                dk_out.write(b, h, j, dk_row);
-                dv_out.write(b, h, j, dv_row);
+                dk_out.write(b, h, j, &dk_row[..kw]);
+                dv_out.write(b, h, j, &dv_row[..kw]);
             }
         }
     }
