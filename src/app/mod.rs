@@ -21,10 +21,9 @@ pub trait BackendTask: Send {
     fn run<B: LabBackend>(self, device: B::Device) -> Result<()>;
 
     /// Whether a CPU backend runs it on a thread of the kernels' pool
-    /// ([`crate::kernels::cpu::in_pool`]): everything but a server, whose requests arrive on
-    /// threads of their own.
+    /// ([`crate::kernels::cpu::in_pool`]).
     fn in_pool(&self) -> bool {
-        true
+        false
     }
 }
 
@@ -181,7 +180,9 @@ fn run_curves(args: crate::cli::CurvesArgs) -> Result<()> {
 
 impl BackendTask for Command {
     fn in_pool(&self) -> bool {
-        !matches!(self, Command::Serve(_))
+        // Training and its benchmarks, where the latches cost most. The commands whose
+        // answers the server must reproduce run where the server's workers run them.
+        matches!(self, Command::Train(_) | Command::Bench(_))
     }
 
     fn run<B: LabBackend>(self, device: B::Device) -> Result<()> {

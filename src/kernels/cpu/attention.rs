@@ -134,11 +134,27 @@ fn mask_multipliers(mask: DropoutMask, first: u64, [i0, j0, n, s]: [usize; 4], o
     }
 }
 
+/// The buffers of one task's heads, reused from head to head (allocating them for each of a
+/// ViT's 512 small heads per layer cost more than the heads' products).
+#[derive(Default)]
+struct Scratch {
+    packed: [Vec<f32>; 5],
+    tiles: [Vec<f32>; 4],
+    sums: [Vec<f32>; 4],
+}
+
+/// `v` as `n` zeros.
+fn zeroed(v: &mut Vec<f32>, n: usize) -> &mut [f32] {
+    v.clear();
+    v.resize(n, 0.0);
+    v
+}
+
 /// Rows `0..n` of head `(b, h)` copied row-major, `padded(kw)` apart (zeros after `kw`): a
 /// packed `B` operand.
-fn pack_rows(x: Heads, b: usize, h: usize, n: usize, kw: usize) -> Vec<f32> {
+fn pack_rows<'a>(x: Heads, [b, h, n, kw]: [usize; 4], out: &'a mut Vec<f32>) -> &'a [f32] {
     let ld = padded(kw);
-    let mut out = vec![0.0; n * ld];
+    let out = zeroed(out, n * ld);
     for (i, row) in out.chunks_exact_mut(ld).enumerate() {
         row[..kw].copy_from_slice(x.row(b, h, i, kw));
     }
@@ -146,16 +162,16 @@ fn pack_rows(x: Heads, b: usize, h: usize, n: usize, kw: usize) -> Vec<f32> {
 }
 
 /// Rows `0..n` of head `(b, h)` transposed: `kw` rows of `padded(n)` (zeros after `n`).
-fn pack_transposed(x: Heads, b: usize, h: usize, n: usize, kw: usize) -> Vec<f32> {
+fn pack_transposed<'a>(x: Heads, [b, h, n, kw]: [usize; 4], out: &'a mut Vec<f32>) -> &'a [f32] {
     let ld = padded(n);
-    let mut out = vec![0.0; kw * ld];
+    let out = zeroed(out, kw * ld);
     if n > 0 {
         let (first, rs, _) = x.rows(b, h, 0);
         // The last row read, n − 1, is in bounds (`row` checks it).
         let _ = x.row(b, h, n - 1, kw);
         // SAFETY: rows 0..n of the head, `kw` wide, are in bounds (checked above); `out`
         // holds `kw` rows of `ld ≥ n`.
-        unsafe { transpose(first, rs, [n, kw], &mut out, ld) };
+        unsafe { transpose(first, rs, [n, kw], out, ld) };
     }
     out
 }
@@ -180,16 +196,18 @@ multiversion! {
         h: usize,
         o: Out,
         lse: &mut [f32],
+        scratch: &mut Scratch,
     ) {
         let AttentionShape { t, s, k: kw, .. } = shape;
         // Element (i, j) of this head's dropout mask.
         let first = ((b * shape.h + h) * t) as u64 * s as u64;
-        let mut keep = vec![0.0f32; if dropout.is_some() { TILE * TILE } else { 0 }];
         let scale = 1.0 / (kw as f32).sqrt();
         let (kwp, lds) = (padded(kw), padded(s));
-        let (kt, vp) = (pack_transposed(k, b, h, s, kw), pack_rows(v, b, h, s, kw));
-        let mut scores = vec![0.0f32; TILE * TILE];
-        let mut acc = vec![0.0f32; TILE * kwp];
+        let Scratch { packed: [kt, vp, ..], tiles: [keep, scores, acc, _], .. } = scratch;
+        let keep = zeroed(keep, if dropout.is_some() { TILE * TILE } else { 0 });
+        let (kt, vp) = (pack_transposed(k, [b, h, s, kw], kt), pack_rows(v, [b, h, s, kw], vp));
+        let scores = zeroed(scores, TILE * TILE);
+        let acc = zeroed(acc, TILE * kwp);
         let (mut max, mut denom) = ([0.0f32; TILE], [0.0f32; TILE]);
         for i0 in (0..t).step_by(TILE) {
             let m = TILE.min(t - i0);
@@ -220,7 +238,7 @@ multiversion! {
                     }
                     .run();
                 }
-                mask_tile(&mut scores, [TILE, m, n], i0, j0, causal, pad, MASKED_SCORE);
+                mask_tile(scores, [TILE, m, n], i0, j0, causal, pad, MASKED_SCORE);
                 if let Some(mask) = dropout {
                     mask_multipliers(mask, first, [i0, j0, n, s], &mut keep[..m * n]);
                 }
@@ -290,11 +308,15 @@ pub fn attention_forward(
         ptr: o.as_mut_ptr(),
         strides: shape.interleaved(t),
     };
-    lse.par_chunks_mut(t).enumerate().for_each(|(head, lse)| {
-        let (bi, hi) = (head / h, head % h);
-        let pad = pad.map(|pad| &pad[bi * s..(bi + 1) * s]);
-        attention_head(shape, q, k, v, causal, pad, dropout, bi, hi, out, lse);
-    });
+    lse.par_chunks_mut(t)
+        .enumerate()
+        .for_each_init(Scratch::default, |scratch, (head, lse)| {
+            let (bi, hi) = (head / h, head % h);
+            let pad = pad.map(|pad| &pad[bi * s..(bi + 1) * s]);
+            attention_head(
+                shape, q, k, v, causal, pad, dropout, bi, hi, out, lse, scratch,
+            );
+        });
     // SAFETY: every row of every head was written.
     (unsafe { written(o, b * t * h * kw) }, lse)
 }
@@ -314,32 +336,32 @@ multiversion! {
         b: usize,
         h: usize,
         grads: [Out; 3],
+        scratch: &mut Scratch,
     ) {
         let AttentionShape { t, s, k: kw, .. } = shape;
         let first = ((b * shape.h + h) * t) as u64 * s as u64;
+        let Scratch { packed: [kt, vt, kp, qp, dop], tiles: [keep, dropped, p, ds], sums: [delta, dq, dk, dv] } = scratch;
         // The dropout multipliers of a tile (rows of n) and the dropped weights P⊙M.
-        let (mut keep, mut dropped) = match dropout {
-            Some(_) => (vec![0.0f32; TILE * TILE], vec![0.0f32; TILE * TILE]),
-            None => (Vec::new(), Vec::new()),
-        };
+        let tile = if dropout.is_some() { TILE * TILE } else { 0 };
+        let (keep, dropped) = (zeroed(keep, tile), zeroed(dropped, tile));
         let scale = 1.0 / (kw as f32).sqrt();
         let [dq_out, dk_out, dv_out] = grads;
-        let delta: Vec<f32> = (0..t)
-            .map(|i| dot(d_o.row(b, h, i, kw), o.row(b, h, i, kw)))
-            .collect();
+        let delta = zeroed(delta, t);
+        for (i, x) in delta.iter_mut().enumerate() {
+            *x = dot(d_o.row(b, h, i, kw), o.row(b, h, i, kw));
+        }
         let (kwp, lds) = (padded(kw), padded(s));
         // Packed operands: Kᵀ for S = Q·Kᵀ, Vᵀ for dP = dO·Vᵀ, K, Q and dO as the right-hand
         // sides of dQ = dS·K, dK = dSᵀ·Q and dV = Pᵀ·dO.
-        let (kt, vt) = (pack_transposed(k, b, h, s, kw), pack_transposed(v, b, h, s, kw));
+        let (kt, vt) = (pack_transposed(k, [b, h, s, kw], kt), pack_transposed(v, [b, h, s, kw], vt));
         let (kp, qp, dop) = (
-            pack_rows(k, b, h, s, kw),
-            pack_rows(q, b, h, t, kw),
-            pack_rows(d_o, b, h, t, kw),
+            pack_rows(k, [b, h, s, kw], kp),
+            pack_rows(q, [b, h, t, kw], qp),
+            pack_rows(d_o, [b, h, t, kw], dop),
         );
         // This head's gradients, rows `kwp` apart; written out at the end.
-        let (mut dq, mut dk, mut dv) = (vec![0.0f32; t * kwp], vec![0.0f32; s * kwp], vec![0.0f32; s * kwp]);
-        let mut p = vec![0.0f32; TILE * TILE];
-        let mut ds = vec![0.0f32; TILE * TILE];
+        let (dq, dk, dv) = (zeroed(dq, t * kwp), zeroed(dk, s * kwp), zeroed(dv, s * kwp));
+        let (p, ds) = (zeroed(p, TILE * TILE), zeroed(ds, TILE * TILE));
         for i0 in (0..t).step_by(TILE) {
             let m = TILE.min(t - i0);
             let lse = &lse[i0..i0 + m];
@@ -359,7 +381,7 @@ multiversion! {
                 };
                 let columns = limit.map_or(Limit::All, Limit::Columns);
                 product(q.rows(b, h, i0), [m, n, kw], &kt[j0..], lds, p.as_mut_ptr(), TILE, false, scale, columns);
-                mask_tile(&mut p, [TILE, m, n], i0, j0, causal, pad, MASKED_SCORE);
+                mask_tile(p, [TILE, m, n], i0, j0, causal, pad, MASKED_SCORE);
                 for (ii, &l) in lse.iter().enumerate() {
                     let row = &mut p[ii * TILE..ii * TILE + n];
                     if l > REAL_SCORE {
@@ -404,7 +426,7 @@ multiversion! {
                         *x = pj * (*x - d) * scale;
                     }
                 }
-                mask_tile(&mut ds, [TILE, m, n], i0, j0, causal, pad, 0.0);
+                mask_tile(ds, [TILE, m, n], i0, j0, causal, pad, 0.0);
                 // dQ += dS·K; dK += dSᵀ·Q.
                 let dq_blk = dq[i0 * kwp..].as_mut_ptr();
                 let up_to = limit.map_or(Limit::All, Limit::InnerUpTo);
@@ -518,11 +540,13 @@ fn backward_into(
     grads: [Out; 3],
 ) {
     let AttentionShape { h, t, s, .. } = shape;
-    lse.par_chunks(t).enumerate().for_each(|(head, lse)| {
-        let (bi, hi) = (head / h, head % h);
-        let pad = pad.map(|pad| &pad[bi * s..(bi + 1) * s]);
-        attention_head_backward(
-            shape, q, k, v, o, lse, d_o, causal, pad, dropout, bi, hi, grads,
-        );
-    });
+    lse.par_chunks(t)
+        .enumerate()
+        .for_each_init(Scratch::default, |scratch, (head, lse)| {
+            let (bi, hi) = (head / h, head % h);
+            let pad = pad.map(|pad| &pad[bi * s..(bi + 1) * s]);
+            attention_head_backward(
+                shape, q, k, v, o, lse, d_o, causal, pad, dropout, bi, hi, grads, scratch,
+            );
+        });
 }

@@ -4,13 +4,15 @@
 //!
 //! Reductions are written with [`LANES`] independent accumulators (a float sum is not
 //! reassociated by the compiler, so a plain `iter().sum()` stays scalar). The attention kernels
-//! work on `64 × 64` tiles whose products go to the `gemm` crate (the kernel flex's own matmul
-//! uses), reading heads in place through their strides.
+//! work on `64 × 64` tiles whose products run on register-blocked kernels of our own
+//! ([`tile`]: explicit AVX-512 / AVX2 forms, the causal mask's hidden part skipped), reading
+//! heads in place through their strides.
 
 //!
 //! The kernels come in families, one file each: [`pointwise`] (GELU, AdamW), [`rows`]
-//! (LayerNorm, softmax, cross-entropy), [`linear`] (the tiled products of linear layers) and
-//! [`attention`] (flash-style forward and backward). This file holds what they share: the
+//! (LayerNorm, softmax, cross-entropy), [`linear`] (the tiled products of linear layers),
+//! [`attention`] (flash-style forward and backward) and [`tile`] (the products inside
+//! attention's tiles). This file holds what they share: the
 //! run-time dispatch, the vectorising reductions and the uninitialised-buffer helpers.
 
 mod attention;
@@ -116,7 +118,9 @@ pub fn isa() -> Isa {
 /// one-thread pool could wait on work only that thread can do).
 ///
 /// The thread-local settings (fused kernels, precision, dropout stream) are the pool thread's
-/// for the whole of `f`: call it before a command sets them, not around parts of a run.
+/// for the whole of `f`: call it before a command sets them, not around parts of a run. The
+/// server's workers do not run in it, so a command whose answers they must reproduce
+/// (translate, generate) stays out of it too: see `BackendTask::in_pool`.
 pub fn in_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {
     if rayon::current_thread_index().is_some() || rayon::current_num_threads() < 2 {
         return f();

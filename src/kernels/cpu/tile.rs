@@ -73,7 +73,7 @@ impl Product {
     /// `padded(n)`, and `C` writable (readable when accumulating) for `m` rows of `padded(n)`;
     /// `C` must not overlap `A` or `B`.
     pub(super) unsafe fn run(&self) {
-        debug_assert!(self.ldb % UNIT == 0 && self.ldc % UNIT == 0);
+        debug_assert!(self.ldb.is_multiple_of(UNIT) && self.ldc.is_multiple_of(UNIT));
         match isa() {
             #[cfg(target_arch = "x86_64")]
             Isa::Avx512 => x86::run_avx512(self),
