@@ -7,13 +7,12 @@ use rayon::prelude::*;
 /// A matrix operand: `(pointer, row stride, column stride)` in elements.
 pub(super) type Operand = (*const f32, usize, usize);
 
-/// `dst = scale·A·B` (`accumulate`: `dst += scale·A·B`) for `A` `m × k` and `B` `k × n`, with
-/// `dst` row-major (`ld` apart): one single-threaded call of the `gemm` crate, the product
-/// kernel flex itself uses (the parallelism is across heads or blocks of rows).
+/// `dst = A·B` (`accumulate`: `dst += A·B`) for `A` `m × k` and `B` `k × n`, with `dst`
+/// row-major (`ld` apart): one single-threaded call of the `gemm` crate, the product kernel
+/// flex itself uses (the parallelism is across blocks of rows, in [`product`]).
 ///
 /// # Safety
 /// Every operand must be valid for its extent, and `dst` not alias them.
-#[allow(clippy::too_many_arguments)]
 #[inline(always)]
 pub(super) unsafe fn matmul(
     [m, n, k]: [usize; 3],
@@ -22,7 +21,6 @@ pub(super) unsafe fn matmul(
     accumulate: bool,
     (a, a_rs, a_cs): Operand,
     (b, b_rs, b_cs): Operand,
-    scale: f32,
 ) {
     gemm::gemm(
         m,
@@ -39,7 +37,7 @@ pub(super) unsafe fn matmul(
         b_cs as isize,
         b_rs as isize,
         1.0,
-        scale,
+        1.0,
         false,
         false,
         false,
@@ -108,7 +106,7 @@ unsafe fn product(dst: *mut f32, accumulate: bool, a: Matrix, b: Matrix, paralle
     };
     if blocks <= 1 {
         // SAFETY: the operands were checked in bounds; `dst` is the caller's promise.
-        return unsafe { matmul([m, n, k], dst, n, accumulate, a, b, 1.0) };
+        return unsafe { matmul([m, n, k], dst, n, accumulate, a, b) };
     }
     let rows = m.div_ceil(blocks);
     let (dst, a_rows) = (SendPtr(dst), SendPtr(a.0.cast_mut()));
@@ -125,7 +123,6 @@ unsafe fn product(dst: *mut f32, accumulate: bool, a: Matrix, b: Matrix, paralle
                 accumulate,
                 (a_rows.get().add(first * a.1).cast_const(), a.1, a.2),
                 (b_ptr.get().cast_const(), b.1, b.2),
-                1.0,
             )
         }
     });
