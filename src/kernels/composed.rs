@@ -205,6 +205,16 @@ pub fn packed_attention_backward<B: LabBackend>(
     prim(Tensor::cat(merged.to_vec(), 2))
 }
 
+/// See [`super::LabBackend::fused_sum_squares`].
+pub fn sum_squares<B: Backend>(x: FloatTensor<B>) -> FloatTensor<B> {
+    prim(tensor::<B, 1>(x).square().sum())
+}
+
+/// See [`super::LabBackend::fused_scale`].
+pub fn scale<B: Backend>(x: FloatTensor<B>, s: FloatTensor<B>) -> FloatTensor<B> {
+    prim(tensor::<B, 1>(x) * tensor::<B, 1>(s))
+}
+
 /// See [`super::LabBackend::fused_adamw`]: burn's AdamW update, op by op.
 pub fn adamw<B: Backend>(
     param: FloatTensor<B>,

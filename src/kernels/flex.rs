@@ -106,6 +106,17 @@ fn is_f32(x: &FlexTensor) -> bool {
     x.dtype() == DType::F32
 }
 
+/// `x` contiguous from the start of its buffer, to be updated in place (in place where the
+/// buffer is not shared; flex copies it on write otherwise).
+fn owned(x: FlexTensor) -> FlexTensor {
+    let layout = x.layout();
+    if layout.is_contiguous() && layout.start_offset() == 0 {
+        x
+    } else {
+        x.to_contiguous()
+    }
+}
+
 impl LabBackend for Flex {
     fn fused_cross_entropy_forward(
         logits: FlexTensor,
@@ -286,6 +297,28 @@ impl LabBackend for Flex {
         from_vec(cpu::dropout(slice(&x), mask), shape)
     }
 
+    fn fused_sum_squares(x: FlexTensor) -> FlexTensor {
+        if !is_f32(&x) {
+            return composed::sum_squares::<Flex>(x);
+        }
+        let x = contiguous(x);
+        from_vec(vec![cpu::sum_squares(slice(&x))], Shape::new([1]))
+    }
+
+    fn fused_scale(x: FlexTensor, s: FlexTensor) -> FlexTensor {
+        if !is_f32(&x) || !is_f32(&s) {
+            return composed::scale::<Flex>(x, s);
+        }
+        let factor = slice(&contiguous(s))[0];
+        if factor == 1.0 {
+            return x; // x·1 is x, bit for bit (NaN and infinities too)
+        }
+        let n = x.shape().num_elements();
+        let mut x = owned(x);
+        cpu::scale(&mut x.storage_mut::<f32>()[..n], factor);
+        x
+    }
+
     fn fused_adamw(
         param: FlexTensor,
         grad: FlexTensor,
@@ -297,15 +330,6 @@ impl LabBackend for Flex {
         }
         let grad = contiguous(grad);
         let n = grad.shape().num_elements();
-        // Updated in place where a buffer is not shared (flex copies it on write otherwise).
-        let owned = |x: FlexTensor| {
-            let layout = x.layout();
-            if layout.is_contiguous() && layout.start_offset() == 0 {
-                x
-            } else {
-                x.to_contiguous()
-            }
-        };
         let first = moments.is_none();
         let (mut m, mut v) = match moments {
             Some((m, v)) => (owned(m), owned(v)),

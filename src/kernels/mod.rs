@@ -198,6 +198,16 @@ pub trait LabBackend: Backend {
         composed::packed_attention_backward::<Self>(qkv, o, lse, d_o, heads, causal, pad, dropout)
     }
 
+    /// `Σ x²` over `x` `[n]` → `[1]`: a gradient's share of the global norm clipping takes.
+    fn fused_sum_squares(x: FloatTensor<Self>) -> FloatTensor<Self> {
+        composed::sum_squares::<Self>(x)
+    }
+
+    /// `x · s` for `x` `[n]` and the one element of `s` `[1]`: clipping's rescale of a gradient.
+    fn fused_scale(x: FloatTensor<Self>, s: FloatTensor<Self>) -> FloatTensor<Self> {
+        composed::scale::<Self>(x, s)
+    }
+
     /// One AdamW step of a parameter `[n]` (any shape, flattened): `(parameter, first
     /// moment, second moment)` after it, from the moments before it (`None` at the first step).
     fn fused_adamw(
@@ -343,7 +353,8 @@ pub enum Op {
     Dropout,
     /// [`cross_entropy`], forward and backward.
     CrossEntropy,
-    /// [`adamw`], the optimizer's update.
+    /// The optimizer's passes: [`adamw`]'s update, and the [`sum_squares`] and [`scale`] of
+    /// global-norm clipping.
     AdamW,
     /// [`product`], the linear layers (their products in the training precision).
     Linear,
@@ -709,6 +720,28 @@ pub struct AdamWStep {
     pub weight_decay: f32,
     /// The step number `t`, from 1.
     pub time: i32,
+}
+
+/// `Σ x²` over every element of `x` → `[1]` (a gradient's share of the global norm that
+/// clipping takes): one pass, nothing stored, with fused kernels; `square().sum()` without.
+pub fn sum_squares<B: LabBackend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, 1> {
+    let x = prim(x.reshape([-1]));
+    tensor(match uses(Op::AdamW) {
+        true => B::fused_sum_squares(x),
+        false => composed::sum_squares::<B>(x),
+    })
+}
+
+/// `x · s` for the one element of `s` `[1]` (clipping's rescale), which stays on the device.
+/// Fused on a processor, a factor of exactly 1 (no clipping this step) returns `x` itself.
+pub fn scale<B: LabBackend, const D: usize>(x: Tensor<B, D>, s: Tensor<B, 1>) -> Tensor<B, D> {
+    let shape = x.shape();
+    let (x, s) = (prim(x.reshape([-1])), prim(s));
+    let y = match uses(Op::AdamW) {
+        true => B::fused_scale(x, s),
+        false => composed::scale::<B>(x, s),
+    };
+    tensor::<B, 1>(y).reshape(shape)
 }
 
 /// One AdamW step of `param`: `(parameter, first moment, second moment)` after it (see

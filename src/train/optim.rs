@@ -3,7 +3,9 @@
 //! - clipping by the global norm over all parameters (PyTorch's
 //!   `clip_grad_norm_`). burn's `GradientClipping::Norm` clips each tensor on its own; nanoGPT
 //!   rescales all gradients together so that `‖g‖₂ over every parameter ≤ max_norm`. The norm
-//!   stays on the device: no host round-trip per step.
+//!   stays on the device: no host round-trip per step. With fused kernels each gradient's
+//!   squares are summed in one pass that stores nothing, and on a processor a step that does
+//!   not clip (factor 1) leaves the gradients untouched instead of multiplying them by 1.
 //! - decoupled weight decay on matrices only (linear weights,
 //!   embeddings), none on LayerNorm gains and biases — nanoGPT's two parameter groups. burn's
 //!   AdamW decays every parameter.
@@ -123,7 +125,7 @@ impl<B: LabBackend> SimpleOptimizer<B> for LabAdamW {
 impl<M, B, O> Optimizer<M, B> for ReferenceOptimizer<O>
 where
     M: AutodiffModule<B>,
-    B: AutodiffBackend,
+    B: AutodiffBackend<InnerBackend: LabBackend>,
     O: Optimizer<M, B>,
 {
     type Record = O::Record;
@@ -172,7 +174,7 @@ where
 
 /// `g ← g · min(1, max_norm / (‖g‖₂ + 1e-6))` for every gradient of `module`, with `‖g‖₂` the
 /// norm of all gradients concatenated.
-pub fn clip_global_norm<B: AutodiffBackend, M: AutodiffModule<B>>(
+pub fn clip_global_norm<B: AutodiffBackend<InnerBackend: LabBackend>, M: AutodiffModule<B>>(
     module: &M,
     grads: GradientsParams,
     max_norm: f32,
@@ -197,7 +199,7 @@ pub fn clip_global_norm<B: AutodiffBackend, M: AutodiffModule<B>>(
 }
 
 /// Every gradient of `module` made NaN.
-fn poison<B: AutodiffBackend, M: AutodiffModule<B>>(
+fn poison<B: AutodiffBackend<InnerBackend: LabBackend>, M: AutodiffModule<B>>(
     module: &M,
     grads: GradientsParams,
 ) -> GradientsParams {
@@ -215,10 +217,10 @@ struct SumSquares<'a, B: AutodiffBackend> {
     total: Option<Tensor<B::InnerBackend, 1>>,
 }
 
-impl<B: AutodiffBackend> ModuleVisitor<B> for SumSquares<'_, B> {
+impl<B: AutodiffBackend<InnerBackend: LabBackend>> ModuleVisitor<B> for SumSquares<'_, B> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
         if let Some(grad) = self.grads.get::<B::InnerBackend, D>(param.id) {
-            let squares = grad.square().sum(); // [1]
+            let squares = kernels::sum_squares(grad); // [1]
             self.total = Some(match self.total.take() {
                 Some(total) => total + squares,
                 None => squares,
@@ -232,11 +234,11 @@ struct Rescale<B: AutodiffBackend> {
     scale: Tensor<B::InnerBackend, 1>,
 }
 
-impl<B: AutodiffBackend> ModuleVisitor<B> for Rescale<B> {
+impl<B: AutodiffBackend<InnerBackend: LabBackend>> ModuleVisitor<B> for Rescale<B> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
         if let Some(grad) = self.grads.remove::<B::InnerBackend, D>(param.id) {
-            let scale = self.scale.clone().reshape([1; D]); // broadcast over the gradient
-            self.grads.register(param.id, grad * scale);
+            let scaled = kernels::scale(grad, self.scale.clone());
+            self.grads.register(param.id, scaled);
         }
     }
 }

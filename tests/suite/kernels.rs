@@ -785,6 +785,71 @@ fn layer_norm_gradients_are_the_same_whatever_the_threads_and_their_scheduling()
     }
 }
 
+#[test]
+fn clipping_sums_squares_and_rescales_like_the_composed_ops() {
+    // Lengths: shorter than one 16-lane block, a ragged tail after whole blocks, and above the
+    // size that splits the work across threads (several chunks, the last one ragged).
+    for (n, seed) in [(5, 1), (16 * 3 + 7, 2), (200_003, 3)] {
+        // Magnitudes from 10⁻² to 10² by chunk of 16,384: added in another order, the chunks'
+        // sums round differently.
+        let x: Vec<f32> = random::<Flex, 1>([n], seed, &Default::default())
+            .into_data()
+            .to_vec::<f32>()
+            .unwrap()
+            .iter()
+            .enumerate()
+            .map(|(i, v)| v * 10f32.powi((i / 16_384 % 5) as i32 - 2))
+            .collect();
+        let t = Tensor::<Flex, 1>::from_floats(x.as_slice(), &Default::default());
+        // Against the sum in f64, term by term.
+        let exact: f64 = x.iter().map(|&v| v as f64 * v as f64).sum();
+        let sum = cpu::sum_squares(&x);
+        assert!(
+            ((sum as f64 - exact) / exact).abs() < 1e-6,
+            "n = {n}: Σx² = {sum}, in f64 {exact}"
+        );
+        // The same bits whatever the threads and their scheduling.
+        for threads in [1, 2, 3, 4] {
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()
+                .unwrap();
+            for _ in 0..4 {
+                let again = pool.install(|| cpu::sum_squares(&x));
+                assert_eq!(sum.to_bits(), again.to_bits(), "n = {n}, {threads} threads");
+            }
+        }
+        // Through the backend, fused and composed, on a matrix's gradient shape.
+        let m = t.clone().reshape([1, n]);
+        let [fused, composed] = [true, false]
+            .map(|on| with_fused(on, || kernels::sum_squares(m.clone()).into_scalar()));
+        assert!(
+            ((fused - composed) / composed).abs() < 1e-6,
+            "n = {n}: {fused} vs {composed}"
+        );
+        // The rescale is one multiplication per element: the composed op's bits exactly.
+        for factor in [0.37f32, 1.0, f32::NAN] {
+            let s = Tensor::<Flex, 1>::from_floats([factor], &Default::default());
+            let [fused, composed] = [true, false].map(|on| {
+                let y = with_fused(on, || kernels::scale(m.clone(), s.clone()));
+                assert_eq!(y.dims(), [1, n]);
+                y.into_data().to_vec::<f32>().unwrap()
+            });
+            let by_hand: Vec<f32> = x.iter().map(|v| v * factor).collect();
+            for (which, y) in [("fused", &fused), ("composed", &composed)] {
+                let same = y
+                    .iter()
+                    .zip(&by_hand)
+                    .all(|(a, b)| a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan()));
+                assert!(
+                    same,
+                    "n = {n}, factor {factor}: {which} rescale differs from x·s"
+                );
+            }
+        }
+    }
+}
+
 /// Everything the fused kernels compute for one small training run and a set of direct calls:
 /// the losses and final weights of three dropout-on training steps of the small model (LayerNorm,
 /// packed causal attention with dropout, GELU, linear layers, cross-entropy, AdamW), and the
@@ -816,6 +881,9 @@ fn everything_the_cpu_kernels_compute() -> Vec<Vec<f32>> {
     let big = values(768 * 200 + 5, 1); // above the threads' split, a ragged tail
     let (gelu, derivative) = cpu::gelu_with_derivative(&big);
     out.extend([cpu::gelu(&big), gelu, derivative]);
+    let mut scaled = big.clone();
+    cpu::scale(&mut scaled, 0.37);
+    out.extend([vec![cpu::sum_squares(&big)], scaled]);
     let d = 131; // LayerNorm rows with a tail of 3 after the 16-lane chunks
     let rows = &big[..d * 1100]; // above the split too
     let gamma = values(d, 2);

@@ -25,7 +25,7 @@ pub use attention::{
     attention_backward, attention_forward, packed_attention_backward, AttentionShape, Heads,
 };
 pub use linear::{linear, linear_backward, Matrix};
-pub use pointwise::{adamw, dropout, gelu, gelu_with_derivative};
+pub use pointwise::{adamw, dropout, gelu, gelu_with_derivative, scale, sum_squares};
 pub use rows::{
     cross_entropy, cross_entropy_backward, layer_norm, layer_norm_backward, softmax,
     softmax_backward,

@@ -1,4 +1,6 @@
-//! Element-wise kernels: exact GELU (with its derivative for training) and the AdamW update.
+//! Element-wise kernels: exact GELU (with its derivative for training), dropout, and the
+//! optimizer's passes: the sum of squares global-norm clipping takes, its rescale, and AdamW's
+//! update.
 
 use super::{erf, exp, multiversion, uninit, written, CHUNK, SPLIT};
 use crate::kernels::{AdamWStep, DropoutMask};
@@ -124,4 +126,49 @@ pub fn adamw(
         .zip(grad.par_chunks(CHUNK))
         .zip(m.par_chunks_mut(CHUNK).zip(v.par_chunks_mut(CHUNK)))
         .for_each(|((p, g), (m, v))| adamw_chunk(p, g, m, v, first, step));
+}
+
+/// Lanes of [`sum_squares`]' accumulators: one AVX-512 register, two AVX2 ones, or sixteen
+/// scalars; element `e` of a chunk always goes to lane `e % LANES`, so every form adds the
+/// same numbers in the same order.
+const LANES: usize = 16;
+
+multiversion! {
+    fn sum_squares_chunk(x: &[f32]) -> f32 {
+        let mut acc = [0.0f32; LANES];
+        let mut lanes = x.chunks_exact(LANES);
+        for block in &mut lanes {
+            for (a, &x) in acc.iter_mut().zip(block) {
+                *a += x * x;
+            }
+        }
+        for (a, &x) in acc.iter_mut().zip(lanes.remainder()) {
+            *a += x * x;
+        }
+        acc.iter().sum()
+    }
+}
+
+/// `Σ x²`: chunks of [`CHUNK`] elements (in parallel when large), each summed in [`LANES`]
+/// lanes, their sums added in order — the same bits whatever the threads and the processor.
+pub fn sum_squares(x: &[f32]) -> f32 {
+    if x.len() < SPLIT {
+        return x.chunks(CHUNK).map(sum_squares_chunk).sum();
+    }
+    let partial: Vec<f32> = x.par_chunks(CHUNK).map(sum_squares_chunk).collect();
+    partial.iter().sum()
+}
+
+/// `x ← x · s` in place (in parallel when large).
+pub fn scale(x: &mut [f32], s: f32) {
+    if x.len() < SPLIT {
+        return scale_chunk(x, s);
+    }
+    x.par_chunks_mut(CHUNK).for_each(|x| scale_chunk(x, s));
+}
+
+multiversion! {
+    fn scale_chunk(x: &mut [f32], s: f32) {
+        x.iter_mut().for_each(|x| *x *= s);
+    }
 }
