@@ -303,6 +303,12 @@ fn fused_attention_equals_the_composed_form() {
         ),
         ([1, 1, 3, 300, 16], false, &[11], "long rows"),
         (
+            [2, 2, 70, 70, 32],
+            true,
+            &[],
+            "causal, two tiles, head width 32 (rows read in place)",
+        ),
+        (
             [2, 1, 6, 6, 3],
             true,
             &[6, 0],
@@ -402,6 +408,18 @@ fn packed_self_attention_equals_the_composed_form() {
     let device = Default::default();
     let cases: &[([usize; 4], bool, &[usize], &str)] = &[
         ([2, 70, 3, 8], true, &[], "causal, two key tiles"),
+        (
+            [3, 17, 4, 16],
+            false,
+            &[],
+            "bidirectional, short heads 16 wide (rows read in place)",
+        ),
+        (
+            [2, 70, 2, 32],
+            true,
+            &[0, 9],
+            "causal with padding, two tiles, 32 wide (rows read in place)",
+        ),
         (
             [2, 9, 2, 5],
             true,

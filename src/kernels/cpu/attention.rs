@@ -150,15 +150,39 @@ fn zeroed(v: &mut Vec<f32>, n: usize) -> &mut [f32] {
     v
 }
 
-/// Rows `0..n` of head `(b, h)` copied row-major, `padded(kw)` apart (zeros after `kw`): a
-/// packed `B` operand.
-fn pack_rows<'a>(x: Heads, [b, h, n, kw]: [usize; 4], out: &'a mut Vec<f32>) -> &'a [f32] {
+/// Rows `0..n` of head `(b, h)` as a packed `B` operand (row `i` at `ptr + i·ld`, read in
+/// whole 16-lane units): the head's own rows where `kw` is a whole number of units (nothing
+/// copied: the units cover each row exactly), else a copy `padded(kw)` apart with zeros after
+/// `kw`.
+#[derive(Clone, Copy)]
+struct RowsB {
+    ptr: *const f32,
+    ld: usize,
+}
+
+impl RowsB {
+    /// Row `i`.
+    #[inline(always)]
+    fn at(self, i: usize) -> *const f32 {
+        self.ptr.wrapping_add(i * self.ld)
+    }
+}
+
+fn pack_rows(x: Heads, [b, h, n, kw]: [usize; 4], out: &mut Vec<f32>) -> RowsB {
     let ld = padded(kw);
+    if ld == kw && n > 0 {
+        let _ = x.row(b, h, n - 1, kw); // the last row read is in bounds
+        let (ptr, ld, _) = x.rows(b, h, 0);
+        return RowsB { ptr, ld };
+    }
     let out = zeroed(out, n * ld);
     for (i, row) in out.chunks_exact_mut(ld).enumerate() {
         row[..kw].copy_from_slice(x.row(b, h, i, kw));
     }
-    out
+    RowsB {
+        ptr: out.as_ptr(),
+        ld,
+    }
 }
 
 /// Rows `0..n` of head `(b, h)` transposed: `kw` rows of `padded(n)` (zeros after `n`).
@@ -204,10 +228,12 @@ multiversion! {
         let scale = 1.0 / (kw as f32).sqrt();
         let (kwp, lds) = (padded(kw), padded(s));
         let Scratch { packed: [kt, vp, ..], tiles: [keep, scores, acc, _], .. } = scratch;
-        let keep = zeroed(keep, if dropout.is_some() { TILE * TILE } else { 0 });
+        // A tile has at most this many rows (a short head's tiles are small: 17 rows, not 64).
+        let rows = TILE.min(t);
+        let keep = zeroed(keep, if dropout.is_some() { rows * TILE } else { 0 });
         let (kt, vp) = (pack_transposed(k, [b, h, s, kw], kt), pack_rows(v, [b, h, s, kw], vp));
-        let scores = zeroed(scores, TILE * TILE);
-        let acc = zeroed(acc, TILE * kwp);
+        let scores = zeroed(scores, rows * TILE);
+        let acc = zeroed(acc, rows * kwp);
         let (mut max, mut denom) = ([0.0f32; TILE], [0.0f32; TILE]);
         for i0 in (0..t).step_by(TILE) {
             let m = TILE.min(t - i0);
@@ -267,8 +293,8 @@ multiversion! {
                         n: kw,
                         k: n,
                         a: (scores.as_ptr(), TILE, 1),
-                        b: vp[j0 * kwp..].as_ptr(),
-                        ldb: kwp,
+                        b: vp.at(j0),
+                        ldb: vp.ld,
                         c: acc.as_mut_ptr(),
                         ldc: kwp,
                         accumulate: true,
@@ -342,7 +368,9 @@ multiversion! {
         let first = ((b * shape.h + h) * t) as u64 * s as u64;
         let Scratch { packed: [kt, vt, kp, qp, dop], tiles: [keep, dropped, p, ds], sums: [delta, dq, dk, dv] } = scratch;
         // The dropout multipliers of a tile (rows of n) and the dropped weights P⊙M.
-        let tile = if dropout.is_some() { TILE * TILE } else { 0 };
+        // A tile has at most `rows` rows (a short head's tiles are small: 17 rows, not 64).
+        let rows = TILE.min(t);
+        let tile = if dropout.is_some() { rows * TILE } else { 0 };
         let (keep, dropped) = (zeroed(keep, tile), zeroed(dropped, tile));
         let scale = 1.0 / (kw as f32).sqrt();
         let [dq_out, dk_out, dv_out] = grads;
@@ -361,7 +389,7 @@ multiversion! {
         );
         // This head's gradients, rows `kwp` apart; written out at the end.
         let (dq, dk, dv) = (zeroed(dq, t * kwp), zeroed(dk, s * kwp), zeroed(dv, s * kwp));
-        let (p, ds) = (zeroed(p, TILE * TILE), zeroed(ds, TILE * TILE));
+        let (p, ds) = (zeroed(p, rows * TILE), zeroed(ds, rows * TILE));
         for i0 in (0..t).step_by(TILE) {
             let m = TILE.min(t - i0);
             let lse = &lse[i0..i0 + m];
@@ -373,14 +401,14 @@ multiversion! {
                 let limit = limits(causal, pad, i0, j0);
                 // The tile's products; each reads rows of this head or local packed copies, in
                 // bounds for whole column units, and writes a local buffer.
-                let product = |a: Operand, [m, n, k]: [usize; 3], b: &[f32], ldb: usize, c: *mut f32, ldc: usize, accumulate: bool, scale: f32, limit: Limit| {
+                let product = |a: Operand, [m, n, k]: [usize; 3], b: *const f32, ldb: usize, c: *mut f32, ldc: usize, accumulate: bool, scale: f32, limit: Limit| {
                     // SAFETY: as above.
                     unsafe {
-                        Product { m, n, k, a, b: b.as_ptr(), ldb, c, ldc, accumulate, scale, limit }.run()
+                        Product { m, n, k, a, b, ldb, c, ldc, accumulate, scale, limit }.run()
                     }
                 };
                 let columns = limit.map_or(Limit::All, Limit::Columns);
-                product(q.rows(b, h, i0), [m, n, kw], &kt[j0..], lds, p.as_mut_ptr(), TILE, false, scale, columns);
+                product(q.rows(b, h, i0), [m, n, kw], kt[j0..].as_ptr(), lds, p.as_mut_ptr(), TILE, false, scale, columns);
                 mask_tile(p, [TILE, m, n], i0, j0, causal, pad, MASKED_SCORE);
                 for (ii, &l) in lse.iter().enumerate() {
                     let row = &mut p[ii * TILE..ii * TILE + n];
@@ -409,9 +437,9 @@ multiversion! {
                 // dV += Pᵀ·dO: key row jj reads queries ii ≥ jj + j0 − i0 only.
                 let from = limit.map_or(Limit::All, |o| Limit::InnerFrom(-o));
                 let dv_tile = dv[j0 * kwp..].as_mut_ptr();
-                product((weights.as_ptr(), 1, TILE), [n, kw, m], &dop[i0 * kwp..], kwp, dv_tile, kwp, true, 1.0, from);
+                product((weights.as_ptr(), 1, TILE), [n, kw, m], dop.at(i0), dop.ld, dv_tile, kwp, true, 1.0, from);
                 // dP = dO·Vᵀ.
-                product(d_o.rows(b, h, i0), [m, n, kw], &vt[j0..], lds, ds.as_mut_ptr(), TILE, false, 1.0, columns);
+                product(d_o.rows(b, h, i0), [m, n, kw], vt[j0..].as_ptr(), lds, ds.as_mut_ptr(), TILE, false, 1.0, columns);
                 if dropout.is_some() {
                     for ii in 0..m {
                         let row = &mut ds[ii * TILE..ii * TILE + n];
@@ -430,9 +458,9 @@ multiversion! {
                 // dQ += dS·K; dK += dSᵀ·Q.
                 let dq_blk = dq[i0 * kwp..].as_mut_ptr();
                 let up_to = limit.map_or(Limit::All, Limit::InnerUpTo);
-                product((ds.as_ptr(), TILE, 1), [m, kw, n], &kp[j0 * kwp..], kwp, dq_blk, kwp, true, 1.0, up_to);
+                product((ds.as_ptr(), TILE, 1), [m, kw, n], kp.at(j0), kp.ld, dq_blk, kwp, true, 1.0, up_to);
                 let dk_tile = dk[j0 * kwp..].as_mut_ptr();
-                product((ds.as_ptr(), 1, TILE), [n, kw, m], &qp[i0 * kwp..], kwp, dk_tile, kwp, true, 1.0, from);
+                product((ds.as_ptr(), 1, TILE), [n, kw, m], qp.at(i0), qp.ld, dk_tile, kwp, true, 1.0, from);
             }
         }
         // SAFETY: rows of head (b, h) belong to this task.
