@@ -128,9 +128,9 @@ pub fn adamw(
         .for_each(|((p, g), (m, v))| adamw_chunk(p, g, m, v, first, step));
 }
 
-/// Lanes of [`sum_squares`]' accumulators: one AVX-512 register, two AVX2 ones, or sixteen
-/// scalars; element `e` of a chunk always goes to lane `e % LANES`, so every form adds the
-/// same numbers in the same order.
+/// Lanes of [`sum_squares`]' accumulators (one AVX-512 register's worth): element `e` of a
+/// chunk always goes to lane `e % LANES` and the lanes are added in order at the end, so every
+/// form, vectorised or not, adds the same numbers in the same order.
 const LANES: usize = 16;
 
 multiversion! {
