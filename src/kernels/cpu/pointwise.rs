@@ -2,7 +2,7 @@
 //! optimizer's passes: the sum of squares global-norm clipping takes, its rescale, and AdamW's
 //! update.
 
-use super::{erf, exp, multiversion, uninit, written, CHUNK, SPLIT};
+use super::{dot, erf, exp, multiversion, uninit, written, CHUNK, SPLIT};
 use crate::kernels::{AdamWStep, DropoutMask};
 use rayon::prelude::*;
 use std::mem::MaybeUninit;
@@ -128,29 +128,15 @@ pub fn adamw(
         .for_each(|((p, g), (m, v))| adamw_chunk(p, g, m, v, first, step));
 }
 
-/// Lanes of [`sum_squares`]' accumulators (one AVX-512 register's worth): element `e` of a
-/// chunk always goes to lane `e % LANES` and the lanes are added in order at the end, so every
-/// form, vectorised or not, adds the same numbers in the same order.
-const LANES: usize = 16;
-
 multiversion! {
     fn sum_squares_chunk(x: &[f32]) -> f32 {
-        let mut acc = [0.0f32; LANES];
-        let mut lanes = x.chunks_exact(LANES);
-        for block in &mut lanes {
-            for (a, &x) in acc.iter_mut().zip(block) {
-                *a += x * x;
-            }
-        }
-        for (a, &x) in acc.iter_mut().zip(lanes.remainder()) {
-            *a += x * x;
-        }
-        acc.iter().sum()
+        dot(x, x)
     }
 }
 
-/// `Σ x²`: chunks of [`CHUNK`] elements (in parallel when large), each summed in [`LANES`]
-/// lanes, their sums added in order — the same bits whatever the threads and the processor.
+/// `Σ x²`: chunks of [`CHUNK`] elements (in parallel when large), each summed by [`dot`]'s
+/// fixed lanes, their sums added in order — the same bits whatever the threads and the
+/// processor.
 pub fn sum_squares(x: &[f32]) -> f32 {
     if x.len() < SPLIT {
         return x.chunks(CHUNK).map(sum_squares_chunk).sum();
