@@ -150,10 +150,7 @@ fn zeroed(v: &mut Vec<f32>, n: usize) -> &mut [f32] {
     v
 }
 
-/// Rows `0..n` of head `(b, h)` as a packed `B` operand (row `i` at `ptr + i·ld`, read in
-/// whole 16-lane units): the head's own rows where `kw` is a whole number of units (nothing
-/// copied: the units cover each row exactly), else a copy `padded(kw)` apart with zeros after
-/// `kw`.
+/// A packed `B` operand of a tile product: row `i` at `ptr + i·ld`, read in whole 16-lane units.
 #[derive(Clone, Copy)]
 struct RowsB {
     ptr: *const f32,
@@ -168,6 +165,9 @@ impl RowsB {
     }
 }
 
+/// Rows `0..n` of head `(b, h)` as a [`RowsB`]: the head's own rows where `kw` is a whole
+/// number of units (nothing copied: the units cover each row exactly), else a copy in `out`,
+/// `padded(kw)` apart with zeros after `kw`.
 fn pack_rows(x: Heads, [b, h, n, kw]: [usize; 4], out: &mut Vec<f32>) -> RowsB {
     let ld = padded(kw);
     if ld == kw && n > 0 {

@@ -9,11 +9,11 @@
 //! heads in place through their strides.
 
 //!
-//! The kernels come in families, one file each: [`pointwise`] (GELU, AdamW), [`rows`]
-//! (LayerNorm, softmax, cross-entropy), [`linear`] (the tiled products of linear layers),
-//! [`attention`] (flash-style forward and backward) and [`tile`] (the products inside
-//! attention's tiles). This file holds what they share: the
-//! run-time dispatch, the vectorising reductions and the uninitialised-buffer helpers.
+//! The kernels come in families, one file each: [`pointwise`] (GELU, dropout, AdamW and
+//! clipping's passes), [`rows`] (LayerNorm, softmax, cross-entropy), [`linear`] (the tiled
+//! products of linear layers), [`attention`] (flash-style forward and backward) and [`tile`]
+//! (the products inside attention's tiles). This file holds what they share: the run-time
+//! dispatch, the vectorising reductions and the uninitialised-buffer helpers.
 
 mod attention;
 mod linear;
