@@ -131,6 +131,72 @@ pub fn check_available(kind: BackendKind) -> Result<()> {
     Ok(())
 }
 
+/// Points cubecl's caches — the compiled kernels and the autotune choices — at this binary's
+/// and this device's directory in the user's cache ([`crate::user_cache`]), unless a `cubecl.toml` or a
+/// `CUBECL_*` variable already chose, and says so on a binary's first GPU run. Left to itself
+/// cubecl compiles every kernel again in every process and keeps its autotune choices in the
+/// `target/` of whatever Cargo project the working directory lies in (else its own cache
+/// directory). On CUDA that first run is long: on an H200 each kernel took 0.7–1.3 s through NVRTC
+/// and the driver's PTX compiler, every new matmul shape autotunes ~10 candidates, and the
+/// kernel check and a training run's first step each compiled hundreds (minutes); with the
+/// caches, later runs skip both.
+#[cfg(feature = "cube-kernels")]
+pub fn prepare_gpu(kind: BackendKind) {
+    use cubecl::config::{cache::CacheConfig, CubeClRuntimeConfig, RuntimeConfig};
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        // Per binary (a rebuild compiles other kernels under the same names) and per device
+        // (compiled code is for one architecture).
+        let device: String = describe_device(kind)
+            .chars()
+            .map(
+                |c| match c.is_ascii_alphanumeric() || c == '.' || c == '-' {
+                    true => c,
+                    false => '_',
+                },
+            )
+            .collect();
+        let Some(dir) = crate::user_cache::cache_dir().map(|dir| {
+            dir.join("gpu-kernels")
+                .join(crate::user_cache::binary_dir_name())
+                .join(device)
+        }) else {
+            return;
+        };
+        let fresh = !dir.exists();
+        // cubecl fails hard on a cache it cannot write: where ours cannot be made, its own.
+        if std::fs::create_dir_all(&dir).is_err() {
+            return;
+        }
+        let mut config = CubeClRuntimeConfig::from_current_dir().override_from_env();
+        let mut ours = false;
+        if config.compilation.cache.is_none() {
+            config.compilation.cache = Some(CacheConfig::File(dir.clone()));
+            ours = true;
+        }
+        if matches!(config.autotune.cache, CacheConfig::Target) {
+            config.autotune.cache = CacheConfig::File(dir.clone());
+            ours = true;
+        }
+        {
+            // Set only where nothing has read the configuration yet (it is read once).
+            let mut state = CubeClRuntimeConfig::storage().lock();
+            if state.is_some() {
+                return;
+            }
+            *state = Some(std::sync::Arc::new(config));
+        }
+        if fresh && ours {
+            eprintln!(
+                "first {} run of this binary: its kernels are compiled and tuned for the device \
+                 (minutes on CUDA); later runs reuse them from {}",
+                format!("{kind:?}").to_lowercase(),
+                dir.display()
+            );
+        }
+    });
+}
+
 /// The devices `ids` of the backend whose default device is `default`, for data-parallel
 /// training: CUDA device `i`; for wgpu the `i`-th adapter of the kind burn picks by default
 /// (discrete, else integrated, virtual); on a CPU backend (and wgpu on a CPU adapter) every id

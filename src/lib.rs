@@ -58,3 +58,4 @@ pub mod serve;
 pub mod stdio;
 pub mod train;
 pub mod translate;
+pub mod user_cache;

@@ -8,15 +8,13 @@ use crate::cli::KernelCheck;
 use crate::files::write_atomic;
 use crate::kernels::check::{check_all, OpCheck};
 use crate::kernels::{fall_back, fused, LabBackend, Op};
+use crate::user_cache::{binary_identity, cache_dir};
 use anyhow::{bail, Result};
 use burn::backend::Autodiff;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::Instant;
-
-/// The environment variable that moves the check's cache (tests give each run its own).
-pub const CACHE_ENV: &str = "TRANSFORMER_LAB_CACHE_DIR";
 
 /// One operation's result as the cache keeps it.
 #[derive(Serialize, Deserialize, Clone, Copy)]
@@ -182,36 +180,12 @@ fn to_cache(checks: &[OpCheck]) -> BTreeMap<String, Cached> {
 /// What a cached check is valid for: backend, device and driver, this binary (its version,
 /// size and modification time: a rebuild compiles other kernels).
 fn identity(kind: BackendKind) -> String {
-    let binary = std::env::current_exe()
-        .and_then(std::fs::metadata)
-        .map(|m| {
-            let modified = m
-                .modified()
-                .ok()
-                .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
-                .map_or(0, |d| d.as_secs());
-            format!("{} bytes, modified {modified}", m.len())
-        })
-        .unwrap_or_default();
-    format!(
-        "{kind:?} | {} | transformer-lab {} ({binary})",
-        describe(kind),
-        env!("CARGO_PKG_VERSION"),
-    )
+    format!("{kind:?} | {} | {}", describe(kind), binary_identity())
 }
 
-/// `$TRANSFORMER_LAB_CACHE_DIR`, else `$XDG_CACHE_HOME/transformer-lab`, else
-/// `~/.cache/transformer-lab`.
+/// `kernel-check.json` in the user's cache directory ([`cache_dir`]).
 fn cache_file() -> Option<PathBuf> {
-    let var = |name| {
-        std::env::var_os(name)
-            .filter(|v| !v.is_empty())
-            .map(PathBuf::from)
-    };
-    let dir = var(CACHE_ENV)
-        .or_else(|| var("XDG_CACHE_HOME").map(|d| d.join("transformer-lab")))
-        .or_else(|| var("HOME").map(|d| d.join(".cache").join("transformer-lab")))?;
-    Some(dir.join("kernel-check.json"))
+    Some(cache_dir()?.join("kernel-check.json"))
 }
 
 /// The cache, empty where there is none or it cannot be read (the check then runs again).

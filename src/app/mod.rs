@@ -41,9 +41,15 @@ pub fn dispatch(kind: Option<BackendKind>, task: impl BackendTask) -> Result<()>
             task.run::<crate::backend::Flex>(Default::default())
         }),
         #[cfg(feature = "wgpu-backend")]
-        BackendKind::Wgpu => task.run::<crate::backend::Gpu>(Default::default()),
+        BackendKind::Wgpu => {
+            crate::backend::prepare_gpu(kind);
+            task.run::<crate::backend::Gpu>(Default::default())
+        }
         #[cfg(feature = "cuda-backend")]
-        BackendKind::Cuda => task.run::<crate::backend::CudaGpu>(Default::default()),
+        BackendKind::Cuda => {
+            crate::backend::prepare_gpu(kind);
+            task.run::<crate::backend::CudaGpu>(Default::default())
+        }
         #[allow(unreachable_patterns)]
         _ => unreachable!("check_available refuses backends left out of the build"),
     }

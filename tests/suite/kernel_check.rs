@@ -160,6 +160,39 @@ fn learns(backend: &str) {
         valid[3] < unigram - 1.0,
         "{backend}: validation loss {valid:?} against the unigram loss {unigram:.3}"
     );
+    // A GPU backend keeps cubecl's autotune choices (and on CUDA its compiled kernels) in this
+    // binary's directory of the user's cache, and says so on the first run.
+    let kernels = dir.path().join("cache").join("gpu-kernels");
+    if backend == "flex" {
+        assert!(!kernels.exists());
+        return;
+    }
+    assert!(
+        stderr.contains(&format!("first {backend} run of this binary")),
+        "{stderr}"
+    );
+    let cached = files_under(&kernels);
+    assert!(
+        cached.iter().any(|f| f.contains("autotune")),
+        "no autotune cache under {}: {cached:?}",
+        kernels.display()
+    );
+}
+
+/// Every file under `dir`, as paths relative to it.
+fn files_under(dir: &Path) -> Vec<String> {
+    let mut files = Vec::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for entry in std::fs::read_dir(&d).into_iter().flatten().flatten() {
+            let path = entry.path();
+            match path.is_dir() {
+                true => stack.push(path),
+                false => files.push(path.strip_prefix(dir).unwrap().display().to_string()),
+            }
+        }
+    }
+    files
 }
 
 #[test]

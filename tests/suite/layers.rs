@@ -9,6 +9,7 @@ const LAYERS: &[(&str, usize)] = &[
     ("files", 0),
     ("memory", 0),
     ("stdio", 0),
+    ("user_cache", 0),
     ("kernels", 1),
     ("hf", 1),
     ("bleu", 1),
