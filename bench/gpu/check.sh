@@ -23,7 +23,9 @@
 #   - the PyTorch peers on the same GPU: bench/pytorch/train_bench.py at f32, bf16 and compiled
 #     bf16, bench/pytorch/generate_bench.py (transformers) at batch 1 and 8.
 #
-# Every log goes to OUT_DIR; CI_EXPECT_CUDA=1 is set for anything that reads it.
+# Every log goes to OUT_DIR (GPU_CHECK_PACK=1 packs them into one archive there); CI_EXPECT_CUDA=1
+# is set for anything that reads it. Where the raw fused path does not learn, it runs the learning
+# check once per fused operation with that one composed, to name the operation at fault.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -92,7 +94,7 @@ EOF
 learn() {
   local name=$1 backend=$2; shift 2
   step "learn-$name" 200 "$BIN" --backend "$backend" "$@" train -e "$OUT_DIR/learn.json" \
-    --artifact-dir "$OUT_DIR/art-$name" --force --plain
+    --artifact-dir "${TMPDIR:-/tmp}/gpu-check-art-$name" --force --plain
   local rc=$?
   local valid speed
   valid=$(grep ' valid ' "$OUT_DIR/learn-$name.log" | tail -1 | sed -E 's/.*loss ([0-9.a-zA-Z]+).*/\1/')
@@ -104,8 +106,33 @@ learn() {
   row "learning ($name)" "$(status $rc)" "valid ${valid:-?} vs unigram $UNIGRAM: $verdict; ${speed:-}"
 }
 learn cuda-unchecked cuda --kernel-check never
+RAW_LEARNS=$(case "${ROWS[-1]}" in *"DOES NOT LEARN"*) echo no;; *) echo yes;; esac)
 learn cuda cuda
 learn wgpu wgpu
+
+# Where the raw fused path does not learn: which operation. Each run forces one operation to
+# its composed form through the kernel check's cache (its entry marked as failed), the others
+# fused; the run that learns names the culprit.
+CHECKS="$TRANSFORMER_LAB_CACHE_DIR/kernel-check.json"
+if [ "$RAW_LEARNS" = no ] && [ -f "$CHECKS" ]; then
+  cp "$CHECKS" "$OUT_DIR/kernel-check.json"
+  for op in attention packed_attention cross_entropy adamw layer_norm gelu dropout softmax; do
+    python3 - "$OUT_DIR/kernel-check.json" "$CHECKS" "$op" <<'EOF'
+import json, sys
+c = json.load(open(sys.argv[1]))
+for ops in c["checks"].values():
+    if sys.argv[3] in ops:
+        ops[sys.argv[3]]["error"] = 1.0
+json.dump(c, open(sys.argv[2], "w"))
+EOF
+    step "bisect-$op" 90 "$BIN" --backend cuda train -e "$OUT_DIR/learn.json" \
+      --artifact-dir "${TMPDIR:-/tmp}/gpu-check-art-bisect" --force --plain
+    rc=$?
+    valid=$(grep ' valid ' "$OUT_DIR/bisect-$op.log" | tail -1 | sed -E 's/.*loss ([0-9.a-zA-Z]+).*/\1/')
+    row "cuda, $op composed" "$(status $rc)" "valid ${valid:-?} vs unigram $UNIGRAM"
+  done
+  cp "$OUT_DIR/kernel-check.json" "$CHECKS"
+fi
 
 # 3. Training speed, ours.
 bench_train() {
@@ -153,3 +180,9 @@ echo
 echo "GPU check, $(date -u +%Y-%m-%d), $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -1), ${SECONDS}s"
 printf '%-34s %-14s %s\n' "check" "status" "result"
 for r in "${ROWS[@]}"; do echo "$r"; done
+
+# GPU_CHECK_PACK=1: the logs as one archive in OUT_DIR (for a machine that returns few files).
+if [ "${GPU_CHECK_PACK:-0}" = 1 ]; then
+  (cd "$OUT_DIR" && tar czf gpu-check-logs.tar.gz --exclude gpu-check-logs.tar.gz ./*.log ./*.json 2>/dev/null &&
+    rm -f ./*.log ./*.json)
+fi
