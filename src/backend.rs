@@ -131,51 +131,48 @@ pub fn check_available(kind: BackendKind) -> Result<()> {
     Ok(())
 }
 
-/// Points cubecl's caches — the compiled kernels and the autotune choices — at this binary's
-/// and this device's directory in the user's cache ([`crate::user_cache`]), unless a `cubecl.toml` or a
-/// `CUBECL_*` variable already chose, and says so on a binary's first GPU run. Left to itself
+/// Points cubecl's caches into the user's cache ([`crate::user_cache`]), unless a
+/// `cubecl.toml` or a `CUBECL_*` variable already chose: the autotune choices under
+/// `gpu-kernels/<device>/` (they depend on burn's kernels, pinned, and cubecl checks each
+/// entry's checksum, so they outlive a rebuild), the compiled kernels under
+/// `gpu-kernels/<device>/<binary>/` (a rebuild compiles other kernels under the same names;
+/// compiled code is for one architecture). Says so on a binary's first GPU run. Left to itself
 /// cubecl compiles every kernel again in every process and keeps its autotune choices in the
 /// `target/` of whatever Cargo project the working directory lies in (else its own cache
-/// directory). On CUDA that first run is long: on an H200 each kernel took 0.7–1.3 s through NVRTC
-/// and the driver's PTX compiler, every new matmul shape autotunes ~10 candidates, and the
-/// kernel check and a training run's first step each compiled hundreds (minutes); with the
-/// caches, later runs skip both.
+/// directory). On CUDA that first run is long: on an H200 each kernel took 0.7–1.3 s through
+/// NVRTC and the driver's PTX compiler, every new matmul shape autotunes ~10 candidates, and the
+/// kernel check and a training run's first step each compiled hundreds (minutes).
 #[cfg(feature = "cube-kernels")]
 pub fn prepare_gpu(kind: BackendKind) {
     use cubecl::config::{cache::CacheConfig, CubeClRuntimeConfig, RuntimeConfig};
     static ONCE: std::sync::Once = std::sync::Once::new();
     ONCE.call_once(|| {
-        // Per binary (a rebuild compiles other kernels under the same names) and per device
-        // (compiled code is for one architecture).
-        let device: String = describe_device(kind)
-            .chars()
-            .map(
-                |c| match c.is_ascii_alphanumeric() || c == '.' || c == '-' {
-                    true => c,
-                    false => '_',
-                },
-            )
-            .collect();
-        let Some(dir) = crate::user_cache::cache_dir().map(|dir| {
-            dir.join("gpu-kernels")
-                .join(crate::user_cache::binary_dir_name())
-                .join(device)
-        }) else {
+        // The device as a directory name: `NVIDIA_H200_CUDA_driver_13.0`.
+        let device = describe_device(kind)
+            .split(|c: char| !(c.is_ascii_alphanumeric() || c == '.' || c == '-'))
+            .filter(|word| !word.is_empty())
+            .collect::<Vec<_>>()
+            .join("_");
+        let device: String = device.chars().take(100).collect();
+        let Some(tuned) =
+            crate::user_cache::cache_dir().map(|dir| dir.join("gpu-kernels").join(device))
+        else {
             return;
         };
-        let fresh = !dir.exists();
+        let compiled = tuned.join(crate::user_cache::binary_dir_name());
+        let fresh = !compiled.exists();
         // cubecl fails hard on a cache it cannot write: where ours cannot be made, its own.
-        if std::fs::create_dir_all(&dir).is_err() {
+        if std::fs::create_dir_all(&compiled).is_err() {
             return;
         }
         let mut config = CubeClRuntimeConfig::from_current_dir().override_from_env();
         let mut ours = false;
         if config.compilation.cache.is_none() {
-            config.compilation.cache = Some(CacheConfig::File(dir.clone()));
+            config.compilation.cache = Some(CacheConfig::File(compiled.clone()));
             ours = true;
         }
         if matches!(config.autotune.cache, CacheConfig::Target) {
-            config.autotune.cache = CacheConfig::File(dir.clone());
+            config.autotune.cache = CacheConfig::File(tuned.clone());
             ours = true;
         }
         {
@@ -188,10 +185,10 @@ pub fn prepare_gpu(kind: BackendKind) {
         }
         if fresh && ours {
             eprintln!(
-                "first {} run of this binary: its kernels are compiled and tuned for the device \
-                 (minutes on CUDA); later runs reuse them from {}",
+                "first {} run of this binary: its kernels are compiled (and on a new device \
+                 autotuned; minutes on CUDA); later runs reuse them from {}",
                 format!("{kind:?}").to_lowercase(),
-                dir.display()
+                tuned.display()
             );
         }
     });
