@@ -1,7 +1,8 @@
-//! The user's cache directory and what a cached result is valid for. Two things live there: the
-//! on-device kernel check's results (`app::doctor`) and, on the GPU backends, cubecl's compiled
-//! kernels and autotune choices (`backend::prepare_gpu`). Both are only ever worth keeping for
-//! the binary that made them: a rebuild compiles other kernels.
+//! The user's cache directory and what a cached result is valid for. The on-device kernel
+//! check's results live there (`app::doctor`) and, on the GPU backends, cubecl's compiled
+//! kernels and autotune choices (`backend::prepare_gpu`). The first two are only worth keeping
+//! for the binary that made them (a rebuild compiles other kernels); the autotune choices, for
+//! burn's pinned kernels, outlive a rebuild.
 
 use std::path::PathBuf;
 
