@@ -160,8 +160,8 @@ fn learns(backend: &str) {
         valid[3] < unigram - 1.0,
         "{backend}: validation loss {valid:?} against the unigram loss {unigram:.3}"
     );
-    // A GPU backend keeps cubecl's autotune choices (and on CUDA its compiled kernels) in this
-    // binary's directory of the user's cache, and says so on the first run.
+    // A GPU backend keeps cubecl's autotune choices (per device) and on CUDA its compiled
+    // kernels (per device and binary) in the user's cache, and says so on the first run.
     let kernels = dir.path().join("cache").join("gpu-kernels");
     if backend == "flex" {
         assert!(!kernels.exists());
