@@ -3,7 +3,7 @@
 //! log-sum-exp — the `t × s` score matrix is never stored.
 
 use super::linear::Operand;
-use super::tile::{padded, transpose, Limit, Product};
+use super::tile::{padded, transpose, Limit, Product, UNIT};
 use super::{dot, exp, multiversion, sum, uninit, written};
 use crate::kernels::reference::MASKED_SCORE;
 use crate::kernels::DropoutMask;
@@ -80,7 +80,15 @@ impl Out {
     unsafe fn write(&self, b: usize, h: usize, i: usize, row: &[f32]) {
         let [sb, sh, si] = self.strides;
         let dst = self.ptr.add(b * sb + h * sh + i * si);
-        std::ptr::copy_nonoverlapping(row.as_ptr(), dst, row.len());
+        // Whole units as fixed-size copies (inlined as vector moves; a head's rows are short
+        // and a call to `memmove` per row cost more than the copy), then the rest.
+        let (n, src) = (row.len(), row.as_ptr());
+        let mut c = 0;
+        while c + UNIT <= n {
+            std::ptr::copy_nonoverlapping(src.add(c), dst.add(c), UNIT);
+            c += UNIT;
+        }
+        std::ptr::copy_nonoverlapping(src.add(c), dst.add(c), n - c);
     }
 }
 
@@ -148,6 +156,16 @@ fn zeroed(v: &mut Vec<f32>, n: usize) -> &mut [f32] {
     v.clear();
     v.resize(n, 0.0);
     v
+}
+
+/// `n` elements of `v` holding whatever an earlier head left (zeros where it grows): for a
+/// buffer whose every element read is first written, as clearing 1,088 floats per head for
+/// a ViT's 512 small heads per layer was a visible part of their cost.
+fn reused(v: &mut Vec<f32>, n: usize) -> &mut [f32] {
+    if v.len() < n {
+        v.resize(n, 0.0);
+    }
+    &mut v[..n]
 }
 
 /// A packed `B` operand of a tile product: row `i` at `ptr + i·ld`, read in whole 16-lane units.
@@ -230,10 +248,10 @@ multiversion! {
         let Scratch { packed: [kt, vp, ..], tiles: [keep, scores, acc, _], .. } = scratch;
         // A tile has at most this many rows (a short head's tiles are small: 17 rows, not 64).
         let rows = TILE.min(t);
-        let keep = zeroed(keep, if dropout.is_some() { rows * TILE } else { 0 });
+        let keep = reused(keep, if dropout.is_some() { rows * TILE } else { 0 });
         let (kt, vp) = (pack_transposed(k, [b, h, s, kw], kt), pack_rows(v, [b, h, s, kw], vp));
-        let scores = zeroed(scores, rows * TILE);
-        let acc = zeroed(acc, rows * kwp);
+        let scores = reused(scores, rows * TILE);
+        let acc = reused(acc, rows * kwp); // cleared per block of rows
         let (mut max, mut denom) = ([0.0f32; TILE], [0.0f32; TILE]);
         for i0 in (0..t).step_by(TILE) {
             let m = TILE.min(t - i0);
@@ -371,10 +389,10 @@ multiversion! {
         // A tile has at most `rows` rows (a short head's tiles are small: 17 rows, not 64).
         let rows = TILE.min(t);
         let tile = if dropout.is_some() { rows * TILE } else { 0 };
-        let (keep, dropped) = (zeroed(keep, tile), zeroed(dropped, tile));
+        let (keep, dropped) = (reused(keep, tile), reused(dropped, tile));
         let scale = 1.0 / (kw as f32).sqrt();
         let [dq_out, dk_out, dv_out] = grads;
-        let delta = zeroed(delta, t);
+        let delta = reused(delta, t);
         for (i, x) in delta.iter_mut().enumerate() {
             *x = dot(d_o.row(b, h, i, kw), o.row(b, h, i, kw));
         }
@@ -389,7 +407,7 @@ multiversion! {
         );
         // This head's gradients, rows `kwp` apart; written out at the end.
         let (dq, dk, dv) = (zeroed(dq, t * kwp), zeroed(dk, s * kwp), zeroed(dv, s * kwp));
-        let (p, ds) = (zeroed(p, rows * TILE), zeroed(ds, rows * TILE));
+        let (p, ds) = (reused(p, rows * TILE), reused(ds, rows * TILE));
         for i0 in (0..t).step_by(TILE) {
             let m = TILE.min(t - i0);
             let lse = &lse[i0..i0 + m];

@@ -89,43 +89,64 @@ const PARALLEL_PRODUCT: usize = 1 << 21;
 /// Fewest rows of one block of a split product.
 const PRODUCT_ROWS: usize = 64;
 
-/// `dst (m × n, row-major) = A·B`, or `+= A·B` when `accumulate`, on one core or, when
-/// `parallel` and the product is large enough, on every core by blocks of rows.
+/// What a product's destination starts from.
+#[derive(Clone, Copy)]
+enum Start<'a> {
+    /// Nothing: `dst = A·B` (`dst` may be uninitialised).
+    Empty,
+    /// `bias` in every row: `dst = bias + A·B` (`dst` may be uninitialised; each block of
+    /// rows writes its bias rows just before its product, on the core that runs it).
+    Bias(&'a [f32]),
+}
+
+/// `dst (m × n, row-major) = start + A·B` on one core or, when `parallel` and the product is
+/// large enough, on every core by blocks of rows.
 ///
 /// # Safety
-/// `dst` must be valid for `m × n` writes (and reads when `accumulate`) and alias neither
-/// operand; without `accumulate` it may be uninitialised.
-unsafe fn product(dst: *mut f32, accumulate: bool, a: Matrix, b: Matrix, parallel: bool) {
+/// `dst` must be valid for `m × n` writes and alias neither operand; it may be
+/// uninitialised.
+unsafe fn product(dst: *mut f32, start: Start, a: Matrix, b: Matrix, parallel: bool) {
     let ([m, k], n) = (a.shape, b.shape[1]);
     assert_eq!(k, b.shape[0], "inner dimensions differ");
+    if let Start::Bias(bias) = start {
+        assert_eq!(bias.len(), n, "bias width");
+    }
     let (a, b) = (a.operand(), b.operand());
     let blocks = if parallel && m * n * k >= PARALLEL_PRODUCT {
         rayon::current_num_threads().min(m / PRODUCT_ROWS)
     } else {
         1
     };
-    if blocks <= 1 {
-        // SAFETY: the operands were checked in bounds; `dst` is the caller's promise.
-        return unsafe { matmul([m, n, k], dst, n, accumulate, a, b) };
-    }
-    let rows = m.div_ceil(blocks);
+    let rows = m.div_ceil(blocks.max(1));
     let (dst, a_rows) = (SendPtr(dst), SendPtr(a.0.cast_mut()));
     let b_ptr = SendPtr(b.0.cast_mut());
-    (0..m.div_ceil(rows)).into_par_iter().for_each(|block| {
+    let block = |block: usize| {
         let first = block * rows;
         let count = rows.min(m - first);
-        // SAFETY: the blocks are disjoint rows of `dst` and of A, all in bounds.
+        // SAFETY: the blocks are disjoint rows of `dst` and of A, all in bounds (the operands
+        // were checked; `dst` is the caller's promise).
         unsafe {
+            let dst = dst.get().add(first * n);
+            if let Start::Bias(bias) = start {
+                for r in 0..count {
+                    std::ptr::copy_nonoverlapping(bias.as_ptr(), dst.add(r * n), n);
+                }
+            }
             matmul(
                 [count, n, k],
-                dst.get().add(first * n),
+                dst,
                 n,
-                accumulate,
+                matches!(start, Start::Bias(_)),
                 (a_rows.get().add(first * a.1).cast_const(), a.1, a.2),
                 (b_ptr.get().cast_const(), b.1, b.2),
             )
         }
-    });
+    };
+    if blocks <= 1 {
+        block(0)
+    } else {
+        (0..m.div_ceil(rows)).into_par_iter().for_each(block)
+    }
 }
 
 /// A destination pointer handed to another rayon task.
@@ -142,29 +163,18 @@ impl SendPtr {
     }
 }
 
-/// `y = x·w + b` for `x` `n × i`, `w` `i × o`: the bias is written first and the product
-/// accumulated onto it (one pass over `y`, no separate broadcast add).
+/// `y = x·w + b` for `x` `n × i`, `w` `i × o`: each block of rows is the bias, then the
+/// product accumulated onto it (one pass over `y`, no separate broadcast add).
 pub fn linear(x: Matrix, w: Matrix, bias: Option<&[f32]>) -> Vec<f32> {
     let (n, o) = (x.shape[0], w.shape[1]);
     let mut y = uninit(n * o);
-    match bias {
-        Some(bias) => {
-            assert_eq!(bias.len(), o, "bias width");
-            for _ in 0..n {
-                y.extend_from_slice(bias);
-            }
-            // SAFETY: `y` holds `n × o` initialised elements.
-            unsafe { product(y.as_mut_ptr(), true, x, w, true) };
-        }
-        None => {
-            // SAFETY: `y` has room for `n × o`; the product writes them all without reading.
-            y = unsafe {
-                product(y.as_mut_ptr(), false, x, w, true);
-                written(y, n * o)
-            };
-        }
+    let start = bias.map_or(Start::Empty, Start::Bias);
+    // SAFETY: `y` has room for `n × o`; the product (and the bias) write them all before any
+    // is read.
+    unsafe {
+        product(y.as_mut_ptr(), start, x, w, true);
+        written(y, n * o)
     }
-    y
 }
 
 multiversion! {
@@ -196,9 +206,9 @@ pub fn linear_backward(
     let split = rayon::current_num_threads() > 2;
     let db = rayon::join(
         // SAFETY: each destination has room for its product, written without reading.
-        || unsafe { product(dx_ptr.get(), false, dy, w.t(), split) },
+        || unsafe { product(dx_ptr.get(), Start::Empty, dy, w.t(), split) },
         || {
-            unsafe { product(dw_ptr.get(), false, x.t(), dy, split) };
+            unsafe { product(dw_ptr.get(), Start::Empty, x.t(), dy, split) };
             bias.then(|| {
                 let mut db = vec![0.0; o];
                 column_sums(dy, &mut db);
