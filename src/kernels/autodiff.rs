@@ -238,6 +238,10 @@ impl<B: LabBackend, C: CheckpointStrategy> LabBackend for Autodiff<B, C> {
         B::mixed_precision(device, dtype)
     }
 
+    fn autotunes() -> bool {
+        B::autotunes()
+    }
+
     fn fused_linear(
         x: FloatTensor<Self>,
         w: FloatTensor<Self>,

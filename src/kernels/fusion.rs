@@ -100,6 +100,10 @@ impl<B: FusionBackend + LabBackend> LabBackend for Fusion<B> {
         B::mixed_precision(device, dtype)
     }
 
+    fn autotunes() -> bool {
+        B::autotunes()
+    }
+
     /// In `f32`, fusion's own matmul; in half precision, one custom operation running the inner
     /// backend's mixed-precision product (fusion's matmul returns its inputs' type).
     fn fused_linear(x: Tensor<B>, w: Tensor<B>, b: Option<Tensor<B>>) -> Tensor<B> {

@@ -225,6 +225,14 @@ pub trait LabBackend: Backend {
         false
     }
 
+    /// Whether this backend picks its matrix-product kernels by benchmarking each new shape
+    /// (burn's autotune on a GPU: on CUDA the first run of a shape compiles and times about ten
+    /// candidate kernels). Decoding then pads its growing key–value columns to a few fixed
+    /// lengths ([`crate::nn::attention::decode_columns`]). The default: it does not.
+    fn autotunes() -> bool {
+        false
+    }
+
     /// A linear layer, `x·w + b`: `x` `[n, i]`, `w` `[i, o]`, `b` `[o]` → `[n, o]`. Under a
     /// half [`Precision`], a backend that supports it ([`Self::mixed_precision`]) multiplies in
     /// that type and returns the input's type.

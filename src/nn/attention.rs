@@ -104,6 +104,35 @@ pub fn biased_attention_weights<B: LabBackend>(
     softmax(scores)
 }
 
+/// Fewest key–value columns a decoding step's products see on a backend that autotunes.
+const DECODE_COLUMNS: usize = 16;
+
+/// The key–value columns a decoding step's products see for `s` cached positions: `s` itself,
+/// or on a backend that autotunes its products per shape ([`LabBackend::autotunes`]) the next
+/// power of two from [`DECODE_COLUMNS`], the extra columns zero and masked. burn's matmul
+/// autotune keys a product by its dimensions' power-of-two bucket *and* by how many times two
+/// divides them and their strides: a cache that grows one column per token met a new key at
+/// most steps (35 keys for 40 tokens measured on lavapipe; on CUDA each costs seconds of
+/// compiling and timing), where the padded lengths meet one per doubling.
+pub fn decode_columns<B: LabBackend>(s: usize) -> usize {
+    match B::autotunes() {
+        true => s.next_power_of_two().max(DECODE_COLUMNS),
+        false => s,
+    }
+}
+
+/// `x` `[b, h, s, k]` with zero rows after its own up to `columns`.
+fn zero_padded<B: LabBackend>(x: Tensor<B, 4>, columns: usize) -> Tensor<B, 4> {
+    let [b, h, s, k] = x.dims();
+    match columns > s {
+        true => {
+            let zeros = Tensor::zeros([b, h, columns - s, k], &x.device());
+            Tensor::cat(vec![x, zeros], 2)
+        }
+        false => x,
+    }
+}
+
 /// Configuration of [`MultiHeadAttention`].
 #[derive(Config, Debug)]
 pub struct MultiHeadAttentionConfig {
@@ -312,6 +341,9 @@ impl<B: LabBackend> MultiHeadAttention<B> {
                 let keep = keep.into_iter().chain(rolling).min();
                 let (k, v, first) = cache.append(k, v, keep); // [b, h, s, k]
                 let s = k.dims()[2];
+                // Columns s.. (where the backend autotunes) are zero and masked.
+                let columns = decode_columns::<B>(s);
+                let (k, v) = (zero_padded(k, columns), zero_padded(v, columns));
                 // New query i sits at position past + i; cached key j at first + j.
                 let allows = |i: usize, j: usize| {
                     let (i, j) = (past + i, first + j);
@@ -320,12 +352,13 @@ impl<B: LabBackend> MultiHeadAttention<B> {
                         Mixer::Strided { stride } => strided_allows(i, j, *stride, true),
                         _ => j <= i,
                     };
-                    pattern && rolling.is_none_or(|w| local_allows(i, j, w, true))
+                    j < first + s && pattern && rolling.is_none_or(|w| local_allows(i, j, w, true))
                 };
-                let mask = ((0..n).any(|i| (0..s).any(|j| !allows(i, j)))).then(|| {
-                    pattern_rows::<B>(n, s, allows, &device).unsqueeze::<4>() // [1, 1, n, s]
+                let mask = ((0..n).any(|i| (0..columns).any(|j| !allows(i, j)))).then(|| {
+                    pattern_rows::<B>(n, columns, allows, &device).unsqueeze::<4>()
+                    // [1, 1, n, s]
                 });
-                let bias = self.bias(past..past + n, first..first + s, &device);
+                let bias = self.bias(past..past + n, first..first + columns, &device);
                 biased_attention_weights(q, k, mask, bias).matmul(v) // [b, h, n, k]
             }
         };
@@ -360,6 +393,9 @@ impl<B: LabBackend> MultiHeadAttention<B> {
         };
         *kv = Some((k.clone(), v.clone()));
         let ([b, _, s, _], device) = (k.dims(), k.device());
+        // Columns s.. (where the backend autotunes) are zero and masked.
+        let columns = decode_columns::<B>(s);
+        let (k, v) = (zero_padded(k, columns), zero_padded(v, columns));
         let allows = |i: usize, j: usize| match &self.mixer {
             Mixer::Local { window } => local_allows(i, j, *window, true),
             Mixer::Strided { stride } => strided_allows(i, j, *stride, true),
@@ -367,12 +403,13 @@ impl<B: LabBackend> MultiHeadAttention<B> {
             other => panic!("the {} mixer keeps no keys and values", other.name()),
         };
         let masked: Vec<bool> = (0..b)
-            .flat_map(|r| (0..s).map(move |j| (r, j)))
-            .map(|(r, j)| !rows.sees(r, j, s, allows))
+            .flat_map(|r| (0..columns).map(move |j| (r, j)))
+            .map(|(r, j)| j >= s || !rows.sees(r, j, s, allows))
             .collect();
-        let mask = Tensor::<B, 4, Bool>::from_data(TensorData::new(masked, [b, 1, 1, s]), &device);
-        // The distance from the query (last column) to column j is s − 1 − j in every row.
-        let bias = self.bias(s - 1..s, 0..s, &device);
+        let mask =
+            Tensor::<B, 4, Bool>::from_data(TensorData::new(masked, [b, 1, 1, columns]), &device);
+        // The distance from the query (column s − 1) to column j is s − 1 − j in every row.
+        let bias = self.bias(s - 1..s, 0..columns, &device);
         let context = biased_attention_weights(q, k, Some(mask), bias).matmul(v); // [b, h, 1, k]
         self.project_out(merge_heads(context))
     }

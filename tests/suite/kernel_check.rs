@@ -179,6 +179,43 @@ fn learns(backend: &str) {
     );
 }
 
+/// Cached decoding on a backend that autotunes its products per shape meets one new shape per
+/// doubling of the cache, not one at most steps: the matmul autotune entries a 100-token decode
+/// leaves (40 before the cached keys and values were padded to powers of two; each costs
+/// seconds of compiling and timing on CUDA).
+#[test]
+fn decoding_meets_few_matmul_shapes_on_wgpu() {
+    if !crate::wgpu_backend::wgpu_runs() {
+        return;
+    }
+    let dir = Dir::new(10);
+    let config = r#"{"name": "long", "seed": 5,
+        "model": {"d_model": 16, "n_layers": 1, "n_heads": 2, "context": 128},
+        "data": {"text_file": "corpus.txt"},
+        "train": {"batch_size": 2, "steps": 10, "steps_per_epoch": 10, "warmup_steps": 2}}"#;
+    std::fs::write(dir.path().join("long.json"), config).unwrap();
+    let args = ["bench", "generate", "-e", "long.json", "--tokens", "100"];
+    let out = dir
+        .command_on("wgpu", &args)
+        .args(["--batch", "1", "--cached-only", "--runs", "1"])
+        .output()
+        .unwrap();
+    let (stdout, stderr) = text_of(&out);
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    let kernels = dir.path().join("cache").join("gpu-kernels");
+    let keys: usize = files_under(&kernels)
+        .iter()
+        .filter(|f| f.contains("matmul"))
+        .map(|f| {
+            let text = std::fs::read_to_string(kernels.join(f)).unwrap();
+            text.matches("\"definition\"").count()
+        })
+        .sum();
+    // The four projections and the output head at one row: 4 shapes; the two attention
+    // products at 16, 32, 64 and 128 columns: 8 (measured 12).
+    assert!((4..=14).contains(&keys), "{keys} matmul shapes autotuned");
+}
+
 /// Every file under `dir`, as paths relative to it.
 fn files_under(dir: &Path) -> Vec<String> {
     let mut files = Vec::new();

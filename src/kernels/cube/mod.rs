@@ -119,6 +119,10 @@ where
         Self::supports_dtype(device, dtype.into())
     }
 
+    fn autotunes() -> bool {
+        true
+    }
+
     fn fused_linear(x: CubeTensor<R>, w: CubeTensor<R>, b: Option<CubeTensor<R>>) -> CubeTensor<R> {
         match super::precision().half() {
             Some(half) => linear::forward::<Self, R>(x, w, b, half),
