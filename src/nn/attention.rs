@@ -112,8 +112,8 @@ const DECODE_COLUMNS: usize = 16;
 /// power of two from [`DECODE_COLUMNS`], the extra columns zero and masked. burn's matmul
 /// autotune keys a product by its dimensions' power-of-two bucket *and* by how many times two
 /// divides them and their strides: a cache that grows one column per token met a new key at
-/// most steps (35 keys for 40 tokens measured on lavapipe; on CUDA each costs seconds of
-/// compiling and timing), where the padded lengths meet one per doubling.
+/// most steps (a 100-token decode met 40 on lavapipe; on CUDA each costs seconds of compiling
+/// and timing), where the padded lengths meet one per doubling.
 pub fn decode_columns<B: LabBackend>(s: usize) -> usize {
     match B::autotunes() {
         true => s.next_power_of_two().max(DECODE_COLUMNS),
@@ -341,7 +341,8 @@ impl<B: LabBackend> MultiHeadAttention<B> {
                 let keep = keep.into_iter().chain(rolling).min();
                 let (k, v, first) = cache.append(k, v, keep); // [b, h, s, k]
                 let s = k.dims()[2];
-                // Columns s.. (where the backend autotunes) are zero and masked.
+                // Columns s.. (where the backend autotunes) are zero and masked (they lie in
+                // every query's future, and `allows` says so whatever the pattern).
                 let columns = decode_columns::<B>(s);
                 let (k, v) = (zero_padded(k, columns), zero_padded(v, columns));
                 // New query i sits at position past + i; cached key j at first + j.
@@ -354,10 +355,9 @@ impl<B: LabBackend> MultiHeadAttention<B> {
                     };
                     j < first + s && pattern && rolling.is_none_or(|w| local_allows(i, j, w, true))
                 };
-                let mask = ((0..n).any(|i| (0..columns).any(|j| !allows(i, j)))).then(|| {
-                    pattern_rows::<B>(n, columns, allows, &device).unsqueeze::<4>()
-                    // [1, 1, n, s]
-                });
+                // [1, 1, n, columns]
+                let mask = ((0..n).any(|i| (0..columns).any(|j| !allows(i, j))))
+                    .then(|| pattern_rows::<B>(n, columns, allows, &device).unsqueeze::<4>());
                 let bias = self.bias(past..past + n, first..first + columns, &device);
                 biased_attention_weights(q, k, mask, bias).matmul(v) // [b, h, n, k]
             }
