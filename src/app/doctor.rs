@@ -6,7 +6,7 @@
 use crate::backend::BackendKind;
 use crate::cli::KernelCheck;
 use crate::files::write_atomic;
-use crate::kernels::check::{check_all, OpCheck, BREAK_ENV};
+use crate::kernels::check::{broken, check_all, OpCheck};
 use crate::kernels::{fall_back, fused, LabBackend, Op};
 use crate::user_cache::{binary_identity, cache_dir};
 use anyhow::{bail, Result};
@@ -179,12 +179,16 @@ fn to_cache(checks: &[OpCheck]) -> BTreeMap<String, Cached> {
 
 /// What a cached check is valid for: backend, device and driver, this binary (its version,
 /// size and modification time: a rebuild compiles other kernels), and the operations broken on
-/// purpose ([`BREAK_ENV`]), so that a result found with one never stands for a run without it.
+/// purpose ([`crate::kernels::check::BREAK_ENV`]), so that a result found with one never
+/// stands for a run without it.
 fn identity(kind: BackendKind) -> String {
     let identity = format!("{kind:?} | {} | {}", describe(kind), binary_identity());
-    match std::env::var(BREAK_ENV) {
-        Ok(broken) if !broken.trim().is_empty() => format!("{identity} | broken: {broken}"),
-        _ => identity,
+    match broken() {
+        [] => identity,
+        ops => {
+            let names: Vec<&str> = ops.iter().map(|op| op.name()).collect();
+            format!("{identity} | broken: {}", names.join(","))
+        }
     }
 }
 

@@ -109,17 +109,21 @@ fn linear_check<B: LabAutodiff>(device: &B::Device) -> OpCheck {
     }
 }
 
-/// `x` scaled by 1.1 where [`BREAK_ENV`] names `op`, else `x` (one atomic read).
-pub(crate) fn sabotage<B: Backend, const D: usize>(op: Op, x: Tensor<B, D>) -> Tensor<B, D> {
+/// The operations [`BREAK_ENV`] breaks, read once per process.
+pub(crate) fn broken() -> &'static [Op] {
     static BROKEN: OnceLock<Vec<Op>> = OnceLock::new();
-    let broken = BROKEN.get_or_init(|| {
+    BROKEN.get_or_init(|| {
         std::env::var(BREAK_ENV)
             .unwrap_or_default()
             .split(',')
             .filter_map(|name| Op::from_name(name.trim()))
             .collect()
-    });
-    match broken.contains(&op) {
+    })
+}
+
+/// `x` scaled by 1.1 where [`BREAK_ENV`] names `op`, else `x` (one atomic read).
+pub(crate) fn sabotage<B: Backend, const D: usize>(op: Op, x: Tensor<B, D>) -> Tensor<B, D> {
+    match broken().contains(&op) {
         true => x.mul_scalar(1.1),
         false => x,
     }
