@@ -16,8 +16,9 @@
 #
 #   - `doctor` on cuda and wgpu: every fused kernel against its composed form on the device;
 #   - a learning check per backend: experiments/shakespeare-char-gpu.json cut to 150 steps must
-#     end below the unigram loss of its text (cuda with the kernel check, cuda without it —
-#     the raw fused path — and wgpu);
+#     end below the unigram loss of its text (cuda with the kernel checks — each operation, then
+#     the run's first step fused against composed, whose warnings name what runs composed —,
+#     cuda without them — the raw fused path — and wgpu);
 #   - `bench train` at f32 and bf16 on cuda, f32 on wgpu; `bench generate` (cached) at batch 1
 #     and 8 on cuda;
 #   - the PyTorch peers on the same GPU: bench/pytorch/train_bench.py at f32, bf16 and compiled
@@ -103,7 +104,10 @@ learn() {
   if [ -n "$valid" ]; then
     verdict=$(python3 -c "print('learns' if float('$valid') < $UNIGRAM else 'DOES NOT LEARN')" 2>/dev/null || echo "?")
   fi
-  row "learning ($name)" "$(status $rc)" "valid ${valid:-?} vs unigram $UNIGRAM: $verdict; ${speed:-}"
+  # The operations the kernel check or the step check made run composed (their warnings).
+  local composed
+  composed=$(grep '^warning' "$OUT_DIR/learn-$name.log" | grep -o 'fused [a-z_]* kernel' | awk '{print $2}' | sort -u | paste -sd, - || true)
+  row "learning ($name)" "$(status $rc)" "valid ${valid:-?} vs unigram $UNIGRAM: $verdict; ${speed:-}${composed:+; composed: $composed}"
 }
 learn cuda-unchecked cuda --kernel-check never
 RAW_LEARNS=$(case "${ROWS[-1]}" in *"DOES NOT LEARN"*) echo no;; *) echo yes;; esac)

@@ -1,33 +1,20 @@
 //! The on-device check of the fused kernels (`kernels::check`): before a command first uses
-//! them on a GPU backend, and as the `doctor` command. A disagreeing operation prints one
+//! them on a GPU backend, and as the `doctor` command (a training run then also checks its
+//! first step, `kernels::step_check`). A disagreeing operation prints one
 //! warning line and runs composed for the rest of the process; the result is cached per
 //! backend, device, driver and binary in the user's cache directory, so the check runs once.
 
 use crate::backend::BackendKind;
 use crate::cli::KernelCheck;
-use crate::files::write_atomic;
-use crate::kernels::check::{broken, check_all, OpCheck};
-use crate::kernels::{fall_back, fused, LabBackend, Op};
-use crate::user_cache::{binary_identity, cache_dir};
+use crate::kernels::check::{
+    broken_label, check_all, read_cache, show_error, write_cache, Cached, OpCheck,
+};
+use crate::kernels::{fall_back, fused, step_check, LabBackend, Op};
+use crate::user_cache::binary_identity;
 use anyhow::{bail, Result};
 use burn::backend::Autodiff;
-use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
-use std::path::PathBuf;
 use std::time::Instant;
-
-/// One operation's result as the cache keeps it.
-#[derive(Serialize, Deserialize, Clone, Copy)]
-struct Cached {
-    error: f32,
-    tolerance: f32,
-}
-
-/// The cache file: each device identity's results, by operation name.
-#[derive(Serialize, Deserialize, Default)]
-struct Cache {
-    checks: BTreeMap<String, BTreeMap<String, Cached>>,
-}
 
 /// Runs before a command on backend `kind`: unless `mode` says otherwise (or the fused kernels
 /// are off), checks the fused operations on `device` (or reads the cached check) and makes
@@ -46,6 +33,8 @@ pub fn prepare<B: LabBackend>(
         return Ok(());
     }
     let identity = identity(kind);
+    // A training run also checks its own first step, at its own shapes (`kinds::train`).
+    step_check::want(identity.clone());
     let mut cache = read_cache();
     let results = match cache.checks.get(&identity) {
         Some(results) => results.clone(),
@@ -145,13 +134,6 @@ fn head_dim(kind: BackendKind) -> usize {
     }
 }
 
-fn show_error(error: f32) -> String {
-    match error.is_finite() {
-        true => format!("{error:.1e}"),
-        false => "non-finite".into(),
-    }
-}
-
 fn truncate(text: &str, width: usize) -> String {
     match text.chars().count() > width {
         true => text.chars().take(width - 1).chain(['…']).collect(),
@@ -183,41 +165,9 @@ fn to_cache(checks: &[OpCheck]) -> BTreeMap<String, Cached> {
 /// stands for a run without it.
 fn identity(kind: BackendKind) -> String {
     let identity = format!("{kind:?} | {} | {}", describe(kind), binary_identity());
-    match broken() {
-        [] => identity,
-        ops => {
-            let names: Vec<&str> = ops.iter().map(|op| op.name()).collect();
-            format!("{identity} | broken: {}", names.join(","))
-        }
-    }
-}
-
-/// `kernel-check.json` in the user's cache directory ([`cache_dir`]).
-fn cache_file() -> Option<PathBuf> {
-    Some(cache_dir()?.join("kernel-check.json"))
-}
-
-/// The cache, empty where there is none or it cannot be read (the check then runs again).
-fn read_cache() -> Cache {
-    cache_file()
-        .and_then(|path| std::fs::read(path).ok())
-        .and_then(|bytes| serde_json::from_slice(&bytes).ok())
-        .unwrap_or_default()
-}
-
-/// Writes the cache whole; a cache that cannot be written only costs a check next time.
-fn write_cache(cache: &Cache) {
-    let Some(path) = cache_file() else { return };
-    let written = path
-        .parent()
-        .map_or(Ok(()), std::fs::create_dir_all)
-        .map_err(anyhow::Error::from)
-        .and_then(|()| Ok(serde_json::to_vec_pretty(cache)?))
-        .and_then(|bytes| write_atomic(&path, &bytes));
-    if let Err(err) = written {
-        eprintln!(
-            "note: the kernel check's cache was not written ({err:#}); it runs again next time"
-        );
+    match broken_label() {
+        None => identity,
+        Some(broken) => format!("{identity} | broken: {broken}"),
     }
 }
 

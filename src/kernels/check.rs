@@ -14,12 +14,17 @@
 use super::{adamw, attention, cross_entropy, dropout::DropoutMask, gelu, layer_norm};
 use super::{packed_self_attention, product, softmax, with_fused, AdamWStep, LabAutodiff};
 use super::{with_precision, LabBackend, Op, Precision, LAYER_NORM_EPSILON};
+use crate::files::write_atomic;
+use crate::user_cache::cache_dir;
 use burn::module::Param;
 use burn::nn::LayerNormConfig;
 use burn::prelude::*;
 use burn::tensor::{Bool, TensorPrimitive};
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::path::PathBuf;
 use std::sync::OnceLock;
 
 /// The largest relative difference (to the largest reference magnitude) an `f32` operation may
@@ -109,23 +114,110 @@ fn linear_check<B: LabAutodiff>(device: &B::Device) -> OpCheck {
     }
 }
 
-/// The operations [`BREAK_ENV`] breaks, read once per process.
-pub(crate) fn broken() -> &'static [Op] {
-    static BROKEN: OnceLock<Vec<Op>> = OnceLock::new();
+/// The operations [`BREAK_ENV`] breaks, read once per process, each with the size above which
+/// it is broken: `gelu` breaks every GELU, `gelu>10000` only those of more than 10,000
+/// elements (a kernel right on the check's small inputs and wrong on a run's: what the step
+/// check is for).
+pub(crate) fn broken() -> &'static [(Op, usize)] {
+    static BROKEN: OnceLock<Vec<(Op, usize)>> = OnceLock::new();
     BROKEN.get_or_init(|| {
         std::env::var(BREAK_ENV)
             .unwrap_or_default()
             .split(',')
-            .filter_map(|name| Op::from_name(name.trim()))
+            .filter_map(|spec| {
+                let (name, above) = spec.split_once('>').unwrap_or((spec, "0"));
+                Some((Op::from_name(name.trim())?, above.trim().parse().ok()?))
+            })
             .collect()
     })
 }
 
-/// `x` scaled by 1.1 where [`BREAK_ENV`] names `op`, else `x` (one atomic read).
+/// The operations broken on purpose as [`BREAK_ENV`] names them (`gelu`, `gelu>10000`), for
+/// the identity a check is cached under; `None` where none is.
+pub(crate) fn broken_label() -> Option<String> {
+    let names: Vec<String> = broken()
+        .iter()
+        .map(|&(op, above)| match above {
+            0 => op.name().to_string(),
+            _ => format!("{}>{above}", op.name()),
+        })
+        .collect();
+    (!names.is_empty()).then(|| names.join(","))
+}
+
+/// `x` scaled by 1.1 where [`BREAK_ENV`] names `op` (at `x`'s size), else `x`.
 pub(crate) fn sabotage<B: Backend, const D: usize>(op: Op, x: Tensor<B, D>) -> Tensor<B, D> {
-    match broken().contains(&op) {
+    let elements = x.shape().num_elements();
+    match broken()
+        .iter()
+        .any(|&(o, above)| o == op && elements > above)
+    {
         true => x.mul_scalar(1.1),
         false => x,
+    }
+}
+
+/// One operation's result as the cache keeps it.
+#[derive(Serialize, Deserialize, Clone, Copy)]
+pub(crate) struct Cached {
+    /// The largest relative difference (`f32::MAX` for a non-finite one).
+    pub error: f32,
+    /// What it was held to.
+    pub tolerance: f32,
+}
+
+/// A step check's result as the cache keeps it ([`super::step_check`]).
+#[derive(Serialize, Deserialize, Clone)]
+pub(crate) struct CachedStep {
+    /// The fused step's largest relative difference from the composed one.
+    pub error: f32,
+    /// The operations that must run composed for the step to agree (none where it did).
+    pub composed: Vec<String>,
+}
+
+/// The cache file: each device identity's operation checks, by operation name, and each step
+/// check, by device identity and run shape.
+#[derive(Serialize, Deserialize, Default)]
+pub(crate) struct Cache {
+    pub checks: BTreeMap<String, BTreeMap<String, Cached>>,
+    #[serde(default)]
+    pub steps: BTreeMap<String, CachedStep>,
+}
+
+/// `kernel-check.json` in the user's cache directory ([`cache_dir`]).
+fn cache_file() -> Option<PathBuf> {
+    Some(cache_dir()?.join("kernel-check.json"))
+}
+
+/// The cache, empty where there is none or it cannot be read (the checks then run again).
+pub(crate) fn read_cache() -> Cache {
+    cache_file()
+        .and_then(|path| std::fs::read(path).ok())
+        .and_then(|bytes| serde_json::from_slice(&bytes).ok())
+        .unwrap_or_default()
+}
+
+/// Writes the cache whole; a cache that cannot be written only costs a check next time.
+pub(crate) fn write_cache(cache: &Cache) {
+    let Some(path) = cache_file() else { return };
+    let written = path
+        .parent()
+        .map_or(Ok(()), std::fs::create_dir_all)
+        .map_err(anyhow::Error::from)
+        .and_then(|()| Ok(serde_json::to_vec_pretty(cache)?))
+        .and_then(|bytes| write_atomic(&path, &bytes));
+    if let Err(err) = written {
+        eprintln!(
+            "note: the kernel check's cache was not written ({err:#}); it runs again next time"
+        );
+    }
+}
+
+/// An error as the warnings and `doctor` print it.
+pub(crate) fn show_error(error: f32) -> String {
+    match error.is_finite() && error < f32::MAX {
+        true => format!("{error:.1e}"),
+        false => "non-finite".into(),
     }
 }
 
@@ -146,7 +238,7 @@ fn random<B: Backend, const D: usize>(
 }
 
 /// The largest `|a − b|` relative to the largest `|b|`; infinite where `a` is not finite.
-fn rel_error<B: Backend, const D: usize>(a: Tensor<B, D>, b: Tensor<B, D>) -> f32 {
+pub(crate) fn rel_error<B: Backend, const D: usize>(a: Tensor<B, D>, b: Tensor<B, D>) -> f32 {
     let read = |x: Tensor<B, D>| -> Vec<f32> {
         x.into_data().convert::<f32>().to_vec().unwrap_or_default()
     };

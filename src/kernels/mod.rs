@@ -34,6 +34,7 @@ mod flex;
 #[cfg(feature = "fusion")]
 mod fusion;
 pub mod reference;
+pub mod step_check;
 
 use burn::nn::{LayerNorm, Linear};
 use burn::prelude::*;
@@ -306,6 +307,8 @@ static FUSED: AtomicBool = AtomicBool::new(true);
 
 thread_local! {
     static FUSED_HERE: Cell<Option<bool>> = const { Cell::new(None) };
+    /// Operations made to run composed on this thread only (the step check's bisection).
+    static COMPOSED_HERE: Cell<Option<u16>> = const { Cell::new(None) };
 }
 
 /// Switches the fused kernels on or off for the whole process (`--no-fused`).
@@ -415,10 +418,19 @@ pub fn fall_back(op: Op) {
     FALLBACK.fetch_or(op.bit(), Ordering::Relaxed);
 }
 
+/// Runs `f` on this thread with `ops` composed as if they had fallen back (the others as the
+/// process has them): how the step check compares the fused path with the composed one and
+/// finds the operation at fault, in one process.
+pub fn with_composed<R>(ops: &[Op], f: impl FnOnce() -> R) -> R {
+    let mask = ops.iter().fold(0, |mask, op| mask | op.bit());
+    with_local(&COMPOSED_HERE, mask, f)
+}
+
 /// Whether `op` runs as its fused kernel on this thread: the fused kernels are on and `op`
-/// has not fallen back.
+/// has not fallen back (for the process, or on this thread through [`with_composed`]).
 pub fn uses(op: Op) -> bool {
-    fused() && FALLBACK.load(Ordering::Relaxed) & op.bit() == 0
+    let composed = FALLBACK.load(Ordering::Relaxed) | COMPOSED_HERE.with(Cell::get).unwrap_or(0);
+    fused() && composed & op.bit() == 0
 }
 
 /// The number type of the linear layers' products (nanoGPT's `dtype`, PyTorch's autocast):
@@ -601,8 +613,9 @@ pub fn attention<B: LabBackend>(
 
 /// Dropout of probability `prob` in training (`B` tracks gradients), the identity elsewhere:
 /// with fused kernels on, a fresh mask of the counter-based stream ([`dropout::next_mask`])
-/// applied in one pass, its backward pass drawing the same mask again (nothing stored); with
-/// them off, burn's `Dropout`.
+/// applied in one pass, its backward pass drawing the same mask again (nothing stored); where
+/// dropout alone fell back, the same mask as a product of multipliers (the run keeps its
+/// masks); with the fused kernels off, burn's `Dropout`.
 pub fn dropout<B: LabBackend, const D: usize>(
     module: &burn::nn::Dropout,
     x: Tensor<B, D>,
@@ -610,11 +623,14 @@ pub fn dropout<B: LabBackend, const D: usize>(
     if !B::ad_enabled(&x.device()) || module.prob == 0.0 {
         return x;
     }
-    if !uses(Op::Dropout) {
+    if !fused() {
         return module.forward(x);
     }
     let shape = x.shape();
     let mask = dropout::next_mask(module.prob);
+    if !uses(Op::Dropout) {
+        return tensor::<B, 1>(composed::dropout::<B>(prim(x.reshape([-1])), mask)).reshape(shape);
+    }
     let y = tensor::<B, 1>(B::fused_dropout(prim(x.reshape([-1])), mask)).reshape(shape);
     check::sabotage(Op::Dropout, y)
 }

@@ -545,7 +545,16 @@ where
         );
     }
     crate::kernels::seed::<B>(&device, config.seed);
+    // The step check's batch: the first items of the training split, one device's share up to
+    // 16 (its composed attention holds every score: the memory of a --no-fused step).
+    let probe: Vec<K::Item> = match crate::kernels::step_check::wanted() {
+        Some(_) => (0..(config.train.batch_size / peers).min(16))
+            .filter_map(|i| prepared.train.get(i))
+            .collect(),
+        None => Vec::new(),
+    };
     let batcher = Arc::new(prepared.batcher);
+    let probe_batcher = batcher.clone();
     let loaders = session.loaders(
         config,
         &devices,
@@ -560,7 +569,25 @@ where
         model = section.start_from(model, from, &device)?;
         println!("starting from the weights of {}", from.weights()?.display());
     }
+    if !probe.is_empty() {
+        let batch = K::batch::<B>(&probe_batcher, probe, Some(config.seed), &device);
+        let shape = run_shape(config, peers);
+        crate::kernels::step_check::prepare(&shape, &model, |model| {
+            K::loss(model, batch.clone()).0
+        });
+    }
     launch(config, session, model, loaders, prepared.launch)
+}
+
+/// What makes a run's shapes, for the step check's cache: the model and data sections and one
+/// device's share of a batch (of which the check takes up to 16 items), hashed (the cache key also names the binary, which fixes the
+/// hash function).
+fn run_shape(config: &ExperimentConfig, peers: usize) -> String {
+    use std::hash::{Hash, Hasher};
+    let sections = serde_json::to_string(&(&config.model, &config.data)).unwrap_or_default();
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    (sections, config.train.batch_size / peers).hash(&mut hasher);
+    format!("{} {:016x}", config.name, hasher.finish())
 }
 
 /// `bench train` of `config`, whatever its kind: `plan`'s training steps of a fresh model on

@@ -66,6 +66,10 @@ struct Dir(tempfile::TempDir);
 
 impl Dir {
     fn new(steps: usize) -> Self {
+        Self::with_batch(steps, 8)
+    }
+
+    fn with_batch(steps: usize, batch: usize) -> Self {
         let dir = tempfile::tempdir().unwrap();
         let line = "the quick brown fox jumps over the lazy dog.\n";
         std::fs::write(dir.path().join("corpus.txt"), line.repeat(60)).unwrap();
@@ -73,7 +77,7 @@ impl Dir {
             r#"{{"name": "tiny", "seed": 5,
                "model": {{"d_model": 16, "n_layers": 1, "n_heads": 2, "context": 16, "dropout": 0.1}},
                "data": {{"text_file": "corpus.txt"}},
-               "train": {{"batch_size": 8, "steps": {steps}, "steps_per_epoch": 10,
+               "train": {{"batch_size": {batch}, "steps": {steps}, "steps_per_epoch": 10,
                           "eval_batches": 2, "warmup_steps": 5, "lr": 0.01}}}}"#
         );
         std::fs::write(dir.path().join("tiny.json"), config).unwrap();
@@ -139,21 +143,32 @@ fn unigram_loss(text: &str) -> f64 {
 }
 
 /// A short run through the binary on `backend` ends a nat below the unigram loss of its text
-/// (the CUDA bug this guards against sat at ln V, above it).
+/// (the CUDA bug this guards against sat at ln V, above it), with both kernel checks on where
+/// they run by default (a GPU) and on flex, and neither finding a kernel to replace: a kernel
+/// wrong on this device fails the test whether the checks see it (a warning) or not (no
+/// learning). On lavapipe the checks stay off (they would cost a minute of compiling; the
+/// suite covers its kernels).
 fn learns(backend: &str) {
     let dir = Dir::new(40);
     let text = std::fs::read_to_string(dir.path().join("corpus.txt")).unwrap();
     let unigram = unigram_loss(&text);
     assert!((2.8..3.2).contains(&unigram), "{unigram}");
+    let check = if backend == "flex" { "always" } else { "auto" };
+    let args = ["train", "-e", "tiny.json", "--artifact-dir", "art"];
     let out = dir
-        .command_on(
-            backend,
-            &["train", "-e", "tiny.json", "--artifact-dir", "art"],
-        )
+        .command_on(backend, &args)
+        .args(["--kernel-check", check])
         .output()
         .unwrap();
     let (stdout, stderr) = text_of(&out);
     assert!(out.status.success(), "{stdout}\n{stderr}");
+    if check == "always" {
+        assert!(
+            stderr.contains("checking this run's first step"),
+            "{stderr}"
+        );
+    }
+    assert!(!stderr.contains("warning"), "{backend}: {stderr}");
     let valid = valid_losses(&stdout);
     assert_eq!(valid.len(), 4, "{stdout}");
     assert!(
@@ -356,6 +371,63 @@ fn a_broken_kernel_falls_back_with_one_warning_and_trains_as_the_composed_form()
     assert_eq!(valid_losses(&stdout), a, "the same run as the first");
 
     // Without the check the broken kernel trains (that is what the check prevents).
+    let out = dir.train("unchecked", &["--kernel-check", "never"], &broken);
+    let (stdout, stderr) = text_of(&out);
+    assert!(out.status.success(), "{stderr}");
+    let c = valid_losses(&stdout);
+    assert!((a[1] - c[1]).abs() > 1e-3, "{a:?} vs {c:?}");
+}
+
+/// A GELU kernel right on the operation check's small inputs (under 7,000 elements) and wrong
+/// on this run's (32 × 16 rows of 64: 32,768): only the step check can see it.
+#[test]
+fn a_kernel_wrong_only_at_the_runs_shapes_is_caught_by_the_step_check() {
+    let dir = Dir::with_batch(20, 32);
+    let check = ["--kernel-check", "always"];
+    let good = dir.train("good", &check, &[]);
+    let (good_out, good_err) = text_of(&good);
+    assert!(good.status.success(), "{good_err}");
+    assert!(
+        good_err.contains("checking this run's first step"),
+        "{good_err}"
+    );
+    assert!(!good_err.contains("warning"), "{good_err}");
+    // The check trains nothing: the run equals one without it, to the bit.
+    let out = dir.train("never", &["--kernel-check", "never"], &[]);
+    let (stdout, stderr) = text_of(&out);
+    assert!(!stderr.contains("checking"), "{stderr}");
+    let a = valid_losses(&good_out);
+    assert_eq!(a.len(), 2, "{good_out}");
+    assert_eq!(valid_losses(&stdout), a);
+
+    let broken = [(BREAK_ENV, "gelu>20000")];
+    let out = dir.train("caught", &check, &broken);
+    let (stdout, stderr) = text_of(&out);
+    assert!(out.status.success(), "{stderr}");
+    let warnings: Vec<&str> = stderr
+        .lines()
+        .filter(|l| l.starts_with("warning"))
+        .collect();
+    assert_eq!(warnings.len(), 1, "{stderr}");
+    assert!(
+        warnings[0].contains("a training step with the fused gelu kernel disagrees"),
+        "{stderr}"
+    );
+    let b = valid_losses(&stdout);
+    for (x, y) in a.iter().zip(&b) {
+        assert!((x - y).abs() < 1e-3, "{a:?} vs {b:?}");
+    }
+
+    // Cached with the run's shape: no second check, the same warning.
+    let out = dir.train("cached", &check, &broken);
+    let (_, stderr) = text_of(&out);
+    assert!(!stderr.contains("checking"), "{stderr}");
+    assert!(
+        stderr.contains("a training step with the fused gelu"),
+        "{stderr}"
+    );
+
+    // Unchecked, the same break changes what the run learns: the check was needed.
     let out = dir.train("unchecked", &["--kernel-check", "never"], &broken);
     let (stdout, stderr) = text_of(&out);
     assert!(out.status.success(), "{stderr}");
