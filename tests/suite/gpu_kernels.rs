@@ -209,7 +209,9 @@ fn gpu_attention_equals_the_composed_form() {
             &[6, 0],
             "causal, every key of one row padded",
         ),
-        ([1, 1, 40, 40, 64], false, &[], "a 64-wide head"),
+        // The widest head here: lavapipe compiles a 64-wide one (the common GPU width, which
+        // `doctor` and the cuda tests check on a real GPU) for 167 s, this one for 46 s.
+        ([1, 1, 40, 40, 32], false, &[], "a 32-wide head"),
         ([1, 1, 1, 1, 1], true, &[], "one position"),
     ];
     let mask = DropoutMask::new(0.3, 77);
