@@ -12,7 +12,8 @@
 //! cached per device, driver, binary and run shape beside the operation check's.
 
 use super::check::{read_cache, rel_error, show_error, write_cache, CachedStep};
-use super::{adamw, dropout, fall_back, uses, with_composed, AdamWStep, LabAutodiff, Op};
+use super::{adamw, dropout, fall_back, uses, with_composed, with_precision, AdamWStep};
+use super::{LabAutodiff, Op, Precision};
 use burn::module::{AutodiffModule, ModuleVisitor, Param};
 use burn::prelude::*;
 use burn::tensor::backend::AutodiffBackend;
@@ -98,8 +99,19 @@ where
 
 /// One step of `model` fused against the same step composed: the error, and the operations
 /// that must run composed for the step to agree (found greedily: each round adds the one whose
-/// composed form leaves the smallest error).
+/// composed form leaves the smallest error). The products run in `f32` whatever the run's
+/// precision: a half-precision product differs from the composed `f32` one by its rounding,
+/// which is not a fault (the operation check holds it to its own tolerance).
 pub fn check_step<B, M>(model: &M, loss: &impl Fn(&M) -> Tensor<B, 1>) -> StepCheck
+where
+    B: LabAutodiff,
+    M: AutodiffModule<B>,
+{
+    with_precision(Precision::F32, || greedy(model, loss))
+}
+
+/// [`check_step`] at the thread's precision.
+fn greedy<B, M>(model: &M, loss: &impl Fn(&M) -> Tensor<B, 1>) -> StepCheck
 where
     B: LabAutodiff,
     M: AutodiffModule<B>,
