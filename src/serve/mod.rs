@@ -37,6 +37,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use tokio_stream::StreamExt;
 use worker::WorkerHandle;
 
 /// What `serve` is told.
@@ -291,6 +292,38 @@ async fn authorize(State(app): State<Arc<App>>, request: Request, next: Next) ->
     next.run(request).await
 }
 
+/// The most of a too-large body the server reads (and drops) before answering 413.
+const DRAIN_LIMIT: u64 = 64 << 20;
+
+/// A request whose declared body is over `max_body` bytes is answered 413 without reaching its
+/// route. Its body is read and dropped first (up to [`DRAIN_LIMIT`] bytes, for at most 10 s): a
+/// server that answers while the client is still sending closes the connection under it, and
+/// the client sees a broken pipe instead of the answer. A body sent without a length still
+/// meets the limit where its route reads it (`DefaultBodyLimit`).
+async fn too_large(max_body: usize, request: Request, next: Next) -> Response {
+    let declared = request
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    let Some(length) = declared.filter(|&n| n > max_body as u64) else {
+        return next.run(request).await;
+    };
+    if length <= DRAIN_LIMIT {
+        let mut data = request.into_body().into_data_stream();
+        let drain = async { while let Some(Ok(_)) = data.next().await {} };
+        let _ = tokio::time::timeout(Duration::from_secs(10), drain).await;
+    }
+    ApiError::status(
+        StatusCode::PAYLOAD_TOO_LARGE,
+        format!(
+            "length limit exceeded: the body is {length} bytes, this server takes at most \
+             {max_body} (--max-body)"
+        ),
+    )
+    .into_response()
+}
+
 /// Counts each request by route and status, and times it to the start of its answer.
 async fn record(State(app): State<Arc<App>>, request: Request, next: Next) -> Response {
     let route = request
@@ -336,6 +369,9 @@ fn router(app: Arc<App>, max_body: usize) -> Router {
         .route("/v1/zero-shot", post(upload::zero_shot))
         .fallback(not_found)
         .layer(axum::extract::DefaultBodyLimit::max(max_body))
+        .layer(axum::middleware::from_fn(move |request, next| {
+            too_large(max_body, request, next)
+        }))
         .route_layer(axum::middleware::from_fn_with_state(app.clone(), record))
         .layer(axum::middleware::from_fn_with_state(app.clone(), authorize))
         .with_state(app)
