@@ -7,7 +7,7 @@
 use crate::backend::BackendKind;
 use crate::cli::KernelCheck;
 use crate::kernels::check::{
-    broken_label, check_all, read_cache, show_error, write_cache, Cached, OpCheck,
+    broken_label, check_all, read_cache, show_error, storable, write_cache, Cached, OpCheck,
 };
 use crate::kernels::{fall_back, fused, step_check, LabBackend, Op};
 use crate::user_cache::binary_identity;
@@ -145,13 +145,8 @@ fn to_cache(checks: &[OpCheck]) -> BTreeMap<String, Cached> {
     checks
         .iter()
         .map(|c| {
-            let error = if c.error.is_finite() {
-                c.error
-            } else {
-                f32::MAX
-            };
             let cached = Cached {
-                error,
+                error: storable(c.error),
                 tolerance: c.tolerance,
             };
             (c.op.name().to_string(), cached)

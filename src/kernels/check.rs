@@ -213,6 +213,15 @@ pub(crate) fn write_cache(cache: &Cache) {
     }
 }
 
+/// An error as the cache keeps it: JSON has no infinity or NaN, so a non-finite one is
+/// `f32::MAX` (which [`show_error`] prints as non-finite).
+pub(crate) fn storable(error: f32) -> f32 {
+    match error.is_finite() {
+        true => error,
+        false => f32::MAX,
+    }
+}
+
 /// An error as the warnings and `doctor` print it.
 pub(crate) fn show_error(error: f32) -> String {
     match error.is_finite() && error < f32::MAX {

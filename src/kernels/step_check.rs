@@ -11,7 +11,7 @@
 //! that helps most) and run composed for the run, each with one warning line; the result is
 //! cached per device, driver, binary and run shape beside the operation check's.
 
-use super::check::{read_cache, rel_error, show_error, write_cache, CachedStep};
+use super::check::{read_cache, rel_error, show_error, storable, write_cache, CachedStep};
 use super::{adamw, dropout, fall_back, uses, with_composed, with_precision, AdamWStep};
 use super::{LabAutodiff, Op, Precision};
 use burn::module::{AutodiffModule, ModuleVisitor, Param};
@@ -72,11 +72,7 @@ where
             );
             let result = check_step(model, &loss);
             let cached = CachedStep {
-                error: if result.error.is_finite() {
-                    result.error
-                } else {
-                    f32::MAX
-                },
+                error: storable(result.error),
                 composed: result.composed.iter().map(|op| op.name().into()).collect(),
             };
             cache.steps.insert(key, cached.clone());

@@ -321,6 +321,24 @@ fn row<'a>(table: &'a str, op: &str) -> [&'a str; 4] {
     fields[fields.len() - 4..].try_into().unwrap()
 }
 
+/// A run that succeeded with exactly one warning line, holding `warning`, and validation
+/// losses within 1e-3 of `good`'s.
+fn falls_back_once(out: &Output, warning: &str, good: &[f64]) {
+    let (stdout, stderr) = text_of(out);
+    assert!(out.status.success(), "{stderr}");
+    let warnings: Vec<&str> = stderr
+        .lines()
+        .filter(|l| l.starts_with("warning"))
+        .collect();
+    assert_eq!(warnings.len(), 1, "{stderr}");
+    assert!(warnings[0].contains(warning), "{stderr}");
+    let losses = valid_losses(&stdout);
+    assert_eq!(losses.len(), good.len(), "{stdout}");
+    for (x, y) in good.iter().zip(&losses) {
+        assert!((x - y).abs() < 1e-3, "{good:?} vs {losses:?}");
+    }
+}
+
 #[test]
 fn a_broken_kernel_falls_back_with_one_warning_and_trains_as_the_composed_form() {
     let dir = Dir::new(20);
@@ -338,23 +356,10 @@ fn a_broken_kernel_falls_back_with_one_warning_and_trains_as_the_composed_form()
     // again (the good result stays cached beside it).
     let broken = [(BREAK_ENV, "gelu")];
     let out = dir.train("fallback", &check, &broken);
-    let (stdout, stderr) = text_of(&out);
-    assert!(out.status.success(), "{stderr}");
-    let warnings: Vec<&str> = stderr
-        .lines()
-        .filter(|l| l.starts_with("warning"))
-        .collect();
-    assert_eq!(warnings.len(), 1, "{stderr}");
-    assert!(
-        warnings[0].contains("fused gelu kernel disagrees"),
-        "{stderr}"
-    );
     // GELU composed equals GELU fused to ~1e-7: the run trains as the good one did.
-    let (a, b) = (valid_losses(&good_out), valid_losses(&stdout));
+    let a = valid_losses(&good_out);
     assert_eq!(a.len(), 2);
-    for (x, y) in a.iter().zip(&b) {
-        assert!((x - y).abs() < 1e-3, "{a:?} vs {b:?}");
-    }
+    falls_back_once(&out, "fused gelu kernel disagrees", &a);
 
     // The cache remembers: no second check, the same warning.
     let out = dir.train("cached", &check, &broken);
@@ -403,21 +408,11 @@ fn a_kernel_wrong_only_at_the_runs_shapes_is_caught_by_the_step_check() {
 
     let broken = [(BREAK_ENV, "gelu>10000")];
     let out = dir.train("caught", &check, &broken);
-    let (stdout, stderr) = text_of(&out);
-    assert!(out.status.success(), "{stderr}");
-    let warnings: Vec<&str> = stderr
-        .lines()
-        .filter(|l| l.starts_with("warning"))
-        .collect();
-    assert_eq!(warnings.len(), 1, "{stderr}");
-    assert!(
-        warnings[0].contains("a training step with the fused gelu kernel disagrees"),
-        "{stderr}"
+    falls_back_once(
+        &out,
+        "a training step with the fused gelu kernel disagrees",
+        &a,
     );
-    let b = valid_losses(&stdout);
-    for (x, y) in a.iter().zip(&b) {
-        assert!((x - y).abs() < 1e-3, "{a:?} vs {b:?}");
-    }
 
     // Cached with the run's shape: no second check, the same warning.
     let out = dir.train("cached", &check, &broken);
