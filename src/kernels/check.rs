@@ -11,7 +11,8 @@
 //! one on a GPU — a CPU's software Vulkan driver takes minutes to compile that one, so a
 //! smaller head is checked there).
 
-use super::{adamw, attention, cross_entropy, dropout::DropoutMask, gelu, layer_norm};
+use super::sum_squares_all;
+use super::{adamw, attention, cross_entropy, dropout::DropoutMask, gelu, layer_norm, prim};
 use super::{packed_self_attention, product, softmax, with_fused, AdamWStep, LabAutodiff};
 use super::{with_precision, LabBackend, Op, Precision, LAYER_NORM_EPSILON};
 use crate::files::write_atomic;
@@ -418,15 +419,18 @@ fn cross_entropy_error<B: LabAutodiff>(device: &B::Device) -> f32 {
     })
 }
 
-/// Two AdamW steps (the first, without moments, and a later one): parameter and moments.
+/// Two AdamW steps (the first, without moments, and a later one): parameter and moments, the
+/// gradient a transposed view (read at its strides) scaled by clipping's factor; and the
+/// squared global norm of that gradient and another.
 fn adamw_error<B: LabBackend>(device: &B::Device) -> f32 {
     let shape = [67, 48];
     let param = random::<B, 2>(shape, 70, 1.0, device);
-    let grad = random::<B, 2>(shape, 71, 0.1, device);
+    let grad = random::<B, 2>([48, 67], 71, 0.1, device).transpose();
     let moments = (
         random::<B, 2>(shape, 72, 0.01, device),
         random::<B, 2>(shape, 73, 0.001, device).abs(),
     );
+    let clip = || Some(Tensor::<B, 1>::from_floats([0.7], device));
     let step = |time| AdamWStep {
         lr: 3e-3,
         beta_1: 0.9,
@@ -439,7 +443,13 @@ fn adamw_error<B: LabBackend>(device: &B::Device) -> f32 {
     for (moments, time) in [(None, 1), (Some(moments), 7)] {
         let run = |on: bool| {
             with_fused(on, || {
-                adamw(param.clone(), grad.clone(), moments.clone(), step(time))
+                adamw(
+                    param.clone(),
+                    grad.clone(),
+                    moments.clone(),
+                    step(time),
+                    clip(),
+                )
             })
         };
         let (p1, m1, v1) = run(true);
@@ -451,5 +461,12 @@ fn adamw_error<B: LabBackend>(device: &B::Device) -> f32 {
             .max(rel_error(m1, m2))
             .max(rel_error(v1, v2));
     }
-    error
+    let other = random::<B, 1>([5_000], 74, 1.0, device);
+    let [fused, composed] = [true, false].map(|on| {
+        with_fused(on, || {
+            let xs = vec![prim(grad.clone()), prim(other.clone())];
+            sum_squares_all::<B>(xs)
+        })
+    });
+    error.max(rel_error(fused, composed))
 }

@@ -5,7 +5,7 @@
 use super::{reference, AdamWStep, DropoutMask, LabBackend};
 use burn::prelude::*;
 use burn::tensor::ops::{FloatTensor, IntTensor};
-use burn::tensor::TensorPrimitive;
+use burn::tensor::{TensorMetadata, TensorPrimitive};
 
 /// A float primitive as a tensor.
 pub(super) fn tensor<B: Backend, const D: usize>(x: FloatTensor<B>) -> Tensor<B, D> {
@@ -210,6 +210,26 @@ pub fn sum_squares<B: Backend>(x: FloatTensor<B>) -> FloatTensor<B> {
     prim(tensor::<B, 1>(x).square().sum())
 }
 
+/// See [`super::LabBackend::fused_sum_squares_all`]: each tensor's [`sum_squares`], added in
+/// order.
+pub fn sum_squares_all<B: Backend>(xs: Vec<FloatTensor<B>>) -> FloatTensor<B> {
+    sum_squares_each::<B>(xs, sum_squares::<B>)
+}
+
+/// `Σ` over `xs` in order of `sum(x)` for each `x` flattened: global-norm clipping's total.
+pub fn sum_squares_each<B: Backend>(
+    xs: Vec<FloatTensor<B>>,
+    sum: impl Fn(FloatTensor<B>) -> FloatTensor<B>,
+) -> FloatTensor<B> {
+    xs.into_iter()
+        .map(|x| {
+            let n = x.shape().num_elements();
+            sum(B::float_reshape(x, Shape::new([n])))
+        })
+        .reduce(|total, s| B::float_add(total, s))
+        .expect("at least one tensor")
+}
+
 /// See [`super::LabBackend::fused_scale`].
 pub fn scale<B: Backend>(x: FloatTensor<B>, s: FloatTensor<B>) -> FloatTensor<B> {
     prim(tensor::<B, 1>(x) * tensor::<B, 1>(s))
@@ -221,7 +241,14 @@ pub fn adamw<B: Backend>(
     grad: FloatTensor<B>,
     moments: Option<(FloatTensor<B>, FloatTensor<B>)>,
     step: AdamWStep,
+    clip: Option<FloatTensor<B>>,
 ) -> (FloatTensor<B>, FloatTensor<B>, FloatTensor<B>) {
+    let n = grad.shape().num_elements();
+    let grad = B::float_reshape(grad, Shape::new([n]));
+    let grad = match clip {
+        Some(clip) => scale::<B>(grad, clip),
+        None => grad,
+    };
     let AdamWStep {
         lr,
         beta_1,

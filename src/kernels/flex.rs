@@ -324,12 +324,19 @@ impl LabBackend for Flex {
         grad: FlexTensor,
         moments: Option<(FlexTensor, FlexTensor)>,
         step: AdamWStep,
+        clip: Option<FlexTensor>,
     ) -> (FlexTensor, FlexTensor, FlexTensor) {
         if !is_f32(&param) {
-            return composed::adamw::<Flex>(param, grad, moments, step);
+            return composed::adamw::<Flex>(param, grad, moments, step, clip);
         }
+        let n = param.shape().num_elements();
+        let grad =
+            <Flex as burn::tensor::ops::FloatTensorOps<Flex>>::float_reshape(grad, Shape::new([n]));
+        let grad = match clip {
+            Some(clip) => Self::fused_scale(grad, clip),
+            None => grad,
+        };
         let grad = contiguous(grad);
-        let n = grad.shape().num_elements();
         let first = moments.is_none();
         let (mut m, mut v) = match moments {
             Some((m, v)) => (owned(m), owned(v)),

@@ -207,20 +207,30 @@ impl<B: FusionBackend + LabBackend> LabBackend for Fusion<B> {
         grad: Tensor<B>,
         moments: Option<(Tensor<B>, Tensor<B>)>,
         step: AdamWStep,
+        clip: Option<Tensor<B>>,
     ) -> (Tensor<B>, Tensor<B>, Tensor<B>) {
         let shape = param.shape.clone();
-        let first = moments.is_none();
+        let (first, has_clip) = (moments.is_none(), clip.is_some());
         let mut inputs = vec![param, grad];
         inputs.extend(moments.map(|(m, v)| [m, v]).into_iter().flatten());
+        inputs.extend(clip);
         let shapes = [shape.clone(), shape.clone(), shape];
         let [p, m, v] = custom::<B, 3>("adamw", inputs, vec![], shapes, move |f, _| {
             let mut f = f.into_iter();
             let (param, grad) = (f.next().unwrap(), f.next().unwrap());
             let moments = (!first).then(|| (f.next().unwrap(), f.next().unwrap()));
-            let (p, m, v) = B::fused_adamw(param, grad, moments, step);
+            let clip = has_clip.then(|| f.next().unwrap());
+            let (p, m, v) = B::fused_adamw(param, grad, moments, step, clip);
             vec![p, m, v]
         });
         (p, m, v)
+    }
+
+    fn fused_sum_squares_all(xs: Vec<Tensor<B>>) -> Tensor<B> {
+        let [total] = custom::<B, 1>("sum_squares_all", xs, vec![], [Shape::new([1])], |f, _| {
+            vec![B::fused_sum_squares_all(f)]
+        });
+        total
     }
 
     fn fused_layer_norm_forward(

@@ -204,6 +204,13 @@ pub trait LabBackend: Backend {
         composed::sum_squares::<Self>(x)
     }
 
+    /// `Σ x²` over every element of every tensor of `xs` (any shapes, at least one) → `[1]`:
+    /// the squared global norm that clipping takes. The default: each tensor's
+    /// [`Self::fused_sum_squares`], added in order.
+    fn fused_sum_squares_all(xs: Vec<FloatTensor<Self>>) -> FloatTensor<Self> {
+        composed::sum_squares_each::<Self>(xs, Self::fused_sum_squares)
+    }
+
     /// `x · s` for `x` `[n]` and the one element of `s` `[1]`: clipping's rescale of a gradient.
     fn fused_scale(x: FloatTensor<Self>, s: FloatTensor<Self>) -> FloatTensor<Self> {
         composed::scale::<Self>(x, s)
@@ -211,13 +218,16 @@ pub trait LabBackend: Backend {
 
     /// One AdamW step of a parameter `[n]` (any shape, flattened): `(parameter, first
     /// moment, second moment)` after it, from the moments before it (`None` at the first step).
+    /// `grad` has the parameter's shape unflattened, possibly as a strided view; `clip` `[1]`,
+    /// where given, multiplies it first (global-norm clipping's factor, [`Self::fused_scale`]).
     fn fused_adamw(
         param: FloatTensor<Self>,
         grad: FloatTensor<Self>,
         moments: Option<(FloatTensor<Self>, FloatTensor<Self>)>,
         step: AdamWStep,
+        clip: Option<FloatTensor<Self>>,
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
-        composed::adamw::<Self>(param, grad, moments, step)
+        composed::adamw::<Self>(param, grad, moments, step, clip)
     }
 
     /// Whether this backend runs the products of [`Self::fused_linear`] in `dtype` (half
@@ -364,8 +374,8 @@ pub enum Op {
     Dropout,
     /// [`cross_entropy`], forward and backward.
     CrossEntropy,
-    /// The optimizer's passes: [`adamw`]'s update, and the [`sum_squares`] and [`scale`] of
-    /// global-norm clipping.
+    /// The optimizer's passes: [`adamw`]'s update (with clipping's factor), and the
+    /// [`sum_squares_all`], [`sum_squares`] and [`scale`] of global-norm clipping.
     AdamW,
     /// [`product`], the linear layers (their products in the training precision).
     Linear,
@@ -756,6 +766,17 @@ pub fn sum_squares<B: LabBackend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, 
     })
 }
 
+/// `Σ x²` over every element of every tensor of `xs` (at least one) → `[1]`: the squared
+/// global norm of a model's gradients. Fused on a GPU, one launch per tensor reading it where
+/// it lies (no copy of a transposed gradient) and one adding up; on a processor, each tensor's
+/// [`sum_squares`] added in order.
+pub fn sum_squares_all<B: LabBackend>(xs: Vec<FloatTensor<B>>) -> Tensor<B, 1> {
+    tensor(match uses(Op::AdamW) {
+        true => B::fused_sum_squares_all(xs),
+        false => composed::sum_squares_all::<B>(xs),
+    })
+}
+
 /// `x · s` for the one element of `s` `[1]` (clipping's rescale), which stays on the device.
 /// Fused on a processor, a factor of exactly 1 (no clipping this step) returns `x` itself.
 pub fn scale<B: LabBackend, const D: usize>(x: Tensor<B, D>, s: Tensor<B, 1>) -> Tensor<B, D> {
@@ -769,21 +790,24 @@ pub fn scale<B: LabBackend, const D: usize>(x: Tensor<B, D>, s: Tensor<B, 1>) ->
 }
 
 /// One AdamW step of `param`: `(parameter, first moment, second moment)` after it (see
-/// [`AdamWStep`]); one pass over the elements with fused kernels, the composed tensor ops
-/// without.
+/// [`AdamWStep`]), the gradient first multiplied by `clip`'s one element where given
+/// (global-norm clipping's factor, as [`scale`]); one pass over the elements with fused
+/// kernels, the composed tensor ops without.
 pub fn adamw<B: LabBackend, const D: usize>(
     param: Tensor<B, D>,
     grad: Tensor<B, D>,
     moments: Option<(Tensor<B, D>, Tensor<B, D>)>,
     step: AdamWStep,
+    clip: Option<Tensor<B, 1>>,
 ) -> (Tensor<B, D>, Tensor<B, D>, Tensor<B, D>) {
     let shape = param.shape();
     let flat = |x: Tensor<B, D>| prim(x.reshape([-1]));
     let moments = moments.map(|(m, v)| (flat(m), flat(v)));
+    let (grad, clip) = (prim(grad), clip.map(prim));
     let (p, m, v) = if uses(Op::AdamW) {
-        B::fused_adamw(flat(param), flat(grad), moments, step)
+        B::fused_adamw(flat(param), grad, moments, step, clip)
     } else {
-        composed::adamw::<B>(flat(param), flat(grad), moments, step)
+        composed::adamw::<B>(flat(param), grad, moments, step, clip)
     };
     let back = |x| tensor::<B, 1>(x).reshape(shape.clone());
     let p = match uses(Op::AdamW) {

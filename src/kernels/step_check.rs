@@ -206,10 +206,13 @@ fn adamw_error<B: LabAutodiff>(
         weight_decay: 0.1,
         time,
     };
+    // Clipping's factor as training passes it (a global norm over the limit).
+    let clip = || Some(Tensor::from_floats([0.7], &param.device()));
     let steps = |ops: &[Op]| {
         with_composed(ops, || {
-            let (p1, m1, v1) = adamw(param.clone(), grad.clone(), None, step(1));
-            let (p2, m2, v2) = adamw(p1.clone(), grad.clone(), Some((m1.clone(), v1)), step(2));
+            let (p1, m1, v1) = adamw(param.clone(), grad.clone(), None, step(1), clip());
+            let moments = Some((m1.clone(), v1));
+            let (p2, m2, v2) = adamw(p1.clone(), grad.clone(), moments, step(2), clip());
             [p1 - param.clone(), p2 - param.clone(), m1, m2, v2]
         })
     };

@@ -19,6 +19,9 @@ use burn::optim::{
 };
 use burn::prelude::*;
 use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::ops::FloatTensor;
+use std::any::Any;
+use std::sync::{Arc, Mutex};
 
 /// Wraps an optimizer (AdamW without weight decay of its own) so every step first clips the
 /// gradients to a global norm of at most `max_grad_norm` (0 = no clipping), then applies
@@ -29,8 +32,39 @@ pub struct ReferenceOptimizer<O> {
     inner: O,
     weight_decay: f64,
     max_grad_norm: f32,
+    /// Where the inner optimizer takes clipping's factor itself ([`LabAdamW`]): the gradients
+    /// are then not rescaled first, the factor is multiplied in as the update reads them.
+    clip: Option<ClipFactor>,
     /// Steps taken by this process (for [`NAN_ENV`]).
     steps: usize,
+}
+
+/// Global-norm clipping's factor for the step under way, handed from [`ReferenceOptimizer`]
+/// to the [`LabAdamW`] inside it (burn's optimizer interface passes one parameter's gradient
+/// at a time): a `[1]` tensor of the inner backend, on the device, set for one step.
+#[derive(Clone, Default)]
+pub struct ClipFactor(Arc<Mutex<Option<Box<dyn Any + Send>>>>);
+
+impl std::fmt::Debug for ClipFactor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ClipFactor")
+    }
+}
+
+impl ClipFactor {
+    fn set<B: Backend>(&self, factor: Option<Tensor<B, 1>>) {
+        let mut slot = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        *slot = factor.map(|t| Box::new(t) as Box<dyn Any + Send>);
+    }
+
+    fn get<B: Backend>(&self) -> Option<Tensor<B, 1>> {
+        let slot = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        slot.as_ref().map(|t| {
+            t.downcast_ref::<Tensor<B, 1>>()
+                .expect("clipping's factor is a tensor of the optimizer's backend")
+                .clone()
+        })
+    }
 }
 
 /// `TRANSFORMER_LAB_NAN_AFTER_STEPS=N`: every optimizer step after the process's N-th gets
@@ -44,7 +78,24 @@ impl<O> ReferenceOptimizer<O> {
             inner,
             weight_decay,
             max_grad_norm,
+            clip: None,
             steps: 0,
+        }
+    }
+}
+
+impl<M, B> ReferenceOptimizer<OptimizerAdaptor<LabAdamW, M, B>>
+where
+    M: AutodiffModule<B>,
+    B: AutodiffBackend<InnerBackend: LabBackend>,
+{
+    /// [`LabAdamW`] inside global-norm clipping to `max_grad_norm` (0 = none), the clipping
+    /// factor multiplied into its update (one pass over each gradient fewer).
+    pub fn lab_adamw(adamw: LabAdamW, max_grad_norm: f32) -> Self {
+        let clip = adamw.clip.clone();
+        Self {
+            clip: Some(clip),
+            ..Self::new(OptimizerAdaptor::from(adamw), 0.0, max_grad_norm)
         }
     }
 }
@@ -54,20 +105,16 @@ impl<O> ReferenceOptimizer<O> {
 pub fn reference_adamw<B: LabAutodiff, M: AutodiffModule<B>>(
     train: &crate::config::TrainConfig,
 ) -> ReferenceOptimizer<impl Optimizer<M, B>> {
-    let adamw = LabAdamW {
-        beta_1: train.beta1,
-        beta_2: train.beta2,
-        epsilon: train.epsilon,
-        weight_decay: train.weight_decay,
-    };
+    let adamw = LabAdamW::new(train.beta1, train.beta2, train.epsilon, train.weight_decay);
     // The decay is the optimizer's own (fused into its update): none in the wrapper.
-    ReferenceOptimizer::new(OptimizerAdaptor::from(adamw), 0.0, train.grad_clip)
+    ReferenceOptimizer::lab_adamw(adamw, train.grad_clip)
 }
 
 /// AdamW as PyTorch and nanoGPT run it, one fused pass per parameter ([`kernels::adamw`]):
 /// moments, bias correction, decoupled weight decay of matrices (rank ≥ 2; none on biases
-/// and LayerNorm gains) and the update together. Its state is burn's `AdamWState`, so its
-/// checkpoints and burn's AdamW's are the same records.
+/// and LayerNorm gains), clipping's factor where [`ReferenceOptimizer::lab_adamw`] passes it,
+/// and the update together. Its state is burn's `AdamWState`, so its checkpoints and burn's
+/// AdamW's are the same records.
 #[derive(Clone, Debug)]
 pub struct LabAdamW {
     /// β₁.
@@ -78,6 +125,21 @@ pub struct LabAdamW {
     pub epsilon: f32,
     /// Decoupled weight decay λ of matrices.
     pub weight_decay: f32,
+    /// Clipping's factor for the step under way, where the wrapper hands it over.
+    clip: ClipFactor,
+}
+
+impl LabAdamW {
+    /// AdamW with β₁, β₂, ε and decoupled weight decay λ of matrices.
+    pub fn new(beta_1: f32, beta_2: f32, epsilon: f32, weight_decay: f32) -> Self {
+        Self {
+            beta_1,
+            beta_2,
+            epsilon,
+            weight_decay,
+            clip: ClipFactor::default(),
+        }
+    }
 }
 
 impl<B: LabBackend> SimpleOptimizer<B> for LabAdamW {
@@ -105,7 +167,8 @@ impl<B: LabBackend> SimpleOptimizer<B> for LabAdamW {
             weight_decay: if D >= 2 { self.weight_decay } else { 0.0 },
             time: time as i32,
         };
-        let (tensor, moment_1, moment_2) = kernels::adamw(tensor, grad, moments, step);
+        let clip = self.clip.get::<B>();
+        let (tensor, moment_1, moment_2) = kernels::adamw(tensor, grad, moments, step, clip);
         let momentum = AdaptiveMomentumState {
             time,
             moment_1,
@@ -140,10 +203,14 @@ where
             true => poison::<B, M>(&module, grads),
             false => grads,
         };
-        let grads = if self.max_grad_norm > 0.0 {
-            clip_global_norm::<B, M>(&module, grads, self.max_grad_norm)
-        } else {
-            grads
+        let grads = match (self.max_grad_norm > 0.0, &self.clip) {
+            (false, _) => grads,
+            // The inner optimizer multiplies the factor in as it reads each gradient.
+            (true, Some(clip)) => {
+                clip.set(clip_factor::<B, M>(&module, &grads, self.max_grad_norm));
+                grads
+            }
+            (true, None) => clip_global_norm::<B, M>(&module, grads, self.max_grad_norm),
         };
         let module = if self.weight_decay > 0.0 {
             module.map(&mut ScaleMatrices {
@@ -152,7 +219,11 @@ where
         } else {
             module
         };
-        self.inner.step(lr, module, grads)
+        let module = self.inner.step(lr, module, grads);
+        if let Some(clip) = &self.clip {
+            clip.set::<B::InnerBackend>(None);
+        }
+        module
     }
 
     /// Multi-device steps are passed through as they are (this project trains on one device).
@@ -179,23 +250,36 @@ pub fn clip_global_norm<B: AutodiffBackend<InnerBackend: LabBackend>, M: Autodif
     grads: GradientsParams,
     max_norm: f32,
 ) -> GradientsParams {
-    let mut sum = SumSquares::<B> {
-        grads: &grads,
-        total: None,
-    };
-    module.visit(&mut sum);
-    let Some(total) = sum.total else {
+    let Some(scale) = clip_factor::<B, M>(module, &grads, max_norm) else {
         return grads;
     };
-    let norm = total.sqrt(); // [1]
-    let scale = norm
-        .add_scalar(1e-6)
-        .recip()
-        .mul_scalar(max_norm)
-        .clamp_max(1.0); // [1]
     let mut rescale = Rescale::<B> { grads, scale };
     module.visit(&mut rescale);
     rescale.grads
+}
+
+/// Clipping's factor `min(1, max_norm / (‖g‖₂ + 1e-6))` `[1]`, on the device (`None` where
+/// `module` has no gradient).
+fn clip_factor<B: AutodiffBackend<InnerBackend: LabBackend>, M: AutodiffModule<B>>(
+    module: &M,
+    grads: &GradientsParams,
+    max_norm: f32,
+) -> Option<Tensor<B::InnerBackend, 1>> {
+    let mut all = AllGradients::<B> {
+        grads,
+        found: Vec::new(),
+    };
+    module.visit(&mut all);
+    if all.found.is_empty() {
+        return None;
+    }
+    let norm = kernels::sum_squares_all(all.found).sqrt(); // [1]
+    Some(
+        norm.add_scalar(1e-6)
+            .recip()
+            .mul_scalar(max_norm)
+            .clamp_max(1.0),
+    )
 }
 
 /// Every gradient of `module` made NaN.
@@ -212,19 +296,16 @@ fn poison<B: AutodiffBackend<InnerBackend: LabBackend>, M: AutodiffModule<B>>(
     rescale.grads
 }
 
-struct SumSquares<'a, B: AutodiffBackend> {
+/// Every gradient of a module, in the order its parameters are visited.
+struct AllGradients<'a, B: AutodiffBackend> {
     grads: &'a GradientsParams,
-    total: Option<Tensor<B::InnerBackend, 1>>,
+    found: Vec<FloatTensor<B::InnerBackend>>,
 }
 
-impl<B: AutodiffBackend<InnerBackend: LabBackend>> ModuleVisitor<B> for SumSquares<'_, B> {
+impl<B: AutodiffBackend> ModuleVisitor<B> for AllGradients<'_, B> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
         if let Some(grad) = self.grads.get::<B::InnerBackend, D>(param.id) {
-            let squares = kernels::sum_squares(grad); // [1]
-            self.total = Some(match self.total.take() {
-                Some(total) => total + squares,
-                None => squares,
-            });
+            self.found.push(grad.into_primitive().tensor());
         }
     }
 }

@@ -119,6 +119,10 @@ fn gpu_adamw_equals_the_composed_step() {
     let shape = [37, 29];
     let param = random::<Inner, 2>(shape, 1, &device);
     let grad = random::<Inner, 2>(shape, 2, &device).mul_scalar(0.1);
+    // A gradient the kernel reads at its strides: a transposed view, [37, 29] of a [29, 37].
+    let strided = random::<Inner, 2>([29, 37], 5, &device)
+        .mul_scalar(0.1)
+        .transpose();
     let moments = (
         random::<Inner, 2>(shape, 3, &device).mul_scalar(0.01),
         random::<Inner, 2>(shape, 4, &device)
@@ -133,10 +137,22 @@ fn gpu_adamw_equals_the_composed_step() {
         weight_decay: 0.1,
         time,
     };
-    for (moments, time) in [(None, 1), (Some(moments), 7)] {
+    let cases = [
+        (None, 1, &grad, None),
+        (Some(moments), 7, &grad, None),
+        (None, 1, &strided, Some(0.37)),
+    ];
+    for (moments, time, grad, clip) in cases {
+        let clip = || clip.map(|c| Tensor::<Inner, 1>::from_floats([c], &device));
         let run = |on: bool| {
             with_fused(on, || {
-                kernels::adamw(param.clone(), grad.clone(), moments.clone(), step(time))
+                kernels::adamw(
+                    param.clone(),
+                    grad.clone(),
+                    moments.clone(),
+                    step(time),
+                    clip(),
+                )
             })
         };
         let (p1, m1, v1) = launching(1, || run(true));
@@ -145,6 +161,54 @@ fn gpu_adamw_equals_the_composed_step() {
             let diff = rel_diff(a, b);
             assert!(diff < 1e-6, "AdamW step {time}: {what} differs by {diff}");
         }
+    }
+}
+
+#[test]
+fn gpu_global_sum_of_squares_equals_the_sum_in_f64() {
+    if !wgpu_runs() {
+        return;
+    }
+    let device = Default::default();
+    // Several cubes' worth (200,000 elements), one element, a transposed view and the left half
+    // of a matrix's columns (a view with gaps): each tensor is read where it lies, every
+    // element once.
+    let big = random::<Inner, 1>([200_000], 6, &device);
+    let one = random::<Inner, 1>([1], 7, &device);
+    let transposed = random::<Inner, 2>([33, 70], 8, &device).transpose();
+    let sliced = random::<Inner, 2>([64, 128], 9, &device).slice([0..64, 0..64]);
+    let values = |t: Vec<f32>| t.iter().map(|&v| v as f64 * v as f64).sum::<f64>();
+    let exact = values(big.to_data().to_vec().unwrap())
+        + values(one.to_data().to_vec().unwrap())
+        + values(transposed.to_data().to_vec().unwrap())
+        + values(sliced.to_data().to_vec().unwrap());
+    let prims = || {
+        vec![
+            big.clone().into_primitive().tensor(),
+            one.clone().into_primitive().tensor(),
+            transposed.clone().into_primitive().tensor(),
+            sliced.clone().into_primitive().tensor(),
+        ]
+    };
+    // Four partial-sum launches and one adding them up.
+    let fused: f32 = launching(5, || {
+        with_fused(true, || {
+            kernels::sum_squares_all::<Inner>(prims()).into_scalar()
+        })
+    });
+    let composed: f32 = with_fused(false, || {
+        kernels::sum_squares_all::<Inner>(prims()).into_scalar()
+    });
+    for (what, sum) in [("fused", fused), ("composed", composed)] {
+        let error = (sum as f64 - exact).abs() / exact;
+        assert!(error < 1e-5, "{what}: Σx² = {sum}, in f64 {exact}");
+    }
+    // The same bits every time: the partial sums are added in a fixed order.
+    for _ in 0..3 {
+        let again: f32 = with_fused(true, || {
+            kernels::sum_squares_all::<Inner>(prims()).into_scalar()
+        });
+        assert_eq!(again.to_bits(), fused.to_bits());
     }
 }
 

@@ -6,7 +6,6 @@ use crate::common::{batch, small_lm, train_losses};
 use burn::backend::{Autodiff, Flex, NdArray};
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::nn::{LayerNormConfig, LinearConfig};
-use burn::optim::adaptor::OptimizerAdaptor;
 use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
 use burn::prelude::*;
 use burn::record::{BinBytesRecorder, FullPrecisionSettings, Recorder};
@@ -212,17 +211,23 @@ fn large_inputs_split_across_cores_and_still_agree() {
         weight_decay: 0.1,
         time: 3,
     };
-    let run = |on| {
-        with_fused(on, || {
-            kernels::adamw(p.clone(), g.clone(), moments.clone(), step)
-        })
-    };
-    let ((p1, m1, v1), (p2, m2, v2)) = (run(true), run(false));
-    assert!(rel_diff(p1, p2) < 1e-6, "adamw parameters differ");
-    assert!(
-        rel_diff(m1, m2) < 1e-6 && rel_diff(v1, v2) < 1e-6,
-        "adamw moments differ"
-    );
+    // Without clipping, and with clipping's factor on a transposed gradient (the view a
+    // product's backward pass can leave).
+    let g_t = g.clone().transpose();
+    for (g, clip) in [(g.clone(), None), (g_t, Some(0.37))] {
+        let clip = || clip.map(|c| Tensor::<Flex, 1>::from_floats([c], &device));
+        let run = |on| {
+            with_fused(on, || {
+                kernels::adamw(p.clone(), g.clone(), moments.clone(), step, clip())
+            })
+        };
+        let ((p1, m1, v1), (p2, m2, v2)) = (run(true), run(false));
+        assert!(rel_diff(p1, p2) < 1e-6, "adamw parameters differ");
+        assert!(
+            rel_diff(m1, m2) < 1e-6 && rel_diff(v1, v2) < 1e-6,
+            "adamw moments differ"
+        );
+    }
 }
 
 #[test]
@@ -557,15 +562,7 @@ fn fused_adamw_steps_like_burns_adamw_and_shares_its_checkpoints() {
     let model: LanguageModel<Ad> = small_lm().init(&device);
     let model = small_lm().init(&device).load_record(model.into_record());
     let (weight_decay, clip) = (0.1, 1.0);
-    let ours = || {
-        let adamw = LabAdamW {
-            beta_1: 0.9,
-            beta_2: 0.99,
-            epsilon: 1e-5,
-            weight_decay,
-        };
-        ReferenceOptimizer::new(OptimizerAdaptor::from(adamw), 0.0, clip)
-    };
+    let ours = || ReferenceOptimizer::lab_adamw(LabAdamW::new(0.9, 0.99, 1e-5, weight_decay), clip);
     let burns = || {
         let adamw = AdamWConfig::new()
             .with_beta_2(0.99)
@@ -879,13 +876,7 @@ fn everything_the_cpu_kernels_compute() -> Vec<Vec<f32>> {
     config.stack.dropout = 0.1;
     let model: LanguageModel<Ad> = crate::common::explicit_weights(config.init(&device), 7);
     reseed(5); // the same dropout masks in every run
-    let adamw = LabAdamW {
-        beta_1: 0.9,
-        beta_2: 0.99,
-        epsilon: 1e-8,
-        weight_decay: 0.1,
-    };
-    let optim = ReferenceOptimizer::new(OptimizerAdaptor::from(adamw), 0.0, 1.0);
+    let optim = ReferenceOptimizer::lab_adamw(LabAdamW::new(0.9, 0.99, 1e-8, 0.1), 1.0);
     let (losses, model, _) = with_fused(true, || steps_with(model, optim, 3));
     let mut out = vec![losses];
     let mut weights = Weights(Vec::new());

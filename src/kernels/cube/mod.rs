@@ -223,19 +223,65 @@ where
         y
     }
 
+    fn fused_sum_squares_all(xs: Vec<CubeTensor<R>>) -> CubeTensor<R> {
+        if xs.iter().any(|x| !fits(x.meta.num_elements())) {
+            return composed::sum_squares_all::<Self>(xs);
+        }
+        // Each gradient's squares summed by up to 256 cubes into its own partial sums, then
+        // every partial sum added in one cube: a launch per gradient, read where it lies.
+        let parts: Vec<usize> = xs
+            .iter()
+            .map(|x| x.meta.num_elements().div_ceil(4096).clamp(1, 256))
+            .collect();
+        let partial = empty_f32(&xs[0], [parts.iter().sum::<usize>()]);
+        let mut offset = 0;
+        for (x, parts) in xs.iter().zip(parts) {
+            let n = x.meta.num_elements();
+            launches::count();
+            rows::sum_squares_partial_kernel::launch::<R>(
+                &x.client,
+                CubeCount::Static(parts as u32, 1, 1),
+                CubeDim::new_1d(ROW_UNITS),
+                x.clone().into_tensor_arg(),
+                partial.clone().into_tensor_arg(),
+                offset as u32,
+                n as u32,
+                !x.is_contiguous(),
+                x.dtype.into(),
+            );
+            offset += parts;
+        }
+        let out = empty(&xs[0], [1]);
+        launches::count();
+        rows::sum_partials_kernel::launch::<R>(
+            &out.client,
+            CubeCount::Static(1, 1, 1),
+            CubeDim::new_1d(ROW_UNITS),
+            partial.into_tensor_arg(),
+            out.clone().into_tensor_arg(),
+            out.dtype.into(),
+        );
+        out
+    }
+
     fn fused_adamw(
         param: CubeTensor<R>,
         grad: CubeTensor<R>,
         moments: Option<(CubeTensor<R>, CubeTensor<R>)>,
         step: AdamWStep,
+        clip: Option<CubeTensor<R>>,
     ) -> (CubeTensor<R>, CubeTensor<R>, CubeTensor<R>) {
-        let (param, grad) = (into_contiguous(param), into_contiguous(grad));
+        let param = into_contiguous(param);
+        // The gradient is read at its own strides (a transposed or sliced view is not copied).
+        let strided = !grad.is_contiguous();
         let first = moments.is_none();
         let (m, v) = match moments {
             Some((m, v)) => (into_contiguous(m), into_contiguous(v)),
             // Not read by the kernel at the first step.
             None => (param.clone(), param.clone()),
         };
+        let has_clip = clip.is_some();
+        let clip = clip.unwrap_or_else(|| param.clone());
         let shape = param.shape();
         let (p_out, m_out, v_out) = (
             empty(&param, shape.clone()),
@@ -254,6 +300,7 @@ where
             grad.into_tensor_arg(),
             m.into_tensor_arg(),
             v.into_tensor_arg(),
+            clip.into_tensor_arg(),
             p_out.clone().into_tensor_arg(),
             m_out.clone().into_tensor_arg(),
             v_out.clone().into_tensor_arg(),
@@ -265,6 +312,8 @@ where
             1.0 - step.beta_1.powi(step.time),
             1.0 - step.beta_2.powi(step.time),
             first,
+            strided,
+            has_clip,
             dtype.into(),
         );
         (p_out, m_out, v_out)
@@ -555,18 +604,16 @@ fn attention_fits([b, h, t, s, kd]: [usize; 5]) -> bool {
     kd <= MAX_HEAD_DIM && fits(b * h * t * s) && fits(b * h * t.max(s) * kd * 3)
 }
 
-/// Q, K and V `[b, h, t, k]` as views of packed projections `[b, t, 3·h·k]` (no copy).
+/// Q, K and V `[b, h, t, k]` as views of packed projections `[b, t, 3·h·k]` (no copy: each
+/// part is a column slice `[b, t, h·k]`, split into heads by strides and permuted; burn's
+/// reshape copies a non-contiguous tensor whose rank it lowers, so no step here lowers one).
 fn split_packed<R: CubeRuntime>(qkv: CubeTensor<R>, heads: usize) -> [CubeTensor<R>; 3] {
     let [b, t, d3] = qkv.shape().dims();
-    let kd = d3 / 3 / heads;
-    // [b, t, 3, h, k] → [3, b, h, t, k], then each part by its offset.
-    let all = permute(
-        reshape(into_contiguous(qkv), Shape::new([b, t, 3, heads, kd])),
-        &[2, 0, 3, 1, 4],
-    );
+    let (d, kd) = (d3 / 3, d3 / 3 / heads);
+    let qkv = into_contiguous(qkv);
     [0, 1, 2].map(|i| {
-        let part = slice(all.clone(), &[i..i + 1, 0..b, 0..heads, 0..t, 0..kd]);
-        reshape(part, Shape::new([b, heads, t, kd]))
+        let part = slice(qkv.clone(), &[0..b, 0..t, i * d..(i + 1) * d]);
+        permute(reshape(part, Shape::new([b, t, heads, kd])), &[0, 2, 1, 3])
     })
 }
 

@@ -128,7 +128,9 @@ pub fn dropout_kernel<F: Float>(
 }
 
 /// One AdamW step per element (see `kernels::AdamWStep`); `first` = no moments yet (`m`, `v`
-/// are then not read). `c1`, `c2` are the bias corrections `1 − βᵗ`.
+/// are then not read). `c1`, `c2` are the bias corrections `1 − βᵗ`. The gradient may be a
+/// strided view of the parameter's shape (`strided`: read at its strides, not copied first);
+/// with `has_clip` it is multiplied by `clip[0]`, global-norm clipping's factor, as it is read.
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
 pub fn adamw_kernel<F: Float>(
@@ -136,6 +138,7 @@ pub fn adamw_kernel<F: Float>(
     grad: &Tensor<F>,
     m: &Tensor<F>,
     v: &Tensor<F>,
+    clip: &Tensor<F>,
     param_out: &mut Tensor<F>,
     m_out: &mut Tensor<F>,
     v_out: &mut Tensor<F>,
@@ -147,13 +150,22 @@ pub fn adamw_kernel<F: Float>(
     c1: f32,
     c2: f32,
     #[comptime] first: bool,
+    #[comptime] strided: bool,
+    #[comptime] has_clip: bool,
     #[define(F)] _dtype: StorageType,
 ) {
     let i = ABSOLUTE_POS;
     if i >= param.len() {
         terminate!();
     }
-    let g = f32::cast_from(grad[i]);
+    let mut at = i;
+    if strided {
+        at = crate::kernels::cube::rows::strided_offset(grad, i);
+    }
+    let mut g = f32::cast_from(grad[at]);
+    if has_clip {
+        g = f32::cast_from(F::cast_from(g * f32::cast_from(clip[0])));
+    }
     let mut m_new = (1.0f32 - beta_1) * g;
     let mut v_new = (1.0f32 - beta_2) * g * g;
     if !first {

@@ -18,7 +18,7 @@ fn cube_row() -> usize {
 
 /// The sum of `value` over the cube's units, through `shared` (every unit must call it).
 #[cube]
-fn cube_sum(shared: &mut SharedMemory<f32>, value: f32) -> f32 {
+pub fn cube_sum(shared: &mut SharedMemory<f32>, value: f32) -> f32 {
     let u = UNIT_POS_X as usize;
     shared[u] = value;
     sync_cube();
@@ -301,4 +301,73 @@ pub fn cross_entropy_backward_kernel<F: Float, I: Int>(
         out = f32::cast_from(grad[row]) * (p - target);
     }
     dx[i] = F::cast_from(out);
+}
+
+/// Where element `i` of `x` (counted in row-major order of its shape) lies in its buffer, for a
+/// tensor of any strides (a gradient that is a transposed or sliced view).
+#[cube]
+pub fn strided_offset<F: Float>(x: &Tensor<F>, i: usize) -> usize {
+    let rank = x.rank();
+    let mut rest = i;
+    let mut offset = 0usize;
+    for k in 0..rank {
+        let d = rank - 1 - k;
+        let size = x.shape(d);
+        offset += (rest % size) * x.stride(d);
+        rest /= size;
+    }
+    offset
+}
+
+/// Global-norm clipping's first stage for one gradient `x` (any shape and strides): cube `c`
+/// of the grid sums the squares of elements `c·U + u`, `c·U + u + C·U`, … (`U` units, `C`
+/// cubes) into `partial[offset + c]`, in a fixed order.
+#[cube(launch)]
+pub fn sum_squares_partial_kernel<F: Float>(
+    x: &Tensor<F>,
+    partial: &mut Tensor<f32>,
+    offset: u32,
+    n: u32,
+    #[comptime] strided: bool,
+    #[define(F)] _dtype: StorageType,
+) {
+    let mut shared = SharedMemory::<f32>::new(ROW_UNITS as usize);
+    let n = n as usize;
+    let step = (CUBE_COUNT_X * CUBE_DIM_X) as usize;
+    let mut i = (CUBE_POS_X * CUBE_DIM_X + UNIT_POS_X) as usize;
+    let mut s = 0.0f32;
+    while i < n {
+        let mut at = i;
+        if strided {
+            at = strided_offset(x, i);
+        }
+        let v = f32::cast_from(x[at]);
+        s += v * v;
+        i += step;
+    }
+    let total = cube_sum(&mut shared, s);
+    if UNIT_POS_X == 0 {
+        partial[offset as usize + CUBE_POS_X as usize] = total;
+    }
+}
+
+/// The second stage: every partial sum added in a fixed order by one cube → `out[0]`.
+#[cube(launch)]
+pub fn sum_partials_kernel<F: Float>(
+    partial: &Tensor<f32>,
+    out: &mut Tensor<F>,
+    #[define(F)] _dtype: StorageType,
+) {
+    let mut shared = SharedMemory::<f32>::new(ROW_UNITS as usize);
+    let n = partial.len();
+    let mut i = UNIT_POS_X as usize;
+    let mut s = 0.0f32;
+    while i < n {
+        s += partial[i];
+        i += CUBE_DIM_X as usize;
+    }
+    let total = cube_sum(&mut shared, s);
+    if UNIT_POS_X == 0 {
+        out[0] = F::cast_from(total);
+    }
 }
