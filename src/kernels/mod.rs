@@ -115,17 +115,6 @@ pub trait LabBackend: Backend {
         composed::dropout::<Self>(x, mask)
     }
 
-    /// `x + h ⊙ M` for `x`, `h` of one shape (flattened): a residual connection around a
-    /// dropped-out sublayer, element `e` of `h` taking element `e` of `mask` as
-    /// [`Self::fused_dropout`] does. The default: that dropout, then the addition.
-    fn fused_dropout_add(
-        x: FloatTensor<Self>,
-        h: FloatTensor<Self>,
-        mask: DropoutMask,
-    ) -> FloatTensor<Self> {
-        Self::float_add(x, Self::fused_dropout(h, mask))
-    }
-
     /// Attention `softmax(Q·Kᵀ/√k + mask)·V` without its weights; with `dropout`, the weights
     /// are multiplied by that mask (element `((b·h + head)·t + i)·s + j`) before the product
     /// with V.
@@ -654,23 +643,6 @@ pub fn dropout<B: LabBackend, const D: usize>(
     }
     let y = tensor::<B, 1>(B::fused_dropout(prim(x.reshape([-1])), mask)).reshape(shape);
     check::sabotage(Op::Dropout, y)
-}
-
-/// `x + dropout(h)` (a residual connection around a sublayer): as `x + dropout(module, h)`, the
-/// same mask and the same values, in one kernel where the dropout kernel runs (on a GPU one
-/// launch instead of two), and its backward pass `dx = g`, `dh = g ⊙ M`.
-pub fn dropout_add<B: LabBackend, const D: usize>(
-    module: &burn::nn::Dropout,
-    x: Tensor<B, D>,
-    h: Tensor<B, D>,
-) -> Tensor<B, D> {
-    if !B::ad_enabled(&h.device()) || module.prob == 0.0 || !fused() || !uses(Op::Dropout) {
-        return x + dropout(module, h);
-    }
-    let shape = h.shape();
-    let mask = dropout::next_mask(module.prob);
-    let y = B::fused_dropout_add(prim(x.reshape([-1])), prim(h.reshape([-1])), mask);
-    check::sabotage(Op::Dropout, tensor::<B, 1>(y).reshape(shape))
 }
 
 /// A fresh mask for attention dropout of probability `prob` in training, none elsewhere.

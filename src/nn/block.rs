@@ -273,13 +273,13 @@ impl<B: LabBackend> TransformerBlock<B> {
     ) -> Tensor<B, 3> {
         if self.norm_first {
             let h = sublayer(layer_norm(norm, self.norm_epsilon, x.clone()));
-            crate::kernels::dropout_add(&self.dropout, x, h)
+            x + crate::kernels::dropout(&self.dropout, h)
         } else {
             let h = sublayer(x.clone());
             layer_norm(
                 norm,
                 self.norm_epsilon,
-                crate::kernels::dropout_add(&self.dropout, x, h),
+                x + crate::kernels::dropout(&self.dropout, h),
             )
         }
     }
