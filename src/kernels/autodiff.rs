@@ -40,6 +40,25 @@ impl<B: LabBackend> Backward<B, 1> for Dropout {
 }
 
 #[derive(Debug)]
+struct DropoutAdd;
+
+impl<B: LabBackend> Backward<B, 2> for DropoutAdd {
+    type State = DropoutMask; // y = x + h⊙M: dx = dy, dh = dy⊙M
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let mask = ops.state;
+        let grad = grads.consume::<B>(&ops.node);
+        let [x, h] = ops.parents;
+        if let Some(h) = h {
+            grads.register::<B>(h.id, B::fused_dropout(grad.clone(), mask));
+        }
+        if let Some(x) = x {
+            grads.register::<B>(x.id, grad);
+        }
+    }
+}
+
+#[derive(Debug)]
 struct Softmax;
 
 impl<B: LabBackend> Backward<B, 1> for Softmax {
@@ -376,6 +395,22 @@ impl<B: LabBackend, C: CheckpointStrategy> LabBackend for Autodiff<B, C> {
                 prep.finish(state, o)
             }
             OpsKind::UnTracked(prep) => prep.finish(o),
+        }
+    }
+
+    fn fused_dropout_add(
+        x: FloatTensor<Self>,
+        h: FloatTensor<Self>,
+        mask: DropoutMask,
+    ) -> FloatTensor<Self> {
+        let y = B::fused_dropout_add(x.primitive, h.primitive, mask);
+        match DropoutAdd
+            .prepare::<C>([x.node, h.node])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => prep.finish(mask, y),
+            OpsKind::UnTracked(prep) => prep.finish(y),
         }
     }
 

@@ -401,10 +401,34 @@ fn dropout_error<B: LabAutodiff>(device: &B::Device) -> f32 {
     let dx = x.grad(&grads);
     let values = rel_error(y.inner(), (x.clone() * multipliers.clone()).inner());
     let gradient = match dx {
-        Some(dx) => rel_error(dx, (w * multipliers).inner()),
+        Some(dx) => rel_error(dx, (w.clone() * multipliers.clone()).inner()),
         None => f32::INFINITY,
     };
-    values.max(gradient)
+    // The residual form `r + x ⊙ M`: its values and both inputs' gradients.
+    let r = random::<B, 1>([n], 52, 1.0, device).require_grad();
+    let y = with_fused(true, || {
+        let y = B::fused_dropout_add(
+            r.clone().into_primitive().tensor(),
+            x.clone().into_primitive().tensor(),
+            mask,
+        );
+        sabotage(
+            Op::Dropout,
+            Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(y)),
+        )
+    });
+    let grads = (y.clone() * w.clone()).sum().backward();
+    let residual = rel_error(
+        y.inner(),
+        (r.clone() + x.clone() * multipliers.clone()).inner(),
+    );
+    let residual_gradients = match (r.grad(&grads), x.grad(&grads)) {
+        (Some(dr), Some(dx)) => {
+            rel_error(dr, w.clone().inner()).max(rel_error(dx, (w * multipliers).inner()))
+        }
+        _ => f32::INFINITY,
+    };
+    values.max(gradient).max(residual).max(residual_gradients)
 }
 
 /// Label-smoothed cross-entropy with ignored rows: row losses and the logits' gradient.

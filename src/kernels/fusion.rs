@@ -193,6 +193,15 @@ impl<B: FusionBackend + LabBackend> LabBackend for Fusion<B> {
         dx
     }
 
+    fn fused_dropout_add(x: Tensor<B>, h: Tensor<B>, mask: DropoutMask) -> Tensor<B> {
+        let shape = h.shape.clone();
+        let [y] = custom::<B, 1>("dropout_add", vec![x, h], vec![], [shape], move |f, _| {
+            let [x, h] = take(f);
+            vec![B::fused_dropout_add(x, h, mask)]
+        });
+        y
+    }
+
     fn fused_dropout(x: Tensor<B>, mask: DropoutMask) -> Tensor<B> {
         let shape = x.shape.clone();
         let [y] = custom::<B, 1>("dropout", vec![x], vec![], [shape], move |f, _| {

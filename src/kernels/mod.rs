@@ -115,6 +115,17 @@ pub trait LabBackend: Backend {
         composed::dropout::<Self>(x, mask)
     }
 
+    /// `x + h ⊙ M` for `x`, `h` of one shape (flattened): a residual connection around a
+    /// dropped-out sublayer, element `e` of `h` taking element `e` of `mask` as
+    /// [`Self::fused_dropout`] does. The default: that dropout, then the addition.
+    fn fused_dropout_add(
+        x: FloatTensor<Self>,
+        h: FloatTensor<Self>,
+        mask: DropoutMask,
+    ) -> FloatTensor<Self> {
+        Self::float_add(x, Self::fused_dropout(h, mask))
+    }
+
     /// Attention `softmax(Q·Kᵀ/√k + mask)·V` without its weights; with `dropout`, the weights
     /// are multiplied by that mask (element `((b·h + head)·t + i)·s + j`) before the product
     /// with V.
@@ -375,7 +386,8 @@ pub enum Op {
     /// [`cross_entropy`], forward and backward.
     CrossEntropy,
     /// The optimizer's passes: [`adamw`]'s update (with clipping's factor), and the
-    /// [`sum_squares_all`], [`sum_squares`] and [`scale`] of global-norm clipping.
+    /// [`sum_squares_all`] (or [`LabBackend::fused_sum_squares`] per tensor) and [`scale`] of
+    /// global-norm clipping.
     AdamW,
     /// [`product`], the linear layers (their products in the training precision).
     Linear,
@@ -645,6 +657,23 @@ pub fn dropout<B: LabBackend, const D: usize>(
     check::sabotage(Op::Dropout, y)
 }
 
+/// `x + dropout(h)` (a residual connection around a sublayer): as `x + dropout(module, h)`, the
+/// same mask and the same values, in one kernel where the dropout kernel runs (on a GPU one
+/// launch instead of two), and its backward pass `dx = g`, `dh = g ⊙ M`.
+pub fn dropout_add<B: LabBackend, const D: usize>(
+    module: &burn::nn::Dropout,
+    x: Tensor<B, D>,
+    h: Tensor<B, D>,
+) -> Tensor<B, D> {
+    if !B::ad_enabled(&h.device()) || module.prob == 0.0 || !fused() || !uses(Op::Dropout) {
+        return x + dropout(module, h);
+    }
+    let shape = h.shape();
+    let mask = dropout::next_mask(module.prob);
+    let y = B::fused_dropout_add(prim(x.reshape([-1])), prim(h.reshape([-1])), mask);
+    check::sabotage(Op::Dropout, tensor::<B, 1>(y).reshape(shape))
+}
+
 /// A fresh mask for attention dropout of probability `prob` in training, none elsewhere.
 pub fn attention_dropout<B: LabBackend>(prob: f64, device: &B::Device) -> Option<DropoutMask> {
     (B::ad_enabled(device) && prob > 0.0).then(|| dropout::next_mask(prob))
@@ -756,20 +785,10 @@ pub struct AdamWStep {
     pub time: i32,
 }
 
-/// `Σ x²` over every element of `x` → `[1]` (a gradient's share of the global norm that
-/// clipping takes): one pass, nothing stored, with fused kernels; `square().sum()` without.
-pub fn sum_squares<B: LabBackend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, 1> {
-    let x = prim(x.reshape([-1]));
-    tensor(match uses(Op::AdamW) {
-        true => B::fused_sum_squares(x),
-        false => composed::sum_squares::<B>(x),
-    })
-}
-
 /// `Σ x²` over every element of every tensor of `xs` (at least one) → `[1]`: the squared
 /// global norm of a model's gradients. Fused on a GPU, one launch per tensor reading it where
 /// it lies (no copy of a transposed gradient) and one adding up; on a processor, each tensor's
-/// [`sum_squares`] added in order.
+/// [`LabBackend::fused_sum_squares`] added in order.
 pub fn sum_squares_all<B: LabBackend>(xs: Vec<FloatTensor<B>>) -> Tensor<B, 1> {
     tensor(match uses(Op::AdamW) {
         true => B::fused_sum_squares_all(xs),

@@ -273,13 +273,13 @@ impl<B: LabBackend> TransformerBlock<B> {
     ) -> Tensor<B, 3> {
         if self.norm_first {
             let h = sublayer(layer_norm(norm, self.norm_epsilon, x.clone()));
-            x + crate::kernels::dropout(&self.dropout, h)
+            crate::kernels::dropout_add(&self.dropout, x, h)
         } else {
             let h = sublayer(x.clone());
             layer_norm(
                 norm,
                 self.norm_epsilon,
-                x + crate::kernels::dropout(&self.dropout, h),
+                crate::kernels::dropout_add(&self.dropout, x, h),
             )
         }
     }

@@ -3,8 +3,9 @@
 //! - clipping by the global norm over all parameters (PyTorch's
 //!   `clip_grad_norm_`). burn's `GradientClipping::Norm` clips each tensor on its own; nanoGPT
 //!   rescales all gradients together so that `‖g‖₂ over every parameter ≤ max_norm`. The norm
-//!   stays on the device: no host round-trip per step. With fused kernels each gradient's
-//!   squares are summed in one pass that stores nothing, and on a processor a step that does
+//!   stays on the device: no host round-trip per step. With fused kernels the squares are
+//!   summed without storing them (on a processor one pass per gradient; on a GPU one
+//!   partial-sum launch per gradient and one adding the partial sums in a fixed order), and on a processor a step that does
 //!   not clip (factor 1) leaves the gradients untouched instead of multiplying them by 1.
 //! - decoupled weight decay on matrices only (linear weights,
 //!   embeddings), none on LayerNorm gains and biases — nanoGPT's two parameter groups. burn's

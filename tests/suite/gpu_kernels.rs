@@ -7,7 +7,7 @@
 use crate::kernels::{
     assert_close, attention_case, compare, layer_norm_case, padding, rel_diff, targets,
 };
-use crate::wgpu_backend::wgpu_runs;
+use crate::wgpu_backend::wgpu_turn;
 use burn::backend::{Autodiff, Wgpu};
 use burn::prelude::*;
 use burn::tensor::{DType, FloatDType, TensorPrimitive};
@@ -36,9 +36,9 @@ fn launching<R>(expected: u64, f: impl FnOnce() -> R) -> R {
 
 #[test]
 fn gpu_launches_count_for_the_thread_whose_work_they_do() {
-    if !wgpu_runs() {
+    let Some(_turn) = wgpu_turn() else {
         return;
-    }
+    };
     // Kernels another thread queues (fusion runs them on the device's thread) are that
     // thread's: a test here never sees them as its own.
     let before = cube::launches();
@@ -66,9 +66,9 @@ fn gpu_launches_count_for_the_thread_whose_work_they_do() {
 
 #[test]
 fn gpu_gelu_and_dropout_equal_the_composed_forms() {
-    if !wgpu_runs() {
+    let Some(_turn) = wgpu_turn() else {
         return;
-    }
+    };
     let device = Default::default();
     let x = random::<Gpu, 3>([3, 37, 29], 1, &device).mul_scalar(3.0);
     // Under autodiff the forward kernel also writes GELU's derivative, which the backward pass
@@ -107,14 +107,42 @@ fn gpu_gelu_and_dropout_equal_the_composed_forms() {
     });
     let m = Tensor::<Gpu, 1>::from_data(TensorData::new(mask.multipliers(n), [n]), &device);
     assert!(rel_diff(y, x.clone() * m.clone()) < 1e-6, "dropout values");
-    assert!(rel_diff(dx, (w * m).inner()) < 1e-6, "dropout gradients");
+    assert!(
+        rel_diff(dx, (w.clone() * m.clone()).inner()) < 1e-6,
+        "dropout gradients"
+    );
+
+    // The residual form `r + x ⊙ M` in one kernel: the same mask, r's gradient passed through,
+    // x's masked (the backward pass is the dropout kernel).
+    let r = random::<Gpu, 1>([n], 5, &device).require_grad();
+    let (y, dr, dx) = launching(2, || {
+        let y = Tensor::<Gpu, 1>::from_primitive(TensorPrimitive::Float(Gpu::fused_dropout_add(
+            r.clone().into_primitive().tensor(),
+            x.clone().into_primitive().tensor(),
+            mask,
+        )));
+        let grads = (y.clone() * w.clone()).sum().backward();
+        (y, r.grad(&grads).unwrap(), x.grad(&grads).unwrap())
+    });
+    assert!(
+        rel_diff(y, r.clone() + x.clone() * m.clone()) < 1e-6,
+        "dropout_add values"
+    );
+    assert!(
+        rel_diff(dr, w.clone().inner()) < 1e-6,
+        "dropout_add: r's gradient"
+    );
+    assert!(
+        rel_diff(dx, (w * m).inner()) < 1e-6,
+        "dropout_add: x's gradient"
+    );
 }
 
 #[test]
 fn gpu_adamw_equals_the_composed_step() {
-    if !wgpu_runs() {
+    let Some(_turn) = wgpu_turn() else {
         return;
-    }
+    };
     let device = Default::default();
     let shape = [37, 29];
     let param = random::<Inner, 2>(shape, 1, &device);
@@ -166,9 +194,9 @@ fn gpu_adamw_equals_the_composed_step() {
 
 #[test]
 fn gpu_global_sum_of_squares_equals_the_sum_in_f64() {
-    if !wgpu_runs() {
+    let Some(_turn) = wgpu_turn() else {
         return;
-    }
+    };
     let device = Default::default();
     // Several cubes' worth (200,000 elements), one element, a transposed view and the left half
     // of a matrix's columns (a view with gaps): each tensor is read where it lies, every
@@ -214,9 +242,9 @@ fn gpu_global_sum_of_squares_equals_the_sum_in_f64() {
 
 #[test]
 fn gpu_layer_norm_equals_burns() {
-    if !wgpu_runs() {
+    let Some(_turn) = wgpu_turn() else {
         return;
-    }
+    };
     let device = Default::default();
     // 300 rows of 200: several units per row, and more rows than one gradient chunk.
     for bias in [true, false] {
@@ -226,9 +254,9 @@ fn gpu_layer_norm_equals_burns() {
 
 #[test]
 fn gpu_cross_entropy_equals_the_composed_form() {
-    if !wgpu_runs() {
+    let Some(_turn) = wgpu_turn() else {
         return;
-    }
+    };
     let device = Default::default();
     for (n, v, smoothing, ignore) in [
         (7, 3, 0.0, None),
@@ -249,9 +277,9 @@ fn gpu_cross_entropy_equals_the_composed_form() {
 
 #[test]
 fn gpu_attention_equals_the_composed_form() {
-    if !wgpu_runs() {
+    let Some(_turn) = wgpu_turn() else {
         return;
-    }
+    };
     let device = Default::default();
     let cases: &[([usize; 5], bool, &[usize], &str)] = &[
         ([2, 3, 70, 70, 8], true, &[], "causal, three key tiles"),
@@ -296,9 +324,9 @@ fn gpu_attention_equals_the_composed_form() {
 
 #[test]
 fn gpu_packed_self_attention_equals_the_composed_form() {
-    if !wgpu_runs() {
+    let Some(_turn) = wgpu_turn() else {
         return;
-    }
+    };
     // Q, K and V read in place from one [b, t, 3·d] tensor; the output written with its heads
     // merged and the gradient into one [b, t, 3·d] buffer.
     let device = Default::default();
@@ -373,9 +401,9 @@ fn linear_case(
 
 #[test]
 fn gpu_half_precision_linear_is_f32_out_and_keeps_small_gradients() {
-    if !wgpu_runs() {
+    let Some(_turn) = wgpu_turn() else {
         return;
-    }
+    };
     let device = Default::default();
     // lavapipe has 16-bit floats (shaderFloat16), so CI tests f16.
     assert!(Inner::mixed_precision(&device, FloatDType::F16));
@@ -423,9 +451,9 @@ fn gpu_half_precision_linear_is_f32_out_and_keeps_small_gradients() {
 
 #[test]
 fn gpu_a_tiny_model_trains_in_f16_as_in_f32() {
-    if !wgpu_runs() {
+    let Some(_turn) = wgpu_turn() else {
         return;
-    }
+    };
     let device = Default::default();
     let config = crate::common::small_lm();
     let steps = 20;

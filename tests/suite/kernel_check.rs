@@ -37,7 +37,7 @@ fn every_fused_operation_agrees_with_its_composed_form_on_flex() {
 #[cfg(feature = "wgpu-backend")]
 fn every_fused_operation_agrees_with_its_composed_form_on_wgpu() {
     // lavapipe compiles the 64-wide attention kernels for many minutes: 8 there.
-    if crate::wgpu_backend::wgpu_runs() {
+    if let Some(_turn) = crate::wgpu_backend::wgpu_turn() {
         let head_dim = match transformer_lab::backend::hardware_gpu_present() {
             true => 64,
             false => 8,

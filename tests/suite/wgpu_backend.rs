@@ -18,6 +18,17 @@ fn config() -> LmConfig {
 
 /// Whether wgpu has an adapter to run on. Without one (no GPU and no lavapipe) the test says so
 /// and passes, unless `CI_EXPECT_WGPU` is set, as in CI, where that is a failure.
+/// The wgpu device for an in-process test that runs work on it, once the tests before it are
+/// done with it (`None`: no adapter, skipped). burn 0.21's fusion server can lose a tensor's
+/// handle when several threads drive one device at once (burn issue 4328, "Should have handle
+/// for tensor", seen only with enough threads at once), which a test then meets as a failed
+/// device call; the program drives a device from one thread, so the tests take turns.
+pub(crate) fn wgpu_turn() -> Option<std::sync::MutexGuard<'static, ()>> {
+    static TURN: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    // A test that failed holding it leaves nothing behind that the next one could trip on.
+    wgpu_runs().then(|| TURN.lock().unwrap_or_else(|poisoned| poisoned.into_inner()))
+}
+
 pub(crate) fn wgpu_runs() -> bool {
     if transformer_lab::backend::wgpu_adapter_present() {
         return true;
@@ -32,27 +43,27 @@ pub(crate) fn wgpu_runs() -> bool {
 
 #[test]
 fn wgpu_logits_equal_ndarray_logits() {
-    if !wgpu_runs() {
+    let Some(_turn) = wgpu_turn() else {
         return;
-    }
+    };
     let worst = logit_difference_from_ndarray::<Gpu>(&Default::default());
     assert!(worst < 1e-4, "wgpu and ndarray logits differ by {worst}");
 }
 
 #[test]
 fn imported_gpt2_computes_transformers_logits_on_wgpu() {
-    if !wgpu_runs() {
+    let Some(_turn) = wgpu_turn() else {
         return;
-    }
+    };
     let gap = crate::gpt2::imported_logit_gap::<Gpu>(&Default::default());
     assert!(gap < 1e-4, "logits differ from transformers' by {gap}");
 }
 
 #[test]
 fn cached_decoding_gives_the_uncached_logits_on_wgpu() {
-    if !wgpu_runs() {
+    let Some(_turn) = wgpu_turn() else {
         return;
-    }
+    };
     let (worst, at) = cached_logit_difference::<Gpu>(&Default::default());
     assert!(
         worst < 1e-5,
@@ -65,9 +76,9 @@ fn cached_decoding_gives_the_uncached_logits_on_wgpu() {
 /// its sequence alone.
 #[test]
 fn a_batch_of_sequences_at_different_positions_gives_each_the_logits_it_has_alone_on_wgpu() {
-    if !wgpu_runs() {
+    let Some(_turn) = wgpu_turn() else {
         return;
-    }
+    };
     // One of the models (lavapipe takes minutes for all; ALiBi's bias over the padded columns
     // is checked by the cached-decoding test above, which runs every model).
     let models = ["full Learned norm_first=true"];
@@ -81,9 +92,9 @@ fn a_batch_of_sequences_at_different_positions_gives_each_the_logits_it_has_alon
 
 #[test]
 fn a_tiny_model_trains_on_wgpu() {
-    if !wgpu_runs() {
+    let Some(_turn) = wgpu_turn() else {
         return;
-    }
+    };
     let (first, last) = overfit::<Autodiff<Gpu>>(&config(), 40, &Default::default());
     assert!(last < first / 4.0, "loss {first} -> {last} on wgpu");
 }

@@ -202,25 +202,15 @@ where
         if !fits(x.meta.num_elements()) {
             return composed::dropout::<Self>(x, mask);
         }
-        let x = into_contiguous(x);
-        let y = empty(&x, x.shape());
-        let (count, dim) = elementwise(&x);
-        let dtype = x.dtype;
-        launches::count();
+        dropout(x, None, mask)
+    }
 
-        pointwise::dropout_kernel::launch::<R>(
-            &x.client,
-            count,
-            dim,
-            x.clone().into_tensor_arg(),
-            y.clone().into_tensor_arg(),
-            mask.seed as u32,
-            (mask.seed >> 32) as u32,
-            mask.threshold_u32(),
-            mask.scale(),
-            dtype.into(),
-        );
-        y
+    fn fused_dropout_add(x: CubeTensor<R>, h: CubeTensor<R>, mask: DropoutMask) -> CubeTensor<R> {
+        if !fits(h.meta.num_elements()) {
+            let dropped = composed::dropout::<Self>(h, mask);
+            return <Self as burn::tensor::ops::FloatTensorOps<Self>>::float_add(x, dropped);
+        }
+        dropout(h, Some(x), mask)
     }
 
     fn fused_sum_squares_all(xs: Vec<CubeTensor<R>>) -> CubeTensor<R> {
@@ -591,6 +581,37 @@ where
         attention_backward::<R>(inputs, grads, d, causal, pad, dropout);
         grad
     }
+}
+
+/// `x ⊙ M`, or with `residual` `r + x ⊙ M`, in one launch.
+fn dropout<R: CubeRuntime>(
+    x: CubeTensor<R>,
+    residual: Option<CubeTensor<R>>,
+    mask: DropoutMask,
+) -> CubeTensor<R> {
+    let x = into_contiguous(x);
+    let has_residual = residual.is_some();
+    let r = residual.map(into_contiguous).unwrap_or_else(|| x.clone());
+    let y = empty(&x, x.shape());
+    let (count, dim) = elementwise(&x);
+    let dtype = x.dtype;
+    launches::count();
+
+    pointwise::dropout_kernel::launch::<R>(
+        &x.client,
+        count,
+        dim,
+        x.clone().into_tensor_arg(),
+        r.into_tensor_arg(),
+        y.clone().into_tensor_arg(),
+        mask.seed as u32,
+        (mask.seed >> 32) as u32,
+        mask.threshold_u32(),
+        mask.scale(),
+        has_residual,
+        dtype.into(),
+    );
+    y
 }
 
 /// The target that marks a row as ignored (`-1`, which no class is, when none is).

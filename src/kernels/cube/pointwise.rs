@@ -108,15 +108,20 @@ pub fn dropout_multiplier(e: u32, key_lo: u32, key_hi: u32, threshold: u32, scal
     select(word >= threshold, scale, 0.0f32)
 }
 
-/// `y = x ⊙ M` for the dropout mask `M` keyed `(key_lo, key_hi)`.
+/// `y = x ⊙ M` for the dropout mask `M` keyed `(key_lo, key_hi)`; with `residual`,
+/// `y = r + x ⊙ M` (a residual connection around a dropped-out sublayer; `r` is otherwise not
+/// read), `x ⊙ M` rounded to the storage type first as a dropout and then an addition round it.
 #[cube(launch)]
+#[allow(clippy::too_many_arguments)]
 pub fn dropout_kernel<F: Float>(
     x: &Tensor<F>,
+    r: &Tensor<F>,
     y: &mut Tensor<F>,
     key_lo: u32,
     key_hi: u32,
     threshold: u32,
     scale: f32,
+    #[comptime] residual: bool,
     #[define(F)] _dtype: StorageType,
 ) {
     let i = ABSOLUTE_POS;
@@ -124,7 +129,12 @@ pub fn dropout_kernel<F: Float>(
         terminate!();
     }
     let m = dropout_multiplier(i as u32, key_lo, key_hi, threshold, scale);
-    y[i] = F::cast_from(f32::cast_from(x[i]) * m);
+    let dropped = F::cast_from(f32::cast_from(x[i]) * m);
+    if residual {
+        y[i] = F::cast_from(f32::cast_from(r[i]) + f32::cast_from(dropped));
+    } else {
+        y[i] = dropped;
+    }
 }
 
 /// One AdamW step per element (see `kernels::AdamWStep`); `first` = no moments yet (`m`, `v`
