@@ -23,6 +23,8 @@
 #     and 8 on cuda;
 #   - the PyTorch peers on the same GPU: bench/pytorch/train_bench.py at f32, bf16 and compiled
 #     bf16, bench/pytorch/generate_bench.py (transformers) at batch 1 and 8.
+#   - where a fused cuda step's and a generated token's time goes: launches and microseconds by
+#     kernel (bench/gpu/launches.sh at the experiment's full shape).
 #
 # Every log goes to OUT_DIR (GPU_CHECK_PACK=1 packs them into one archive there); CI_EXPECT_CUDA=1
 # is set for anything that reads it. Where the raw fused path does not learn, it runs the learning
@@ -178,6 +180,21 @@ for b in 1 8; do
   line=$(awk -v b="$b" '$1 == "cached" && $2 == b' "$OUT_DIR/transformers-generate.log")
   row "transformers generate (batch $b)" "$(status $rc)" "${line:-none}"
 done
+
+# 6. Where a fused cuda step's and a generated token's time goes: launches and time by kernel
+# at the experiment's full shape (bench/gpu/launches.sh; the whole tables in kernels-*.log).
+kernels() {
+  local name=$1 label=$2 limit=$3; shift 3
+  step "kernels-$name" "$limit" "$@"
+  local rc=$? log="$OUT_DIR/kernels-$name.log"
+  local total; total=$(awk '$NF == "total" { printf "%.0f launches, %.1f ms of kernels", $1, $2 / 1000 }' "$log")
+  local top; top=$(grep -A3 '^kernels per' "$log" | tail -3 | awk '{ printf "%s%s %s", (NR > 1 ? ", " : ""), $4, $3 }')
+  row "$label" "$(status $rc)" "${total:-none}${top:+; $top}"
+}
+kernels cuda-step "kernels per step (cuda, f32)" 100 \
+  bench/gpu/launches.sh "$BIN" experiments/shakespeare-char-gpu.json cuda 3
+kernels cuda-token "kernels per token (cuda, batch 1)" 60 \
+  env GENERATE=1 bench/gpu/launches.sh "$BIN" experiments/shakespeare-char-gpu.json cuda 32
 
 # The table.
 echo

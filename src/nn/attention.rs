@@ -133,6 +133,27 @@ fn zero_padded<B: LabBackend>(x: Tensor<B, 4>, columns: usize) -> Tensor<B, 4> {
     }
 }
 
+/// One decoding step's attention through the attention kernel: one new query per sequence,
+/// `q` `[b, h, 1, k]`, over `k`, `v` `[b, h, s, k]`, where row `r` sees column `j` unless
+/// `masked(r, j)`. For one query any pattern is a mask of columns per row, which the kernel takes
+/// as padding (see [`MultiHeadAttention::decodes_with_kernel`] for where it is used).
+fn decode_attention<B: LabBackend>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+    masked: impl Fn(usize, usize) -> bool,
+) -> Tensor<B, 4> {
+    let [b, _, n, _] = q.dims();
+    debug_assert_eq!(n, 1, "one query per sequence");
+    let s = k.dims()[2];
+    let flags: Vec<bool> = (0..b)
+        .flat_map(|r| (0..s).map(move |j| (r, j)))
+        .map(|(r, j)| masked(r, j))
+        .collect();
+    let pad = Tensor::<B, 2, Bool>::from_data(TensorData::new(flags, [b, s]), &q.device());
+    kernels::attention(q, k, v, false, Some(&pad), None)
+}
+
 /// Configuration of [`MultiHeadAttention`].
 #[derive(Config, Debug)]
 pub struct MultiHeadAttentionConfig {
@@ -341,10 +362,6 @@ impl<B: LabBackend> MultiHeadAttention<B> {
                 let keep = keep.into_iter().chain(rolling).min();
                 let (k, v, first) = cache.append(k, v, keep); // [b, h, s, k]
                 let s = k.dims()[2];
-                // Columns s.. (where the backend autotunes) are zero and masked (they lie in
-                // every query's future, and `allows` says so whatever the pattern).
-                let columns = decode_columns::<B>(s);
-                let (k, v) = (zero_padded(k, columns), zero_padded(v, columns));
                 // New query i sits at position past + i; cached key j at first + j.
                 let allows = |i: usize, j: usize| {
                     let (i, j) = (past + i, first + j);
@@ -355,10 +372,18 @@ impl<B: LabBackend> MultiHeadAttention<B> {
                     };
                     j < first + s && pattern && rolling.is_none_or(|w| local_allows(i, j, w, true))
                 };
+                if self.decodes_with_kernel(n) {
+                    let context = decode_attention(q, k, v, |_, j| !allows(0, j));
+                    return self.project_out(merge_heads(context));
+                }
+                // Columns s.. (where the backend autotunes) are zero and masked (they lie in
+                // every query's future, and `allows` says so whatever the pattern).
+                let columns = decode_columns::<B>(s);
+                let (k, v) = (zero_padded(k, columns), zero_padded(v, columns));
+                let bias = self.bias(past..past + n, first..first + columns, &device);
                 // [1, 1, n, columns]
                 let mask = ((0..n).any(|i| (0..columns).any(|j| !allows(i, j))))
                     .then(|| pattern_rows::<B>(n, columns, allows, &device).unsqueeze::<4>());
-                let bias = self.bias(past..past + n, first..first + columns, &device);
                 biased_attention_weights(q, k, mask, bias).matmul(v) // [b, h, n, k]
             }
         };
@@ -393,23 +418,27 @@ impl<B: LabBackend> MultiHeadAttention<B> {
         };
         *kv = Some((k.clone(), v.clone()));
         let ([b, _, s, _], device) = (k.dims(), k.device());
-        // Columns s.. (where the backend autotunes) are zero and masked.
-        let columns = decode_columns::<B>(s);
-        let (k, v) = (zero_padded(k, columns), zero_padded(v, columns));
         let allows = |i: usize, j: usize| match &self.mixer {
             Mixer::Local { window } => local_allows(i, j, *window, true),
             Mixer::Strided { stride } => strided_allows(i, j, *stride, true),
             Mixer::Full => j <= i,
             other => panic!("the {} mixer keeps no keys and values", other.name()),
         };
+        let masked = |r: usize, j: usize| j >= s || !rows.sees(r, j, s, allows);
+        if self.decodes_with_kernel(1) {
+            return self.project_out(merge_heads(decode_attention(q, k, v, masked)));
+        }
+        // Columns s.. (where the backend autotunes) are zero and masked.
+        let columns = decode_columns::<B>(s);
+        let (k, v) = (zero_padded(k, columns), zero_padded(v, columns));
+        // The distance from the query (column s − 1) to column j is s − 1 − j in every row.
+        let bias = self.bias(s - 1..s, 0..columns, &device);
         let masked: Vec<bool> = (0..b)
             .flat_map(|r| (0..columns).map(move |j| (r, j)))
-            .map(|(r, j)| j >= s || !rows.sees(r, j, s, allows))
+            .map(|(r, j)| masked(r, j))
             .collect();
         let mask =
             Tensor::<B, 4, Bool>::from_data(TensorData::new(masked, [b, 1, 1, columns]), &device);
-        // The distance from the query (column s − 1) to column j is s − 1 − j in every row.
-        let bias = self.bias(s - 1..s, 0..columns, &device);
         let context = biased_attention_weights(q, k, Some(mask), bias).matmul(v); // [b, h, 1, k]
         self.project_out(merge_heads(context))
     }
@@ -447,6 +476,19 @@ impl<B: LabBackend> MultiHeadAttention<B> {
     /// Whether this layer can decode from a [`LayerCache`]: every attention mixer can.
     pub fn caches(&self) -> bool {
         self.mixer.is_attention()
+    }
+
+    /// Whether a decoding step of `n` new positions per sequence attends through the attention
+    /// kernel ([`decode_attention`]): on a backend that autotunes ([`LabBackend::autotunes`]: a
+    /// GPU) with the fused attention on, for one new position, without ALiBi (whose bias the
+    /// kernel does not add). One launch per layer and token instead of the composed form's
+    /// products, scaling, mask and softmax; and as the kernel is compiled for every length at
+    /// once, the keys and values need no padding to a few lengths ([`decode_columns`]).
+    fn decodes_with_kernel(&self, n: usize) -> bool {
+        B::autotunes()
+            && n == 1
+            && self.relative != RelativePosition::Alibi
+            && kernels::uses(kernels::Op::Attention)
     }
 
     /// Queries and keys of positions `start..` rotated when the layer uses RoPE.

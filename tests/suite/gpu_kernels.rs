@@ -305,6 +305,22 @@ fn gpu_attention_equals_the_composed_form() {
         // `doctor` and the cuda tests check on a real GPU) for 167 s, this one for 46 s.
         ([1, 1, 40, 40, 32], false, &[], "a 32-wide head"),
         ([1, 1, 1, 1, 1], true, &[], "one position"),
+        // One query row per head (a decoding step; without dropout the decoding kernel, which
+        // deals the keys out to its units): more keys than units and a fully padded row, fewer
+        // keys than units, a wide head. The gradients check its log-sum-exp.
+        (
+            [3, 2, 1, 131, 4],
+            false,
+            &[0, 7, 131],
+            "one query, a fully padded row",
+        ),
+        (
+            [2, 3, 1, 20, 8],
+            false,
+            &[0, 5],
+            "one query, fewer keys than units",
+        ),
+        ([1, 2, 1, 70, 32], false, &[], "one query, a 32-wide head"),
     ];
     let mask = DropoutMask::new(0.3, 77);
     for dropout in [None, Some(mask)] {

@@ -3,7 +3,8 @@
 //! softmax per row, so memory is linear in the sequence length (the `t × s` scores never exist).
 //! The backward pass recomputes the probabilities from the saved log-sum-exp: one kernel walks
 //! the keys for each query row (dQ, and `D = rowsum(dO ⊙ O)`), another the queries for each key
-//! row (dK and dV), so no two units ever add into the same gradient.
+//! row (dK and dV), so no two units ever add into the same gradient. One query row per head (a
+//! decoding step) has a kernel of its own, which deals the keys out to the cube's units instead.
 //!
 //! The head dimension is a compile-time constant of each kernel (it sizes the registers that
 //! hold a row), the masks and dropout are compile-time switches. Scores are those of the CPU
@@ -504,5 +505,113 @@ pub fn attention_backward_keys_kernel<F: Float>(
             dkv[k_base + c] = F::cast_from(dk[c] * scale);
             dkv[v_base + c] = F::cast_from(dv[c]);
         }
+    }
+}
+
+/// Units per cube of [`attention_decode_kernel`].
+pub const DECODE_UNITS: u32 = 32;
+
+/// Attention's forward pass for one query row per head (a decoding step), where the tile
+/// kernel would keep one unit of its cube busy: the cube of head `(b, h)` deals the keys out
+/// to its [`DECODE_UNITS`] units, each keeping an online softmax over its own keys, and then
+/// merges the units' maxima, sums and weighted values through shared memory. The scores, masks
+/// and log-sum-exp are [`attention_forward_kernel`]'s (no dropout: decoding drops nothing).
+#[cube(launch)]
+#[allow(clippy::too_many_arguments)]
+pub fn attention_decode_kernel<F: Float>(
+    q: &Tensor<F>,
+    k: &Tensor<F>,
+    v: &Tensor<F>,
+    pad: &Tensor<F>,
+    out: &mut Tensor<F>,
+    lse: &mut Tensor<F>,
+    layout: &Layout,
+    #[comptime] kd: usize,
+    #[comptime] has_pad: bool,
+    #[define(F)] _dtype: StorageType,
+) {
+    let bh = CUBE_POS_Y as usize;
+    let heads = layout.heads as usize;
+    let (b, h) = (bh / heads, bh % heads);
+    let s = k.shape(2);
+    let u = UNIT_POS_X as usize;
+    let units = DECODE_UNITS as usize;
+    let scale = 1.0f32 / f32::sqrt(f32::cast_from(kd as u32));
+
+    let mut qr = Array::<f32>::new(kd);
+    let mut acc = Array::<f32>::new(kd);
+    let q_base = b * q.stride(0) + h * q.stride(1);
+    #[unroll]
+    for c in 0..kd {
+        qr[c] = f32::cast_from(q[q_base + c * q.stride(3)]) * scale;
+        acc[c] = 0.0f32;
+    }
+    let k_base = b * k.stride(0) + h * k.stride(1);
+    let v_base = b * v.stride(0) + h * v.stride(1);
+    let mut m = f32::new(NO_SCORE);
+    let mut l = 0.0f32;
+    let mut j = u;
+    while j < s {
+        let mut x = f32::new(MASKED_SCORE);
+        let mut masked = false;
+        if has_pad {
+            masked = f32::cast_from(pad[b * s + j]) > 0.5f32;
+        }
+        if !masked {
+            let mut dot = 0.0f32;
+            #[unroll]
+            for c in 0..kd {
+                dot += qr[c] * f32::cast_from(k[k_base + j * k.stride(2) + c * k.stride(3)]);
+            }
+            x = dot;
+        }
+        let m_new = f32::max(m, x);
+        let correction = f32::exp(m - m_new);
+        let p = f32::exp(x - m_new);
+        l = l * correction + p;
+        #[unroll]
+        for c in 0..kd {
+            let value = f32::cast_from(v[v_base + j * v.stride(2) + c * v.stride(3)]);
+            acc[c] = acc[c] * correction + p * value;
+        }
+        m = m_new;
+        j += units;
+    }
+
+    // Merge: every unit rescales its sums to the cube's maximum (a unit without keys has
+    // nothing to add), then unit c adds up column c of the weighted values.
+    let mut maxima = SharedMemory::<f32>::new(DECODE_UNITS as usize);
+    let mut sums = SharedMemory::<f32>::new(DECODE_UNITS as usize);
+    let mut values = SharedMemory::<f32>::new(DECODE_UNITS as usize * kd);
+    maxima[u] = m;
+    sync_cube();
+    let mut top = f32::new(NO_SCORE);
+    for w in 0..units {
+        top = f32::max(top, maxima[w]);
+    }
+    let factor = f32::exp(m - top);
+    sums[u] = l * factor;
+    #[unroll]
+    for c in 0..kd {
+        values[u * kd + c] = acc[c] * factor;
+    }
+    sync_cube();
+    let mut total = 0.0f32;
+    for w in 0..units {
+        total += sums[w];
+    }
+    let o_base =
+        layout.out_offset as usize + b * layout.out_batch as usize + h * layout.out_head as usize;
+    let mut c = u;
+    while c < kd {
+        let mut sum = 0.0f32;
+        for w in 0..units {
+            sum += values[w * kd + c];
+        }
+        out[o_base + c] = F::cast_from(sum / total);
+        c += units;
+    }
+    if u == 0 {
+        lse[bh] = F::cast_from(top + f32::ln(total));
     }
 }

@@ -693,6 +693,25 @@ fn attention_forward<R: CubeRuntime>(
     let lse = empty(q, [b, h, t]);
     let (pad, has_pad) = pad_arg(pad, q);
     launches::count();
+    if t == 1 && !causal && dropout.is_none() {
+        // One query row per head (a decoding step): the keys dealt out to the cube's units.
+        attention::attention_decode_kernel::launch::<R>(
+            &q.client,
+            CubeCount::Static(1, (b * h) as u32, 1),
+            CubeDim::new_1d(attention::DECODE_UNITS),
+            q.clone().into_tensor_arg(),
+            k.clone().into_tensor_arg(),
+            v.clone().into_tensor_arg(),
+            pad.into_tensor_arg(),
+            out.clone().into_tensor_arg(),
+            lse.clone().into_tensor_arg(),
+            layout::<R>(h, strides, 0, None),
+            kd,
+            has_pad,
+            q.dtype.into(),
+        );
+        return lse;
+    }
 
     attention::attention_forward_kernel::launch::<R>(
         &q.client,
