@@ -135,14 +135,15 @@ fn zero_padded<B: LabBackend>(x: Tensor<B, 4>, columns: usize) -> Tensor<B, 4> {
 
 /// One decoding step's attention through the attention kernel: one new query per sequence,
 /// `q` `[b, h, 1, k]`, over `k`, `v` `[b, h, s, k]`, where row `r` sees column `j` unless
-/// `masked(r, j)`. For one query any pattern is a mask of columns per row, which the kernel takes
-/// as padding (see [`MultiHeadAttention::decodes_with_kernel`] for where it is used).
+/// `masked(r, j)` → the context with its heads merged, `[b, 1, h·k]`. For one query any pattern
+/// is a mask of columns per row, which the kernel takes as padding (see
+/// [`MultiHeadAttention::decodes_with_kernel`] for where it is used).
 fn decode_attention<B: LabBackend>(
     q: Tensor<B, 4>,
     k: Tensor<B, 4>,
     v: Tensor<B, 4>,
     masked: impl Fn(usize, usize) -> bool,
-) -> Tensor<B, 4> {
+) -> Tensor<B, 3> {
     let [b, _, n, _] = q.dims();
     debug_assert_eq!(n, 1, "one query per sequence");
     let s = k.dims()[2];
@@ -151,7 +152,11 @@ fn decode_attention<B: LabBackend>(
         .map(|(r, j)| masked(r, j))
         .collect();
     let pad = Tensor::<B, 2, Bool>::from_data(TensorData::new(flags, [b, s]), &q.device());
-    kernels::attention(q, k, v, false, Some(&pad), None)
+    let context = kernels::attention(q, k, v, false, Some(&pad), None); // [b, h, 1, k]
+                                                                        // With one row per sequence, `[b, h, 1, k]` in order is already the merged layout: a reshape
+                                                                        // without the copy that `merge_heads`' permutation costs.
+    let [b, h, _, width] = context.dims();
+    context.reshape([b, 1, h * width])
 }
 
 /// Configuration of [`MultiHeadAttention`].
@@ -373,8 +378,7 @@ impl<B: LabBackend> MultiHeadAttention<B> {
                     j < first + s && pattern && rolling.is_none_or(|w| local_allows(i, j, w, true))
                 };
                 if self.decodes_with_kernel(n) {
-                    let context = decode_attention(q, k, v, |_, j| !allows(0, j));
-                    return self.project_out(merge_heads(context));
+                    return self.project_out(decode_attention(q, k, v, |_, j| !allows(0, j)));
                 }
                 // Columns s.. (where the backend autotunes) are zero and masked (they lie in
                 // every query's future, and `allows` says so whatever the pattern).
@@ -426,7 +430,7 @@ impl<B: LabBackend> MultiHeadAttention<B> {
         };
         let masked = |r: usize, j: usize| j >= s || !rows.sees(r, j, s, allows);
         if self.decodes_with_kernel(1) {
-            return self.project_out(merge_heads(decode_attention(q, k, v, masked)));
+            return self.project_out(decode_attention(q, k, v, masked));
         }
         // Columns s.. (where the backend autotunes) are zero and masked.
         let columns = decode_columns::<B>(s);
