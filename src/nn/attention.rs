@@ -152,9 +152,9 @@ fn decode_attention<B: LabBackend>(
         .map(|(r, j)| masked(r, j))
         .collect();
     let pad = Tensor::<B, 2, Bool>::from_data(TensorData::new(flags, [b, s]), &q.device());
-    let context = kernels::attention(q, k, v, false, Some(&pad), None); // [b, h, 1, k]
-                                                                        // With one row per sequence, `[b, h, 1, k]` in order is already the merged layout: a reshape
-                                                                        // without the copy that `merge_heads`' permutation costs.
+    // [b, h, 1, k]. With one row per sequence that order is already the merged layout: a
+    // reshape without the copy that `merge_heads`' permutation costs.
+    let context = kernels::attention(q, k, v, false, Some(&pad), None);
     let [b, h, _, width] = context.dims();
     context.reshape([b, 1, h * width])
 }

@@ -5,8 +5,9 @@
 //!   rescales all gradients together so that `‖g‖₂ over every parameter ≤ max_norm`. The norm
 //!   stays on the device: no host round-trip per step. With fused kernels the squares are
 //!   summed without storing them (on a processor one pass per gradient; on a GPU one
-//!   partial-sum launch per gradient and one adding the partial sums in a fixed order), and on a processor a step that does
-//!   not clip (factor 1) leaves the gradients untouched instead of multiplying them by 1.
+//!   partial-sum launch per gradient and one adding the partial sums in a fixed order), and on
+//!   a processor a step that does not clip (factor 1) leaves the gradients untouched instead of
+//!   multiplying them by 1.
 //! - decoupled weight decay on matrices only (linear weights,
 //!   embeddings), none on LayerNorm gains and biases — nanoGPT's two parameter groups. burn's
 //!   AdamW decays every parameter.

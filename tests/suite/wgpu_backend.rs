@@ -18,17 +18,6 @@ fn config() -> LmConfig {
 
 /// Whether wgpu has an adapter to run on. Without one (no GPU and no lavapipe) the test says so
 /// and passes, unless `CI_EXPECT_WGPU` is set, as in CI, where that is a failure.
-/// The wgpu device for an in-process test that runs work on it, once the tests before it are
-/// done with it (`None`: no adapter, skipped). burn 0.21's fusion server can lose a tensor's
-/// handle when several threads drive one device at once (burn issue 4328, "Should have handle
-/// for tensor", seen only with enough threads at once), which a test then meets as a failed
-/// device call; the program drives a device from one thread, so the tests take turns.
-pub(crate) fn wgpu_turn() -> Option<std::sync::MutexGuard<'static, ()>> {
-    static TURN: std::sync::Mutex<()> = std::sync::Mutex::new(());
-    // A test that failed holding it leaves nothing behind that the next one could trip on.
-    wgpu_runs().then(|| TURN.lock().unwrap_or_else(|poisoned| poisoned.into_inner()))
-}
-
 pub(crate) fn wgpu_runs() -> bool {
     if transformer_lab::backend::wgpu_adapter_present() {
         return true;
@@ -39,6 +28,17 @@ pub(crate) fn wgpu_runs() -> bool {
     );
     common::skip("wgpu finds no adapter: install mesa-vulkan-drivers and libvulkan1");
     false
+}
+
+/// The wgpu device for an in-process test that runs work on it, once the tests before it are
+/// done with it (`None`: no adapter, skipped). burn 0.21's fusion server can lose a tensor's
+/// handle when several threads drive one device at once (burn issue 4328, "Should have handle
+/// for tensor", seen only with enough threads at once), which a test then meets as a failed
+/// device call; the program drives a device from one thread, so the tests take turns.
+pub(crate) fn wgpu_turn() -> Option<std::sync::MutexGuard<'static, ()>> {
+    static TURN: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    // A test that failed holding it leaves nothing behind that the next one could trip on.
+    wgpu_runs().then(|| TURN.lock().unwrap_or_else(|poisoned| poisoned.into_inner()))
 }
 
 #[test]
