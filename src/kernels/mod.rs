@@ -52,6 +52,22 @@ use std::thread::LocalKey;
 /// Shapes are those of the free functions below; `pad` is a `[b, s]` float tensor, `1` where the
 /// key is padding (masked out), `0` elsewhere.
 pub trait LabBackend: Backend {
+    /// `buffer` `[b, h, s, k]` with `value` `[b, h, n, k]` written into its positions
+    /// `at..at + n` (dimension 2), in place where the buffer is held once: how a key–value
+    /// cache appends a token's column. burn's `slice_assign` writes in place on the CubeCL
+    /// backends; flex's copies the whole buffer first, so flex has its own.
+    fn write_columns(
+        buffer: FloatTensor<Self>,
+        at: usize,
+        value: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        use burn::tensor::{Slice, TensorMetadata};
+        let n = value.shape()[2];
+        let mut slices = [Slice::full(), Slice::full(), Slice::full(), Slice::full()];
+        slices[2] = Slice::from(at..at + n);
+        Self::float_slice_assign(buffer, &slices, value)
+    }
+
     /// Exact GELU, `x·Φ(x)` (the erf form).
     fn fused_gelu(x: FloatTensor<Self>) -> FloatTensor<Self> {
         composed::gelu::<Self>(x)
@@ -603,6 +619,16 @@ pub fn softmax<B: LabBackend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
     check::sabotage(Op::Softmax, y)
 }
 
+/// `buffer` `[b, h, s, k]` with `value` `[b, h, n, k]` written into its positions `at..at + n`,
+/// in place where the buffer is held once ([`LabBackend::write_columns`]).
+pub fn write_columns<B: LabBackend>(
+    buffer: Tensor<B, 4>,
+    at: usize,
+    value: Tensor<B, 4>,
+) -> Tensor<B, 4> {
+    tensor(B::write_columns(prim(buffer), at, prim(value)))
+}
+
 /// Softmax attention without its weights: `softmax(Q·Kᵀ/√k + mask)·V`, masked scores set to
 /// [`MASKED_SCORE`](reference::MASKED_SCORE) (a fully masked row attends uniformly, as the composed form does).
 ///
@@ -617,8 +643,21 @@ pub fn attention<B: LabBackend>(
     pad: Option<&Tensor<B, 2, Bool>>,
     dropout: Option<DropoutMask>,
 ) -> Tensor<B, 4> {
-    debug_assert!(!causal || q.dims()[2] == k.dims()[2]);
     let pad = pad.map(|pad| pad.clone().float());
+    attention_padded(q, k, v, causal, pad, dropout)
+}
+
+/// [`attention`] with the padding mask given as numbers, `1` = padding: a mask made on the host
+/// is uploaded as it is, where a `Bool` mask costs a cast on the device.
+pub fn attention_padded<B: LabBackend>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+    causal: bool,
+    pad: Option<Tensor<B, 2>>,
+    dropout: Option<DropoutMask>,
+) -> Tensor<B, 4> {
+    debug_assert!(!causal || q.dims()[2] == k.dims()[2]);
     if !uses(Op::Attention) {
         return reference::attention_forward(q, k, v, causal, pad, dropout).0;
     }
@@ -703,23 +742,44 @@ pub fn linear_parts<B: LabBackend, const D: usize>(
     layers: &[&Linear<B>],
     x: Tensor<B, D>,
 ) -> Tensor<B, D> {
-    let mut shape = x.dims();
-    let d_in = shape[D - 1];
-    let x = x.reshape([-1, d_in as i32]);
-    let (weight, bias) = match layers {
-        [layer] => (layer.weight.val(), layer.bias.as_ref().map(|b| b.val())),
-        _ => {
-            let weights = layers.iter().map(|l| l.weight.val()).collect();
-            let biases: Option<Vec<_>> = layers
-                .iter()
-                .map(|l| l.bias.as_ref().map(|b| b.val()))
-                .collect();
-            (Tensor::cat(weights, 1), biases.map(|b| Tensor::cat(b, 0)))
-        }
-    };
-    let y = product(x, weight, bias);
-    shape[D - 1] = y.dims()[1];
-    y.reshape(shape)
+    PackedLinear::new(layers).forward(x)
+}
+
+/// Linear layers with the same input, their weights `[d_in, Σ d_out]` and biases side by side
+/// ([`linear_parts`]): made once, as a decode does to project every step through the same
+/// layers with one product and no copy of the weights per step.
+#[derive(Clone, Debug)]
+pub struct PackedLinear<B: Backend> {
+    weight: Tensor<B, 2>,
+    bias: Option<Tensor<B, 1>>,
+}
+
+impl<B: LabBackend> PackedLinear<B> {
+    /// `layers`' weights side by side (one layer's are its own, not copied).
+    pub fn new(layers: &[&Linear<B>]) -> Self {
+        let (weight, bias) = match layers {
+            [layer] => (layer.weight.val(), layer.bias.as_ref().map(|b| b.val())),
+            _ => {
+                let weights = layers.iter().map(|l| l.weight.val()).collect();
+                let biases: Option<Vec<_>> = layers
+                    .iter()
+                    .map(|l| l.bias.as_ref().map(|b| b.val()))
+                    .collect();
+                (Tensor::cat(weights, 1), biases.map(|b| Tensor::cat(b, 0)))
+            }
+        };
+        Self { weight, bias }
+    }
+
+    /// `[.., d_in]` → `[.., Σ d_out]`, each layer's outputs in its own columns.
+    pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
+        let mut shape = x.dims();
+        let d_in = shape[D - 1];
+        let x = x.reshape([-1, d_in as i32]);
+        let y = product(x, self.weight.clone(), self.bias.clone());
+        shape[D - 1] = y.dims()[1];
+        y.reshape(shape)
+    }
 }
 
 /// `x·w + b` for a weight `w` `[i, o]` (any view of a parameter, e.g. a tied embedding's

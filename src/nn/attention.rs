@@ -1,6 +1,6 @@
 //! Scaled dot-product attention and multi-head attention ("Attention Is All You Need", §3.2).
 
-use super::cache::{CrossMemory, LayerCache, Rows};
+use super::cache::{Columns, CrossMemory, LayerCache, Rows};
 use super::linear;
 use super::linear_attention::{linear_attention, linear_attention_weights};
 use super::mask::{
@@ -10,7 +10,7 @@ use super::mixer::Mixer;
 use super::relative::{alibi_bias, alibi_slopes, rope, rope_packed, rope_rows, RelativePosition};
 use super::sparse::{local_attention, strided_attention};
 use crate::kernels::reference::{merge_heads, split_packed};
-use crate::kernels::{self, softmax, LabAutodiff, LabBackend};
+use crate::kernels::{self, softmax, LabAutodiff, LabBackend, PackedLinear};
 use burn::module::{Module, Param};
 use burn::nn::{Dropout, DropoutConfig, Initializer, Linear, LinearConfig};
 use burn::prelude::*;
@@ -147,14 +147,26 @@ fn decode_attention<B: LabBackend>(
     let [b, _, n, _] = q.dims();
     debug_assert_eq!(n, 1, "one query per sequence");
     let s = k.dims()[2];
-    let flags: Vec<bool> = (0..b)
+    let flags: Vec<f32> = (0..b)
         .flat_map(|r| (0..s).map(move |j| (r, j)))
-        .map(|(r, j)| masked(r, j))
+        .map(|(r, j)| if masked(r, j) { 1.0 } else { 0.0 })
         .collect();
-    let pad = Tensor::<B, 2, Bool>::from_data(TensorData::new(flags, [b, s]), &q.device());
+    let pad = Tensor::<B, 2>::from_data(TensorData::new(flags, [b, s]), &q.device());
+    decoded(q, k, v, Some(pad))
+}
+
+/// One query per sequence (`q` `[b, h, 1, k]`) over `k`, `v` `[b, h, s, k]` through the
+/// attention kernel, columns where `pad` (`[b, s]`, `1` = padding) says masked → the context
+/// with its heads merged, `[b, 1, h·k]`.
+fn decoded<B: LabBackend>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+    pad: Option<Tensor<B, 2>>,
+) -> Tensor<B, 3> {
     // [b, h, 1, k]. With one row per sequence that order is already the merged layout: a
     // reshape without the copy that `merge_heads`' permutation costs.
-    let context = kernels::attention(q, k, v, false, Some(&pad), None);
+    let context = kernels::attention_padded(q, k, v, false, pad, None);
     let [b, h, _, width] = context.dims();
     context.reshape([b, 1, h * width])
 }
@@ -346,8 +358,12 @@ impl<B: LabBackend> MultiHeadAttention<B> {
     /// `x`: `[b, n, d]` → `[b, n, d]`.
     pub fn forward_cached(&self, x: Tensor<B, 3>, cache: &mut LayerCache<B>) -> Tensor<B, 3> {
         let past = cache.len();
-        let (q, k, v) = self.project(x.clone(), x); // [b, h, n, k]
-        let (q, k) = self.rotate(q, k, past);
+        let qkv = self.project_step(x, cache.projection()); // [b, n, 3d]
+        let qkv = match self.relative {
+            RelativePosition::Rope => rope_packed(qkv, self.n_heads, past),
+            _ => qkv,
+        };
+        let (q, k, v) = split_packed(qkv, self.n_heads); // views, [b, h, n, k]
         let [b, h, n, d_head] = q.dims();
         let device = q.device();
         let context = match &self.mixer {
@@ -405,22 +421,22 @@ impl<B: LabBackend> MultiHeadAttention<B> {
     pub fn forward_rows(
         &self,
         x: Tensor<B, 3>,
-        kv: &mut Option<(Tensor<B, 4>, Tensor<B, 4>)>,
+        kv: &mut Option<Columns<B>>,
+        projection: &mut Option<PackedLinear<B>>,
         rows: &Rows,
     ) -> Tensor<B, 3> {
-        let (q, k, v) = self.project(x.clone(), x); // [b, h, 1, k]
+        let qkv = self.project_step(x, projection); // [b, 1, 3d]
+        let (q, k, v) = split_packed(qkv, self.n_heads); // views, [b, h, 1, k]
         let (q, k) = match self.relative {
             RelativePosition::Rope => (rope_rows(q, &rows.next), rope_rows(k, &rows.next)),
             _ => (q, k),
         };
-        let (k, v) = match kv.take() {
-            Some((past_k, past_v)) => (
-                Tensor::cat(vec![past_k, k], 2),
-                Tensor::cat(vec![past_v, v], 2),
-            ),
-            None => (k, v),
+        let columns = match kv.take() {
+            Some(past) => past.push(k, v),
+            None => Columns::new(k, v),
         };
-        *kv = Some((k.clone(), v.clone()));
+        let (k, v) = columns.views();
+        *kv = Some(columns);
         let ([b, _, s, _], device) = (k.dims(), k.device());
         let allows = |i: usize, j: usize| match &self.mixer {
             Mixer::Local { window } => local_allows(i, j, *window, true),
@@ -453,17 +469,31 @@ impl<B: LabBackend> MultiHeadAttention<B> {
     pub fn memory(&self, memory: Tensor<B, 3>, mask: Option<&AttentionMask<B>>) -> CrossMemory<B> {
         let k = self.split_heads(linear(&self.key, memory.clone()));
         let v = self.split_heads(linear(&self.value, memory));
+        // A key-padding mask is also kept as numbers `[b, s]`, as the attention kernel reads it
+        // at each step.
+        let pad = mask
+            .filter(|mask| !mask.is_causal())
+            .and_then(AttentionMask::pad)
+            .map(|pad| pad.clone().float());
         CrossMemory {
             k,
             v,
             mask: mask.map(AttentionMask::tensor),
+            pad,
         }
     }
 
     /// Cross-attention from `query` (`[b, n, d]`) to a memory projected by [`Self::memory`]:
-    /// the same context as [`Self::forward`] on the memory's states.
+    /// the same context as [`Self::forward`] on the memory's states. A decoding step (one new
+    /// position) attends through the attention kernel where [`Self::decodes_with_kernel`] says
+    /// so: one launch per layer and token, as in self-attention.
     pub fn forward_memory(&self, query: Tensor<B, 3>, memory: &CrossMemory<B>) -> Tensor<B, 3> {
+        let n = query.dims()[1];
         let q = self.split_heads(linear(&self.query, query)); // [b, h, n, k]
+        if self.decodes_with_kernel(n) && (memory.mask.is_none() || memory.pad.is_some()) {
+            let (k, v) = (memory.k.clone(), memory.v.clone());
+            return self.project_out(decoded(q, k, v, memory.pad.clone()));
+        }
         let weights = masked_attention_weights(q, memory.k.clone(), memory.mask.clone());
         self.project_out(merge_heads(weights.matmul(memory.v.clone()))) // [b, n, d]
     }
@@ -559,6 +589,20 @@ impl<B: LabBackend> MultiHeadAttention<B> {
         let k = self.split_heads(linear(&self.key, memory.clone()));
         let v = self.split_heads(linear(&self.value, memory));
         (q, k, v)
+    }
+
+    /// `x` (`[b, n, d]`) through the query, key and value projections as one product, `[b, n,
+    /// 3d]`, against their weights packed into `projection` on first use: a decode packs them
+    /// once and reuses them at every step (one product a step where there were three, and no
+    /// copy of the weights per step as [`kernels::linear_parts`] makes).
+    fn project_step(
+        &self,
+        x: Tensor<B, 3>,
+        projection: &mut Option<PackedLinear<B>>,
+    ) -> Tensor<B, 3> {
+        projection
+            .get_or_insert_with(|| PackedLinear::new(&[&self.query, &self.key, &self.value]))
+            .forward(x)
     }
 
     /// The mixer's attention, with dropout on the weights (between the softmax and the product

@@ -5,13 +5,13 @@
 //! Pre-norm (GPT-2 and most modern models): `x = x + Sublayer(LN(x))`.
 
 use super::attention::{MultiHeadAttention, MultiHeadAttentionConfig};
-use super::cache::{CrossMemory, LayerCache, Rows};
+use super::cache::{Columns, CrossMemory, LayerCache, Rows};
 use super::feedforward::{Activation, FeedForward, FeedForwardConfig};
 use super::hyena::Hyena;
 use super::mask::AttentionMask;
 use super::mixer::Mixer;
 use super::relative::RelativePosition;
-use crate::kernels::{layer_norm, LabBackend};
+use crate::kernels::{layer_norm, LabBackend, PackedLinear};
 use burn::module::Module;
 use burn::nn::{Dropout, DropoutConfig, Initializer, LayerNorm, LayerNormConfig};
 use burn::prelude::*;
@@ -225,11 +225,12 @@ impl<B: LabBackend> TransformerBlock<B> {
     pub fn forward_rows(
         &self,
         x: Tensor<B, 3>,
-        kv: &mut Option<(Tensor<B, 4>, Tensor<B, 4>)>,
+        kv: &mut Option<Columns<B>>,
+        projection: &mut Option<PackedLinear<B>>,
         rows: &Rows,
     ) -> Tensor<B, 3> {
         let x = self.residual(x, &self.norm_self, |h| {
-            self.attention().forward_rows(h, kv, rows)
+            self.attention().forward_rows(h, kv, projection, rows)
         });
         self.residual(x, &self.norm_ff, |h| self.feedforward.forward(h))
     }

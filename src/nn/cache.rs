@@ -8,11 +8,14 @@
 //! | `linear` | the running sums `S = Σ φ(k)ᵀv`, `z = Σ φ(k)` | `O(k²)`, whatever the length |
 //! | `hyena` | — (the model recomputes its window) | |
 //!
-//! A decoder with cross-attention also keeps the encoder memory's keys and values
-//! ([`CrossMemory`]), projected once per sentence.
+//! Keys and values live in [`Columns`]: buffers with room to grow, a token's column written in
+//! place. Each layer also keeps its query, key and value projections packed side by side
+//! ([`PackedLinear`]), made on its first step: a step projects with one product. A decoder with
+//! cross-attention also keeps the encoder memory's keys and values ([`CrossMemory`]), projected
+//! once per sentence.
 
 use super::linear_attention::LinearState;
-use crate::kernels::LabBackend;
+use crate::kernels::{self, LabBackend, PackedLinear};
 use burn::prelude::*;
 use burn::tensor::Bool;
 
@@ -26,13 +29,118 @@ pub struct CrossMemory<B: LabBackend> {
     pub v: Tensor<B, 4>,
     /// Key-padding mask `[b, 1, 1, s]`, `true` = padding.
     pub mask: Option<Tensor<B, 4, Bool>>,
+    /// The same mask as numbers `[b, s]`, `1` = padding, as the attention kernel reads it
+    /// (`None` also where the mask is more than key padding).
+    pub pad: Option<Tensor<B, 2>>,
+}
+
+/// Keys and values `[b, h, ·, k]` of a stretch of consecutive positions, kept in buffers with
+/// room to grow: appending a position writes its column in place, where concatenating copied
+/// the whole cache at every token (and on a GPU launched two copies per tensor). A full buffer
+/// is copied once into one half again as large, so appending costs amortised `O(1)` columns.
+/// Columns `start..end` of the buffers are live; the others are never read.
+#[derive(Clone, Debug)]
+pub struct Columns<B: LabBackend> {
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+    start: usize,
+    end: usize,
+}
+
+impl<B: LabBackend> Columns<B> {
+    /// The columns of `k` and `v` (`[b, h, s, k]` each), without room to grow yet.
+    pub fn new(k: Tensor<B, 4>, v: Tensor<B, 4>) -> Self {
+        let end = k.dims()[2];
+        Self {
+            k,
+            v,
+            start: 0,
+            end,
+        }
+    }
+
+    /// Live columns.
+    pub fn len(&self) -> usize {
+        self.end - self.start
+    }
+
+    /// Whether no column is live.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Columns the buffers hold, live or not: how many [`Self::push`] can take in place.
+    pub fn capacity(&self) -> usize {
+        self.k.dims()[2]
+    }
+
+    /// The live keys and values, `[b, h, len, k]` each: views of the buffers, which the next
+    /// [`Self::push`] writes in place once they are dropped.
+    pub fn views(&self) -> (Tensor<B, 4>, Tensor<B, 4>) {
+        let n = self.len();
+        (
+            self.k.clone().narrow(2, self.start, n),
+            self.v.clone().narrow(2, self.start, n),
+        )
+    }
+
+    /// These columns with those of `k` and `v` (`[b, h, n, k]`) appended.
+    pub fn push(self, k: Tensor<B, 4>, v: Tensor<B, 4>) -> Self {
+        let n = k.dims()[2];
+        let Self {
+            k: keys,
+            v: values,
+            start,
+            end,
+        } = match self.end + n > self.capacity() {
+            true => self.reserve(n),
+            false => self,
+        };
+        Self {
+            k: kernels::write_columns(keys, end, k),
+            v: kernels::write_columns(values, end, v),
+            start,
+            end: end + n,
+        }
+    }
+
+    /// The live columns at the front of new buffers with room for them, `n` more, and half
+    /// as many again.
+    fn reserve(self, n: usize) -> Self {
+        let len = self.len();
+        let capacity = (len + n + (len + n) / 2).max(16);
+        let (k, v) = self.views();
+        let grown = |live: Tensor<B, 4>| {
+            let [b, h, _, kd] = live.dims();
+            kernels::write_columns(Tensor::empty([b, h, capacity, kd], &live.device()), 0, live)
+        };
+        Self {
+            k: grown(k),
+            v: grown(v),
+            start: 0,
+            end: len,
+        }
+    }
+
+    /// Drops the first `n` live columns.
+    pub fn drop_front(&mut self, n: usize) {
+        self.start += n.min(self.len());
+    }
+
+    /// Keeps only the sequences `rows` of the batch, in that order.
+    pub fn select(&mut self, rows: Tensor<B, 1, Int>) {
+        let (k, v) = self.views();
+        *self = Self::new(k.select(0, rows.clone()), v.select(0, rows));
+    }
 }
 
 /// One layer's decoding state after [`LayerCache::len`] positions.
 #[derive(Clone, Debug)]
 pub struct LayerCache<B: LabBackend> {
     /// Cached keys and values `[b, h, kept, k]` of positions `seen − kept..seen`.
-    kv: Option<(Tensor<B, 4>, Tensor<B, 4>)>,
+    kv: Option<Columns<B>>,
+    /// The layer's query, key and value projections packed for its decoding steps.
+    projection: Option<PackedLinear<B>>,
     /// Linear attention's running sums.
     linear: Option<LinearState<B>>,
     /// Positions seen so far.
@@ -46,6 +154,7 @@ impl<B: LabBackend> Default for LayerCache<B> {
     fn default() -> Self {
         Self {
             kv: None,
+            projection: None,
             linear: None,
             seen: 0,
             window: None,
@@ -65,23 +174,24 @@ impl<B: LabBackend> LayerCache<B> {
         keep: Option<usize>,
     ) -> (Tensor<B, 4>, Tensor<B, 4>, usize) {
         let n = k.dims()[2];
-        let (k, v) = match self.kv.take() {
-            Some((past_k, past_v)) => (
-                Tensor::cat(vec![past_k, k], 2),
-                Tensor::cat(vec![past_v, v], 2),
-            ),
-            None => (k, v),
+        let mut columns = match self.kv.take() {
+            Some(past) => past.push(k, v),
+            None => Columns::new(k, v),
         };
         self.seen += n;
-        let all = k.dims()[2];
-        self.kv = Some(match keep {
-            Some(keep) if all > keep => (
-                k.clone().narrow(2, all - keep, keep),
-                v.clone().narrow(2, all - keep, keep),
-            ),
-            _ => (k.clone(), v.clone()),
-        });
+        let all = columns.len();
+        let (k, v) = columns.views();
+        if let Some(keep) = keep {
+            columns.drop_front(all.saturating_sub(keep));
+        }
+        self.kv = Some(columns);
         (k, v, self.seen - all)
+    }
+
+    /// The layer's query, key and value projections packed for decoding (made by the layer on
+    /// its first step, reused by the others).
+    pub fn projection(&mut self) -> &mut Option<PackedLinear<B>> {
+        &mut self.projection
     }
 
     /// Linear attention's running sums, created empty on first use; call [`Self::advance`]
@@ -114,7 +224,7 @@ impl<B: LabBackend> LayerCache<B> {
 
     /// Positions whose keys and values are kept (a local layer keeps its window).
     pub fn kept(&self) -> usize {
-        self.kv.as_ref().map_or(0, |(k, _)| k.dims()[2])
+        self.kv.as_ref().map_or(0, Columns::len)
     }
 
     /// Whether no position has been seen.
@@ -125,8 +235,8 @@ impl<B: LabBackend> LayerCache<B> {
     /// Keeps only the sequences `rows` of the batch, in that order (beam search: the cache
     /// follows the beams that survive a step).
     pub fn select(&mut self, rows: Tensor<B, 1, Int>) {
-        if let Some((k, v)) = self.kv.take() {
-            self.kv = Some((k.select(0, rows.clone()), v.select(0, rows.clone())));
+        if let Some(columns) = self.kv.as_mut() {
+            columns.select(rows.clone());
         }
         if let Some(state) = self.linear.as_mut() {
             state.kv = state.kv.clone().select(0, rows.clone());
@@ -198,6 +308,7 @@ impl<B: LabBackend> KvCache<B> {
             memory.k = memory.k.clone().select(0, rows.clone());
             memory.v = memory.v.clone().select(0, rows.clone());
             memory.mask = memory.mask.take().map(|m| m.select(0, rows.clone()));
+            memory.pad = memory.pad.take().map(|m| m.select(0, rows.clone()));
         }
     }
 }
@@ -245,7 +356,10 @@ impl Rows {
 #[derive(Clone, Debug)]
 pub struct RowsCache<B: LabBackend> {
     /// One per layer: keys and values `[b, h, s, k]`.
-    pub layers: Vec<Option<(Tensor<B, 4>, Tensor<B, 4>)>>,
+    pub layers: Vec<Option<Columns<B>>>,
+    /// One per layer: its query, key and value projections packed for decoding (made on the
+    /// layer's first step).
+    pub projections: Vec<Option<PackedLinear<B>>>,
     /// Where each row stands.
     pub rows: Rows,
 }
@@ -255,6 +369,7 @@ impl<B: LabBackend> RowsCache<B> {
     pub fn new(n_layers: usize, window: Option<usize>) -> Self {
         Self {
             layers: vec![None; n_layers],
+            projections: vec![None; n_layers],
             rows: Rows {
                 window,
                 ..Rows::default()
@@ -277,7 +392,7 @@ impl<B: LabBackend> RowsCache<B> {
         self.layers
             .first()
             .and_then(|l| l.as_ref())
-            .map_or(0, |(k, _)| k.dims()[2])
+            .map_or(0, Columns::len)
     }
 
     /// Adds one sequence, as the last row, from the cache of decoding it alone (one row, every
@@ -291,15 +406,20 @@ impl<B: LabBackend> RowsCache<B> {
         let width = s.max(kept);
         // Pad the batch or the newcomer on the left to a common width.
         for (slot, layer) in self.layers.iter_mut().zip(&single.layers) {
-            let (k, v) = layer.kv.clone().expect("every layer keeps keys and values");
+            let (k, v) = (layer.kv.as_ref())
+                .expect("every layer keeps keys and values")
+                .views();
             assert_eq!(k.dims()[0], 1, "one sequence joins at a time");
             let (k, v) = (pad_left(k, width), pad_left(v, width));
             *slot = Some(match slot.take() {
-                Some((bk, bv)) => (
-                    Tensor::cat(vec![pad_left(bk, width), k], 0),
-                    Tensor::cat(vec![pad_left(bv, width), v], 0),
-                ),
-                None => (k, v),
+                Some(batch) => {
+                    let (bk, bv) = batch.views();
+                    Columns::new(
+                        Tensor::cat(vec![pad_left(bk, width), k], 0),
+                        Tensor::cat(vec![pad_left(bv, width), v], 0),
+                    )
+                }
+                None => Columns::new(k, v),
             });
         }
         for from in &mut self.rows.from {
@@ -321,9 +441,8 @@ impl<B: LabBackend> RowsCache<B> {
             let index = Tensor::<B, 1, Int>::from_data(TensorData::new(ids, [rows.len()]), device);
             self.rows.next = rows.iter().map(|&r| self.rows.next[r]).collect();
             self.rows.from = rows.iter().map(|&r| self.rows.from[r]).collect();
-            for (k, v) in self.layers.iter_mut().flatten() {
-                *k = k.clone().select(0, index.clone());
-                *v = v.clone().select(0, index.clone());
+            for columns in self.layers.iter_mut().flatten() {
+                columns.select(index.clone());
             }
         }
         self.trim();
@@ -348,9 +467,8 @@ impl<B: LabBackend> RowsCache<B> {
         if drop == 0 {
             return;
         }
-        for (k, v) in self.layers.iter_mut().flatten() {
-            *k = k.clone().narrow(2, drop, s - drop);
-            *v = v.clone().narrow(2, drop, s - drop);
+        for columns in self.layers.iter_mut().flatten() {
+            columns.drop_front(drop);
         }
         for from in &mut self.rows.from {
             *from = from.saturating_sub(drop);

@@ -28,7 +28,7 @@ pub use attention::{
     AttentionOutput, MultiHeadAttention, MultiHeadAttentionConfig,
 };
 pub use block::{BlockOutput, TransformerBlock, TransformerBlockConfig};
-pub use cache::{CrossMemory, KvCache, LayerCache, Rows, RowsCache};
+pub use cache::{Columns, CrossMemory, KvCache, LayerCache, Rows, RowsCache};
 pub use config::StackConfig;
 pub use feedforward::{Activation, FeedForward, FeedForwardConfig};
 pub use heads::{pruned_heads, remove_heads, AttentionLayers};

@@ -140,8 +140,9 @@ impl<B: LabBackend> TransformerStack<B> {
     pub fn forward_rows(&self, x: Tensor<B, 3>, cache: &mut RowsCache<B>) -> Tensor<B, 3> {
         cache.trim();
         let mut x = x;
-        for (block, kv) in self.blocks.iter().zip(&mut cache.layers) {
-            x = block.forward_rows(x, kv, &cache.rows);
+        let layers = cache.layers.iter_mut().zip(&mut cache.projections);
+        for (block, (kv, projection)) in self.blocks.iter().zip(layers) {
+            x = block.forward_rows(x, kv, projection, &cache.rows);
         }
         cache.rows.next.iter_mut().for_each(|next| *next += 1);
         match &self.final_norm {

@@ -288,3 +288,75 @@ fn a_batch_of_sequences_at_different_positions_gives_each_the_logits_it_has_alon
     assert!(compared > 300, "{compared} rows compared");
     assert!(worst < 1e-4, "{worst}");
 }
+
+/// The key–value columns a decode appends to: after any sequence of appends (one column or
+/// several), drops from the front and choices of rows, the live columns are exactly those of
+/// concatenating everything appended and cutting it the same way (a list of columns kept on
+/// the side), while the buffers grow geometrically: a few copies of the whole for 300 appends.
+#[test]
+fn key_value_columns_hold_what_was_appended_and_grow_geometrically() {
+    use transformer_lab::nn::Columns;
+    type F = burn::backend::Flex;
+    let device = Default::default();
+    let (b, h, k) = (3, 2, 4);
+    // Column c of row r, head i, channel e: a value that names them all.
+    let column = |r: usize, c: usize| -> Vec<f32> {
+        (0..h * k)
+            .map(|e| (r * 100_000 + c * 10 + e % k) as f32 + (e / k) as f32 * 0.5)
+            .collect()
+    };
+    // [b, h, n, k] for columns `cs` of each row `rows[r]`.
+    let tensor = |rows: &[usize], cs: &[usize]| {
+        let mut data = vec![0.0; rows.len() * h * cs.len() * k];
+        for (ri, &r) in rows.iter().enumerate() {
+            for (j, &c) in cs.iter().enumerate() {
+                for (e, x) in column(r, c).into_iter().enumerate() {
+                    let (head, ch) = (e / k, e % k);
+                    data[((ri * h + head) * cs.len() + j) * k + ch] = x;
+                }
+            }
+        }
+        Tensor::<F, 4>::from_data(TensorData::new(data, [rows.len(), h, cs.len(), k]), &device)
+    };
+    let mut rows: Vec<usize> = (0..b).collect();
+    let mut live: Vec<usize> = (0..2).collect();
+    let mut columns = Columns::new(tensor(&rows, &live), tensor(&rows, &live).mul_scalar(-1.0));
+    let mut next = 2;
+    let mut capacities = vec![];
+    for step in 0..300 {
+        let n = if step % 37 == 0 { 5 } else { 1 };
+        let new: Vec<usize> = (next..next + n).collect();
+        next += n;
+        columns = columns.push(tensor(&rows, &new), tensor(&rows, &new).mul_scalar(-1.0));
+        live.extend(new);
+        if step % 50 == 49 {
+            columns.drop_front(7);
+            live.drain(..7);
+        }
+        if step == 150 {
+            // Beam search keeps rows 2, 0, 0 (the same row twice).
+            let ids =
+                Tensor::<F, 1, Int>::from_data(TensorData::new(vec![2i64, 0, 0], [3]), &device);
+            columns.select(ids);
+            rows = vec![rows[2], rows[0], rows[0]];
+        }
+        assert_eq!(columns.len(), live.len());
+        if step % 23 == 0 || step == 299 {
+            let (keys, values) = columns.views();
+            let expected = tensor(&rows, &live);
+            keys.into_data()
+                .assert_eq(&expected.clone().into_data(), true);
+            values
+                .into_data()
+                .assert_eq(&expected.mul_scalar(-1.0).into_data(), true);
+        }
+        if capacities.last() != Some(&columns.capacity()) {
+            capacities.push(columns.capacity());
+        }
+    }
+    assert!(
+        capacities.len() <= 12,
+        "the buffers were reallocated {} times for 300 appends: {capacities:?}",
+        capacities.len()
+    );
+}

@@ -435,7 +435,7 @@ pub fn logit_difference_from_ndarray<B: LabBackend>(device: &B::Device) -> f32 {
 /// with the configuration where it occurs.
 #[allow(dead_code)]
 pub fn cached_logit_difference<B: LabBackend>(device: &B::Device) -> (f32, String) {
-    let (b, t, vocab) = (2, 12, 11);
+    let (b, t, vocab) = (2, 24, 11);
     let ids: Vec<i64> = (0..b * t)
         .map(|i| ((i * 7 + i / 5) % vocab) as i64)
         .collect();

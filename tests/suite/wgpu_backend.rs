@@ -71,6 +71,18 @@ fn cached_decoding_gives_the_uncached_logits_on_wgpu() {
     );
 }
 
+/// A translator's decoding steps on a GPU backend attend to the encoder memory through the
+/// attention kernel, its key-padding mask as the kernel's padding: the cached decoder's logits
+/// are those of the uncached pass.
+#[test]
+fn the_translator_s_cached_decoder_gives_the_uncached_logits_on_wgpu() {
+    let Some(_turn) = wgpu_turn() else {
+        return;
+    };
+    let diff = crate::seq2seq::cached_translator_difference::<Gpu>(&Default::default());
+    assert!(diff < 1e-5, "cached logits differ by {diff}");
+}
+
 /// Continuous batching (sequences at different positions, joining and leaving) on a backend
 /// whose decoding pads the key–value columns to powers of two: each row's logits are those of
 /// its sequence alone.
