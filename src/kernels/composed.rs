@@ -5,7 +5,7 @@
 use super::{reference, AdamWStep, DropoutMask, LabBackend};
 use burn::prelude::*;
 use burn::tensor::ops::{FloatTensor, IntTensor};
-use burn::tensor::{TensorMetadata, TensorPrimitive};
+use burn::tensor::{Slice, TensorMetadata, TensorPrimitive};
 
 /// A float primitive as a tensor.
 pub(super) fn tensor<B: Backend, const D: usize>(x: FloatTensor<B>) -> Tensor<B, D> {
@@ -305,4 +305,18 @@ pub fn cross_entropy_backward<B: Backend>(
         smoothing,
         ignore,
     ))
+}
+
+/// `buffer` `[b, h, s, k]` with `value` `[b, h, n, k]` in its positions `at..at + n` of
+/// dimension 2, through the backend's `slice_assign` (in place on CubeCL where the buffer is held
+/// once; flex copies the buffer first).
+pub fn write_columns<B: Backend>(
+    buffer: FloatTensor<B>,
+    at: usize,
+    value: FloatTensor<B>,
+) -> FloatTensor<B> {
+    let n = value.shape()[2];
+    let mut slices = [Slice::full(), Slice::full(), Slice::full(), Slice::full()];
+    slices[2] = Slice::from(at..at + n);
+    B::float_slice_assign(buffer, &slices, value)
 }

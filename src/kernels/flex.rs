@@ -122,23 +122,18 @@ impl LabBackend for Flex {
         let [b, h, s, k] = buffer.shape().dims();
         let n = value.shape()[2];
         let whole = buffer.layout().contiguous_offsets() == Some((0, b * h * s * k));
-        let mut buffer = buffer;
-        let value = contiguous(value);
-        if !(whole && buffer.dtype() == DType::F32 && value.dtype() == DType::F32)
-            || buffer.try_storage_mut::<f32>().is_none()
-        {
-            let slices = [0..b, 0..h, at..at + n, 0..k].map(burn::tensor::Slice::from);
-            return <Flex as burn::tensor::ops::FloatTensorOps<Flex>>::float_slice_assign(
-                buffer, &slices, value,
-            );
+        let (mut buffer, value) = (buffer, contiguous(value));
+        if whole && buffer.dtype() == DType::F32 && value.dtype() == DType::F32 {
+            // In place where the buffer is held once.
+            if let Some(dst) = buffer.try_storage_mut::<f32>() {
+                for (head, columns) in slice(&value).chunks_exact(n * k).enumerate() {
+                    let from = (head * s + at) * k;
+                    dst[from..from + n * k].copy_from_slice(columns);
+                }
+                return buffer;
+            }
         }
-        let src = slice(&value);
-        let dst = buffer.try_storage_mut::<f32>().expect("held once");
-        for (head, columns) in src.chunks_exact(n * k).enumerate() {
-            let from = (head * s + at) * k;
-            dst[from..from + n * k].copy_from_slice(columns);
-        }
-        buffer
+        composed::write_columns::<Flex>(buffer, at, value)
     }
 
     fn fused_cross_entropy_forward(

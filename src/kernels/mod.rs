@@ -61,11 +61,7 @@ pub trait LabBackend: Backend {
         at: usize,
         value: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
-        use burn::tensor::{Slice, TensorMetadata};
-        let n = value.shape()[2];
-        let mut slices = [Slice::full(), Slice::full(), Slice::full(), Slice::full()];
-        slices[2] = Slice::from(at..at + n);
-        Self::float_slice_assign(buffer, &slices, value)
+        composed::write_columns::<Self>(buffer, at, value)
     }
 
     /// Exact GELU, `x·Φ(x)` (the erf form).

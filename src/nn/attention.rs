@@ -431,12 +431,7 @@ impl<B: LabBackend> MultiHeadAttention<B> {
             RelativePosition::Rope => (rope_rows(q, &rows.next), rope_rows(k, &rows.next)),
             _ => (q, k),
         };
-        let columns = match kv.take() {
-            Some(past) => past.push(k, v),
-            None => Columns::new(k, v),
-        };
-        let (k, v) = columns.views();
-        *kv = Some(columns);
+        let (k, v) = Columns::append(kv, k, v).views();
         let ([b, _, s, _], device) = (k.dims(), k.device());
         let allows = |i: usize, j: usize| match &self.mixer {
             Mixer::Local { window } => local_allows(i, j, *window, true),

@@ -84,6 +84,16 @@ impl<B: LabBackend> Columns<B> {
         )
     }
 
+    /// Appends `k` and `v` (`[b, h, n, k]`) to the columns in `slot` (they are the first where
+    /// it is empty) and returns them.
+    pub fn append(slot: &mut Option<Self>, k: Tensor<B, 4>, v: Tensor<B, 4>) -> &mut Self {
+        let columns = match slot.take() {
+            Some(past) => past.push(k, v),
+            None => Self::new(k, v),
+        };
+        slot.insert(columns)
+    }
+
     /// These columns with those of `k` and `v` (`[b, h, n, k]`) appended.
     pub fn push(self, k: Tensor<B, 4>, v: Tensor<B, 4>) -> Self {
         let n = k.dims()[2];
@@ -173,18 +183,13 @@ impl<B: LabBackend> LayerCache<B> {
         v: Tensor<B, 4>,
         keep: Option<usize>,
     ) -> (Tensor<B, 4>, Tensor<B, 4>, usize) {
-        let n = k.dims()[2];
-        let mut columns = match self.kv.take() {
-            Some(past) => past.push(k, v),
-            None => Columns::new(k, v),
-        };
-        self.seen += n;
+        self.seen += k.dims()[2];
+        let columns = Columns::append(&mut self.kv, k, v);
         let all = columns.len();
         let (k, v) = columns.views();
         if let Some(keep) = keep {
             columns.drop_front(all.saturating_sub(keep));
         }
-        self.kv = Some(columns);
         (k, v, self.seen - all)
     }
 

@@ -42,13 +42,17 @@ fn model(seed: u64) -> Seq2Seq<B> {
 }
 
 fn ids(rows: &[&[i64]]) -> Tensor<B, 2, Int> {
-    let n = rows[0].len();
-    let flat: Vec<i64> = rows.iter().flat_map(|r| r.iter().copied()).collect();
-    Tensor::from_data(TensorData::new(flat, [rows.len(), n]), &Default::default())
+    ids_on(rows, &Default::default())
 }
 
-fn max_abs_diff<const D: usize>(a: Tensor<B, D>, b: Tensor<B, D>) -> f32 {
-    (a - b).abs().max().into_scalar()
+fn ids_on<Bk: Backend>(rows: &[&[i64]], device: &Bk::Device) -> Tensor<Bk, 2, Int> {
+    let n = rows[0].len();
+    let flat: Vec<i64> = rows.iter().flat_map(|r| r.iter().copied()).collect();
+    Tensor::from_data(TensorData::new(flat, [rows.len(), n]), device)
+}
+
+fn max_abs_diff<Bk: Backend, const D: usize>(a: Tensor<Bk, D>, b: Tensor<Bk, D>) -> f32 {
+    (a - b).abs().max().into_scalar().elem()
 }
 
 #[test]
@@ -127,10 +131,7 @@ fn the_cached_decoder_gives_the_logits_of_the_whole_prefix() {
 pub(crate) fn cached_translator_difference<Bk: transformer_lab::kernels::LabBackend>(
     device: &Bk::Device,
 ) -> f32 {
-    let ids = |rows: &[&[i64]]| {
-        let flat: Vec<i64> = rows.iter().flat_map(|r| r.iter().copied()).collect();
-        Tensor::<Bk, 2, Int>::from_data(TensorData::new(flat, [rows.len(), rows[0].len()]), device)
-    };
+    let ids = |rows: &[&[i64]]| ids_on::<Bk>(rows, device);
     let sources = ids(&[&[5, 6, 7, 8, 2], &[9, 10, 2, 0, 0]]);
     let targets = ids(&[&[1, 5, 9, 12, 4, 7, 7], &[1, 13, 3, 8, 8, 11, 6]]);
     let mut worst = 0.0f32;
@@ -144,12 +145,7 @@ pub(crate) fn cached_translator_difference<Bk: transformer_lab::kernels::LabBack
         for i in 3..7 {
             rows.push(m.decode_cached(targets.clone().slice([0..2, i..i + 1]), &mut cache));
         }
-        let diff: f32 = (Tensor::cat(rows, 1) - whole)
-            .abs()
-            .max()
-            .into_scalar()
-            .elem();
-        worst = worst.max(diff);
+        worst = worst.max(max_abs_diff(Tensor::cat(rows, 1), whole));
     }
     worst
 }

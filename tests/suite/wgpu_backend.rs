@@ -83,9 +83,9 @@ fn the_translator_s_cached_decoder_gives_the_uncached_logits_on_wgpu() {
     assert!(diff < 1e-5, "cached logits differ by {diff}");
 }
 
-/// Continuous batching (sequences at different positions, joining and leaving) on a backend
-/// whose decoding pads the key–value columns to powers of two: each row's logits are those of
-/// its sequence alone.
+/// Continuous batching (sequences at different positions, joining and leaving) on a GPU
+/// backend, whose decoding steps attend through the attention kernel with each row's columns
+/// as its padding: each row's logits are those of its sequence alone.
 #[test]
 fn a_batch_of_sequences_at_different_positions_gives_each_the_logits_it_has_alone_on_wgpu() {
     let Some(_turn) = wgpu_turn() else {
