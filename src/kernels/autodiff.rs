@@ -1,6 +1,7 @@
 //! The fused operations on `Autodiff<B>`: one graph node each, whose backward pass is the inner
 //! backend's fused backward (a kernel on flex, wgpu and CUDA; the composed form on ndarray).
 
+use super::composed::rows;
 use super::{DropoutMask, LabBackend};
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
@@ -43,14 +44,17 @@ impl<B: LabBackend> Backward<B, 1> for Dropout {
 struct DropoutAdd;
 
 impl<B: LabBackend> Backward<B, 2> for DropoutAdd {
-    type State = DropoutMask; // y = x + h⊙M: dx = dy, dh = dy⊙M
+    type State = Option<DropoutMask>; // y = x + h⊙M: dx = dy, dh = dy⊙M (y = x + h: dh = dy)
 
     fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
-        let mask = ops.state;
         let grad = grads.consume::<B>(&ops.node);
         let [x, h] = ops.parents;
         if let Some(h) = h {
-            grads.register::<B>(h.id, B::fused_dropout(grad.clone(), mask));
+            let dh = match ops.state {
+                Some(mask) => B::fused_dropout(grad.clone(), mask),
+                None => grad.clone(),
+            };
+            grads.register::<B>(h.id, dh);
         }
         if let Some(x) = x {
             grads.register::<B>(x.id, grad);
@@ -75,21 +79,32 @@ impl<B: LabBackend> Backward<B, 1> for Softmax {
 #[derive(Debug)]
 struct LayerNorm;
 
-/// `(x, γ, mean, 1/σ)`.
+/// `(x [n, d], γ, mean, 1/σ)`, and `x` as the graph knows it, `[..., d]` (where its gradient
+/// from other readers collects).
 type LayerNormState<B> = (
     FloatTensor<B>,
     FloatTensor<B>,
     FloatTensor<B>,
     FloatTensor<B>,
+    FloatTensor<Autodiff<B>>,
 );
 
 impl<B: LabBackend> Backward<B, 3> for LayerNorm {
     type State = LayerNormState<B>;
 
+    /// The input's gradient from the readers whose backward passes ran first (in a residual
+    /// stream, the next addition's: it is made after the LayerNorm, so it runs before) is taken
+    /// out and added in the LayerNorm backward's pass, where registering `dx` would have added
+    /// the two in a pass of their own.
     fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
-        let (x, gamma, mean, rstd) = ops.state;
-        let dy = grads.consume::<B>(&ops.node);
-        let (dx, dgamma, dbeta) = B::fused_layer_norm_backward(x, gamma, mean, rstd, dy);
+        let (x, gamma, mean, rstd, input) = ops.state;
+        let dy = rows::<B>(grads.consume::<B>(&ops.node));
+        let residual = match &ops.parents[0] {
+            Some(_) => grads.remove::<B>(&input).map(rows::<B>),
+            None => None,
+        };
+        let (dx, dgamma, dbeta) = B::fused_layer_norm_backward(x, gamma, mean, rstd, dy, residual);
+        let dx = B::float_reshape(dx, input.primitive.shape());
         for (parent, grad) in ops.parents.into_iter().zip([dx, dgamma, dbeta]) {
             if let Some(node) = parent {
                 grads.register::<B>(node.id, grad);
@@ -221,6 +236,18 @@ impl<B: LabBackend> Backward<B, 1> for CrossEntropy {
     }
 }
 
+/// LayerNorm's bias, the graph node its gradient goes to; without a bias, a constant stands in
+/// for it (it takes no gradient).
+fn bias<B: LabBackend, C: CheckpointStrategy>(
+    beta: Option<FloatTensor<Autodiff<B, C>>>,
+    like: &FloatTensor<B>,
+) -> FloatTensor<Autodiff<B, C>> {
+    beta.unwrap_or_else(|| {
+        let dtype = like.dtype().into();
+        Autodiff::<B, C>::float_zeros([1].into(), &B::float_device(like), dtype)
+    })
+}
+
 impl<B: LabBackend, C: CheckpointStrategy> LabBackend for Autodiff<B, C> {
     fn fused_cross_entropy(
         logits: FloatTensor<Self>,
@@ -323,10 +350,19 @@ impl<B: LabBackend, C: CheckpointStrategy> LabBackend for Autodiff<B, C> {
             .stateful()
         {
             OpsKind::Tracked(prep) => {
-                let (y, derivative) = B::fused_gelu_forward(x.primitive);
+                let (y, derivative) = B::fused_gelu_forward(x.primitive, None);
                 prep.finish(derivative, y)
             }
             OpsKind::UnTracked(prep) => prep.finish(B::fused_gelu(x.primitive)),
+        }
+    }
+
+    /// One graph node, GELU's, whose kept derivative has the mask in it.
+    fn fused_gelu_dropout(x: FloatTensor<Self>, mask: DropoutMask) -> FloatTensor<Self> {
+        let (y, derivative) = B::fused_gelu_forward(x.primitive, Some(mask));
+        match Gelu.prepare::<C>([x.node]).compute_bound().stateful() {
+            OpsKind::Tracked(prep) => prep.finish(derivative, y),
+            OpsKind::UnTracked(prep) => prep.finish(y),
         }
     }
 
@@ -344,20 +380,17 @@ impl<B: LabBackend, C: CheckpointStrategy> LabBackend for Autodiff<B, C> {
         beta: Option<FloatTensor<Self>>,
         epsilon: f64,
     ) -> FloatTensor<Self> {
+        let x2 = rows::<B>(x.primitive.clone());
         let (y, mean, rstd) = B::fused_layer_norm_forward(
-            x.primitive.clone(),
+            x2.clone(),
             gamma.primitive.clone(),
             beta.as_ref().map(|beta| beta.primitive.clone()),
             epsilon,
         );
-        // Without a bias, a constant stands in for its node (it takes no gradient).
-        let beta_node = match beta {
-            Some(beta) => beta.node,
-            None => Self::float_zeros([1].into(), &B::float_device(&y), y.dtype().into()).node,
-        };
-        let nodes = [x.node, gamma.node, beta_node];
+        let y = B::float_reshape(y, x.primitive.shape());
+        let nodes = [x.node.clone(), gamma.node, bias::<B, C>(beta, &y).node];
         match LayerNorm.prepare::<C>(nodes).compute_bound().stateful() {
-            OpsKind::Tracked(prep) => prep.finish((x.primitive, gamma.primitive, mean, rstd), y),
+            OpsKind::Tracked(prep) => prep.finish((x2, gamma.primitive, mean, rstd, x), y),
             OpsKind::UnTracked(prep) => prep.finish(y),
         }
     }
@@ -409,9 +442,47 @@ impl<B: LabBackend, C: CheckpointStrategy> LabBackend for Autodiff<B, C> {
             .compute_bound()
             .stateful()
         {
-            OpsKind::Tracked(prep) => prep.finish(mask, y),
+            OpsKind::Tracked(prep) => prep.finish(Some(mask), y),
             OpsKind::UnTracked(prep) => prep.finish(y),
         }
+    }
+
+    /// Two graph nodes from one kernel: the addition (parents `x`, `h`), whose output the
+    /// LayerNorm node (parents the sum, `γ`, `β`) reads, each with its own backward pass, as if
+    /// [`Self::fused_dropout_add`] and [`Self::fused_layer_norm`] had run.
+    fn fused_add_layer_norm(
+        x: FloatTensor<Self>,
+        h: FloatTensor<Self>,
+        mask: Option<DropoutMask>,
+        gamma: FloatTensor<Self>,
+        beta: Option<FloatTensor<Self>>,
+        epsilon: f64,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let shape = x.primitive.shape();
+        let (s, y, mean, rstd) = B::fused_add_layer_norm_forward(
+            rows::<B>(x.primitive),
+            rows::<B>(h.primitive),
+            mask,
+            gamma.primitive.clone(),
+            beta.as_ref().map(|beta| beta.primitive.clone()),
+            epsilon,
+        );
+        let y = B::float_reshape(y, shape.clone());
+        let sum = B::float_reshape(s.clone(), shape);
+        let sum = match DropoutAdd
+            .prepare::<C>([x.node, h.node])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => prep.finish(mask, sum),
+            OpsKind::UnTracked(prep) => prep.finish(sum),
+        };
+        let nodes = [sum.node.clone(), gamma.node, bias::<B, C>(beta, &y).node];
+        let y = match LayerNorm.prepare::<C>(nodes).compute_bound().stateful() {
+            OpsKind::Tracked(prep) => prep.finish((s, gamma.primitive, mean, rstd, sum.clone()), y),
+            OpsKind::UnTracked(prep) => prep.finish(y),
+        };
+        (sum, y)
     }
 
     fn fused_dropout(x: FloatTensor<Self>, mask: DropoutMask) -> FloatTensor<Self> {

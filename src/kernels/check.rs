@@ -73,7 +73,7 @@ pub fn check_all<B: LabAutodiff>(device: &B::Device, head_dim: usize) -> Vec<OpC
 /// Checks one fused operation on `device` (attention with heads of `head_dim`).
 pub fn check<B: LabAutodiff>(op: Op, device: &B::Device, head_dim: usize) -> OpCheck {
     let error = match op {
-        Op::Gelu => compare::<B, 3, 1>([random([2, 67, 48], 1, 2.0, device)], |[x]| gelu(x)),
+        Op::Gelu => gelu_error::<B>(device),
         Op::LayerNorm => layer_norm_error::<B>(device),
         Op::Softmax => compare::<B, 3, 1>([random([2, 67, 70], 2, 3.0, device)], |[x]| softmax(x)),
         Op::Attention => attention_error::<B>(device, head_dim),
@@ -309,6 +309,32 @@ fn worst<B: LabAutodiff, const D: usize>(
 /// A flattened gradient, where there is one.
 type Grad<B> = Option<Tensor<<B as burn::tensor::backend::AutodiffBackend>::InnerBackend, 1>>;
 
+/// GELU, and GELU with the dropout after it in one kernel (against GELU times the mask's
+/// multipliers): outputs and the input's gradient.
+fn gelu_error<B: LabAutodiff>(device: &B::Device) -> f32 {
+    let x = random::<B, 3>([2, 67, 48], 1, 2.0, device);
+    let plain = compare::<B, 3, 1>([x.clone()], |[x]| gelu(x));
+    let n = 2 * 67 * 48;
+    let drop = DropoutMask::new(0.25, 4444);
+    let multipliers = Tensor::<B, 1>::from_data(TensorData::new(drop.multipliers(n), [n]), device);
+    let run = |fused: bool| {
+        let x = x.clone().reshape([n]).require_grad();
+        let y = if fused {
+            let y = B::fused_gelu_dropout(prim(x.clone()), drop);
+            sabotage(
+                Op::Gelu,
+                Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(y)),
+            )
+        } else {
+            super::reference::gelu(x.clone()) * multipliers.clone()
+        };
+        let w = random::<B, 1>([n], 97, 1.0, device);
+        let grads = (y.clone() * w).sum().backward();
+        (y.inner(), [x.grad(&grads)])
+    };
+    plain.max(worst::<B, 1>(run(true), run(false)))
+}
+
 /// LayerNorm with random γ and β: outputs and the gradients of the input, γ and β.
 fn layer_norm_error<B: LabAutodiff>(device: &B::Device) -> f32 {
     let d = 96;
@@ -328,7 +354,51 @@ fn layer_norm_error<B: LabAutodiff>(device: &B::Device) -> f32 {
             (y.inner(), [dx, gamma, beta])
         })
     };
-    worst::<B, 3>(run(true), run(false))
+    let plain = worst::<B, 3>(run(true), run(false));
+    // The residual form, `s = x + h ⊙ M` and its LayerNorm in one kernel, against the sum (the
+    // mask as multipliers) and burn's LayerNorm: both outputs and the gradients of x, h, γ, β.
+    let h = random::<B, 3>([2, 67, d], 9, 1.0, device);
+    let drop = DropoutMask::new(0.25, 4343);
+    let multipliers = Tensor::<B, 3>::from_data(
+        TensorData::new(drop.multipliers(2 * 67 * d), [2, 67, d]),
+        device,
+    );
+    let residual = |mask: Option<DropoutMask>, fused: bool| {
+        let (x, h) = (x.clone().require_grad(), h.clone().require_grad());
+        let (sum, y) = if fused {
+            let (sum, y) = B::fused_add_layer_norm(
+                prim(x.clone().reshape([-1, d as i32])),
+                prim(h.clone().reshape([-1, d as i32])),
+                mask,
+                prim(norm.gamma.val()),
+                norm.beta.as_ref().map(|beta| prim(beta.val())),
+                LAYER_NORM_EPSILON,
+            );
+            let y = Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(y));
+            let sum = Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(sum));
+            (
+                sum.reshape(x.dims()),
+                sabotage(Op::LayerNorm, y.reshape(x.dims())),
+            )
+        } else {
+            let h = match mask {
+                Some(_) => h.clone() * multipliers.clone(),
+                None => h.clone(),
+            };
+            let sum = x.clone() + h;
+            (sum.clone(), norm.forward(sum))
+        };
+        let both = Tensor::cat(vec![sum, y], 0);
+        let w = random::<B, 3>(both.dims(), 98, 1.0, device);
+        let grads = (both.clone() * w).sum().backward();
+        let gamma = norm.gamma.val().grad(&grads);
+        let beta = norm.beta.as_ref().and_then(|beta| beta.val().grad(&grads));
+        let [dx, dh] = [x, h].map(|leaf| leaf.grad(&grads).map(|g| g.reshape([-1])));
+        (both.inner(), [dx, dh, gamma, beta])
+    };
+    [Some(drop), None].into_iter().fold(plain, |error, mask| {
+        error.max(worst::<B, 3>(residual(mask, true), residual(mask, false)))
+    })
 }
 
 /// A padding mask `[b, s]` whose first row pads its last third and whose second row pads

@@ -17,20 +17,35 @@ pub(super) fn prim<B: Backend, const D: usize>(x: Tensor<B, D>) -> FloatTensor<B
     x.into_primitive().tensor()
 }
 
+/// `x` `[..., d]` as the rows `[n, d]` the row kernels take (a view where it is contiguous).
+pub(super) fn rows<B: Backend>(x: FloatTensor<B>) -> FloatTensor<B> {
+    let shape = x.shape();
+    let d = shape[shape.num_dims() - 1];
+    B::float_reshape(x, Shape::new([shape.num_elements() / d.max(1), d]))
+}
+
 /// See [`super::LabBackend::fused_gelu`].
 pub fn gelu<B: Backend>(x: FloatTensor<B>) -> FloatTensor<B> {
     prim(reference::gelu(tensor::<B, 1>(x)))
 }
 
 /// See [`super::LabBackend::fused_gelu_forward`]: the backend's GELU and its backward for a
-/// gradient of ones.
-pub fn gelu_forward<B: LabBackend>(x: FloatTensor<B>) -> (FloatTensor<B>, FloatTensor<B>) {
+/// gradient of ones, each then through the backend's dropout.
+pub fn gelu_forward<B: LabBackend>(
+    x: FloatTensor<B>,
+    mask: Option<DropoutMask>,
+) -> (FloatTensor<B>, FloatTensor<B>) {
     let x = tensor::<B, 1>(x);
     let ones = x.ones_like();
-    (
-        B::fused_gelu(prim(x.clone())),
-        B::fused_gelu_backward(prim(x), prim(ones)),
-    )
+    let y = B::fused_gelu(prim(x.clone()));
+    let derivative = B::fused_gelu_backward(prim(x), prim(ones));
+    match mask {
+        Some(mask) => (
+            B::fused_dropout(y, mask),
+            B::fused_dropout(derivative, mask),
+        ),
+        None => (y, derivative),
+    }
 }
 
 /// See [`super::LabBackend::fused_gelu_backward`].
@@ -50,13 +65,38 @@ pub fn layer_norm_forward<B: Backend>(
     (prim(y), prim(mean), prim(rstd))
 }
 
-/// See [`super::LabBackend::fused_layer_norm_backward`].
+/// See [`super::LabBackend::fused_add_layer_norm_forward`]: the backend's dropout-and-add (or
+/// addition), then its LayerNorm.
+#[allow(clippy::type_complexity)]
+pub fn add_layer_norm_forward<B: LabBackend>(
+    x: FloatTensor<B>,
+    h: FloatTensor<B>,
+    mask: Option<DropoutMask>,
+    gamma: FloatTensor<B>,
+    beta: Option<FloatTensor<B>>,
+    epsilon: f64,
+) -> (
+    FloatTensor<B>,
+    FloatTensor<B>,
+    FloatTensor<B>,
+    FloatTensor<B>,
+) {
+    let s = match mask {
+        Some(mask) => B::fused_dropout_add(x, h, mask),
+        None => B::float_add(x, h),
+    };
+    let (y, mean, rstd) = B::fused_layer_norm_forward(s.clone(), gamma, beta, epsilon);
+    (s, y, mean, rstd)
+}
+
+/// See [`super::LabBackend::fused_layer_norm_backward`]: the residual gradient added after.
 pub fn layer_norm_backward<B: Backend>(
     x: FloatTensor<B>,
     gamma: FloatTensor<B>,
     mean: FloatTensor<B>,
     rstd: FloatTensor<B>,
     dy: FloatTensor<B>,
+    residual: Option<FloatTensor<B>>,
 ) -> (FloatTensor<B>, FloatTensor<B>, FloatTensor<B>) {
     let (dx, dgamma, dbeta) = reference::layer_norm_backward(
         tensor::<B, 2>(x),
@@ -65,6 +105,10 @@ pub fn layer_norm_backward<B: Backend>(
         tensor(rstd),
         tensor(dy),
     );
+    let dx = match residual {
+        Some(residual) => dx + tensor(residual),
+        None => dx,
+    };
     (prim(dx), prim(dgamma), prim(dbeta))
 }
 
@@ -125,11 +169,13 @@ pub fn attention_backward<B: Backend>(
     (prim(dq), prim(dk), prim(dv))
 }
 
-/// See [`super::LabBackend::fused_dropout`]: the mask made on the host, one product.
+/// See [`super::LabBackend::fused_dropout`]: the mask made on the host, one product (`x` of
+/// any shape, its elements numbered row-major).
 pub fn dropout<B: Backend>(x: FloatTensor<B>, mask: DropoutMask) -> FloatTensor<B> {
-    let x = tensor::<B, 1>(x);
+    let shape = x.shape();
+    let x = tensor::<B, 1>(B::float_reshape(x, Shape::new([shape.num_elements()])));
     let multipliers = reference::dropout_multipliers::<B, 1>(mask, x.shape(), &x.device());
-    prim(x * multipliers)
+    B::float_reshape(prim(x * multipliers), shape)
 }
 
 /// See [`super::LabBackend::fused_linear`].

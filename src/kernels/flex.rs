@@ -192,12 +192,12 @@ impl LabBackend for Flex {
         from_vec(cpu::gelu(slice(&x)), x.shape())
     }
 
-    fn fused_gelu_forward(x: FlexTensor) -> (FlexTensor, FlexTensor) {
+    fn fused_gelu_forward(x: FlexTensor, mask: Option<DropoutMask>) -> (FlexTensor, FlexTensor) {
         if !is_f32(&x) {
-            return composed::gelu_forward::<Flex>(x);
+            return composed::gelu_forward::<Flex>(x, mask);
         }
         let x = contiguous(x);
-        let (y, derivative) = cpu::gelu_with_derivative(slice(&x));
+        let (y, derivative) = cpu::gelu_with_derivative(slice(&x), mask);
         (from_vec(y, x.shape()), from_vec(derivative, x.shape()))
     }
 
@@ -227,17 +227,51 @@ impl LabBackend for Flex {
         )
     }
 
+    fn fused_add_layer_norm_forward(
+        x: FlexTensor,
+        h: FlexTensor,
+        mask: Option<DropoutMask>,
+        gamma: FlexTensor,
+        beta: Option<FlexTensor>,
+        epsilon: f64,
+    ) -> (FlexTensor, FlexTensor, FlexTensor, FlexTensor) {
+        if !is_f32(&x) {
+            return composed::add_layer_norm_forward::<Flex>(x, h, mask, gamma, beta, epsilon);
+        }
+        let [x, h, gamma] = [x, h, gamma].map(contiguous);
+        let beta = beta.map(contiguous);
+        let shape = x.shape();
+        let (n, d) = (shape[0], shape[1]);
+        let (s, y, mean, rstd) = cpu::add_layer_norm(
+            slice(&x),
+            slice(&h),
+            mask,
+            d,
+            slice(&gamma),
+            beta.as_ref().map(slice),
+            epsilon as f32,
+        );
+        (
+            from_vec(s, shape.clone()),
+            from_vec(y, shape),
+            from_vec(mean, Shape::new([n])),
+            from_vec(rstd, Shape::new([n])),
+        )
+    }
+
     fn fused_layer_norm_backward(
         x: FlexTensor,
         gamma: FlexTensor,
         mean: FlexTensor,
         rstd: FlexTensor,
         dy: FlexTensor,
+        residual: Option<FlexTensor>,
     ) -> (FlexTensor, FlexTensor, FlexTensor) {
         if !is_f32(&x) {
-            return composed::layer_norm_backward::<Flex>(x, gamma, mean, rstd, dy);
+            return composed::layer_norm_backward::<Flex>(x, gamma, mean, rstd, dy, residual);
         }
         let [x, gamma, mean, rstd, dy] = [x, gamma, mean, rstd, dy].map(contiguous);
+        let residual = residual.map(contiguous);
         let shape = x.shape();
         let d = shape[1];
         let (dx, dgamma, dbeta) = cpu::layer_norm_backward(
@@ -247,6 +281,7 @@ impl LabBackend for Flex {
             slice(&mean),
             slice(&rstd),
             slice(&dy),
+            residual.as_ref().map(slice),
         );
         (
             from_vec(dx, shape),

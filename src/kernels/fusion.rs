@@ -168,16 +168,16 @@ impl<B: FusionBackend + LabBackend> LabBackend for Fusion<B> {
         y
     }
 
-    fn fused_gelu_forward(x: Tensor<B>) -> (Tensor<B>, Tensor<B>) {
+    fn fused_gelu_forward(x: Tensor<B>, mask: Option<DropoutMask>) -> (Tensor<B>, Tensor<B>) {
         let shape = x.shape.clone();
         let [y, d] = custom::<B, 2>(
             "gelu_forward",
             vec![x],
             vec![],
             [shape.clone(), shape],
-            |f, _| {
+            move |f, _| {
                 let [x] = take(f);
-                let (y, d) = B::fused_gelu_forward(x);
+                let (y, d) = B::fused_gelu_forward(x, mask);
                 vec![y, d]
             },
         );
@@ -264,19 +264,49 @@ impl<B: FusionBackend + LabBackend> LabBackend for Fusion<B> {
         (y, mean, rstd)
     }
 
+    fn fused_add_layer_norm_forward(
+        x: Tensor<B>,
+        h: Tensor<B>,
+        mask: Option<DropoutMask>,
+        gamma: Tensor<B>,
+        beta: Option<Tensor<B>>,
+        epsilon: f64,
+    ) -> (Tensor<B>, Tensor<B>, Tensor<B>, Tensor<B>) {
+        let shape = x.shape.clone();
+        let rows = Shape::new([shape[0]]);
+        let has_beta = beta.is_some();
+        let mut inputs = vec![x, h, gamma];
+        inputs.extend(beta);
+        let shapes = [shape.clone(), shape, rows.clone(), rows];
+        let [s, y, mean, rstd] =
+            custom::<B, 4>("add_layer_norm", inputs, vec![], shapes, move |f, _| {
+                let mut f = f.into_iter();
+                let [x, h, gamma] = [(); 3].map(|_| f.next().unwrap());
+                let beta = has_beta.then(|| f.next().unwrap());
+                let (s, y, mean, rstd) =
+                    B::fused_add_layer_norm_forward(x, h, mask, gamma, beta, epsilon);
+                vec![s, y, mean, rstd]
+            });
+        (s, y, mean, rstd)
+    }
+
     fn fused_layer_norm_backward(
         x: Tensor<B>,
         gamma: Tensor<B>,
         mean: Tensor<B>,
         rstd: Tensor<B>,
         dy: Tensor<B>,
+        residual: Option<Tensor<B>>,
     ) -> (Tensor<B>, Tensor<B>, Tensor<B>) {
         let shapes = [x.shape.clone(), gamma.shape.clone(), gamma.shape.clone()];
-        let inputs = vec![x, gamma, mean, rstd, dy];
+        let mut inputs = vec![x, gamma, mean, rstd, dy];
+        inputs.extend(residual);
         let [dx, dgamma, dbeta] =
             custom::<B, 3>("layer_norm_backward", inputs, vec![], shapes, |f, _| {
-                let [x, gamma, mean, rstd, dy] = take(f);
-                let (dx, dgamma, dbeta) = B::fused_layer_norm_backward(x, gamma, mean, rstd, dy);
+                let mut f = f.into_iter();
+                let [x, gamma, mean, rstd, dy] = [(); 5].map(|_| f.next().unwrap());
+                let (dx, dgamma, dbeta) =
+                    B::fused_layer_norm_backward(x, gamma, mean, rstd, dy, f.next());
                 vec![dx, dgamma, dbeta]
             });
         (dx, dgamma, dbeta)

@@ -40,7 +40,7 @@ use burn::nn::{LayerNorm, Linear};
 use burn::prelude::*;
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::ops::{FloatTensor, IntTensor};
-use burn::tensor::Bool;
+use burn::tensor::{Bool, TensorMetadata};
 use composed::{prim, tensor};
 pub use dropout::DropoutMask;
 use std::cell::Cell;
@@ -76,18 +76,34 @@ pub trait LabBackend: Backend {
 
     /// `(GELU(x), GELU'(x))`: the forward pass of training, which keeps the derivative so the
     /// backward pass is one product (`erf` and `exp` evaluated once per element, not twice).
-    fn fused_gelu_forward(x: FloatTensor<Self>) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        composed::gelu_forward::<Self>(x)
+    /// With a dropout `mask`, both times its multipliers (elements as in
+    /// [`Self::fused_dropout`]): GELU then dropout in one pass, and the backward pass still one
+    /// product.
+    fn fused_gelu_forward(
+        x: FloatTensor<Self>,
+        mask: Option<DropoutMask>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        composed::gelu_forward::<Self>(x, mask)
     }
 
-    /// LayerNorm of the rows of `x` `[n, d]`.
+    /// `GELU(x) ⊙ M`, dropout after GELU (a feed-forward network's): the differentiable entry
+    /// point of [`Self::fused_gelu_forward`] with a mask.
+    fn fused_gelu_dropout(x: FloatTensor<Self>, mask: DropoutMask) -> FloatTensor<Self> {
+        Self::fused_gelu_forward(x, Some(mask)).0
+    }
+
+    /// LayerNorm of `x` `[..., d]` over its last dimension: the differentiable entry point,
+    /// which takes the tensor as the graph has it (a reshape would put a node between the
+    /// LayerNorm and the other readers of its input, whose gradients it adds).
     fn fused_layer_norm(
         x: FloatTensor<Self>,
         gamma: FloatTensor<Self>,
         beta: Option<FloatTensor<Self>>,
         epsilon: f64,
     ) -> FloatTensor<Self> {
-        Self::fused_layer_norm_forward(x, gamma, beta, epsilon).0
+        let shape = x.shape();
+        let y = Self::fused_layer_norm_forward(composed::rows::<Self>(x), gamma, beta, epsilon).0;
+        Self::float_reshape(y, shape)
     }
 
     /// LayerNorm returning `(y [n, d], mean [n], 1/σ [n])`, what its backward needs.
@@ -100,15 +116,59 @@ pub trait LabBackend: Backend {
         composed::layer_norm_forward::<Self>(x, gamma, beta, epsilon)
     }
 
-    /// The gradients `(dx [n, d], dγ [d], dβ [d])` of LayerNorm for the output gradient `dy`.
+    /// The gradients `(dx [n, d], dγ [d], dβ [d])` of LayerNorm for the output gradient `dy`;
+    /// with `residual` `[n, d]`, the gradient the input already has from its other readers (a
+    /// residual stream's), `dx` is that plus LayerNorm's, added in the same pass.
     fn fused_layer_norm_backward(
         x: FloatTensor<Self>,
         gamma: FloatTensor<Self>,
         mean: FloatTensor<Self>,
         rstd: FloatTensor<Self>,
         dy: FloatTensor<Self>,
+        residual: Option<FloatTensor<Self>>,
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
-        composed::layer_norm_backward::<Self>(x, gamma, mean, rstd, dy)
+        composed::layer_norm_backward::<Self>(x, gamma, mean, rstd, dy, residual)
+    }
+
+    /// The residual addition of a pre-norm block and the LayerNorm that reads its sum next:
+    /// `s = x + h ⊙ M` (`x + h` without a mask, the mask's elements as in
+    /// [`Self::fused_dropout`]) and the LayerNorm of the rows of `s` `[n, d]` → `(s, y)`. The
+    /// differentiable entry point (`x`, `h` `[..., d]`, as [`Self::fused_layer_norm`] takes
+    /// them): its backward pass is the addition's and LayerNorm's.
+    fn fused_add_layer_norm(
+        x: FloatTensor<Self>,
+        h: FloatTensor<Self>,
+        mask: Option<DropoutMask>,
+        gamma: FloatTensor<Self>,
+        beta: Option<FloatTensor<Self>>,
+        epsilon: f64,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let shape = x.shape();
+        let [x, h] = [x, h].map(composed::rows::<Self>);
+        let (s, y, _, _) = Self::fused_add_layer_norm_forward(x, h, mask, gamma, beta, epsilon);
+        (
+            Self::float_reshape(s, shape.clone()),
+            Self::float_reshape(y, shape),
+        )
+    }
+
+    /// [`Self::fused_add_layer_norm`] returning `(s, y, mean, 1/σ)`, one pass where a kernel
+    /// runs (the sum is written once and normalised while it is at hand). The default:
+    /// [`Self::fused_dropout_add`] (or the addition), then [`Self::fused_layer_norm_forward`].
+    fn fused_add_layer_norm_forward(
+        x: FloatTensor<Self>,
+        h: FloatTensor<Self>,
+        mask: Option<DropoutMask>,
+        gamma: FloatTensor<Self>,
+        beta: Option<FloatTensor<Self>>,
+        epsilon: f64,
+    ) -> (
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+    ) {
+        composed::add_layer_norm_forward::<Self>(x, h, mask, gamma, beta, epsilon)
     }
 
     /// Softmax over the last dimension of `x` `[n, s]`.
@@ -121,15 +181,16 @@ pub trait LabBackend: Backend {
         composed::softmax_backward::<Self>(p, dp)
     }
 
-    /// `x` with each element multiplied by its multiplier in `mask` (`0` or `1/(1−p)`): dropout,
-    /// and its own backward pass (the same mask applied to the gradient).
+    /// `x` (any shape, elements numbered row-major) with each element multiplied by its
+    /// multiplier in `mask` (`0` or `1/(1−p)`): dropout, and its own backward pass (the same mask
+    /// applied to the gradient).
     fn fused_dropout(x: FloatTensor<Self>, mask: DropoutMask) -> FloatTensor<Self> {
         composed::dropout::<Self>(x, mask)
     }
 
-    /// `x + h ⊙ M` for `x`, `h` of one shape (flattened): a residual connection around a
-    /// dropped-out sublayer, element `e` of `h` taking element `e` of `mask` as
-    /// [`Self::fused_dropout`] does. The default: that dropout, then the addition.
+    /// `x + h ⊙ M` for `x`, `h` of one shape (any; elements numbered row-major): a residual
+    /// connection around a dropped-out sublayer, element `e` of `h` taking element `e` of
+    /// `mask` as [`Self::fused_dropout`] does. The default: that dropout, then the addition.
     fn fused_dropout_add(
         x: FloatTensor<Self>,
         h: FloatTensor<Self>,
@@ -383,9 +444,11 @@ pub fn fused() -> bool {
 /// the on-device check finds it wrong, see [`check`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Op {
-    /// [`gelu`], forward and backward.
+    /// [`gelu`], forward and backward, and [`gelu_dropout`], the dropout after it in the same
+    /// kernel.
     Gelu,
-    /// [`layer_norm`], forward and backward (input, γ, β).
+    /// [`layer_norm`], forward and backward (input, γ, β), and [`add_layer_norm`], the
+    /// residual addition before it in the same kernel.
     LayerNorm,
     /// [`softmax`], forward and backward.
     Softmax,
@@ -589,15 +652,13 @@ pub fn layer_norm<B: LabBackend, const D: usize>(
     if !uses(Op::LayerNorm) {
         return norm.forward(x);
     }
-    let shape = x.shape();
-    let d = shape[D - 1];
     let y = B::fused_layer_norm(
-        prim(x.reshape([-1, d as i32])),
+        prim(x),
         prim(norm.gamma.val()),
         norm.beta.as_ref().map(|beta| prim(beta.val())),
         epsilon,
     );
-    check::sabotage(Op::LayerNorm, tensor::<B, 2>(y).reshape(shape))
+    check::sabotage(Op::LayerNorm, tensor::<B, D>(y))
 }
 
 /// The epsilon of a LayerNorm unless its config chooses another (burn's `LayerNormConfig`
@@ -692,6 +753,23 @@ pub fn dropout<B: LabBackend, const D: usize>(
     check::sabotage(Op::Dropout, y)
 }
 
+/// `dropout(GELU(x))` (exact GELU, as [`gelu`]), a feed-forward network's activation and its
+/// dropout: the same mask and values as the two apart, in one pass where both run fused, whose
+/// backward pass is one product by the derivative kept with the mask in it (on a GPU one launch
+/// each way instead of two).
+pub fn gelu_dropout<B: LabBackend, const D: usize>(
+    module: &burn::nn::Dropout,
+    x: Tensor<B, D>,
+) -> Tensor<B, D> {
+    if !B::ad_enabled(&x.device()) || module.prob == 0.0 || !uses(Op::Gelu) || !uses(Op::Dropout) {
+        return dropout(module, gelu(x));
+    }
+    let shape = x.shape();
+    let mask = dropout::next_mask(module.prob);
+    let y = tensor::<B, 1>(B::fused_gelu_dropout(prim(x.reshape([-1])), mask)).reshape(shape);
+    check::sabotage(Op::Gelu, y)
+}
+
 /// `x + dropout(h)` (a residual connection around a sublayer): as `x + dropout(module, h)`, the
 /// same mask and the same values, in one kernel where the dropout kernel runs (on a GPU one
 /// launch instead of two), and its backward pass `dx = g`, `dh = g ⊙ M`.
@@ -707,6 +785,38 @@ pub fn dropout_add<B: LabBackend, const D: usize>(
     let mask = dropout::next_mask(module.prob);
     let y = B::fused_dropout_add(prim(x.reshape([-1])), prim(h.reshape([-1])), mask);
     check::sabotage(Op::Dropout, tensor::<B, 1>(y).reshape(shape))
+}
+
+/// `x + dropout(h)` and `norm` applied to that sum (its last dimension): the residual
+/// connection of a pre-norm block and the LayerNorm that reads the sum next (the next
+/// sublayer's, or a stack's final one). The values of [`dropout_add`] then [`layer_norm`], the
+/// same mask, in one kernel where both run fused: on a GPU one launch instead of two, on a CPU
+/// one pass over the rows. `epsilon` as in [`layer_norm`]. Returns `(sum, normalised sum)`.
+pub fn add_layer_norm<B: LabBackend, const D: usize>(
+    module: &burn::nn::Dropout,
+    x: Tensor<B, D>,
+    h: Tensor<B, D>,
+    norm: &LayerNorm<B>,
+    epsilon: f64,
+) -> (Tensor<B, D>, Tensor<B, D>) {
+    let dropped = B::ad_enabled(&h.device()) && module.prob > 0.0;
+    if !uses(Op::LayerNorm) || (dropped && !uses(Op::Dropout)) {
+        let sum = dropout_add(module, x, h);
+        return (sum.clone(), layer_norm(norm, epsilon, sum));
+    }
+    let mask = dropped.then(|| dropout::next_mask(module.prob));
+    let (sum, y) = B::fused_add_layer_norm(
+        prim(x),
+        prim(h),
+        mask,
+        prim(norm.gamma.val()),
+        norm.beta.as_ref().map(|beta| prim(beta.val())),
+        epsilon,
+    );
+    (
+        tensor(sum),
+        check::sabotage(Op::LayerNorm, tensor::<B, D>(y)),
+    )
 }
 
 /// A fresh mask for attention dropout of probability `prob` in training, none elsewhere.

@@ -11,7 +11,7 @@ use super::hyena::Hyena;
 use super::mask::AttentionMask;
 use super::mixer::Mixer;
 use super::relative::RelativePosition;
-use crate::kernels::{layer_norm, LabBackend, PackedLinear};
+use crate::kernels::{add_layer_norm, layer_norm, LabBackend, PackedLinear};
 use burn::module::Module;
 use burn::nn::{Dropout, DropoutConfig, Initializer, LayerNorm, LayerNormConfig};
 use burn::prelude::*;
@@ -78,6 +78,40 @@ pub struct TransformerBlock<B: LabBackend> {
     norm_first: bool,
     #[module(skip)]
     norm_epsilon: f64,
+}
+
+/// A stack's residual stream between sublayers: `x + Dropout(h)`, where a pre-norm block's
+/// last addition is left pending so that it runs in one kernel with the LayerNorm that reads
+/// the sum next (the next block's, or the stack's final one: [`add_layer_norm`]). Its dropout
+/// mask is drawn where the sum is made, right after the sublayer, so the masks come in the
+/// order they came when each addition ran on its own.
+pub struct Residual<B: LabBackend> {
+    x: Tensor<B, 3>,
+    /// A sublayer's output not yet added, and the dropout it takes.
+    pending: Option<(Tensor<B, 3>, Dropout)>,
+}
+
+impl<B: LabBackend> Residual<B> {
+    /// The stream holding `x` `[b, t, d]`.
+    pub fn new(x: Tensor<B, 3>) -> Self {
+        Self { x, pending: None }
+    }
+
+    /// Its value, `x + Dropout(h)`.
+    pub fn resolve(self) -> Tensor<B, 3> {
+        match self.pending {
+            Some((h, dropout)) => crate::kernels::dropout_add(&dropout, self.x, h),
+            None => self.x,
+        }
+    }
+
+    /// `(value, norm(value))`, the pending addition and the LayerNorm in one kernel.
+    pub fn normalise(self, norm: &LayerNorm<B>, epsilon: f64) -> (Tensor<B, 3>, Tensor<B, 3>) {
+        match self.pending {
+            Some((h, dropout)) => add_layer_norm(&dropout, self.x, h, norm, epsilon),
+            None => (self.x.clone(), layer_norm(norm, epsilon, self.x)),
+        }
+    }
 }
 
 /// What a block returns: its output and the attention weights it used.
@@ -160,6 +194,23 @@ impl<B: LabBackend> TransformerBlock<B> {
         mask: Option<&AttentionMask<B>>,
         memory: Option<(&Tensor<B, 3>, Option<&AttentionMask<B>>)>,
     ) -> BlockOutput<B> {
+        let (x, self_weights, cross_weights) =
+            self.forward_residual(Residual::new(x), mask, memory);
+        BlockOutput {
+            x: x.resolve(),
+            self_weights,
+            cross_weights,
+        }
+    }
+
+    /// [`Self::forward`] on a stack's residual stream (the last sublayer's addition left for
+    /// the next LayerNorm), with the self- and cross-attention weights.
+    pub(crate) fn forward_residual(
+        &self,
+        x: Residual<B>,
+        mask: Option<&AttentionMask<B>>,
+        memory: Option<(&Tensor<B, 3>, Option<&AttentionMask<B>>)>,
+    ) -> (Residual<B>, Option<Tensor<B, 4>>, Option<Tensor<B, 4>>) {
         let mut self_weights = None;
         let x = self.residual(x, &self.norm_self, |h| match &self.hyena {
             Some(hyena) => hyena.forward(h),
@@ -182,11 +233,7 @@ impl<B: LabBackend> TransformerBlock<B> {
         };
 
         let x = self.residual(x, &self.norm_ff, |h| self.feedforward.forward(h));
-        BlockOutput {
-            x,
-            self_weights,
-            cross_weights,
-        }
+        (x, self_weights, cross_weights)
     }
 
     /// [`Self::forward`] of `n` new positions of a causal decoder that follow the positions in
@@ -194,16 +241,16 @@ impl<B: LabBackend> TransformerBlock<B> {
     /// `cross` when the block has cross-attention. Needs [`Self::caches`].
     ///
     /// # Shapes
-    /// `x`: `[b, n, d]` → `[b, n, d]`.
+    /// `x`: `[b, n, d]` → `[b, n, d]` (the residual stream's).
     ///
     /// # Panics
     /// If `cross` is given to a block built without cross-attention, or vice versa.
     pub fn forward_cached(
         &self,
-        x: Tensor<B, 3>,
+        x: Residual<B>,
         cache: &mut LayerCache<B>,
         cross: Option<&CrossMemory<B>>,
-    ) -> Tensor<B, 3> {
+    ) -> Residual<B> {
         let x = self.residual(x, &self.norm_self, |h| {
             self.attention().forward_cached(h, cache)
         });
@@ -221,14 +268,14 @@ impl<B: LabBackend> TransformerBlock<B> {
     /// (see [`MultiHeadAttention::forward_rows`]). A decoder-only block.
     ///
     /// # Shapes
-    /// `x`: `[b, 1, d]` → `[b, 1, d]`.
+    /// `x`: `[b, 1, d]` → `[b, 1, d]` (the residual stream's).
     pub fn forward_rows(
         &self,
-        x: Tensor<B, 3>,
+        x: Residual<B>,
         kv: &mut Option<Columns<B>>,
         projection: &mut Option<PackedLinear<B>>,
         rows: &Rows,
-    ) -> Tensor<B, 3> {
+    ) -> Residual<B> {
         let x = self.residual(x, &self.norm_self, |h| {
             self.attention().forward_rows(h, kv, projection, rows)
         });
@@ -265,23 +312,26 @@ impl<B: LabBackend> TransformerBlock<B> {
             .is_some_and(MultiHeadAttention::caches)
     }
 
-    /// Pre-norm: `x + Dropout(f(LN(x)))`; post-norm: `LN(x + Dropout(f(x)))`.
+    /// Pre-norm: `x + Dropout(f(LN(x)))`, the addition left in the stream for the next
+    /// LayerNorm; post-norm: `LN(x + Dropout(f(x)))`, the addition and LayerNorm in one kernel
+    /// ([`add_layer_norm`]).
     fn residual(
         &self,
-        x: Tensor<B, 3>,
+        x: Residual<B>,
         norm: &LayerNorm<B>,
         sublayer: impl FnOnce(Tensor<B, 3>) -> Tensor<B, 3>,
-    ) -> Tensor<B, 3> {
+    ) -> Residual<B> {
         if self.norm_first {
-            let h = sublayer(layer_norm(norm, self.norm_epsilon, x.clone()));
-            crate::kernels::dropout_add(&self.dropout, x, h)
+            let (x, h) = x.normalise(norm, self.norm_epsilon);
+            Residual {
+                x,
+                pending: Some((sublayer(h), self.dropout.clone())),
+            }
         } else {
+            let x = x.resolve();
             let h = sublayer(x.clone());
-            layer_norm(
-                norm,
-                self.norm_epsilon,
-                crate::kernels::dropout_add(&self.dropout, x, h),
-            )
+            let (_, y) = add_layer_norm(&self.dropout, x, h, norm, self.norm_epsilon);
+            Residual::new(y)
         }
     }
 

@@ -1,7 +1,7 @@
 //! The position-wise feed-forward network `FFN(x) = act(x·W₁ + b₁)·W₂ + b₂` (§3.3).
 
 use super::linear;
-use crate::kernels::{gelu, LabBackend};
+use crate::kernels::{gelu, gelu_dropout, LabBackend};
 use burn::module::Module;
 use burn::nn::{Dropout, DropoutConfig, Initializer, Linear, LinearConfig};
 use burn::prelude::*;
@@ -97,10 +97,10 @@ impl<B: LabBackend> FeedForward<B> {
     /// `x`: `[b, t, d]` → `[b, t, d]`.
     pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
         let h = linear(&self.linear_inner, x); // [b, t, d_ff]
-        let h = self.activation.apply(h);
-        linear(
-            &self.linear_outer,
-            crate::kernels::dropout(&self.dropout, h),
-        )
+        let h = match self.activation {
+            Activation::Gelu => gelu_dropout(&self.dropout, h),
+            activation => crate::kernels::dropout(&self.dropout, activation.apply(h)),
+        };
+        linear(&self.linear_outer, h)
     }
 }

@@ -27,7 +27,7 @@ pub use attention::{
     attention_weights, masked_attention_weights, scaled_dot_product_attention, without_weights,
     AttentionOutput, MultiHeadAttention, MultiHeadAttentionConfig,
 };
-pub use block::{BlockOutput, TransformerBlock, TransformerBlockConfig};
+pub use block::{BlockOutput, Residual, TransformerBlock, TransformerBlockConfig};
 pub use cache::{Columns, CrossMemory, KvCache, LayerCache, Rows, RowsCache};
 pub use config::StackConfig;
 pub use feedforward::{Activation, FeedForward, FeedForwardConfig};

@@ -1,11 +1,11 @@
 //! A stack of [`TransformerBlock`]s: the encoder and the decoder are the same stack, specialised
 //! by their blocks (cross-attention or not) and by the mask the caller passes (causal or not).
 
-use super::block::{TransformerBlock, TransformerBlockConfig};
+use super::block::{Residual, TransformerBlock, TransformerBlockConfig};
 use super::cache::{KvCache, RowsCache};
 use super::mask::AttentionMask;
 use super::relative::RelativePosition;
-use crate::kernels::{layer_norm, LabBackend};
+use crate::kernels::LabBackend;
 use burn::module::Module;
 use burn::nn::{LayerNorm, LayerNormConfig};
 use burn::prelude::*;
@@ -90,20 +90,17 @@ impl<B: LabBackend> TransformerStack<B> {
         mask: Option<&AttentionMask<B>>,
         memory: Option<(&Tensor<B, 3>, Option<&AttentionMask<B>>)>,
     ) -> StackOutput<B> {
-        let mut x = x;
+        let mut x = Residual::new(x);
         let mut self_attention = Vec::with_capacity(self.blocks.len());
         let mut cross_attention = Vec::new();
         for block in &self.blocks {
-            let out = block.forward(x, mask, memory);
-            x = out.x;
-            self_attention.extend(out.self_weights);
-            cross_attention.extend(out.cross_weights);
-        }
-        if let Some(norm) = &self.final_norm {
-            x = layer_norm(norm, self.norm_epsilon, x);
+            let (out, self_weights, cross_weights) = block.forward_residual(x, mask, memory);
+            x = out;
+            self_attention.extend(self_weights);
+            cross_attention.extend(cross_weights);
         }
         StackOutput {
-            x,
+            x: self.finish(x),
             self_attention,
             cross_attention,
         }
@@ -116,7 +113,7 @@ impl<B: LabBackend> TransformerStack<B> {
     /// # Shapes
     /// `x`: `[b, n, d]` → `[b, n, d]`.
     pub fn forward_cached(&self, x: Tensor<B, 3>, cache: &mut KvCache<B>) -> Tensor<B, 3> {
-        let mut x = x;
+        let mut x = Residual::new(x);
         let mut cross = cache.cross.iter();
         for (block, layer) in self.blocks.iter().zip(&mut cache.layers) {
             let memory = if block.cross_attention.is_some() {
@@ -126,10 +123,7 @@ impl<B: LabBackend> TransformerStack<B> {
             };
             x = block.forward_cached(x, layer, memory);
         }
-        match &self.final_norm {
-            Some(norm) => layer_norm(norm, self.norm_epsilon, x),
-            None => x,
-        }
+        self.finish(x)
     }
 
     /// [`Self::forward_cached`] of one new token of each sequence of a batch whose sequences
@@ -139,15 +133,21 @@ impl<B: LabBackend> TransformerStack<B> {
     /// `x`: `[b, 1, d]` → `[b, 1, d]`.
     pub fn forward_rows(&self, x: Tensor<B, 3>, cache: &mut RowsCache<B>) -> Tensor<B, 3> {
         cache.trim();
-        let mut x = x;
+        let mut x = Residual::new(x);
         let layers = cache.layers.iter_mut().zip(&mut cache.projections);
         for (block, (kv, projection)) in self.blocks.iter().zip(layers) {
             x = block.forward_rows(x, kv, projection, &cache.rows);
         }
         cache.rows.next.iter_mut().for_each(|next| *next += 1);
+        self.finish(x)
+    }
+
+    /// The stack's output from the last block's residual stream: its final LayerNorm (with the
+    /// last addition, in one kernel) in a pre-norm stack.
+    fn finish(&self, x: Residual<B>) -> Tensor<B, 3> {
         match &self.final_norm {
-            Some(norm) => layer_norm(norm, self.norm_epsilon, x),
-            None => x,
+            Some(norm) => x.normalise(norm, self.norm_epsilon).1,
+            None => x.resolve(),
         }
     }
 

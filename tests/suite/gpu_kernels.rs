@@ -5,7 +5,8 @@
 //! the comparisons without testing anything).
 
 use crate::kernels::{
-    assert_close, attention_case, compare, layer_norm_case, padding, rel_diff, targets,
+    add_layer_norm_case, assert_close, attention_case, compare, gelu_dropout_case, layer_norm_case,
+    padding, rel_diff, targets,
 };
 use crate::wgpu_backend::wgpu_turn;
 use burn::backend::{Autodiff, Wgpu};
@@ -250,6 +251,39 @@ fn gpu_layer_norm_equals_burns() {
     for bias in [true, false] {
         launching(4, || layer_norm_case::<Gpu>([3, 100, 200], bias, &device));
     }
+}
+
+#[test]
+fn gpu_gelu_and_the_dropout_after_it_in_one_kernel_equal_them_apart() {
+    let Some(_turn) = wgpu_turn() else {
+        return;
+    };
+    launching(1, || {
+        gelu_dropout_case::<Gpu>([3, 37, 29], 1e-6, 1e-6, &Default::default())
+    });
+}
+
+#[test]
+fn gpu_residual_addition_and_layer_norm_in_one_kernel_equal_them_apart() {
+    let Some(_turn) = wgpu_turn() else {
+        return;
+    };
+    let device = Default::default();
+    // Rows of 200 (several units per row); the fused form alone launches one kernel forward.
+    launching(1, || {
+        add_layer_norm_case::<Gpu>([3, 100, 200], 1e-6, &device)
+    });
+    let x = random::<Inner, 2>([300, 200], 1, &device);
+    let norm = burn::nn::LayerNormConfig::new(200).init::<Inner>(&device);
+    let kept = burn::nn::DropoutConfig::new(0.0).init();
+    let before = cube::launches();
+    let (sum, y) = kernels::add_layer_norm(&kept, x.clone(), x, &norm, 1e-5);
+    let _ = (sum.into_data(), y.into_data());
+    assert_eq!(
+        cube::launches() - before,
+        1,
+        "one launch for the sum and its LayerNorm"
+    );
 }
 
 #[test]

@@ -5,7 +5,7 @@
 use crate::common::{batch, small_lm, train_losses};
 use burn::backend::{Autodiff, Flex, NdArray};
 use burn::module::{Module, ModuleVisitor, Param};
-use burn::nn::{LayerNormConfig, LinearConfig};
+use burn::nn::{DropoutConfig, LayerNormConfig, LinearConfig};
 use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
 use burn::prelude::*;
 use burn::record::{BinBytesRecorder, FullPrecisionSettings, Recorder};
@@ -109,6 +109,57 @@ fn fused_gelu_equals_the_erf_form() {
 }
 
 #[test]
+fn gelu_and_the_dropout_after_it_in_one_kernel_equal_them_apart() {
+    let device = Default::default();
+    // One chunk on the calling thread, then chunks split across tasks (each drawing its own
+    // stretch of the mask).
+    for shape in [[3, 37, 29], [4, 100, 500]] {
+        gelu_dropout_case::<Ad>(shape, 0.0, 1e-6, &device);
+    }
+    gelu_dropout_case::<Autodiff<NdArray>>([3, 37, 29], 0.0, 1e-6, &Default::default());
+}
+
+/// [`kernels::gelu_dropout`] of `x` `[b, t, d]` against [`kernels::gelu`] then
+/// [`kernels::dropout`] from the same point of the mask stream: the values to within `tol`
+/// (0: bit for bit), the input's gradient to within `grad_tol` (the kept derivative has the
+/// mask in it, so the gradient is `g·(GELU'·M)` where apart it was `(g·M)·GELU'`).
+pub(crate) fn gelu_dropout_case<B: LabAutodiff>(
+    [b, t, d]: [usize; 3],
+    tol: f32,
+    grad_tol: f32,
+    device: &B::Device,
+) {
+    let x = random::<B, 3>([b, t, d], 21, device).mul_scalar(2.0);
+    let dropout = DropoutConfig::new(0.3).init();
+    let run = |together: bool| {
+        reseed(23);
+        let x = x.clone().require_grad();
+        let y = match together {
+            true => kernels::gelu_dropout(&dropout, x.clone()),
+            false => kernels::dropout(&dropout, kernels::gelu(x.clone())),
+        };
+        let g = (y.clone() * random(y.dims(), 24, device)).sum().backward();
+        (y.inner(), x.grad(&g).unwrap())
+    };
+    let ((y1, g1), (y2, g2)) = (run(true), run(false));
+    let zeros = y2
+        .clone()
+        .equal_elem(0.0)
+        .int()
+        .sum()
+        .into_scalar()
+        .elem::<i64>();
+    assert!(
+        zeros as f32 > 0.2 * (b * t * d) as f32,
+        "the mask dropped {zeros} of {} elements, not about 30%",
+        b * t * d
+    );
+    let (values, gradient) = (rel_diff(y1, y2), rel_diff(g1, g2));
+    assert!(values <= tol, "values differ by {values}");
+    assert!(gradient <= grad_tol, "gradients differ by {gradient}");
+}
+
+#[test]
 fn fused_layer_norm_equals_burns() {
     let device = Default::default();
     for bias in [true, false] {
@@ -136,9 +187,21 @@ pub(crate) fn layer_norm_case<B: LabAutodiff>(
         let x = random::<B, 3>([b, t, d], 4, device)
             .mul_scalar(2.0)
             .add_scalar(1.0);
-        let case = compare([x], |[x]| kernels::layer_norm(&norm, epsilon, x));
+        let case = compare([x.clone()], |[x]| kernels::layer_norm(&norm, epsilon, x));
         assert_close(
             &format!("layer norm (bias {bias}, ε {epsilon})"),
+            case,
+            1e-5,
+        );
+        // The input read by others too, before and after (a residual stream): their gradients
+        // and LayerNorm's add up, whichever backward pass runs first.
+        let case = compare([x], |[x]| {
+            let before = x.clone().tanh();
+            let y = kernels::layer_norm(&norm, epsilon, x.clone());
+            before + y + x.mul_scalar(3.0)
+        });
+        assert_close(
+            &format!("layer norm with other readers (bias {bias}, ε {epsilon})"),
             case,
             1e-5,
         );
@@ -162,6 +225,94 @@ pub(crate) fn layer_norm_case<B: LabAutodiff>(
 }
 
 #[test]
+fn the_residual_addition_and_layer_norm_in_one_kernel_equal_them_apart() {
+    let device = Default::default();
+    // One task's rows (below the split), then 300 rows of 500 split over tasks, each drawing
+    // its own stretch of the dropout mask.
+    for shape in [[3, 7, 33], [3, 100, 500]] {
+        add_layer_norm_case::<Ad>(shape, 0.0, &device);
+    }
+    // The composed forms (ndarray's, and every backend's fallback).
+    add_layer_norm_case::<Autodiff<NdArray>>([3, 7, 33], 0.0, &Default::default());
+}
+
+/// [`kernels::add_layer_norm`] of a `[b, t, d]` residual `x` and sublayer output `h` (with a
+/// non-trivial γ and β): without dropout, against their sum and burn's LayerNorm (values of
+/// both outputs and the gradients of x, h, γ, β); with dropout, against [`kernels::dropout_add`]
+/// then [`kernels::layer_norm`] from the same point of the mask stream, to within `tol` (0: bit
+/// for bit, where the kernel's arithmetic is theirs).
+pub(crate) fn add_layer_norm_case<B: LabAutodiff>(
+    [b, t, d]: [usize; 3],
+    tol: f32,
+    device: &B::Device,
+) {
+    let epsilon = kernels::LAYER_NORM_EPSILON;
+    let mut norm = LayerNormConfig::new(d).init::<B>(device);
+    norm.gamma = Param::from_tensor((norm.gamma.val() + random([d], 2, device)).detach());
+    norm.beta = norm
+        .beta
+        .map(|beta| Param::from_tensor((beta.val() + random([d], 3, device)).detach()));
+    let x = random::<B, 3>([b, t, d], 4, device).mul_scalar(2.0);
+    let h = random::<B, 3>([b, t, d], 7, device).add_scalar(0.5);
+    let kept = DropoutConfig::new(0.0).init();
+    let both = |(sum, y): (Tensor<B, 3>, Tensor<B, 3>)| Tensor::cat(vec![sum, y], 0);
+    let case = compare([x.clone(), h.clone()], |[x, h]| {
+        both(kernels::add_layer_norm(&kept, x, h, &norm, epsilon))
+    });
+    assert_close("add + layer norm", case, 1e-5);
+
+    let dropout = DropoutConfig::new(0.25).init();
+    let run = |together: bool| {
+        reseed(17);
+        let (x, h) = (x.clone().require_grad(), h.clone().require_grad());
+        let out = if together {
+            both(kernels::add_layer_norm(
+                &dropout,
+                x.clone(),
+                h.clone(),
+                &norm,
+                epsilon,
+            ))
+        } else {
+            let sum = kernels::dropout_add(&dropout, x.clone(), h.clone());
+            both((sum.clone(), kernels::layer_norm(&norm, epsilon, sum)))
+        };
+        let g = (out.clone() * random(out.dims(), 5, device))
+            .sum()
+            .backward();
+        let grads: Vec<Tensor<B::InnerBackend, 1>> = vec![
+            x.grad(&g).unwrap().reshape([-1]),
+            h.grad(&g).unwrap().reshape([-1]),
+            norm.gamma.val().grad(&g).unwrap(),
+            norm.beta.as_ref().unwrap().val().grad(&g).unwrap(),
+        ];
+        (out.inner(), grads)
+    };
+    let ((y1, g1), (y2, g2)) = (run(true), run(false));
+    let dropped = y2
+        .clone()
+        .slice(s![0..b])
+        .equal(x.clone().inner())
+        .int()
+        .sum()
+        .into_scalar()
+        .elem::<i64>();
+    assert!(
+        dropped as f32 > 0.15 * (b * t * d) as f32,
+        "the mask dropped {dropped} of {} elements, not about a quarter",
+        b * t * d
+    );
+    let worst = g1
+        .into_iter()
+        .zip(g2)
+        .fold(rel_diff(y1, y2), |m, (a, b)| m.max(rel_diff(a, b)));
+    assert!(
+        worst <= tol,
+        "with dropout, together and apart differ by {worst}"
+    );
+}
+
+#[test]
 fn large_inputs_split_across_cores_and_still_agree() {
     // Above 2¹⁷ elements the element-wise and row-wise kernels split their work across rayon
     // tasks (below, they run on the calling thread, which the other tests cover).
@@ -178,6 +329,13 @@ fn large_inputs_split_across_cores_and_still_agree() {
         "layer norm",
         compare([x.clone()], |[x]| {
             kernels::layer_norm(&norm, kernels::LAYER_NORM_EPSILON, x)
+        }),
+        1e-5,
+    );
+    assert_close(
+        "layer norm with a residual reader",
+        compare([x.clone()], |[x]| {
+            kernels::layer_norm(&norm, kernels::LAYER_NORM_EPSILON, x.clone()) + x.mul_scalar(3.0)
         }),
         1e-5,
     );
@@ -770,6 +928,28 @@ fn fused_dropout_multiplies_values_and_gradients_by_its_mask() {
 }
 
 #[test]
+fn layer_norm_backward_adds_the_residual_gradient_row_for_row() {
+    // On the calling thread (3 rows) and split across tasks (1200 rows), each task adding its
+    // own rows of the residual gradient: bit for bit the LayerNorm gradient plus it.
+    let d = 256;
+    let wave = |i: usize, k: f32| ((i as f32 * k).sin() * 2.0) + 0.1 * (i % 7) as f32;
+    for rows in [3, 1200] {
+        let x: Vec<f32> = (0..rows * d).map(|i| wave(i, 0.37)).collect();
+        let dy: Vec<f32> = (0..rows * d).map(|i| wave(i, 1.13)).collect();
+        let residual: Vec<f32> = (0..rows * d).map(|i| wave(i, 0.53) * 10.0).collect();
+        let gamma: Vec<f32> = (0..d).map(|i| 1.0 + wave(i, 0.7) / 4.0).collect();
+        let (_, mean, rstd) = cpu::layer_norm(&x, d, &gamma, None, 1e-5);
+        let (dx, dgamma, dbeta) = cpu::layer_norm_backward(&x, d, &gamma, &mean, &rstd, &dy, None);
+        let (sum, dgamma_r, dbeta_r) =
+            cpu::layer_norm_backward(&x, d, &gamma, &mean, &rstd, &dy, Some(&residual));
+        for (i, ((a, r), s)) in dx.iter().zip(&residual).zip(&sum).enumerate() {
+            assert_eq!((a + r).to_bits(), s.to_bits(), "element {i} of {rows} rows");
+        }
+        assert_eq!((dgamma, dbeta), (dgamma_r, dbeta_r));
+    }
+}
+
+#[test]
 fn layer_norm_gradients_are_the_same_whatever_the_threads_and_their_scheduling() {
     // dγ and dβ sum over every row; split across rayon tasks, the partial sums must be added
     // in one fixed order (a rayon fold/reduce groups them by work stealing: a run's weights
@@ -785,7 +965,7 @@ fn layer_norm_gradients_are_the_same_whatever_the_threads_and_their_scheduling()
             .num_threads(threads)
             .build()
             .unwrap();
-        pool.install(|| cpu::layer_norm_backward(&x, d, &gamma, &mean, &rstd, &dy))
+        pool.install(|| cpu::layer_norm_backward(&x, d, &gamma, &mean, &rstd, &dy, None))
     };
     let one = backward(1);
     for threads in [2, 3, 4] {
@@ -892,7 +1072,7 @@ fn everything_the_cpu_kernels_compute() -> Vec<Vec<f32>> {
         t.into_data().to_vec().unwrap()
     };
     let big = values(768 * 200 + 5, 1); // above the threads' split, a ragged tail
-    let (gelu, derivative) = cpu::gelu_with_derivative(&big);
+    let (gelu, derivative) = cpu::gelu_with_derivative(&big, None);
     out.extend([cpu::gelu(&big), gelu, derivative]);
     let mut scaled = big.clone();
     cpu::scale(&mut scaled, 0.37);
@@ -902,7 +1082,7 @@ fn everything_the_cpu_kernels_compute() -> Vec<Vec<f32>> {
     let gamma = values(d, 2);
     let (y, mean, rstd) = cpu::layer_norm(rows, d, &gamma, Some(&gamma), 1e-5);
     let (dx, dg, db) =
-        cpu::layer_norm_backward(rows, d, &gamma, &mean, &rstd, &big[5..5 + rows.len()]);
+        cpu::layer_norm_backward(rows, d, &gamma, &mean, &rstd, &big[5..5 + rows.len()], None);
     out.extend([y, mean, rstd, dx, dg, db]);
     let p = cpu::softmax(rows, d);
     out.push(cpu::softmax_backward(&p, &big[7..7 + rows.len()], d));

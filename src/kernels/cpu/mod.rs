@@ -27,8 +27,8 @@ pub use attention::{
 pub use linear::{linear, linear_backward, Matrix};
 pub use pointwise::{adamw, dropout, gelu, gelu_with_derivative, scale, sum_squares};
 pub use rows::{
-    cross_entropy, cross_entropy_backward, layer_norm, layer_norm_backward, softmax,
-    softmax_backward,
+    add_layer_norm, cross_entropy, cross_entropy_backward, layer_norm, layer_norm_backward,
+    softmax, softmax_backward,
 };
 
 /// The instruction sets a kernel can be compiled for, widest first; each kernel is built for

@@ -34,8 +34,31 @@ multiversion! {
     }
 }
 
-/// `(GELU(x), GELU'(x))` of every element, for training's forward pass.
-pub fn gelu_with_derivative(x: &[f32]) -> (Vec<f32>, Vec<f32>) {
+multiversion! {
+    /// [`gelu_with_derivative_chunk`] times the dropout multipliers `derivative` holds on entry.
+    fn gelu_dropout_with_derivative_chunk(
+        x: &[f32],
+        y: &mut [MaybeUninit<f32>],
+        derivative: &mut [f32],
+    ) {
+        for ((y, d), &x) in y.iter_mut().zip(derivative.iter_mut()).zip(x) {
+            let m = *d;
+            let cdf = 0.5 * (1.0 + erf(x * FRAC_1_SQRT_2));
+            let pdf = FRAC_1_SQRT_2PI * exp(-0.5 * x * x);
+            let gelu = x * cdf;
+            y.write(gelu * m);
+            *d = (cdf + x * pdf) * m;
+        }
+    }
+}
+
+/// `(GELU(x), GELU'(x))` of every element, for training's forward pass; with a dropout `mask`,
+/// both times its multipliers: GELU then dropout (the values bit for bit those of the two
+/// apart), and the derivative the backward pass multiplies by.
+pub fn gelu_with_derivative(x: &[f32], mask: Option<DropoutMask>) -> (Vec<f32>, Vec<f32>) {
+    if let Some(mask) = mask {
+        return gelu_dropout_with_derivative(x, mask);
+    }
     let n = x.len();
     let (mut y, mut derivative) = (uninit(n), uninit(n));
     let (ys, ds) = (
@@ -52,6 +75,27 @@ pub fn gelu_with_derivative(x: &[f32]) -> (Vec<f32>, Vec<f32>) {
     }
     // SAFETY: the chunks cover all `n` elements of both, and each kernel writes its chunk.
     unsafe { (written(y, n), written(derivative, n)) }
+}
+
+fn gelu_dropout_with_derivative(x: &[f32], mask: DropoutMask) -> (Vec<f32>, Vec<f32>) {
+    let n = x.len();
+    let (mut y, mut derivative) = (uninit(n), vec![0.0; n]);
+    let ys = &mut y.spare_capacity_mut()[..n];
+    let chunk = |(c, ((y, d), x)): (usize, ((&mut [MaybeUninit<f32>], &mut [f32]), &[f32]))| {
+        mask.fill((c * CHUNK) as u64, d);
+        gelu_dropout_with_derivative_chunk(x, y, d);
+    };
+    if n < SPLIT {
+        chunk((0, ((ys, &mut derivative[..]), x)));
+    } else {
+        ys.par_chunks_mut(CHUNK)
+            .zip(derivative.par_chunks_mut(CHUNK))
+            .zip(x.par_chunks(CHUNK))
+            .enumerate()
+            .for_each(chunk);
+    }
+    // SAFETY: the chunks cover all `n` elements, and each kernel writes its chunk.
+    (unsafe { written(y, n) }, derivative)
 }
 
 /// Exact GELU of every element.

@@ -2,6 +2,7 @@
 //! backward.
 
 use super::{dot, exp, multiversion, rows_per_task, sum, uninit, written, LANES, SPLIT};
+use crate::kernels::DropoutMask;
 use rayon::prelude::*;
 use std::mem::MaybeUninit;
 
@@ -66,6 +67,69 @@ pub fn layer_norm(
 }
 
 multiversion! {
+    /// `sum = x + h ⊙ sum` where `sum` holds the dropout multipliers (`x + h` without them).
+    fn residual_sum(x: &[f32], h: &[f32], dropped: bool, sum: &mut [f32]) {
+        if dropped {
+            for ((s, &x), &h) in sum.iter_mut().zip(x).zip(h) {
+                *s = x + h * *s;
+            }
+        } else {
+            for ((s, &x), &h) in sum.iter_mut().zip(x).zip(h) {
+                *s = x + h;
+            }
+        }
+    }
+}
+
+/// The residual addition and the LayerNorm after it, rows of `d`: `sum = x + h ⊙ M` (the
+/// dropout mask's multipliers, element for element as [`super::dropout`] draws them; `x + h`
+/// without a mask) and `(y, mean, 1/σ)` of its rows, each task's rows summed and normalised
+/// while they are in cache → `(sum, y, mean, 1/σ)`.
+pub fn add_layer_norm(
+    x: &[f32],
+    h: &[f32],
+    mask: Option<DropoutMask>,
+    d: usize,
+    gamma: &[f32],
+    beta: Option<&[f32]>,
+    epsilon: f32,
+) -> (Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>) {
+    let n = x.len() / d;
+    let mut sum = vec![0.0; x.len()];
+    let (mut y, mut mean, mut rstd) = (vec![0.0; x.len()], vec![0.0; n], vec![0.0; n]);
+    let rows = rows_per_task(d);
+    let task = |(task, ((((sum, y), mean), rstd), (x, h))): (usize, RowTask)| {
+        if let Some(mask) = mask {
+            mask.fill((task * rows * d) as u64, sum);
+        }
+        residual_sum(x, h, mask.is_some(), sum);
+        layer_norm_rows(sum, d, gamma, beta, epsilon, y, mean, rstd);
+    };
+    let (s, ys) = (&mut sum[..], &mut y[..]);
+    if x.len() < SPLIT {
+        task((0, ((((s, ys), &mut mean[..]), &mut rstd[..]), (x, h))));
+    } else {
+        s.par_chunks_mut(rows * d)
+            .zip(ys.par_chunks_mut(rows * d))
+            .zip(mean.par_chunks_mut(rows))
+            .zip(rstd.par_chunks_mut(rows))
+            .zip(x.par_chunks(rows * d).zip(h.par_chunks(rows * d)))
+            .enumerate()
+            .for_each(task);
+    }
+    (sum, y, mean, rstd)
+}
+
+/// One task's rows of [`add_layer_norm`]: `(((sum, y), mean), 1/σ)` to write, `(x, h)` to read.
+type RowTask<'a> = (
+    (
+        ((&'a mut [f32], &'a mut [f32]), &'a mut [f32]),
+        &'a mut [f32],
+    ),
+    (&'a [f32], &'a [f32]),
+);
+
+multiversion! {
     fn layer_norm_backward_rows(
         x: &[f32],
         d: usize,
@@ -73,12 +137,13 @@ multiversion! {
         mean: &[f32],
         rstd: &[f32],
         dy: &[f32],
+        residual: &[f32],
         dx: &mut [f32],
         dgamma: &mut [f32],
         dbeta: &mut [f32],
     ) {
         let rows = x.chunks_exact(d).zip(dy.chunks_exact(d)).zip(dx.chunks_exact_mut(d));
-        for (((x, dy), dx), (&mu, &r)) in rows.zip(mean.iter().zip(rstd)) {
+        for (i, (((x, dy), dx), (&mu, &r))) in rows.zip(mean.iter().zip(rstd)).enumerate() {
             // dx temporarily holds x̂; dL/dx̂ = dy·γ.
             for (xh, &x) in dx.iter_mut().zip(x) {
                 *xh = (x - mu) * r;
@@ -113,11 +178,18 @@ multiversion! {
                 *db += dy;
                 *dx = r * (dy * g - mean_g - xh * mean_gx);
             }
+            if !residual.is_empty() {
+                for (dx, &g) in dx.iter_mut().zip(&residual[i * d..(i + 1) * d]) {
+                    *dx += g;
+                }
+            }
         }
     }
 }
 
-/// LayerNorm's gradients `(dx, dγ, dβ)` from the forward pass's statistics.
+/// LayerNorm's gradients `(dx, dγ, dβ)` from the forward pass's statistics; with `residual`
+/// (the gradient the input already has from its other readers), `dx` plus it, added to each row
+/// as it is made.
 pub fn layer_norm_backward(
     x: &[f32],
     d: usize,
@@ -125,8 +197,10 @@ pub fn layer_norm_backward(
     mean: &[f32],
     rstd: &[f32],
     dy: &[f32],
+    residual: Option<&[f32]>,
 ) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
     let mut dx = vec![0.0; x.len()];
+    let residual = residual.unwrap_or(&[]);
     if x.len() < SPLIT {
         let (mut dgamma, mut dbeta) = (vec![0.0f32; d], vec![0.0f32; d]);
         layer_norm_backward_rows(
@@ -136,6 +210,7 @@ pub fn layer_norm_backward(
             mean,
             rstd,
             dy,
+            residual,
             &mut dx,
             &mut dgamma,
             &mut dbeta,
@@ -147,12 +222,28 @@ pub fn layer_norm_backward(
     // group them by how the work was stolen, and the weights would differ run to run.
     let partials: Vec<(Vec<f32>, Vec<f32>)> = dx
         .par_chunks_mut(rows * d)
+        .enumerate()
         .zip(x.par_chunks(rows * d))
         .zip(dy.par_chunks(rows * d))
         .zip(mean.par_chunks(rows).zip(rstd.par_chunks(rows)))
-        .map(|(((dx, x), dy), (mean, rstd))| {
+        .map(|((((task, dx), x), dy), (mean, rstd))| {
             let (mut dgamma, mut dbeta) = (vec![0.0f32; d], vec![0.0f32; d]);
-            layer_norm_backward_rows(x, d, gamma, mean, rstd, dy, dx, &mut dgamma, &mut dbeta);
+            let residual = match residual.is_empty() {
+                true => residual,
+                false => &residual[task * rows * d..][..dx.len()],
+            };
+            layer_norm_backward_rows(
+                x,
+                d,
+                gamma,
+                mean,
+                rstd,
+                dy,
+                residual,
+                dx,
+                &mut dgamma,
+                &mut dbeta,
+            );
             (dgamma, dbeta)
         })
         .collect();

@@ -160,11 +160,18 @@ where
         y
     }
 
-    fn fused_gelu_forward(x: CubeTensor<R>) -> (CubeTensor<R>, CubeTensor<R>) {
+    fn fused_gelu_forward(
+        x: CubeTensor<R>,
+        mask: Option<DropoutMask>,
+    ) -> (CubeTensor<R>, CubeTensor<R>) {
+        if mask.is_some() && !fits(x.meta.num_elements()) {
+            return composed::gelu_forward::<Self>(x, mask);
+        }
         let x = into_contiguous(x);
         let (y, d) = (empty(&x, x.shape()), empty(&x, x.shape()));
         let (count, dim) = elementwise(&x);
         let dtype = x.dtype;
+        let keys = mask.unwrap_or(DropoutMask::new(0.0, 0));
         launches::count();
 
         pointwise::gelu_forward_kernel::launch::<R>(
@@ -174,6 +181,11 @@ where
             x.clone().into_tensor_arg(),
             y.clone().into_tensor_arg(),
             d.clone().into_tensor_arg(),
+            keys.seed as u32,
+            (keys.seed >> 32) as u32,
+            keys.threshold_u32(),
+            keys.scale(),
+            mask.is_some(),
             dtype.into(),
         );
         (y, d)
@@ -342,18 +354,67 @@ where
         (y, mean, rstd)
     }
 
+    fn fused_add_layer_norm_forward(
+        x: CubeTensor<R>,
+        h: CubeTensor<R>,
+        mask: Option<DropoutMask>,
+        gamma: CubeTensor<R>,
+        beta: Option<CubeTensor<R>>,
+        epsilon: f64,
+    ) -> (CubeTensor<R>, CubeTensor<R>, CubeTensor<R>, CubeTensor<R>) {
+        if !fits(h.meta.num_elements()) {
+            return composed::add_layer_norm_forward::<Self>(x, h, mask, gamma, beta, epsilon);
+        }
+        let [x, h, gamma] = [x, h, gamma].map(into_contiguous);
+        let [n, _] = x.shape().dims();
+        let has_beta = beta.is_some();
+        let beta = beta.map(into_contiguous).unwrap_or_else(|| gamma.clone());
+        let (sum, y) = (empty(&x, x.shape()), empty(&x, x.shape()));
+        let (mean, rstd) = (empty(&x, [n]), empty(&x, [n]));
+        let (count, dim) = row_grid(n);
+        let dtype = x.dtype;
+        let keys = mask.unwrap_or(DropoutMask::new(0.0, 0));
+        launches::count();
+
+        rows::add_layer_norm_forward_kernel::launch::<R>(
+            &x.client,
+            count,
+            dim,
+            x.clone().into_tensor_arg(),
+            h.into_tensor_arg(),
+            gamma.into_tensor_arg(),
+            beta.into_tensor_arg(),
+            sum.clone().into_tensor_arg(),
+            y.clone().into_tensor_arg(),
+            mean.clone().into_tensor_arg(),
+            rstd.clone().into_tensor_arg(),
+            keys.seed as u32,
+            (keys.seed >> 32) as u32,
+            keys.threshold_u32(),
+            keys.scale(),
+            epsilon as f32,
+            has_beta,
+            mask.is_some(),
+            dtype.into(),
+        );
+        (sum, y, mean, rstd)
+    }
+
     fn fused_layer_norm_backward(
         x: CubeTensor<R>,
         gamma: CubeTensor<R>,
         mean: CubeTensor<R>,
         rstd: CubeTensor<R>,
         dy: CubeTensor<R>,
+        residual: Option<CubeTensor<R>>,
     ) -> (CubeTensor<R>, CubeTensor<R>, CubeTensor<R>) {
         let [x, gamma, mean, rstd, dy] = [x, gamma, mean, rstd, dy].map(into_contiguous);
         let [n, d] = x.shape().dims();
         let dtype = x.dtype;
         let client = x.client.clone();
         let dx = empty(&x, [n, d]);
+        let has_residual = residual.is_some();
+        let residual = residual.map(into_contiguous).unwrap_or_else(|| dy.clone());
         let (count, dim) = row_grid(n);
         launches::count();
 
@@ -366,7 +427,9 @@ where
             mean.clone().into_tensor_arg(),
             rstd.clone().into_tensor_arg(),
             dy.clone().into_tensor_arg(),
+            residual.into_tensor_arg(),
             dx.clone().into_tensor_arg(),
+            has_residual,
             dtype.into(),
         );
         // dγ, dβ: partial sums over chunks of rows, then the chunks added in order.

@@ -31,12 +31,19 @@ pub fn gelu_kernel<F: Float>(x: &Tensor<F>, y: &mut Tensor<F>, #[define(F)] _dty
     y[i] = F::cast_from(v * normal_cdf(v));
 }
 
-/// `y = x·Φ(x)` and `d = Φ(x) + x·φ(x)`.
+/// `y = x·Φ(x)` and `d = Φ(x) + x·φ(x)`; with `dropped`, both times the multiplier of the
+/// dropout mask keyed `(key_lo, key_hi)` (`y` rounded as GELU and then dropout round it).
 #[cube(launch)]
+#[allow(clippy::too_many_arguments)]
 pub fn gelu_forward_kernel<F: Float>(
     x: &Tensor<F>,
     y: &mut Tensor<F>,
     d: &mut Tensor<F>,
+    key_lo: u32,
+    key_hi: u32,
+    threshold: u32,
+    scale: f32,
+    #[comptime] dropped: bool,
     #[define(F)] _dtype: StorageType,
 ) {
     let i = ABSOLUTE_POS;
@@ -45,8 +52,16 @@ pub fn gelu_forward_kernel<F: Float>(
     }
     let v = f32::cast_from(x[i]);
     let cdf = normal_cdf(v);
-    y[i] = F::cast_from(v * cdf);
-    d[i] = F::cast_from(cdf + v * normal_pdf(v));
+    let gelu = F::cast_from(v * cdf);
+    let derivative = cdf + v * normal_pdf(v);
+    if dropped {
+        let m = dropout_multiplier(i as u32, key_lo, key_hi, threshold, scale);
+        y[i] = F::cast_from(f32::cast_from(gelu) * m);
+        d[i] = F::cast_from(derivative * m);
+    } else {
+        y[i] = gelu;
+        d[i] = F::cast_from(derivative);
+    }
 }
 
 /// `dx = grad · (Φ(x) + x·φ(x))`.

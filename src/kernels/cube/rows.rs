@@ -2,6 +2,7 @@
 //! [`ROW_UNITS`] units per row, each unit striding over the row and the cube reducing through
 //! shared memory (a fixed tree, so the sums are the same run to run).
 
+use super::pointwise::dropout_multiplier;
 use cubecl::prelude::*;
 
 /// Units of the cube that handles one row.
@@ -77,14 +78,109 @@ pub fn layer_norm_forward_kernel<F: Float>(
     let mut shared = SharedMemory::<f32>::new(ROW_UNITS as usize);
     let d = x.shape(1);
     let base = row * d;
-    let units = CUBE_DIM_X as usize;
     let mut s = 0.0f32;
     let mut j = UNIT_POS_X as usize;
     while j < d {
         s += f32::cast_from(x[base + j]);
-        j += units;
+        j += CUBE_DIM_X as usize;
     }
     let mu = cube_sum(&mut shared, s) / f32::cast_from(d as u32);
+    normalise_row(
+        x,
+        gamma,
+        beta,
+        y,
+        mean,
+        rstd,
+        &mut shared,
+        row,
+        mu,
+        epsilon,
+        has_beta,
+    );
+}
+
+/// The residual addition and the LayerNorm after it: `s = x + h ⊙ M` (`x + h` unless
+/// `dropped`; `M` the dropout mask keyed `(key_lo, key_hi)`, rounded as the dropout kernel
+/// rounds) and the LayerNorm of its rows, `y`, mean and `1/σ`. Each unit reads back the sums
+/// it wrote, so the statistics are those of the stored sum, as when the two run apart.
+#[cube(launch)]
+#[allow(clippy::too_many_arguments)]
+pub fn add_layer_norm_forward_kernel<F: Float>(
+    x: &Tensor<F>,
+    h: &Tensor<F>,
+    gamma: &Tensor<F>,
+    beta: &Tensor<F>,
+    sum: &mut Tensor<F>,
+    y: &mut Tensor<F>,
+    mean: &mut Tensor<F>,
+    rstd: &mut Tensor<F>,
+    key_lo: u32,
+    key_hi: u32,
+    threshold: u32,
+    scale: f32,
+    epsilon: f32,
+    #[comptime] has_beta: bool,
+    #[comptime] dropped: bool,
+    #[define(F)] _dtype: StorageType,
+) {
+    let row = cube_row();
+    if row >= mean.len() {
+        terminate!();
+    }
+    let mut shared = SharedMemory::<f32>::new(ROW_UNITS as usize);
+    let d = x.shape(1);
+    let base = row * d;
+    let mut s = 0.0f32;
+    let mut j = UNIT_POS_X as usize;
+    while j < d {
+        let i = base + j;
+        let mut branch = h[i];
+        if dropped {
+            let m = dropout_multiplier(i as u32, key_lo, key_hi, threshold, scale);
+            branch = F::cast_from(f32::cast_from(branch) * m);
+        }
+        let v = F::cast_from(f32::cast_from(x[i]) + f32::cast_from(branch));
+        sum[i] = v;
+        s += f32::cast_from(v);
+        j += CUBE_DIM_X as usize;
+    }
+    let mu = cube_sum(&mut shared, s) / f32::cast_from(d as u32);
+    normalise_row(
+        sum,
+        gamma,
+        beta,
+        y,
+        mean,
+        rstd,
+        &mut shared,
+        row,
+        mu,
+        epsilon,
+        has_beta,
+    );
+}
+
+/// The rest of a LayerNorm row once its mean `mu` is known: the variance, `y`, and the row's
+/// mean and `1/σ` (every unit of the cube must call it).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn normalise_row<F: Float>(
+    x: &Tensor<F>,
+    gamma: &Tensor<F>,
+    beta: &Tensor<F>,
+    y: &mut Tensor<F>,
+    mean: &mut Tensor<F>,
+    rstd: &mut Tensor<F>,
+    shared: &mut SharedMemory<f32>,
+    row: usize,
+    mu: f32,
+    epsilon: f32,
+    #[comptime] has_beta: bool,
+) {
+    let d = x.shape(1);
+    let base = row * d;
+    let units = CUBE_DIM_X as usize;
     let mut s2 = 0.0f32;
     let mut j = UNIT_POS_X as usize;
     while j < d {
@@ -92,7 +188,7 @@ pub fn layer_norm_forward_kernel<F: Float>(
         s2 += c * c;
         j += units;
     }
-    let var = cube_sum(&mut shared, s2) / f32::cast_from(d as u32);
+    let var = cube_sum(shared, s2) / f32::cast_from(d as u32);
     let r = 1.0f32 / f32::sqrt(var + epsilon);
     let mut j = UNIT_POS_X as usize;
     while j < d {
@@ -110,15 +206,20 @@ pub fn layer_norm_forward_kernel<F: Float>(
 }
 
 /// LayerNorm's input gradient, row by row: with `x̂ = (x − μ)/σ` and `g = dy ⊙ γ`,
-/// `dx = (g − mean(g) − x̂ · mean(g ⊙ x̂)) / σ`.
+/// `dx = (g − mean(g) − x̂ · mean(g ⊙ x̂)) / σ`; with `has_residual`, plus `residual` (the
+/// gradient the input has from its other readers; otherwise not read), rounded as an addition
+/// of the two stored gradients rounds.
 #[cube(launch)]
+#[allow(clippy::too_many_arguments)]
 pub fn layer_norm_backward_kernel<F: Float>(
     x: &Tensor<F>,
     gamma: &Tensor<F>,
     mean: &Tensor<F>,
     rstd: &Tensor<F>,
     dy: &Tensor<F>,
+    residual: &Tensor<F>,
     dx: &mut Tensor<F>,
+    #[comptime] has_residual: bool,
     #[define(F)] _dtype: StorageType,
 ) {
     let row = cube_row();
@@ -148,7 +249,11 @@ pub fn layer_norm_backward_kernel<F: Float>(
     while j < d {
         let g = f32::cast_from(dy[base + j]) * f32::cast_from(gamma[j]);
         let xh = (f32::cast_from(x[base + j]) - mu) * r;
-        dx[base + j] = F::cast_from((g - mean_g - xh * mean_gx) * r);
+        let mut out = F::cast_from((g - mean_g - xh * mean_gx) * r);
+        if has_residual {
+            out = F::cast_from(f32::cast_from(out) + f32::cast_from(residual[base + j]));
+        }
+        dx[base + j] = out;
         j += units;
     }
 }
