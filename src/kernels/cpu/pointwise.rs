@@ -81,18 +81,18 @@ fn gelu_dropout_with_derivative(x: &[f32], mask: DropoutMask) -> (Vec<f32>, Vec<
     let n = x.len();
     let (mut y, mut derivative) = (uninit(n), vec![0.0; n]);
     let ys = &mut y.spare_capacity_mut()[..n];
-    let chunk = |(c, ((y, d), x)): (usize, ((&mut [MaybeUninit<f32>], &mut [f32]), &[f32]))| {
+    let chunk = |c: usize, y: &mut [MaybeUninit<f32>], d: &mut [f32], x: &[f32]| {
         mask.fill((c * CHUNK) as u64, d);
         gelu_dropout_with_derivative_chunk(x, y, d);
     };
     if n < SPLIT {
-        chunk((0, ((ys, &mut derivative[..]), x)));
+        chunk(0, ys, &mut derivative, x);
     } else {
         ys.par_chunks_mut(CHUNK)
             .zip(derivative.par_chunks_mut(CHUNK))
             .zip(x.par_chunks(CHUNK))
             .enumerate()
-            .for_each(chunk);
+            .for_each(|(c, ((y, d), x))| chunk(c, y, d, x));
     }
     // SAFETY: the chunks cover all `n` elements, and each kernel writes its chunk.
     (unsafe { written(y, n) }, derivative)
