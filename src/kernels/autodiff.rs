@@ -92,10 +92,10 @@ type LayerNormState<B> = (
 impl<B: LabBackend> Backward<B, 3> for LayerNorm {
     type State = LayerNormState<B>;
 
-    /// The input's gradient from the readers whose backward passes ran first (in a residual
-    /// stream, the next addition's: it is made after the LayerNorm, so it runs before) is taken
-    /// out and added in the LayerNorm backward's pass, where registering `dx` would have added
-    /// the two in a pass of their own.
+    /// The input's gradient from the readers whose backward passes ran first is taken out and
+    /// added in the LayerNorm backward's pass, where registering `dx` would have added the two
+    /// in a pass of their own. burn runs the deepest nodes first; in a residual stream the next
+    /// addition reads the sublayer's output, so it is deeper than the LayerNorm and has run.
     fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
         let (x, gamma, mean, rstd, input) = ops.state;
         let dy = rows::<B>(grads.consume::<B>(&ops.node));
@@ -248,6 +248,22 @@ fn bias<B: LabBackend, C: CheckpointStrategy>(
     })
 }
 
+/// The LayerNorm graph node of `input` `[..., d]` (its rows `x` `[n, d]`) whose forward pass
+/// made `(y [..., d], mean, 1/σ)`: parents the input, `γ` and `β`, its output `y`.
+fn layer_norm_node<B: LabBackend, C: CheckpointStrategy>(
+    input: FloatTensor<Autodiff<B, C>>,
+    x: FloatTensor<B>,
+    gamma: FloatTensor<Autodiff<B, C>>,
+    beta: Option<FloatTensor<Autodiff<B, C>>>,
+    (y, mean, rstd): (FloatTensor<B>, FloatTensor<B>, FloatTensor<B>),
+) -> FloatTensor<Autodiff<B, C>> {
+    let nodes = [input.node.clone(), gamma.node, bias::<B, C>(beta, &y).node];
+    match LayerNorm.prepare::<C>(nodes).compute_bound().stateful() {
+        OpsKind::Tracked(prep) => prep.finish((x, gamma.primitive, mean, rstd, input), y),
+        OpsKind::UnTracked(prep) => prep.finish(y),
+    }
+}
+
 impl<B: LabBackend, C: CheckpointStrategy> LabBackend for Autodiff<B, C> {
     fn fused_cross_entropy(
         logits: FloatTensor<Self>,
@@ -388,11 +404,7 @@ impl<B: LabBackend, C: CheckpointStrategy> LabBackend for Autodiff<B, C> {
             epsilon,
         );
         let y = B::float_reshape(y, x.primitive.shape());
-        let nodes = [x.node.clone(), gamma.node, bias::<B, C>(beta, &y).node];
-        match LayerNorm.prepare::<C>(nodes).compute_bound().stateful() {
-            OpsKind::Tracked(prep) => prep.finish((x2, gamma.primitive, mean, rstd, x), y),
-            OpsKind::UnTracked(prep) => prep.finish(y),
-        }
+        layer_norm_node::<B, C>(x, x2, gamma, beta, (y, mean, rstd))
     }
 
     fn fused_attention(
@@ -477,11 +489,7 @@ impl<B: LabBackend, C: CheckpointStrategy> LabBackend for Autodiff<B, C> {
             OpsKind::Tracked(prep) => prep.finish(mask, sum),
             OpsKind::UnTracked(prep) => prep.finish(sum),
         };
-        let nodes = [sum.node.clone(), gamma.node, bias::<B, C>(beta, &y).node];
-        let y = match LayerNorm.prepare::<C>(nodes).compute_bound().stateful() {
-            OpsKind::Tracked(prep) => prep.finish((s, gamma.primitive, mean, rstd, sum.clone()), y),
-            OpsKind::UnTracked(prep) => prep.finish(y),
-        };
+        let y = layer_norm_node::<B, C>(sum.clone(), s, gamma, beta, (y, mean, rstd));
         (sum, y)
     }
 

@@ -367,19 +367,16 @@ fn layer_norm_error<B: LabAutodiff>(device: &B::Device) -> f32 {
         let (x, h) = (x.clone().require_grad(), h.clone().require_grad());
         let (sum, y) = if fused {
             let (sum, y) = B::fused_add_layer_norm(
-                prim(x.clone().reshape([-1, d as i32])),
-                prim(h.clone().reshape([-1, d as i32])),
+                prim(x.clone()),
+                prim(h.clone()),
                 mask,
                 prim(norm.gamma.val()),
                 norm.beta.as_ref().map(|beta| prim(beta.val())),
                 LAYER_NORM_EPSILON,
             );
-            let y = Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(y));
-            let sum = Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(sum));
-            (
-                sum.reshape(x.dims()),
-                sabotage(Op::LayerNorm, y.reshape(x.dims())),
-            )
+            let y = Tensor::<B, 3>::from_primitive(TensorPrimitive::Float(y));
+            let sum = Tensor::<B, 3>::from_primitive(TensorPrimitive::Float(sum));
+            (sum, sabotage(Op::LayerNorm, y))
         } else {
             let h = match mask {
                 Some(_) => h.clone() * multipliers.clone(),

@@ -201,7 +201,8 @@ pub fn layer_norm_backward(
 ) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
     let mut dx = vec![0.0; x.len()];
     let residual = residual.unwrap_or(&[]);
-    if x.len() < SPLIT {
+    // Rows `x`, `dy`, their statistics and residual gradient → `dx`, and their share of dγ, dβ.
+    let rows_of = |x: &[f32], dy: &[f32], mean: &[f32], rstd: &[f32], residual, dx: &mut [f32]| {
         let (mut dgamma, mut dbeta) = (vec![0.0f32; d], vec![0.0f32; d]);
         layer_norm_backward_rows(
             x,
@@ -211,10 +212,14 @@ pub fn layer_norm_backward(
             rstd,
             dy,
             residual,
-            &mut dx,
+            dx,
             &mut dgamma,
             &mut dbeta,
         );
+        (dgamma, dbeta)
+    };
+    if x.len() < SPLIT {
+        let (dgamma, dbeta) = rows_of(x, dy, mean, rstd, residual, &mut dx);
         return (dx, dgamma, dbeta);
     }
     let rows = rows_per_task(d);
@@ -227,24 +232,11 @@ pub fn layer_norm_backward(
         .zip(dy.par_chunks(rows * d))
         .zip(mean.par_chunks(rows).zip(rstd.par_chunks(rows)))
         .map(|((((task, dx), x), dy), (mean, rstd))| {
-            let (mut dgamma, mut dbeta) = (vec![0.0f32; d], vec![0.0f32; d]);
             let residual = match residual.is_empty() {
                 true => residual,
                 false => &residual[task * rows * d..][..dx.len()],
             };
-            layer_norm_backward_rows(
-                x,
-                d,
-                gamma,
-                mean,
-                rstd,
-                dy,
-                residual,
-                dx,
-                &mut dgamma,
-                &mut dbeta,
-            );
-            (dgamma, dbeta)
+            rows_of(x, dy, mean, rstd, residual, dx)
         })
         .collect();
     let (mut dgamma, mut dbeta) = (vec![0.0f32; d], vec![0.0f32; d]);
