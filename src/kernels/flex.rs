@@ -3,7 +3,7 @@
 //! path.
 
 use super::cpu::{self, AttentionShape, Heads, Matrix};
-use super::{composed, AdamWStep, DropoutMask, LabBackend};
+use super::{composed, AdamWItem, AdamWStep, DropoutMask, LabBackend};
 use burn::backend::flex::{FlexTensor, Layout};
 use burn::backend::Flex;
 use burn::prelude::*;
@@ -104,6 +104,12 @@ fn class_indices(x: FlexTensor, classes: usize, ignore: Option<usize>) -> Vec<us
 
 fn is_f32(x: &FlexTensor) -> bool {
     x.dtype() == DType::F32
+}
+
+/// `x` flattened to `[n]` (a copy where its layout is not one run of elements).
+fn flat(x: FlexTensor) -> FlexTensor {
+    let n = x.shape().num_elements();
+    <Flex as burn::tensor::ops::FloatTensorOps<Flex>>::float_reshape(x, Shape::new([n]))
 }
 
 /// `x` contiguous from the start of its buffer, to be updated in place (in place where the
@@ -358,6 +364,15 @@ impl LabBackend for Flex {
         from_vec(vec![cpu::sum_squares(slice(&x))], Shape::new([1]))
     }
 
+    fn fused_sum_squares_all(xs: Vec<FlexTensor>) -> FlexTensor {
+        if !xs.iter().all(is_f32) {
+            return composed::sum_squares_each::<Flex>(xs, Self::fused_sum_squares);
+        }
+        let xs: Vec<FlexTensor> = xs.into_iter().map(|x| contiguous(flat(x))).collect();
+        let slices: Vec<&[f32]> = xs.iter().map(slice).collect();
+        from_vec(vec![cpu::sum_squares_all(&slices)], Shape::new([1]))
+    }
+
     fn fused_scale(x: FlexTensor, s: FlexTensor) -> FlexTensor {
         if !is_f32(&x) || !is_f32(&s) {
             return composed::scale::<Flex>(x, s);
@@ -382,32 +397,70 @@ impl LabBackend for Flex {
         if !is_f32(&param) {
             return composed::adamw::<Flex>(param, grad, moments, step, clip);
         }
-        let n = param.shape().num_elements();
-        let grad =
-            <Flex as burn::tensor::ops::FloatTensorOps<Flex>>::float_reshape(grad, Shape::new([n]));
-        let grad = match clip {
-            Some(clip) => Self::fused_scale(grad, clip),
-            None => grad,
-        };
-        let grad = contiguous(grad);
-        let first = moments.is_none();
-        let (mut m, mut v) = match moments {
-            Some((m, v)) => (owned(m), owned(v)),
-            None => {
-                let zeros = || from_vec(vec![0.0; n], grad.shape());
-                (zeros(), zeros())
-            }
-        };
-        let mut p = owned(param);
-        cpu::adamw(
-            &mut p.storage_mut::<f32>()[..n],
-            slice(&grad),
-            &mut m.storage_mut::<f32>()[..n],
-            &mut v.storage_mut::<f32>()[..n],
-            first,
+        let item = AdamWItem {
+            param,
+            grad,
+            moments,
             step,
-        );
-        (p, m, v)
+        };
+        let mut out = Self::fused_adamw_all(vec![item], clip);
+        out.pop()
+            .unwrap_or_else(|| unreachable!("one result per parameter"))
+    }
+
+    fn fused_adamw_all(
+        items: Vec<AdamWItem<Self>>,
+        clip: Option<FlexTensor>,
+    ) -> Vec<(FlexTensor, FlexTensor, FlexTensor)> {
+        let f32s = items
+            .iter()
+            .all(|item| is_f32(&item.param) && is_f32(&item.grad));
+        if !f32s || clip.as_ref().is_some_and(|c| !is_f32(c)) {
+            let step = |item: AdamWItem<Self>| {
+                composed::adamw::<Flex>(
+                    item.param,
+                    item.grad,
+                    item.moments,
+                    item.step,
+                    clip.clone(),
+                )
+            };
+            return items.into_iter().map(step).collect();
+        }
+        // Clipping's factor is multiplied in as each gradient is read (by 1 when none).
+        let factor = clip.map_or(1.0, |c| slice(&contiguous(c))[0]);
+        let mut held: Vec<_> = items
+            .into_iter()
+            .map(|item| {
+                let n = item.param.shape().num_elements();
+                let grad = contiguous(flat(item.grad));
+                let first = item.moments.is_none();
+                let (m, v) = match item.moments {
+                    Some((m, v)) => (owned(m), owned(v)),
+                    None => {
+                        let zeros = || from_vec(vec![0.0; n], Shape::new([n]));
+                        (zeros(), zeros())
+                    }
+                };
+                (owned(item.param), grad, m, v, first, item.step)
+            })
+            .collect();
+        let slices = held
+            .iter_mut()
+            .map(|(p, grad, m, v, first, step)| {
+                let n = grad.shape().num_elements();
+                cpu::AdamWSlices {
+                    param: &mut p.storage_mut::<f32>()[..n],
+                    grad: slice(grad),
+                    m: &mut m.storage_mut::<f32>()[..n],
+                    v: &mut v.storage_mut::<f32>()[..n],
+                    first: *first,
+                    step: *step,
+                }
+            })
+            .collect();
+        cpu::adamw_all(slices, factor);
+        held.into_iter().map(|(p, _, m, v, ..)| (p, m, v)).collect()
     }
 
     fn fused_linear(x: FlexTensor, w: FlexTensor, b: Option<FlexTensor>) -> FlexTensor {

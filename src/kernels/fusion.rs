@@ -3,7 +3,7 @@
 //! inner backend's kernel ([`super::cube`] on wgpu and CUDA) on the inner tensors. burn's own
 //! fusion goes on fusing the element-wise operations around them.
 
-use super::{composed, AdamWStep, DropoutMask, LabBackend};
+use super::{composed, AdamWItem, AdamWStep, DropoutMask, LabBackend};
 use burn::tensor::ops::{FloatTensor, IntTensor};
 use burn::tensor::{DType, FloatDType, Shape};
 use burn_fusion::stream::{Operation, OperationStreams};
@@ -67,10 +67,24 @@ fn custom<B: FusionBackend, const N: usize>(
     shapes: [Shape; N],
     run: impl Fn(Vec<FloatTensor<B>>, Vec<IntTensor<B>>) -> Vec<FloatTensor<B>> + Send + Sync + 'static,
 ) -> [Tensor<B>; N] {
+    take(custom_many::<B>(name, floats, ints, shapes.into(), run))
+}
+
+/// [`custom`] with as many outputs as `shapes` has.
+fn custom_many<B: FusionBackend>(
+    name: &'static str,
+    floats: Vec<Tensor<B>>,
+    ints: Vec<Tensor<B>>,
+    shapes: Vec<Shape>,
+    run: impl Fn(Vec<FloatTensor<B>>, Vec<IntTensor<B>>) -> Vec<FloatTensor<B>> + Send + Sync + 'static,
+) -> Vec<Tensor<B>> {
     let client = floats[0].client.clone();
     let dtype: DType = floats[0].dtype;
     let streams = OperationStreams::with_inputs(floats.iter().chain(&ints));
-    let outputs = shapes.map(|shape| TensorIr::uninit(client.create_empty_handle(), shape, dtype));
+    let outputs: Vec<TensorIr> = shapes
+        .into_iter()
+        .map(|shape| TensorIr::uninit(client.create_empty_handle(), shape, dtype))
+        .collect();
     let count = floats.len();
     let inputs: Vec<TensorIr> = floats
         .into_iter()
@@ -84,9 +98,7 @@ fn custom<B: FusionBackend, const N: usize>(
         run: Arc::new(run),
         owner: std::thread::current().id(),
     };
-    let out = client.register(streams, OperationIr::Custom(desc), op);
-    out.try_into()
-        .unwrap_or_else(|_| unreachable!("one tensor per declared output"))
+    client.register(streams, OperationIr::Custom(desc), op)
 }
 
 /// The `N` tensors of `v`.
@@ -233,6 +245,44 @@ impl<B: FusionBackend + LabBackend> LabBackend for Fusion<B> {
             vec![p, m, v]
         });
         (p, m, v)
+    }
+
+    fn fused_adamw_all(
+        items: Vec<AdamWItem<Self>>,
+        clip: Option<Tensor<B>>,
+    ) -> Vec<(Tensor<B>, Tensor<B>, Tensor<B>)> {
+        // One operation for all: the inner backend launches several parameters at a time.
+        let mut inputs = Vec::new();
+        let mut shapes = Vec::new();
+        let mut plan = Vec::new();
+        for item in items {
+            let shape = item.param.shape.clone();
+            plan.push((item.moments.is_some(), item.step));
+            inputs.extend([item.param, item.grad]);
+            inputs.extend(item.moments.map(|(m, v)| [m, v]).into_iter().flatten());
+            shapes.extend([shape.clone(), shape.clone(), shape]);
+        }
+        let has_clip = clip.is_some();
+        inputs.extend(clip);
+        let out = custom_many::<B>("adamw_all", inputs, vec![], shapes, move |f, _| {
+            let mut f = f.into_iter();
+            let items: Vec<AdamWItem<B>> = plan
+                .iter()
+                .map(|&(has_moments, step)| AdamWItem {
+                    param: f.next().unwrap(),
+                    grad: f.next().unwrap(),
+                    moments: has_moments.then(|| (f.next().unwrap(), f.next().unwrap())),
+                    step,
+                })
+                .collect();
+            let clip = has_clip.then(|| f.next().unwrap());
+            B::fused_adamw_all(items, clip)
+                .into_iter()
+                .flat_map(|(p, m, v)| [p, m, v])
+                .collect()
+        });
+        let mut out = out.into_iter();
+        std::iter::from_fn(|| Some((out.next()?, out.next()?, out.next()?))).collect()
     }
 
     fn fused_sum_squares_all(xs: Vec<Tensor<B>>) -> Tensor<B> {

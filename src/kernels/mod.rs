@@ -314,6 +314,21 @@ pub trait LabBackend: Backend {
         composed::adamw::<Self>(param, grad, moments, step, clip)
     }
 
+    /// One AdamW step of each parameter of `items` (see [`Self::fused_adamw`]), all with the
+    /// same `clip`: `(parameter, first moment, second moment)` after it, in `items`' order. The
+    /// default: [`Self::fused_adamw`] for each; on a GPU several parameters a launch.
+    fn fused_adamw_all(
+        items: Vec<AdamWItem<Self>>,
+        clip: Option<FloatTensor<Self>>,
+    ) -> Vec<(FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>)> {
+        items
+            .into_iter()
+            .map(|item| {
+                Self::fused_adamw(item.param, item.grad, item.moments, item.step, clip.clone())
+            })
+            .collect()
+    }
+
     /// Whether this backend runs the products of [`Self::fused_linear`] in `dtype` (half
     /// precision, see [`Precision`]) on `device`. The default: it does not.
     fn mixed_precision(_device: &Self::Device, _dtype: burn::tensor::FloatDType) -> bool {
@@ -951,10 +966,25 @@ pub struct AdamWStep {
     pub time: i32,
 }
 
+/// One parameter's share of an AdamW step over many ([`adamw_all`]): the parameter flattened
+/// `[n]`, its gradient in the parameter's shape (possibly a strided view), its moments `[n]`
+/// before the step (`None` at its first) and the step's settings.
+pub struct AdamWItem<B: Backend> {
+    /// The parameter, flattened.
+    pub param: FloatTensor<B>,
+    /// Its gradient, unflattened.
+    pub grad: FloatTensor<B>,
+    /// The first and second moments, flattened.
+    pub moments: Option<(FloatTensor<B>, FloatTensor<B>)>,
+    /// The step.
+    pub step: AdamWStep,
+}
+
 /// `Σ x²` over every element of every tensor of `xs` (at least one) → `[1]`: the squared
-/// global norm of a model's gradients. Fused on a GPU, one launch per tensor reading it where
-/// it lies (no copy of a transposed gradient) and one adding up; on a processor, each tensor's
-/// [`LabBackend::fused_sum_squares`] added in order.
+/// global norm of a model's gradients. Fused on a GPU, up to 32 tensors a launch (as the
+/// device's binding limit allows), each read where it lies (no copy of a transposed gradient),
+/// and one launch adding up; on a processor, one parallel pass over all of them, the same bits
+/// as each tensor's [`LabBackend::fused_sum_squares`] added in order.
 pub fn sum_squares_all<B: LabBackend>(xs: Vec<FloatTensor<B>>) -> Tensor<B, 1> {
     tensor(match uses(Op::AdamW) {
         true => B::fused_sum_squares_all(xs),
@@ -1000,6 +1030,28 @@ pub fn adamw<B: LabBackend, const D: usize>(
         false => back(p),
     };
     (p, back(m), back(v))
+}
+
+/// [`adamw`] of every parameter of `items` in one call, the same `clip` for all: each result
+/// flattened `[n]`, in `items`' order, the values those of [`adamw`] on each. Fused on a GPU,
+/// several parameters a launch (an optimizer step's launches are otherwise one per parameter).
+pub fn adamw_all<B: LabBackend>(
+    items: Vec<AdamWItem<B>>,
+    clip: Option<Tensor<B, 1>>,
+) -> Vec<(FloatTensor<B>, FloatTensor<B>, FloatTensor<B>)> {
+    let clip = clip.map(prim);
+    if !uses(Op::AdamW) {
+        return items
+            .into_iter()
+            .map(|item| {
+                composed::adamw::<B>(item.param, item.grad, item.moments, item.step, clip.clone())
+            })
+            .collect();
+    }
+    B::fused_adamw_all(items, clip)
+        .into_iter()
+        .map(|(p, m, v)| (prim(check::sabotage(Op::AdamW, tensor::<B, 1>(p))), m, v))
+        .collect()
 }
 
 /// The cross-entropy of each row of `logits` `[n, v]` against its class in `targets` `[n]`,

@@ -4,17 +4,19 @@
 //!   `clip_grad_norm_`). burn's `GradientClipping::Norm` clips each tensor on its own; nanoGPT
 //!   rescales all gradients together so that `‖g‖₂ over every parameter ≤ max_norm`. The norm
 //!   stays on the device: no host round-trip per step. With fused kernels the squares are
-//!   summed without storing them (on a processor one pass per gradient; on a GPU one
-//!   partial-sum launch per gradient and one adding the partial sums in a fixed order), and on
-//!   a processor a step that does not clip (factor 1) leaves the gradients untouched instead of
-//!   multiplying them by 1.
+//!   summed without storing them (on a processor one parallel pass over all gradients; on a
+//!   GPU partial sums of up to 32 gradients a launch and one launch adding them in a fixed
+//!   order), and clipping's factor is multiplied into AdamW's update as it reads each gradient.
+//! - every parameter updated in one call ([`AllAtOnce`]): on a processor one parallel pass over
+//!   all of them (most are too small to split one at a time), on a GPU up to 32 a launch.
 //! - decoupled weight decay on matrices only (linear weights,
 //!   embeddings), none on LayerNorm gains and biases — nanoGPT's two parameter groups. burn's
 //!   AdamW decays every parameter.
 
-use crate::kernels::{self, AdamWStep, LabAutodiff, LabBackend};
-use burn::module::{AutodiffModule, ModuleMapper, ModuleVisitor, Param};
-use burn::optim::adaptor::OptimizerAdaptor;
+use crate::kernels::{self, AdamWItem, AdamWStep, LabAutodiff, LabBackend};
+use burn::module::{AutodiffModule, ModuleMapper, ModuleVisitor, Param, ParamId};
+use burn::optim::adaptor::GradAdaptor;
+use burn::optim::record::AdaptorRecord;
 use burn::optim::{
     AdamWState, AdaptiveMomentumState, GradientsParams, LearningRate, MultiGradientsParams,
     Optimizer, SimpleOptimizer,
@@ -22,7 +24,10 @@ use burn::optim::{
 use burn::prelude::*;
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::ops::FloatTensor;
+use burn::tensor::TensorPrimitive;
+use hashbrown::HashMap;
 use std::any::Any;
+use std::marker::PhantomData;
 use std::sync::{Arc, Mutex};
 
 /// Wraps an optimizer (AdamW without weight decay of its own) so every step first clips the
@@ -86,19 +91,174 @@ impl<O> ReferenceOptimizer<O> {
     }
 }
 
-impl<M, B> ReferenceOptimizer<OptimizerAdaptor<LabAdamW, M, B>>
+impl<M, B> ReferenceOptimizer<AllAtOnce<M, B>>
 where
     M: AutodiffModule<B>,
     B: AutodiffBackend<InnerBackend: LabBackend>,
 {
     /// [`LabAdamW`] inside global-norm clipping to `max_grad_norm` (0 = none), the clipping
-    /// factor multiplied into its update (one pass over each gradient fewer).
+    /// factor multiplied into its update (one pass over each gradient fewer), every parameter
+    /// updated in one call ([`AllAtOnce`]).
     pub fn lab_adamw(adamw: LabAdamW, max_grad_norm: f32) -> Self {
         let clip = adamw.clip.clone();
         Self {
             clip: Some(clip),
-            ..Self::new(OptimizerAdaptor::from(adamw), 0.0, max_grad_norm)
+            ..Self::new(AllAtOnce::new(adamw), 0.0, max_grad_norm)
         }
+    }
+}
+
+/// [`LabAdamW`] over a whole module in one call ([`kernels::adamw_all`]: on a GPU several
+/// parameters a launch, where burn's [`OptimizerAdaptor`](burn::optim::adaptor::OptimizerAdaptor) steps one parameter at a time). Its
+/// record is the adaptor's, so checkpoints of either load in the other.
+#[derive(Clone)]
+pub struct AllAtOnce<M, B: AutodiffBackend<InnerBackend: LabBackend>> {
+    adamw: LabAdamW,
+    records: HashMap<ParamId, AdaptorRecord<LabAdamW, B>>,
+    module: PhantomData<M>,
+}
+
+impl<M, B: AutodiffBackend<InnerBackend: LabBackend>> AllAtOnce<M, B> {
+    /// `adamw` with no state yet.
+    pub fn new(adamw: LabAdamW) -> Self {
+        Self {
+            adamw,
+            records: HashMap::new(),
+            module: PhantomData,
+        }
+    }
+}
+
+impl<M, B> AllAtOnce<M, B>
+where
+    M: AutodiffModule<B>,
+    B: AutodiffBackend<InnerBackend: LabBackend>,
+{
+    fn step_all(&mut self, lr: LearningRate, module: M, grads: GradAdaptor) -> M {
+        let mut gather = Gather::<B> {
+            adamw: &self.adamw,
+            lr,
+            records: &mut self.records,
+            grads,
+            items: Vec::new(),
+            ids: Vec::new(),
+        };
+        module.visit(&mut gather);
+        let Gather { items, ids, .. } = gather;
+        if items.is_empty() {
+            return module;
+        }
+        let clip = self.adamw.clip.get::<B::InnerBackend>();
+        let updated = kernels::adamw_all(items, clip);
+        let mut results: HashMap<ParamId, Updated<B>> = ids
+            .into_iter()
+            .zip(updated)
+            .map(|((id, time), (p, m, v))| (id, (p, m, v, time)))
+            .collect();
+        module.map(&mut Scatter::<B> {
+            records: &mut self.records,
+            results: &mut results,
+        })
+    }
+}
+
+impl<M, B> Optimizer<M, B> for AllAtOnce<M, B>
+where
+    M: AutodiffModule<B>,
+    B: AutodiffBackend<InnerBackend: LabBackend>,
+{
+    type Record = HashMap<ParamId, AdaptorRecord<LabAdamW, B>>;
+
+    fn step(&mut self, lr: LearningRate, module: M, grads: GradientsParams) -> M {
+        self.step_all(lr, module, grads.into())
+    }
+
+    fn step_multi(&mut self, lr: LearningRate, module: M, grads: MultiGradientsParams) -> M {
+        self.step_all(lr, module, grads.into())
+    }
+
+    fn to_record(&self) -> Self::Record {
+        self.records.clone()
+    }
+
+    fn load_record(mut self, record: Self::Record) -> Self {
+        self.records = record;
+        self
+    }
+}
+
+/// One parameter's update, flattened: the parameter and its two moments after the step, and
+/// the step's number.
+type Updated<B> = (
+    FloatTensor<<B as AutodiffBackend>::InnerBackend>,
+    FloatTensor<<B as AutodiffBackend>::InnerBackend>,
+    FloatTensor<<B as AutodiffBackend>::InnerBackend>,
+    usize,
+);
+
+/// Collects every parameter that has a gradient, with its gradient and moments, as
+/// [`kernels::adamw_all`] takes them.
+struct Gather<'a, B: AutodiffBackend<InnerBackend: LabBackend>> {
+    adamw: &'a LabAdamW,
+    lr: LearningRate,
+    records: &'a mut HashMap<ParamId, AdaptorRecord<LabAdamW, B>>,
+    grads: GradAdaptor,
+    items: Vec<AdamWItem<B::InnerBackend>>,
+    ids: Vec<(ParamId, usize)>,
+}
+
+impl<B: AutodiffBackend<InnerBackend: LabBackend>> ModuleVisitor<B> for Gather<'_, B> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        let Some((grad, device)) = self.grads.remove::<B::InnerBackend, D>(param.id) else {
+            return;
+        };
+        let tensor = param.val().inner().to_device(&device);
+        let state = self.records.remove(&param.id).map(|record| {
+            let state: AdamWState<B::InnerBackend, D> = record.into_state();
+            LabAdamW::to_device(state, &device).momentum
+        });
+        let time = state.as_ref().map_or(1, |s| s.time + 1);
+        let flat = |x: Tensor<B::InnerBackend, D>| x.reshape([-1]).into_primitive().tensor();
+        self.items.push(AdamWItem {
+            param: flat(tensor),
+            grad: grad.into_primitive().tensor(),
+            moments: state.map(|s| (flat(s.moment_1), flat(s.moment_2))),
+            step: self.adamw.settings::<D>(self.lr, time),
+        });
+        self.ids.push((param.id, time));
+    }
+}
+
+/// Puts each updated parameter back in the module and its moments in the records.
+struct Scatter<'a, B: AutodiffBackend<InnerBackend: LabBackend>> {
+    records: &'a mut HashMap<ParamId, AdaptorRecord<LabAdamW, B>>,
+    results: &'a mut HashMap<ParamId, Updated<B>>,
+}
+
+impl<B: AutodiffBackend<InnerBackend: LabBackend>> ModuleMapper<B> for Scatter<'_, B> {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        let (id, tensor, mapper) = param.consume();
+        let Some((p, m, v, time)) = self.results.remove(&id) else {
+            return Param::from_mapped_value(id, tensor, mapper);
+        };
+        let shape = tensor.shape();
+        let back = |x| {
+            Tensor::<B::InnerBackend, 1>::from_primitive(TensorPrimitive::Float(x))
+                .reshape(shape.clone())
+        };
+        let momentum = AdaptiveMomentumState {
+            time,
+            moment_1: back(m),
+            moment_2: back(v),
+            max_moment_2: None,
+        };
+        self.records
+            .insert(id, AdaptorRecord::from_state::<D>(AdamWState { momentum }));
+        let mut updated = Tensor::from_inner(back(p));
+        if tensor.is_require_grad() {
+            updated = updated.require_grad();
+        }
+        Param::from_mapped_value(id, updated, mapper)
     }
 }
 
@@ -144,6 +304,21 @@ impl LabAdamW {
     }
 }
 
+impl LabAdamW {
+    /// The settings of step `time` (from 1) of a parameter of rank `D`: matrices decay, biases
+    /// and gains do not.
+    fn settings<const D: usize>(&self, lr: LearningRate, time: usize) -> AdamWStep {
+        AdamWStep {
+            lr: lr as f32,
+            beta_1: self.beta_1,
+            beta_2: self.beta_2,
+            epsilon: self.epsilon,
+            weight_decay: if D >= 2 { self.weight_decay } else { 0.0 },
+            time: time as i32,
+        }
+    }
+}
+
 impl<B: LabBackend> SimpleOptimizer<B> for LabAdamW {
     type State<const D: usize> = AdamWState<B, D>;
 
@@ -161,14 +336,7 @@ impl<B: LabBackend> SimpleOptimizer<B> for LabAdamW {
             ),
             None => (None, 1),
         };
-        let step = AdamWStep {
-            lr: lr as f32,
-            beta_1: self.beta_1,
-            beta_2: self.beta_2,
-            epsilon: self.epsilon,
-            weight_decay: if D >= 2 { self.weight_decay } else { 0.0 },
-            time: time as i32,
-        };
+        let step = self.settings::<D>(lr, time);
         let clip = self.clip.get::<B>();
         let (tensor, moment_1, moment_2) = kernels::adamw(tensor, grad, moments, step, clip);
         let momentum = AdaptiveMomentumState {

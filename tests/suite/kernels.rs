@@ -388,6 +388,80 @@ fn large_inputs_split_across_cores_and_still_agree() {
     }
 }
 
+/// An optimizer step over 40 parameters at once ([`kernels::adamw_all`], fused) against
+/// [`kernels::adamw`]'s composed form on each alone: vectors and matrices (decayed or not),
+/// sizes from 1 to 5,000, some at their first step (no moments), some at step 7, every third
+/// gradient a transposed view read at its strides, clipping's factor on all. Returns the
+/// parameters' count.
+pub(crate) fn adamw_all_case<B: kernels::LabBackend>(device: &B::Device) -> usize {
+    use burn::tensor::TensorPrimitive;
+    let flat = |t: Tensor<B, 2>| t.reshape([-1]).into_primitive().tensor();
+    let back = |x| Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(x));
+    let clip = Tensor::<B, 1>::from_floats([0.37], device);
+    let mut items = Vec::new();
+    let mut alone = Vec::new();
+    for i in 0..40u64 {
+        let (rows, cols) = match i % 4 {
+            0 => (1, 1 + i as usize * 7),
+            1 => (13, 1 + i as usize),
+            2 => (50, 100),
+            _ => (3, 5),
+        };
+        let param = random::<B, 2>([rows, cols], 100 + i, device);
+        let grad = match i % 3 {
+            0 => random::<B, 2>([cols, rows], 200 + i, device).transpose(),
+            _ => random::<B, 2>([rows, cols], 200 + i, device),
+        }
+        .mul_scalar(0.1);
+        let moments = (i % 2 == 1).then(|| {
+            (
+                random::<B, 2>([rows, cols], 300 + i, device).mul_scalar(0.01),
+                random::<B, 2>([rows, cols], 400 + i, device)
+                    .abs()
+                    .mul_scalar(0.001),
+            )
+        });
+        let step = AdamWStep {
+            lr: 3e-3,
+            beta_1: 0.9,
+            beta_2: 0.99,
+            epsilon: 1e-8,
+            weight_decay: if rows > 1 { 0.1 } else { 0.0 },
+            time: if moments.is_some() { 7 } else { 1 },
+        };
+        let composed = with_fused(false, || {
+            kernels::adamw(
+                param.clone(),
+                grad.clone(),
+                moments.clone(),
+                step,
+                Some(clip.clone()),
+            )
+        });
+        alone.push(composed);
+        items.push(kernels::AdamWItem {
+            param: flat(param),
+            grad: grad.into_primitive().tensor(),
+            moments: moments.map(|(m, v)| (flat(m), flat(v))),
+            step,
+        });
+    }
+    let together = with_fused(true, || kernels::adamw_all(items, Some(clip)));
+    assert_eq!(together.len(), alone.len());
+    for (i, ((p, m, v), (p2, m2, v2))) in together.into_iter().zip(alone).enumerate() {
+        for (what, a, b) in [("parameter", p, p2), ("m", m, m2), ("v", v, v2)] {
+            let diff = rel_diff(back(a), b.reshape([-1]));
+            assert!(diff < 1e-6, "parameter {i}: {what} differs by {diff}");
+        }
+    }
+    40
+}
+
+#[test]
+fn adamw_over_many_parameters_at_once_equals_each_alone() {
+    adamw_all_case::<Flex>(&Default::default());
+}
+
 #[test]
 fn fused_softmax_equals_burns_on_masked_and_long_rows() {
     let device = Default::default();

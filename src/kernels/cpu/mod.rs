@@ -25,7 +25,10 @@ pub use attention::{
     attention_backward, attention_forward, packed_attention_backward, AttentionShape, Heads,
 };
 pub use linear::{linear, linear_backward, Matrix};
-pub use pointwise::{adamw, dropout, gelu, gelu_with_derivative, scale, sum_squares};
+pub use pointwise::{
+    adamw_all, dropout, gelu, gelu_with_derivative, scale, sum_squares, sum_squares_all,
+    AdamWSlices,
+};
 pub use rows::{
     add_layer_norm, cross_entropy, cross_entropy_backward, layer_norm, layer_norm_backward,
     softmax, softmax_backward,

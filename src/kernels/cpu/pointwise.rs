@@ -136,6 +136,7 @@ multiversion! {
         grad: &[f32],
         m: &mut [f32],
         v: &mut [f32],
+        scale: f32,
         first: bool,
         step: AdamWStep,
     ) {
@@ -144,6 +145,7 @@ multiversion! {
         let (b1, b2) = if first { (0.0, 0.0) } else { (beta_1, beta_2) };
         let keep = 1.0 - lr * weight_decay;
         for (((p, &g), m), v) in param.iter_mut().zip(grad).zip(m.iter_mut()).zip(v.iter_mut()) {
+            let g = g * scale;
             *m = *m * b1 + g * (1.0 - beta_1);
             *v = *v * b2 + g * g * (1.0 - beta_2);
             let delta = (*m / c1) / ((*v / c2).sqrt() + epsilon);
@@ -152,24 +154,46 @@ multiversion! {
     }
 }
 
-/// One AdamW step (see [`AdamWStep`]) over `param`, its moments updated in place (`first`:
-/// they hold zeros and this is step 1's initialisation).
-pub fn adamw(
-    param: &mut [f32],
-    grad: &[f32],
-    m: &mut [f32],
-    v: &mut [f32],
-    first: bool,
-    step: AdamWStep,
-) {
-    if param.len() < SPLIT {
-        return adamw_chunk(param, grad, m, v, first, step);
+/// One parameter's share of [`adamw_all`]: the parameter and its moments, updated in place
+/// (`first`: the moments hold zeros and this is step 1's initialisation), and its gradient.
+pub struct AdamWSlices<'a> {
+    /// The parameter.
+    pub param: &'a mut [f32],
+    /// Its gradient.
+    pub grad: &'a [f32],
+    /// The first moment.
+    pub m: &'a mut [f32],
+    /// The second moment.
+    pub v: &'a mut [f32],
+    /// Whether this is the parameter's first step.
+    pub first: bool,
+    /// The step's settings.
+    pub step: AdamWStep,
+}
+
+/// One AdamW step (see [`AdamWStep`]) of every parameter of `items`, each gradient multiplied
+/// by `scale` as it is read (global-norm clipping's factor; `g·1` is `g`, bit for bit). One
+/// parallel pass over all of them in chunks of [`CHUNK`] elements (a model's parameters are
+/// mostly smaller than [`SPLIT`], so one at a time they would each run on one core).
+pub fn adamw_all(items: Vec<AdamWSlices<'_>>, scale: f32) {
+    let total: usize = items.iter().map(|item| item.param.len()).sum();
+    let mut tasks = Vec::new();
+    for item in items {
+        let chunks = item
+            .param
+            .chunks_mut(CHUNK)
+            .zip(item.grad.chunks(CHUNK))
+            .zip(item.m.chunks_mut(CHUNK).zip(item.v.chunks_mut(CHUNK)));
+        tasks.extend(chunks.map(|((p, g), (m, v))| (p, g, m, v, item.first, item.step)));
     }
-    param
-        .par_chunks_mut(CHUNK)
-        .zip(grad.par_chunks(CHUNK))
-        .zip(m.par_chunks_mut(CHUNK).zip(v.par_chunks_mut(CHUNK)))
-        .for_each(|((p, g), (m, v))| adamw_chunk(p, g, m, v, first, step));
+    let run = |(p, g, m, v, first, step): (_, _, _, _, bool, AdamWStep)| {
+        adamw_chunk(p, g, m, v, scale, first, step)
+    };
+    if total < SPLIT {
+        tasks.into_iter().for_each(run);
+    } else {
+        tasks.into_par_iter().for_each(run);
+    }
 }
 
 multiversion! {
@@ -187,6 +211,24 @@ pub fn sum_squares(x: &[f32]) -> f32 {
     }
     let partial: Vec<f32> = x.par_chunks(CHUNK).map(sum_squares_chunk).collect();
     partial.iter().sum()
+}
+
+/// `Σ x²` over every element of every slice of `xs`, the same bits as [`sum_squares`] of each
+/// added in order, in one parallel pass over all their chunks.
+pub fn sum_squares_all(xs: &[&[f32]]) -> f32 {
+    let total: usize = xs.iter().map(|x| x.len()).sum();
+    let chunks: Vec<&[f32]> = xs.iter().flat_map(|x| x.chunks(CHUNK)).collect();
+    let partial: Vec<f32> = match total < SPLIT {
+        true => chunks.into_iter().map(sum_squares_chunk).collect(),
+        false => chunks.into_par_iter().map(sum_squares_chunk).collect(),
+    };
+    let mut at = 0;
+    let each = xs.iter().map(|x| {
+        let k = x.len().div_ceil(CHUNK);
+        at += k;
+        partial[at - k..at].iter().sum::<f32>()
+    });
+    each.reduce(|total, s| total + s).unwrap_or(0.0)
 }
 
 /// `x ← x · s` in place (in parallel when large).

@@ -11,7 +11,7 @@ mod linear;
 mod pointwise;
 mod rows;
 
-use super::{composed, AdamWStep, DropoutMask, LabBackend};
+use super::{composed, AdamWItem, AdamWStep, DropoutMask, LabBackend};
 use attention::{LayoutLaunch, TILE};
 use burn::prelude::*;
 use burn::tensor::{FloatDType, TensorMetadata};
@@ -101,6 +101,91 @@ fn row_grid(n: usize) -> (CubeCount, CubeDim) {
         CubeCount::Static(x as u32, n.div_ceil(x) as u32, 1),
         CubeDim::new_1d(ROW_UNITS),
     )
+}
+
+/// One launch of AdamW over the parameters of `items` (within one launch's binding limit,
+/// sharing the learning rate and betas).
+fn adamw_launch<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
+    items: Vec<AdamWItem<CubeBackend<R, F, I, BT>>>,
+    clip: &CubeTensor<R>,
+    has_clip: bool,
+) -> Vec<(CubeTensor<R>, CubeTensor<R>, CubeTensor<R>)> {
+    let step = items[0].step;
+    let (mut first, mut strided) = (0u64, 0u64);
+    let (mut params, mut grads, mut ms, mut vs) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let (mut decays, mut c1s, mut c2s) = (Vec::new(), Vec::new(), Vec::new());
+    // Each parameter its own cubes (up to 2,047, so 32 of them stay within a grid dimension's
+    // 65,535; a larger parameter loops).
+    let units = 256;
+    let (mut starts, mut cubes, mut total) = (Vec::new(), Vec::new(), 0u32);
+    for (y, item) in items.into_iter().enumerate() {
+        let param = into_contiguous(item.param);
+        // The gradient is read at its own strides (a transposed or sliced view is not copied).
+        strided |= u64::from(!item.grad.is_contiguous()) << y;
+        let (m, v) = match item.moments {
+            Some((m, v)) => (into_contiguous(m), into_contiguous(v)),
+            // Not read by the kernel at the first step.
+            None => {
+                first |= 1 << y;
+                (param.clone(), param.clone())
+            }
+        };
+        let own = param.meta.num_elements().div_ceil(units).clamp(1, 2_047) as u32;
+        starts.push(total);
+        cubes.push(own);
+        total += own;
+        decays.push(item.step.weight_decay);
+        c1s.push(1.0 - item.step.beta_1.powi(item.step.time));
+        c2s.push(1.0 - item.step.beta_2.powi(item.step.time));
+        grads.push(item.grad);
+        ms.push(m);
+        vs.push(v);
+        params.push(param);
+    }
+    let outputs = || -> Vec<CubeTensor<R>> { params.iter().map(|p| empty(p, p.shape())).collect() };
+    let (p_out, m_out, v_out) = (outputs(), outputs(), outputs());
+    let args = |xs: &[CubeTensor<R>]| xs.iter().map(|x| x.clone().into_tensor_arg()).collect();
+    launches::count();
+    pointwise::adamw_kernel::launch::<R>(
+        &clip.client,
+        CubeCount::Static(total, 1, 1),
+        CubeDim::new_1d(units as u32),
+        args(&params),
+        args(&grads),
+        args(&ms),
+        args(&vs),
+        clip.clone().into_tensor_arg(),
+        args(&p_out),
+        args(&m_out),
+        args(&v_out),
+        starts.into_iter().collect(),
+        cubes.into_iter().collect(),
+        decays.into_iter().collect(),
+        c1s.into_iter().collect(),
+        c2s.into_iter().collect(),
+        step.lr,
+        step.beta_1,
+        step.beta_2,
+        step.epsilon,
+        first,
+        strided,
+        has_clip,
+        params[0].dtype.into(),
+    );
+    p_out
+        .into_iter()
+        .zip(m_out)
+        .zip(v_out)
+        .map(|((p, m), v)| (p, m, v))
+        .collect()
+}
+
+/// How many tensors one launch of a kernel over a sequence of them takes: `per` bindings each
+/// and `fixed` besides, within the device's binding limit, at most 32 (the kernel holds a
+/// branch per tensor), and at most 64 (a bit of a `u64` mask each).
+fn group_size<R: CubeRuntime>(like: &CubeTensor<R>, per: u32, fixed: u32) -> usize {
+    let bindings = like.client.properties().hardware.max_bindings;
+    (bindings.saturating_sub(fixed + 1) / per).clamp(1, 32) as usize
 }
 
 /// Whether every index of `n` elements fits the kernels' 32-bit arithmetic.
@@ -229,29 +314,43 @@ where
         if xs.iter().any(|x| !fits(x.meta.num_elements())) {
             return composed::sum_squares_all::<Self>(xs);
         }
-        // Each gradient's squares summed by up to 256 cubes into its own partial sums, then
-        // every partial sum added in one cube: a launch per gradient, read where it lies.
+        // Each gradient's squares summed by up to 256 cubes into its own partial sums (several
+        // gradients a launch, each read where it lies), then every partial sum added in one
+        // cube in a fixed order.
         let parts: Vec<usize> = xs
             .iter()
             .map(|x| x.meta.num_elements().div_ceil(4096).clamp(1, 256))
             .collect();
         let partial = empty_f32(&xs[0], [parts.iter().sum::<usize>()]);
         let mut offset = 0;
-        for (x, parts) in xs.iter().zip(parts) {
-            let n = x.meta.num_elements();
+        let group = group_size(&xs[0], 1, 1);
+        for (xs, parts) in xs.chunks(group).zip(parts.chunks(group)) {
+            let strided = xs.iter().enumerate().fold(0u64, |mask, (y, x)| {
+                mask | (u64::from(!x.is_contiguous()) << y)
+            });
+            let mut cubes = 0;
+            let starts: SequenceArg<R, u32> = parts
+                .iter()
+                .map(|p| {
+                    cubes += p;
+                    (cubes - p) as u32
+                })
+                .collect();
             launches::count();
-            rows::sum_squares_partial_kernel::launch::<R>(
-                &x.client,
-                CubeCount::Static(parts as u32, 1, 1),
+            rows::sum_squares_many_kernel::launch::<R>(
+                &partial.client,
+                CubeCount::Static(cubes as u32, 1, 1),
                 CubeDim::new_1d(ROW_UNITS),
-                x.clone().into_tensor_arg(),
+                xs.iter().map(|x| x.clone().into_tensor_arg()).collect(),
                 partial.clone().into_tensor_arg(),
                 offset as u32,
-                n as u32,
-                !x.is_contiguous(),
-                x.dtype.into(),
+                starts,
+                parts.iter().map(|&p| p as u32).collect(),
+                xs.iter().map(|x| x.meta.num_elements() as u32).collect(),
+                strided,
+                xs[0].dtype.into(),
             );
-            offset += parts;
+            offset += cubes;
         }
         let out = empty(&xs[0], [1]);
         launches::count();
@@ -273,52 +372,44 @@ where
         step: AdamWStep,
         clip: Option<CubeTensor<R>>,
     ) -> (CubeTensor<R>, CubeTensor<R>, CubeTensor<R>) {
-        let param = into_contiguous(param);
-        // The gradient is read at its own strides (a transposed or sliced view is not copied).
-        let strided = !grad.is_contiguous();
-        let first = moments.is_none();
-        let (m, v) = match moments {
-            Some((m, v)) => (into_contiguous(m), into_contiguous(v)),
-            // Not read by the kernel at the first step.
-            None => (param.clone(), param.clone()),
+        let item = AdamWItem {
+            param,
+            grad,
+            moments,
+            step,
+        };
+        let mut out = Self::fused_adamw_all(vec![item], clip);
+        out.pop()
+            .unwrap_or_else(|| unreachable!("one result per parameter"))
+    }
+
+    fn fused_adamw_all(
+        items: Vec<AdamWItem<Self>>,
+        clip: Option<CubeTensor<R>>,
+    ) -> Vec<(CubeTensor<R>, CubeTensor<R>, CubeTensor<R>)> {
+        let Some(like) = items.first().map(|item| item.param.clone()) else {
+            return Vec::new();
         };
         let has_clip = clip.is_some();
-        let clip = clip.unwrap_or_else(|| param.clone());
-        let shape = param.shape();
-        let (p_out, m_out, v_out) = (
-            empty(&param, shape.clone()),
-            empty(&param, shape.clone()),
-            empty(&param, shape),
-        );
-        let (count, dim) = elementwise(&param);
-        let dtype = param.dtype;
-        launches::count();
-
-        pointwise::adamw_kernel::launch::<R>(
-            &param.client,
-            count,
-            dim,
-            param.clone().into_tensor_arg(),
-            grad.into_tensor_arg(),
-            m.into_tensor_arg(),
-            v.into_tensor_arg(),
-            clip.into_tensor_arg(),
-            p_out.clone().into_tensor_arg(),
-            m_out.clone().into_tensor_arg(),
-            v_out.clone().into_tensor_arg(),
-            step.lr,
-            step.beta_1,
-            step.beta_2,
-            step.epsilon,
-            step.weight_decay,
-            1.0 - step.beta_1.powi(step.time),
-            1.0 - step.beta_2.powi(step.time),
-            first,
-            strided,
-            has_clip,
-            dtype.into(),
-        );
-        (p_out, m_out, v_out)
+        let clip = clip.unwrap_or_else(|| like.clone());
+        // Parameters taken together share a launch's learning rate and betas (one optimizer
+        // step's always do); seven bindings each and the clipping factor's.
+        let group = group_size(&like, 7, 1);
+        let mut out = Vec::with_capacity(items.len());
+        let mut items = items.into_iter().peekable();
+        while let Some(head) = items.next() {
+            let lead = head.step;
+            let shared = |item: &AdamWItem<Self>| {
+                let (a, b) = (item.step, lead);
+                (a.lr, a.beta_1, a.beta_2, a.epsilon) == (b.lr, b.beta_1, b.beta_2, b.epsilon)
+            };
+            let mut batch = vec![head];
+            while batch.len() < group && items.peek().is_some_and(&shared) {
+                batch.extend(items.next());
+            }
+            out.extend(adamw_launch(batch, &clip, has_clip));
+        }
+        out
     }
 
     fn fused_layer_norm_forward(

@@ -152,54 +152,80 @@ pub fn dropout_kernel<F: Float>(
     }
 }
 
-/// One AdamW step per element (see `kernels::AdamWStep`); `first` = no moments yet (`m`, `v`
-/// are then not read). `c1`, `c2` are the bias corrections `1 − βᵗ`. The gradient may be a
-/// strided view of the parameter's shape (`strided`: read at its strides, not copied first);
-/// with `has_clip` it is multiplied by `clip[0]`, global-norm clipping's factor, as it is read.
+/// One AdamW step (see `kernels::AdamWStep`) of each parameter of `params`: parameter `y`
+/// takes the `cubes[y]` cubes from `starts[y]` on, element by element in a loop striding over
+/// them (each cube finds its parameter by comparing its position with every start, unrolled:
+/// one branch taken per cube, no cube idle). Bit `y` of `first` says parameter `y` has no
+/// moments yet (its `ms[y]`, `vs[y]` are then not read), of `strided` that its gradient is a
+/// strided view of the parameter's shape (read at its strides, not copied first); with
+/// `has_clip` every gradient is multiplied by `clip[0]`, global-norm clipping's factor, as it
+/// is read. `c1s[y]`, `c2s[y]` are the bias corrections `1 − βᵗ`, `decays[y]` the decay.
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
 pub fn adamw_kernel<F: Float>(
-    param: &Tensor<F>,
-    grad: &Tensor<F>,
-    m: &Tensor<F>,
-    v: &Tensor<F>,
+    params: &Sequence<Tensor<F>>,
+    grads: &Sequence<Tensor<F>>,
+    ms: &Sequence<Tensor<F>>,
+    vs: &Sequence<Tensor<F>>,
     clip: &Tensor<F>,
-    param_out: &mut Tensor<F>,
-    m_out: &mut Tensor<F>,
-    v_out: &mut Tensor<F>,
+    params_out: &mut Sequence<Tensor<F>>,
+    ms_out: &mut Sequence<Tensor<F>>,
+    vs_out: &mut Sequence<Tensor<F>>,
+    starts: Sequence<u32>,
+    cubes: Sequence<u32>,
+    decays: Sequence<f32>,
+    c1s: Sequence<f32>,
+    c2s: Sequence<f32>,
     lr: f32,
     beta_1: f32,
     beta_2: f32,
     epsilon: f32,
-    decay: f32,
-    c1: f32,
-    c2: f32,
-    #[comptime] first: bool,
-    #[comptime] strided: bool,
+    #[comptime] first: u64,
+    #[comptime] strided: u64,
     #[comptime] has_clip: bool,
     #[define(F)] _dtype: StorageType,
 ) {
-    let i = ABSOLUTE_POS;
-    if i >= param.len() {
-        terminate!();
+    let count = params.len().comptime();
+    #[unroll]
+    for y in 0..count {
+        let start = *starts.index(y);
+        let own = *cubes.index(y);
+        if CUBE_POS_X >= start && CUBE_POS_X < start + own {
+            let step = (own * CUBE_DIM_X) as usize;
+            let param = params.index(y);
+            let grad = grads.index(y);
+            let m = ms.index(y);
+            let v = vs.index(y);
+            let param_out = params_out.index_mut(y);
+            let m_out = ms_out.index_mut(y);
+            let v_out = vs_out.index_mut(y);
+            let decay = *decays.index(y);
+            let c1 = *c1s.index(y);
+            let c2 = *c2s.index(y);
+            let n = param.len();
+            let mut i = ((CUBE_POS_X - start) * CUBE_DIM_X + UNIT_POS_X) as usize;
+            while i < n {
+                let mut at = i;
+                if comptime!((strided >> y) & 1 == 1) {
+                    at = crate::kernels::cube::rows::strided_offset(grad, i);
+                }
+                let mut g = f32::cast_from(grad[at]);
+                if has_clip {
+                    g = f32::cast_from(F::cast_from(g * f32::cast_from(clip[0])));
+                }
+                let mut m_new = (1.0f32 - beta_1) * g;
+                let mut v_new = (1.0f32 - beta_2) * g * g;
+                if comptime!((first >> y) & 1 == 0) {
+                    m_new += beta_1 * f32::cast_from(m[i]);
+                    v_new += beta_2 * f32::cast_from(v[i]);
+                }
+                let delta = (m_new / c1) / (f32::sqrt(v_new / c2) + epsilon);
+                let p = f32::cast_from(param[i]) * (1.0f32 - lr * decay) - lr * delta;
+                param_out[i] = F::cast_from(p);
+                m_out[i] = F::cast_from(m_new);
+                v_out[i] = F::cast_from(v_new);
+                i += step;
+            }
+        }
     }
-    let mut at = i;
-    if strided {
-        at = crate::kernels::cube::rows::strided_offset(grad, i);
-    }
-    let mut g = f32::cast_from(grad[at]);
-    if has_clip {
-        g = f32::cast_from(F::cast_from(g * f32::cast_from(clip[0])));
-    }
-    let mut m_new = (1.0f32 - beta_1) * g;
-    let mut v_new = (1.0f32 - beta_2) * g * g;
-    if !first {
-        m_new += beta_1 * f32::cast_from(m[i]);
-        v_new += beta_2 * f32::cast_from(v[i]);
-    }
-    let delta = (m_new / c1) / (f32::sqrt(v_new / c2) + epsilon);
-    let p = f32::cast_from(param[i]) * (1.0f32 - lr * decay) - lr * delta;
-    param_out[i] = F::cast_from(p);
-    m_out[i] = F::cast_from(m_new);
-    v_out[i] = F::cast_from(v_new);
 }

@@ -424,35 +424,51 @@ pub fn strided_offset<F: Float>(x: &Tensor<F>, i: usize) -> usize {
     offset
 }
 
-/// Global-norm clipping's first stage for one gradient `x` (any shape and strides): cube `c`
-/// of the grid sums the squares of elements `c·U + u`, `c·U + u + C·U`, … (`U` units, `C`
-/// cubes) into `partial[offset + c]`, in a fixed order.
+/// Global-norm clipping's first stage for several gradients in one launch: gradient `xs[y]`
+/// (any shape and strides) takes the `C = parts[y]` cubes from `starts[y]` on, whose cube `c`
+/// sums the squares of its elements `c·U + u`, `c·U + u + C·U`, … (`U` units) into
+/// `partial[base + starts[y] + c]`, in a fixed order; bit `y` of `strided` says `xs[y]` is read
+/// at its strides. Each cube finds its gradient by comparing its position with every start,
+/// unrolled: one branch taken per cube, no cube idle.
 #[cube(launch)]
-pub fn sum_squares_partial_kernel<F: Float>(
-    x: &Tensor<F>,
+#[allow(clippy::too_many_arguments)]
+pub fn sum_squares_many_kernel<F: Float>(
+    xs: &Sequence<Tensor<F>>,
     partial: &mut Tensor<f32>,
-    offset: u32,
-    n: u32,
-    #[comptime] strided: bool,
+    base: u32,
+    starts: Sequence<u32>,
+    parts: Sequence<u32>,
+    sizes: Sequence<u32>,
+    #[comptime] strided: u64,
     #[define(F)] _dtype: StorageType,
 ) {
     let mut shared = SharedMemory::<f32>::new(ROW_UNITS as usize);
-    let n = n as usize;
-    let step = (CUBE_COUNT_X * CUBE_DIM_X) as usize;
-    let mut i = (CUBE_POS_X * CUBE_DIM_X + UNIT_POS_X) as usize;
-    let mut s = 0.0f32;
-    while i < n {
-        let mut at = i;
-        if strided {
-            at = strided_offset(x, i);
+    let count = xs.len().comptime();
+    #[unroll]
+    for y in 0..count {
+        let start = *starts.index(y);
+        let cubes = *parts.index(y);
+        if CUBE_POS_X >= start && CUBE_POS_X < start + cubes {
+            let x = xs.index(y);
+            let c = CUBE_POS_X - start;
+            let n = *sizes.index(y) as usize;
+            let step = (cubes * CUBE_DIM_X) as usize;
+            let mut i = (c * CUBE_DIM_X + UNIT_POS_X) as usize;
+            let mut s = 0.0f32;
+            while i < n {
+                let mut at = i;
+                if comptime!((strided >> y) & 1 == 1) {
+                    at = strided_offset(x, i);
+                }
+                let v = f32::cast_from(x[at]);
+                s += v * v;
+                i += step;
+            }
+            let total = cube_sum(&mut shared, s);
+            if UNIT_POS_X == 0 {
+                partial[(base + CUBE_POS_X) as usize] = total;
+            }
         }
-        let v = f32::cast_from(x[at]);
-        s += v * v;
-        i += step;
-    }
-    let total = cube_sum(&mut shared, s);
-    if UNIT_POS_X == 0 {
-        partial[offset as usize + CUBE_POS_X as usize] = total;
     }
 }
 
