@@ -1058,6 +1058,7 @@ fn layer_norm_gradients_are_the_same_whatever_the_threads_and_their_scheduling()
 fn clipping_sums_squares_and_rescales_like_the_composed_ops() {
     // Lengths: shorter than one 16-lane block, a ragged tail after whole blocks, and above the
     // size that splits the work across threads (several chunks, the last one ragged).
+    let mut all = Vec::new();
     for (n, seed) in [(5, 1), (16 * 3 + 7, 2), (200_003, 3)] {
         // Magnitudes from 10⁻² to 10² by chunk of 16,384: added in another order, the chunks'
         // sums round differently.
@@ -1120,6 +1121,18 @@ fn clipping_sums_squares_and_rescales_like_the_composed_ops() {
                 );
             }
         }
+        all.push(x);
+    }
+    // All three in one pass: the bits of each one's sum added in order, on any thread count.
+    let each: f32 = all.iter().map(|x| cpu::sum_squares(x)).reduce(|a, b| a + b).unwrap();
+    let slices: Vec<&[f32]> = all.iter().map(Vec::as_slice).collect();
+    for threads in [1, 2, 3] {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .unwrap();
+        let together = pool.install(|| cpu::sum_squares_all(&slices));
+        assert_eq!(together.to_bits(), each.to_bits(), "{threads} threads");
     }
 }
 
