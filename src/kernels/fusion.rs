@@ -285,6 +285,24 @@ impl<B: FusionBackend + LabBackend> LabBackend for Fusion<B> {
         std::iter::from_fn(|| Some((out.next()?, out.next()?, out.next()?))).collect()
     }
 
+    fn write_columns_pair(
+        keys: Tensor<B>,
+        values: Tensor<B>,
+        at: usize,
+        k: Tensor<B>,
+        v: Tensor<B>,
+    ) -> (Tensor<B>, Tensor<B>) {
+        let shapes = [keys.shape.clone(), values.shape.clone()];
+        let inputs = vec![keys, values, k, v];
+        let [keys, values] =
+            custom::<B, 2>("write_columns", inputs, vec![], shapes, move |f, _| {
+                let [keys, values, k, v] = take(f);
+                let (keys, values) = B::write_columns_pair(keys, values, at, k, v);
+                vec![keys, values]
+            });
+        (keys, values)
+    }
+
     fn fused_sum_squares_all(xs: Vec<Tensor<B>>) -> Tensor<B> {
         let [total] = custom::<B, 1>("sum_squares_all", xs, vec![], [Shape::new([1])], |f, _| {
             vec![B::fused_sum_squares_all(f)]

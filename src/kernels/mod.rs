@@ -64,6 +64,22 @@ pub trait LabBackend: Backend {
         composed::write_columns::<Self>(buffer, at, value)
     }
 
+    /// [`Self::write_columns`] of a cache's keys and values together: `(keys, values)` with `k`
+    /// and `v` written into their positions `at..at + n`. The default: one after the other;
+    /// on a GPU one launch for both.
+    fn write_columns_pair(
+        keys: FloatTensor<Self>,
+        values: FloatTensor<Self>,
+        at: usize,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        (
+            Self::write_columns(keys, at, k),
+            Self::write_columns(values, at, v),
+        )
+    }
+
     /// Exact GELU, `x·Φ(x)` (the erf form).
     fn fused_gelu(x: FloatTensor<Self>) -> FloatTensor<Self> {
         composed::gelu::<Self>(x)
@@ -699,6 +715,19 @@ pub fn write_columns<B: LabBackend>(
     value: Tensor<B, 4>,
 ) -> Tensor<B, 4> {
     tensor(B::write_columns(prim(buffer), at, prim(value)))
+}
+
+/// [`write_columns`] of keys and values together ([`LabBackend::write_columns_pair`]: one
+/// launch on a GPU).
+pub fn write_columns_pair<B: LabBackend>(
+    keys: Tensor<B, 4>,
+    values: Tensor<B, 4>,
+    at: usize,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+) -> (Tensor<B, 4>, Tensor<B, 4>) {
+    let (keys, values) = B::write_columns_pair(prim(keys), prim(values), at, prim(k), prim(v));
+    (tensor(keys), tensor(values))
 }
 
 /// Softmax attention without its weights: `softmax(Q·Kᵀ/√k + mask)·V`, masked scores set to

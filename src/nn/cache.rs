@@ -106,9 +106,10 @@ impl<B: LabBackend> Columns<B> {
             true => self.reserve(n),
             false => self,
         };
+        let (k, v) = kernels::write_columns_pair(keys, values, end, k, v);
         Self {
-            k: kernels::write_columns(keys, end, k),
-            v: kernels::write_columns(values, end, v),
+            k,
+            v,
             start,
             end: end + n,
         }
@@ -120,13 +121,15 @@ impl<B: LabBackend> Columns<B> {
         let len = self.len();
         let capacity = (len + n + (len + n) / 2).max(16);
         let (k, v) = self.views();
-        let grown = |live: Tensor<B, 4>| {
+        let empty = |live: &Tensor<B, 4>| {
             let [b, h, _, kd] = live.dims();
-            kernels::write_columns(Tensor::empty([b, h, capacity, kd], &live.device()), 0, live)
+            Tensor::empty([b, h, capacity, kd], &live.device())
         };
+        let (keys, values) = (empty(&k), empty(&v));
+        let (k, v) = kernels::write_columns_pair(keys, values, 0, k, v);
         Self {
-            k: grown(k),
-            v: grown(v),
+            k,
+            v,
             start: 0,
             end: len,
         }

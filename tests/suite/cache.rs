@@ -295,9 +295,14 @@ fn a_batch_of_sequences_at_different_positions_gives_each_the_logits_it_has_alon
 /// the side), while the buffers grow geometrically: a few copies of the whole for 300 appends.
 #[test]
 fn key_value_columns_hold_what_was_appended_and_grow_geometrically() {
+    let pushes = columns_case::<burn::backend::Flex>(&Default::default());
+    assert_eq!(pushes, 300);
+}
+
+/// The body of the test above on backend `F` → how many appends it made.
+pub(crate) fn columns_case<F: transformer_lab::kernels::LabBackend>(device: &F::Device) -> usize {
     use transformer_lab::nn::Columns;
-    type F = burn::backend::Flex;
-    let device = Default::default();
+    let device = device.clone();
     let (b, h, k) = (3, 2, 4);
     // Column c of row r, head i, channel e: a value that names them all.
     let column = |r: usize, c: usize| -> Vec<f32> {
@@ -359,4 +364,5 @@ fn key_value_columns_hold_what_was_appended_and_grow_geometrically() {
         "the buffers were reallocated {} times for 300 appends: {capacities:?}",
         capacities.len()
     );
+    300
 }

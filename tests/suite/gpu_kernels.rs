@@ -211,6 +211,25 @@ fn gpu_adamw_over_many_parameters_takes_few_launches() {
     );
 }
 
+/// A key–value cache's appends on the GPU: keys and values written in one launch (in place,
+/// into buffers that grow), the live columns exactly those appended, through 300 appends, drops
+/// from the front and a beam's choice of rows.
+#[test]
+fn gpu_key_value_columns_hold_what_was_appended_with_one_launch_an_append() {
+    let Some(_turn) = wgpu_turn() else {
+        return;
+    };
+    let before = cube::launches();
+    let pushes = crate::cache::columns_case::<Inner>(&Default::default());
+    Inner::sync(&Default::default()).unwrap();
+    // One launch an append, and one a reallocation (at most 12).
+    let ran = cube::launches() - before;
+    assert!(
+        (pushes as u64..=pushes as u64 + 12).contains(&ran),
+        "{ran} launches for {pushes} appends"
+    );
+}
+
 #[test]
 fn gpu_global_sum_of_squares_equals_the_sum_in_f64() {
     let Some(_turn) = wgpu_turn() else {

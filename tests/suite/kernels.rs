@@ -1124,7 +1124,11 @@ fn clipping_sums_squares_and_rescales_like_the_composed_ops() {
         all.push(x);
     }
     // All three in one pass: the bits of each one's sum added in order, on any thread count.
-    let each: f32 = all.iter().map(|x| cpu::sum_squares(x)).reduce(|a, b| a + b).unwrap();
+    let each: f32 = all
+        .iter()
+        .map(|x| cpu::sum_squares(x))
+        .reduce(|a, b| a + b)
+        .unwrap();
     let slices: Vec<&[f32]> = all.iter().map(Vec::as_slice).collect();
     for threads in [1, 2, 3] {
         let pool = rayon::ThreadPoolBuilder::new()

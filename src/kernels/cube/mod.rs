@@ -310,6 +310,46 @@ where
         dropout(h, Some(x), mask)
     }
 
+    fn write_columns_pair(
+        keys: CubeTensor<R>,
+        values: CubeTensor<R>,
+        at: usize,
+        k: CubeTensor<R>,
+        v: CubeTensor<R>,
+    ) -> (CubeTensor<R>, CubeTensor<R>) {
+        let n = k.meta.num_elements();
+        let same =
+            k.shape() == v.shape() && keys.shape() == values.shape() && k.dtype == keys.dtype;
+        if !same || !fits(2 * n) || !fits(keys.meta.num_elements()) {
+            return (
+                composed::write_columns::<Self>(keys, at, k),
+                composed::write_columns::<Self>(values, at, v),
+            );
+        }
+        // In place where the buffer is held once, as burn's slice_assign.
+        let writable = |b: CubeTensor<R>| match b.can_mut() && b.is_nonoverlapping() {
+            true => b,
+            false => b.copy(),
+        };
+        let (keys, values) = (writable(keys), writable(values));
+        let units = 256;
+        let cubes = (2 * n).div_ceil(units);
+        let (x, y) = (cubes.clamp(1, 65_535), cubes.div_ceil(65_535).max(1));
+        launches::count();
+        pointwise::write_columns_kernel::launch::<R>(
+            &keys.client,
+            CubeCount::Static(x as u32, y as u32, 1),
+            CubeDim::new_1d(units as u32),
+            k.into_tensor_arg(),
+            v.into_tensor_arg(),
+            keys.clone().into_tensor_arg(),
+            values.clone().into_tensor_arg(),
+            at as u32,
+            keys.dtype.into(),
+        );
+        (keys, values)
+    }
+
     fn fused_sum_squares_all(xs: Vec<CubeTensor<R>>) -> CubeTensor<R> {
         if xs.iter().any(|x| !fits(x.meta.num_elements())) {
             return composed::sum_squares_all::<Self>(xs);

@@ -229,3 +229,46 @@ pub fn adamw_kernel<F: Float>(
         }
     }
 }
+
+/// A key–value cache's append, keys and values in one launch: `k` and `v` `[b, h, n, kd]` (any
+/// strides) written into columns `at..at + n` of `keys` and `values` `[b, h, s, kd]` (at their
+/// strides), one unit per element of the two; the grid is 2-D when it needs more than 65,535
+/// cubes.
+#[cube(launch)]
+pub fn write_columns_kernel<F: Float>(
+    k: &Tensor<F>,
+    v: &Tensor<F>,
+    keys: &mut Tensor<F>,
+    values: &mut Tensor<F>,
+    at: u32,
+    #[define(F)] _dtype: StorageType,
+) {
+    let i = ((CUBE_POS_Y * CUBE_COUNT_X + CUBE_POS_X) * CUBE_DIM_X + UNIT_POS_X) as usize;
+    let (heads, cols, kd) = (k.shape(1), k.shape(2), k.shape(3));
+    let n = k.shape(0) * heads * cols * kd;
+    if i >= 2 * n {
+        terminate!();
+    }
+    let mut e = i;
+    if i >= n {
+        e = i - n;
+    }
+    let x = e % kd;
+    let c = (e / kd) % cols;
+    let h = (e / (kd * cols)) % heads;
+    let b = e / (kd * cols * heads);
+    let column = at as usize + c;
+    if i < n {
+        let from = b * k.stride(0) + h * k.stride(1) + c * k.stride(2) + x * k.stride(3);
+        let to =
+            b * keys.stride(0) + h * keys.stride(1) + column * keys.stride(2) + x * keys.stride(3);
+        keys[to] = k[from];
+    } else {
+        let from = b * v.stride(0) + h * v.stride(1) + c * v.stride(2) + x * v.stride(3);
+        let to = b * values.stride(0)
+            + h * values.stride(1)
+            + column * values.stride(2)
+            + x * values.stride(3);
+        values[to] = v[from];
+    }
+}
