@@ -24,7 +24,9 @@ pub use loader::{
     mix, padding_fraction, replacement_batches, replacement_batches_in_groups, unseeded, BatchFn,
     Draw, EpochIter, EpochLoader,
 };
-pub use optim::{clip_global_norm, reference_adamw, LabAdamW, ReferenceOptimizer, NAN_ENV};
+pub use optim::{
+    clip_global_norm, reference_adamw, AllAtOnce, LabAdamW, ReferenceOptimizer, NAN_ENV,
+};
 pub use perplexity::{EpochPerplexity, NllSums};
 pub use renderer::{PlainRenderer, Throughput};
 pub use run::{launch, train_loader, LaunchOptions, Session};

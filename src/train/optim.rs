@@ -272,11 +272,12 @@ pub fn reference_adamw<B: LabAutodiff, M: AutodiffModule<B>>(
     ReferenceOptimizer::lab_adamw(adamw, train.grad_clip)
 }
 
-/// AdamW as PyTorch and nanoGPT run it, one fused pass per parameter ([`kernels::adamw`]):
-/// moments, bias correction, decoupled weight decay of matrices (rank ≥ 2; none on biases
-/// and LayerNorm gains), clipping's factor where [`ReferenceOptimizer::lab_adamw`] passes it,
-/// and the update together. Its state is burn's `AdamWState`, so its checkpoints and burn's
-/// AdamW's are the same records.
+/// AdamW as PyTorch and nanoGPT run it, one fused pass over each parameter: moments, bias
+/// correction, decoupled weight decay of matrices (rank ≥ 2; none on biases and LayerNorm
+/// gains), clipping's factor where [`ReferenceOptimizer::lab_adamw`] passes it, and the update
+/// together. Training runs it over all parameters at once ([`AllAtOnce`],
+/// [`kernels::adamw_all`]); as burn's `SimpleOptimizer` it steps one ([`kernels::adamw`]). Its
+/// state is burn's `AdamWState`, so its checkpoints and burn's AdamW's are the same records.
 #[derive(Clone, Debug)]
 pub struct LabAdamW {
     /// β₁.
