@@ -281,7 +281,19 @@ pub fn scale<B: Backend>(x: FloatTensor<B>, s: FloatTensor<B>) -> FloatTensor<B>
     prim(tensor::<B, 1>(x) * tensor::<B, 1>(s))
 }
 
-/// See [`super::LabBackend::fused_adamw`]: burn's AdamW update, op by op.
+/// [`adamw`] of each parameter of `items` (see [`super::LabBackend::fused_adamw_all`]).
+pub fn adamw_each<B: Backend>(
+    items: Vec<super::AdamWItem<B>>,
+    clip: Option<FloatTensor<B>>,
+) -> Vec<(FloatTensor<B>, FloatTensor<B>, FloatTensor<B>)> {
+    let step = |item: super::AdamWItem<B>| {
+        adamw::<B>(item.param, item.grad, item.moments, item.step, clip.clone())
+    };
+    items.into_iter().map(step).collect()
+}
+
+/// One parameter's step of [`super::LabBackend::fused_adamw_all`]: burn's AdamW update, op by
+/// op.
 pub fn adamw<B: Backend>(
     param: FloatTensor<B>,
     grad: FloatTensor<B>,

@@ -3,7 +3,7 @@
 //! path.
 
 use super::cpu::{self, AttentionShape, Heads, Matrix};
-use super::{composed, AdamWItem, AdamWStep, DropoutMask, LabBackend};
+use super::{composed, AdamWItem, DropoutMask, LabBackend};
 use burn::backend::flex::{FlexTensor, Layout};
 use burn::backend::Flex;
 use burn::prelude::*;
@@ -387,27 +387,6 @@ impl LabBackend for Flex {
         x
     }
 
-    fn fused_adamw(
-        param: FlexTensor,
-        grad: FlexTensor,
-        moments: Option<(FlexTensor, FlexTensor)>,
-        step: AdamWStep,
-        clip: Option<FlexTensor>,
-    ) -> (FlexTensor, FlexTensor, FlexTensor) {
-        if !is_f32(&param) {
-            return composed::adamw::<Flex>(param, grad, moments, step, clip);
-        }
-        let item = AdamWItem {
-            param,
-            grad,
-            moments,
-            step,
-        };
-        let mut out = Self::fused_adamw_all(vec![item], clip);
-        out.pop()
-            .unwrap_or_else(|| unreachable!("one result per parameter"))
-    }
-
     fn fused_adamw_all(
         items: Vec<AdamWItem<Self>>,
         clip: Option<FlexTensor>,
@@ -416,16 +395,7 @@ impl LabBackend for Flex {
             .iter()
             .all(|item| is_f32(&item.param) && is_f32(&item.grad));
         if !f32s || clip.as_ref().is_some_and(|c| !is_f32(c)) {
-            let step = |item: AdamWItem<Self>| {
-                composed::adamw::<Flex>(
-                    item.param,
-                    item.grad,
-                    item.moments,
-                    item.step,
-                    clip.clone(),
-                )
-            };
-            return items.into_iter().map(step).collect();
+            return composed::adamw_each::<Flex>(items, clip);
         }
         // Clipping's factor is multiplied in as each gradient is read (by 1 when none).
         let factor = clip.map_or(1.0, |c| slice(&contiguous(c))[0]);

@@ -3,7 +3,7 @@
 //! inner backend's kernel ([`super::cube`] on wgpu and CUDA) on the inner tensors. burn's own
 //! fusion goes on fusing the element-wise operations around them.
 
-use super::{composed, AdamWItem, AdamWStep, DropoutMask, LabBackend};
+use super::{composed, AdamWItem, DropoutMask, LabBackend};
 use burn::tensor::ops::{FloatTensor, IntTensor};
 use burn::tensor::{DType, FloatDType, Shape};
 use burn_fusion::stream::{Operation, OperationStreams};
@@ -221,30 +221,6 @@ impl<B: FusionBackend + LabBackend> LabBackend for Fusion<B> {
             vec![B::fused_dropout(x, mask)]
         });
         y
-    }
-
-    fn fused_adamw(
-        param: Tensor<B>,
-        grad: Tensor<B>,
-        moments: Option<(Tensor<B>, Tensor<B>)>,
-        step: AdamWStep,
-        clip: Option<Tensor<B>>,
-    ) -> (Tensor<B>, Tensor<B>, Tensor<B>) {
-        let shape = param.shape.clone();
-        let (first, has_clip) = (moments.is_none(), clip.is_some());
-        let mut inputs = vec![param, grad];
-        inputs.extend(moments.map(|(m, v)| [m, v]).into_iter().flatten());
-        inputs.extend(clip);
-        let shapes = [shape.clone(), shape.clone(), shape];
-        let [p, m, v] = custom::<B, 3>("adamw", inputs, vec![], shapes, move |f, _| {
-            let mut f = f.into_iter();
-            let (param, grad) = (f.next().unwrap(), f.next().unwrap());
-            let moments = (!first).then(|| (f.next().unwrap(), f.next().unwrap()));
-            let clip = has_clip.then(|| f.next().unwrap());
-            let (p, m, v) = B::fused_adamw(param, grad, moments, step, clip);
-            vec![p, m, v]
-        });
-        (p, m, v)
     }
 
     fn fused_adamw_all(

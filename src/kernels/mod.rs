@@ -316,33 +316,17 @@ pub trait LabBackend: Backend {
         composed::scale::<Self>(x, s)
     }
 
-    /// One AdamW step of a parameter `[n]` (any shape, flattened): `(parameter, first
-    /// moment, second moment)` after it, from the moments before it (`None` at the first step).
-    /// `grad` has the parameter's shape unflattened, possibly as a strided view; `clip` `[1]`,
-    /// where given, multiplies it first (global-norm clipping's factor, [`Self::fused_scale`]).
-    fn fused_adamw(
-        param: FloatTensor<Self>,
-        grad: FloatTensor<Self>,
-        moments: Option<(FloatTensor<Self>, FloatTensor<Self>)>,
-        step: AdamWStep,
-        clip: Option<FloatTensor<Self>>,
-    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
-        composed::adamw::<Self>(param, grad, moments, step, clip)
-    }
-
-    /// One AdamW step of each parameter of `items` (see [`Self::fused_adamw`]), all with the
-    /// same `clip`: `(parameter, first moment, second moment)` after it, in `items`' order. The
-    /// default: [`Self::fused_adamw`] for each; on a GPU several parameters a launch.
+    /// One AdamW step of each parameter of `items` ([`AdamWItem`]: the parameter `[n]` (any
+    /// shape, flattened), its gradient in the parameter's shape, possibly a strided view, and its
+    /// moments before the step, `None` at its first), all with the same `clip` `[1]`, which
+    /// where given multiplies each gradient first (global-norm clipping's factor,
+    /// [`Self::fused_scale`]): `(parameter, first moment, second moment)` after it, in `items`'
+    /// order. The default: the composed step of each; on a GPU several parameters a launch.
     fn fused_adamw_all(
         items: Vec<AdamWItem<Self>>,
         clip: Option<FloatTensor<Self>>,
     ) -> Vec<(FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>)> {
-        items
-            .into_iter()
-            .map(|item| {
-                Self::fused_adamw(item.param, item.grad, item.moments, item.step, clip.clone())
-            })
-            .collect()
+        composed::adamw_each::<Self>(items, clip)
     }
 
     /// Whether this backend runs the products of [`Self::fused_linear`] in `dtype` (half
@@ -1046,19 +1030,17 @@ pub fn adamw<B: LabBackend, const D: usize>(
 ) -> (Tensor<B, D>, Tensor<B, D>, Tensor<B, D>) {
     let shape = param.shape();
     let flat = |x: Tensor<B, D>| prim(x.reshape([-1]));
-    let moments = moments.map(|(m, v)| (flat(m), flat(v)));
-    let (grad, clip) = (prim(grad), clip.map(prim));
-    let (p, m, v) = if uses(Op::AdamW) {
-        B::fused_adamw(flat(param), grad, moments, step, clip)
-    } else {
-        composed::adamw::<B>(flat(param), grad, moments, step, clip)
+    let item = AdamWItem {
+        param: flat(param),
+        grad: prim(grad),
+        moments: moments.map(|(m, v)| (flat(m), flat(v))),
+        step,
     };
+    let (p, m, v) = adamw_all(vec![item], clip)
+        .pop()
+        .unwrap_or_else(|| unreachable!("one result per parameter"));
     let back = |x| tensor::<B, 1>(x).reshape(shape.clone());
-    let p = match uses(Op::AdamW) {
-        true => check::sabotage(Op::AdamW, back(p)),
-        false => back(p),
-    };
-    (p, back(m), back(v))
+    (back(p), back(m), back(v))
 }
 
 /// [`adamw`] of every parameter of `items` in one call, the same `clip` for all: each result
@@ -1070,12 +1052,7 @@ pub fn adamw_all<B: LabBackend>(
 ) -> Vec<(FloatTensor<B>, FloatTensor<B>, FloatTensor<B>)> {
     let clip = clip.map(prim);
     if !uses(Op::AdamW) {
-        return items
-            .into_iter()
-            .map(|item| {
-                composed::adamw::<B>(item.param, item.grad, item.moments, item.step, clip.clone())
-            })
-            .collect();
+        return composed::adamw_each::<B>(items, clip);
     }
     B::fused_adamw_all(items, clip)
         .into_iter()

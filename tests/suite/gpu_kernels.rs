@@ -21,13 +21,18 @@ type Gpu = Autodiff<Inner>;
 
 use crate::common::normal as random;
 
-/// Runs `f` and asserts that it launched at least `expected` of our kernels (after running
-/// what `f` queued: with fusion, operations run when the stream is flushed).
-fn launching<R>(expected: u64, f: impl FnOnce() -> R) -> R {
+/// Runs `f` and what it queued (with fusion, operations run when the stream is flushed) →
+/// its result and how many of our kernels it launched.
+fn counted<R>(f: impl FnOnce() -> R) -> (R, u64) {
     let before = cube::launches();
     let out = f();
     Inner::sync(&Default::default()).unwrap();
-    let ran = cube::launches() - before;
+    (out, cube::launches() - before)
+}
+
+/// Runs `f` and asserts that it launched at least `expected` of our kernels.
+fn launching<R>(expected: u64, f: impl FnOnce() -> R) -> R {
+    let (out, ran) = counted(f);
     assert!(
         ran >= expected,
         "{ran} of our kernels ran, expected {expected}"
@@ -198,13 +203,10 @@ fn gpu_adamw_over_many_parameters_takes_few_launches() {
     let Some(_turn) = wgpu_turn() else {
         return;
     };
-    let before = cube::launches();
-    let count = crate::kernels::adamw_all_case::<Inner>(&Default::default());
-    Inner::sync(&Default::default()).unwrap();
+    let (count, ran) = counted(|| crate::kernels::adamw_all_case::<Inner>(&Default::default()));
     // The case's composed steps launch none of ours; the fused step over all takes as many
     // parameters a launch as the device's binding limit allows, seven bindings each: 4 on
     // lavapipe (about 30 bindings), 32 (the most) on CUDA (1,024).
-    let ran = cube::launches() - before;
     assert!(
         (1..=count.div_ceil(4) as u64).contains(&ran),
         "{ran} launches for {count} parameters"
@@ -219,11 +221,8 @@ fn gpu_key_value_columns_hold_what_was_appended_with_one_launch_an_append() {
     let Some(_turn) = wgpu_turn() else {
         return;
     };
-    let before = cube::launches();
-    let pushes = crate::cache::columns_case::<Inner>(&Default::default());
-    Inner::sync(&Default::default()).unwrap();
+    let (pushes, ran) = counted(|| crate::cache::columns_case::<Inner>(&Default::default()));
     // One launch an append, and one a reallocation (at most 12).
-    let ran = cube::launches() - before;
     assert!(
         (pushes as u64..=pushes as u64 + 12).contains(&ran),
         "{ran} launches for {pushes} appends"
@@ -285,12 +284,13 @@ fn gpu_global_sum_of_squares_equals_the_sum_in_f64() {
         .iter()
         .map(|t| values(t.to_data().to_vec().unwrap()))
         .sum();
-    let before = cube::launches();
-    let sum: f32 = with_fused(true, || {
-        let prims = many.iter().map(|t| t.clone().into_primitive().tensor());
-        kernels::sum_squares_all::<Inner>(prims.collect()).into_scalar()
+    let (sum, ran): (f32, _) = counted(|| {
+        with_fused(true, || {
+            let prims = many.iter().map(|t| t.clone().into_primitive().tensor());
+            kernels::sum_squares_all::<Inner>(prims.collect()).into_scalar()
+        })
     });
-    assert_eq!(cube::launches() - before, 3);
+    assert_eq!(ran, 3);
     let error = (sum as f64 - exact).abs() / exact;
     assert!(error < 1e-5, "40 gradients: Σx² = {sum}, in f64 {exact}");
 }

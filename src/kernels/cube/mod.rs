@@ -11,7 +11,7 @@ mod linear;
 mod pointwise;
 mod rows;
 
-use super::{composed, AdamWItem, AdamWStep, DropoutMask, LabBackend};
+use super::{composed, AdamWItem, DropoutMask, LabBackend};
 use attention::{LayoutLaunch, TILE};
 use burn::prelude::*;
 use burn::tensor::{FloatDType, TensorMetadata};
@@ -403,24 +403,6 @@ where
             out.dtype.into(),
         );
         out
-    }
-
-    fn fused_adamw(
-        param: CubeTensor<R>,
-        grad: CubeTensor<R>,
-        moments: Option<(CubeTensor<R>, CubeTensor<R>)>,
-        step: AdamWStep,
-        clip: Option<CubeTensor<R>>,
-    ) -> (CubeTensor<R>, CubeTensor<R>, CubeTensor<R>) {
-        let item = AdamWItem {
-            param,
-            grad,
-            moments,
-            step,
-        };
-        let mut out = Self::fused_adamw_all(vec![item], clip);
-        out.pop()
-            .unwrap_or_else(|| unreachable!("one result per parameter"))
     }
 
     fn fused_adamw_all(
