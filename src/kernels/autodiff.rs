@@ -21,7 +21,7 @@ impl<B: LabBackend> Backward<B, 1> for Gelu {
     fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
         let derivative = ops.state;
         unary::<B, _>(ops.parents, ops.node, grads, |grad| {
-            B::float_mul(grad, derivative)
+            B::fused_mul(grad, derivative)
         });
     }
 }

@@ -14,8 +14,48 @@ fn contiguous(x: FlexTensor) -> FlexTensor {
     if x.as_slice::<f32>().is_some() {
         x
     } else {
-        x.to_contiguous()
+        dense(&x)
     }
+}
+
+/// A contiguous copy of `x`. A view whose rows are runs of elements (the last stride 1, e.g.
+/// a parameter's gradient sliced from the columns of a packed product's) is copied a row at a
+/// time; flex's general copy moves one element at a time.
+fn dense(x: &FlexTensor) -> FlexTensor {
+    let layout = x.layout();
+    let (shape, strides) = (x.shape(), layout.strides());
+    let rank = strides.len();
+    let n = shape.num_elements();
+    if x.dtype() != DType::F32 || rank == 0 || n == 0 || strides[rank - 1] != 1 {
+        return x.to_contiguous();
+    }
+    let Ok(strides) = strides
+        .iter()
+        .map(|&s| usize::try_from(s))
+        .collect::<Result<Vec<_>, _>>()
+    else {
+        return x.to_contiguous();
+    };
+    let (src, width) = (x.storage::<f32>(), shape[rank - 1]);
+    let mut out = Vec::with_capacity(n);
+    let mut index = vec![0; rank - 1];
+    for _ in 0..n / width {
+        let start = layout.start_offset()
+            + index
+                .iter()
+                .zip(&strides)
+                .map(|(i, s)| i * s)
+                .sum::<usize>();
+        out.extend_from_slice(&src[start..start + width]);
+        for dim in (0..rank - 1).rev() {
+            index[dim] += 1;
+            if index[dim] < shape[dim] {
+                break;
+            }
+            index[dim] = 0;
+        }
+    }
+    from_vec(out, shape)
 }
 
 /// The elements of a contiguous `f32` tensor.
@@ -109,7 +149,7 @@ fn is_f32(x: &FlexTensor) -> bool {
 /// `x` flattened to `[n]` (a copy where its layout is not one run of elements).
 fn flat(x: FlexTensor) -> FlexTensor {
     let n = x.shape().num_elements();
-    <Flex as burn::tensor::ops::FloatTensorOps<Flex>>::float_reshape(x, Shape::new([n]))
+    <Flex as burn::tensor::ops::FloatTensorOps<Flex>>::float_reshape(contiguous(x), Shape::new([n]))
 }
 
 /// `x` contiguous from the start of its buffer, to be updated in place (in place where the
@@ -119,7 +159,7 @@ fn owned(x: FlexTensor) -> FlexTensor {
     if layout.is_contiguous() && layout.start_offset() == 0 {
         x
     } else {
-        x.to_contiguous()
+        dense(&x)
     }
 }
 
@@ -196,6 +236,21 @@ impl LabBackend for Flex {
         }
         let x = contiguous(x);
         from_vec(cpu::gelu(slice(&x)), x.shape())
+    }
+
+    fn fused_mul(a: FlexTensor, b: FlexTensor) -> FlexTensor {
+        if !is_f32(&a) || !is_f32(&b) || a.shape() != b.shape() {
+            return <Flex as burn::tensor::ops::FloatTensorOps<Flex>>::float_mul(a, b);
+        }
+        // The product commutes bit for bit: write into whichever buffer is not shared.
+        let (into, other) = match !a.is_unique() && b.is_unique() {
+            true => (b, a),
+            false => (a, b),
+        };
+        let (mut into, other) = (owned(into), contiguous(other));
+        let n = into.shape().num_elements();
+        cpu::mul(&mut into.storage_mut::<f32>()[..n], slice(&other));
+        into
     }
 
     fn fused_gelu_forward(x: FlexTensor, mask: Option<DropoutMask>) -> (FlexTensor, FlexTensor) {
@@ -368,7 +423,7 @@ impl LabBackend for Flex {
         if !xs.iter().all(is_f32) {
             return composed::sum_squares_each::<Flex>(xs, Self::fused_sum_squares);
         }
-        let xs: Vec<FlexTensor> = xs.into_iter().map(|x| contiguous(flat(x))).collect();
+        let xs: Vec<FlexTensor> = xs.into_iter().map(|x| flat(x)).collect();
         let slices: Vec<&[f32]> = xs.iter().map(slice).collect();
         from_vec(vec![cpu::sum_squares_all(&slices)], Shape::new([1]))
     }
@@ -403,7 +458,7 @@ impl LabBackend for Flex {
             .into_iter()
             .map(|item| {
                 let n = item.param.shape().num_elements();
-                let grad = contiguous(flat(item.grad));
+                let grad = flat(item.grad);
                 let first = item.moments.is_none();
                 let (m, v) = match item.moments {
                     Some((m, v)) => (owned(m), owned(v)),

@@ -90,6 +90,13 @@ pub trait LabBackend: Backend {
         composed::gelu_backward::<Self>(x, grad)
     }
 
+    /// `a ⊙ b` of two tensors of one shape: the backward pass of an element-wise function
+    /// whose derivative the forward pass kept (GELU's: `grad ⊙ GELU'(x)`). burn's product;
+    /// on a processor in place and on both cores (flex multiplies on one).
+    fn fused_mul(a: FloatTensor<Self>, b: FloatTensor<Self>) -> FloatTensor<Self> {
+        Self::float_mul(a, b)
+    }
+
     /// `(GELU(x), GELU'(x))`: the forward pass of training, which keeps the derivative so the
     /// backward pass is one product (`erf` and `exp` evaluated once per element, not twice).
     /// With a dropout `mask`, both times its multipliers (elements as in

@@ -135,25 +135,27 @@ where
     B: AutodiffBackend<InnerBackend: LabBackend>,
 {
     fn step_all(&mut self, lr: LearningRate, module: M, grads: GradAdaptor) -> M {
+        // The parameters are taken out of the module, not cloned, so that the update writes
+        // into their buffers instead of copying each one first.
         let mut gather = Gather::<B> {
             adamw: &self.adamw,
             lr,
             records: &mut self.records,
             grads,
             items: Vec::new(),
-            ids: Vec::new(),
+            taken: Vec::new(),
         };
-        module.visit(&mut gather);
-        let Gather { items, ids, .. } = gather;
+        let module = module.map(&mut gather);
+        let Gather { items, taken, .. } = gather;
         if items.is_empty() {
             return module;
         }
         let clip = self.adamw.clip.get::<B::InnerBackend>();
         let updated = kernels::adamw_all(items, clip);
-        let mut results: HashMap<ParamId, Updated<B>> = ids
+        let mut results: HashMap<ParamId, Updated<B>> = taken
             .into_iter()
             .zip(updated)
-            .map(|((id, time), (p, m, v))| (id, (p, m, v, time)))
+            .map(|(taken, (p, m, v))| (taken.id, (p, m, v, taken)))
             .collect();
         module.map(&mut Scatter::<B> {
             records: &mut self.records,
@@ -188,32 +190,45 @@ where
 }
 
 /// One parameter's update, flattened: the parameter and its two moments after the step, and
-/// the step's number.
+/// what was noted when it was taken out of the module.
 type Updated<B> = (
     FloatTensor<<B as AutodiffBackend>::InnerBackend>,
     FloatTensor<<B as AutodiffBackend>::InnerBackend>,
     FloatTensor<<B as AutodiffBackend>::InnerBackend>,
-    usize,
+    Taken,
 );
 
-/// Collects every parameter that has a gradient, with its gradient and moments, as
-/// [`kernels::adamw_all`] takes them.
+/// A parameter [`Gather`] took out of the module (leaving a one-element placeholder): its id,
+/// shape, whether it requires a gradient, and the number of the step being taken.
+struct Taken {
+    id: ParamId,
+    shape: Shape,
+    require_grad: bool,
+    time: usize,
+}
+
+/// Takes every parameter that has a gradient out of the module, with its gradient and
+/// moments, as [`kernels::adamw_all`] takes them (the module keeps a placeholder until
+/// [`Scatter`] puts the update back).
 struct Gather<'a, B: AutodiffBackend<InnerBackend: LabBackend>> {
     adamw: &'a LabAdamW,
     lr: LearningRate,
     records: &'a mut HashMap<ParamId, AdaptorRecord<LabAdamW, B>>,
     grads: GradAdaptor,
     items: Vec<AdamWItem<B::InnerBackend>>,
-    ids: Vec<(ParamId, usize)>,
+    taken: Vec<Taken>,
 }
 
-impl<B: AutodiffBackend<InnerBackend: LabBackend>> ModuleVisitor<B> for Gather<'_, B> {
-    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-        let Some((grad, device)) = self.grads.remove::<B::InnerBackend, D>(param.id) else {
-            return;
+impl<B: AutodiffBackend<InnerBackend: LabBackend>> ModuleMapper<B> for Gather<'_, B> {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        let (id, value, mapper) = param.consume();
+        let Some((grad, device)) = self.grads.remove::<B::InnerBackend, D>(id) else {
+            return Param::from_mapped_value(id, value, mapper);
         };
-        let tensor = param.val().inner().to_device(&device);
-        let state = self.records.remove(&param.id).map(|record| {
+        let (shape, require_grad) = (value.shape(), value.is_require_grad());
+        let placeholder = Tensor::<B, D>::empty([1; D], &value.device());
+        let tensor = value.inner().to_device(&device);
+        let state = self.records.remove(&id).map(|record| {
             let state: AdamWState<B::InnerBackend, D> = record.into_state();
             LabAdamW::to_device(state, &device).momentum
         });
@@ -225,11 +240,18 @@ impl<B: AutodiffBackend<InnerBackend: LabBackend>> ModuleVisitor<B> for Gather<'
             moments: state.map(|s| (flat(s.moment_1), flat(s.moment_2))),
             step: self.adamw.settings::<D>(self.lr, time),
         });
-        self.ids.push((param.id, time));
+        self.taken.push(Taken {
+            id,
+            shape,
+            require_grad,
+            time,
+        });
+        Param::from_mapped_value(id, placeholder, mapper)
     }
 }
 
-/// Puts each updated parameter back in the module and its moments in the records.
+/// Puts each updated parameter back in the module in place of its placeholder, and its
+/// moments in the records.
 struct Scatter<'a, B: AutodiffBackend<InnerBackend: LabBackend>> {
     records: &'a mut HashMap<ParamId, AdaptorRecord<LabAdamW, B>>,
     results: &'a mut HashMap<ParamId, Updated<B>>,
@@ -238,16 +260,15 @@ struct Scatter<'a, B: AutodiffBackend<InnerBackend: LabBackend>> {
 impl<B: AutodiffBackend<InnerBackend: LabBackend>> ModuleMapper<B> for Scatter<'_, B> {
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
         let (id, tensor, mapper) = param.consume();
-        let Some((p, m, v, time)) = self.results.remove(&id) else {
+        let Some((p, m, v, taken)) = self.results.remove(&id) else {
             return Param::from_mapped_value(id, tensor, mapper);
         };
-        let shape = tensor.shape();
         let back = |x| {
             Tensor::<B::InnerBackend, 1>::from_primitive(TensorPrimitive::Float(x))
-                .reshape(shape.clone())
+                .reshape(taken.shape.clone())
         };
         let momentum = AdaptiveMomentumState {
-            time,
+            time: taken.time,
             moment_1: back(m),
             moment_2: back(v),
             max_moment_2: None,
@@ -255,7 +276,7 @@ impl<B: AutodiffBackend<InnerBackend: LabBackend>> ModuleMapper<B> for Scatter<'
         self.records
             .insert(id, AdaptorRecord::from_state::<D>(AdamWState { momentum }));
         let mut updated = Tensor::from_inner(back(p));
-        if tensor.is_require_grad() {
+        if taken.require_grad {
             updated = updated.require_grad();
         }
         Param::from_mapped_value(id, updated, mapper)

@@ -391,8 +391,8 @@ fn large_inputs_split_across_cores_and_still_agree() {
 /// An optimizer step over 40 parameters at once ([`kernels::adamw_all`], fused) against
 /// [`kernels::adamw`]'s composed form on each alone: vectors and matrices (decayed or not),
 /// sizes from 1 to 5,000, some at their first step (no moments), some at step 7, every third
-/// gradient a transposed view read at its strides, clipping's factor on all. Returns the
-/// parameters' count.
+/// gradient a transposed view and every third the columns of a wider matrix (each read at its
+/// strides), clipping's factor on all. Returns the parameters' count.
 pub(crate) fn adamw_all_case<B: kernels::LabBackend>(device: &B::Device) -> usize {
     use burn::tensor::TensorPrimitive;
     let flat = |t: Tensor<B, 2>| t.reshape([-1]).into_primitive().tensor();
@@ -410,6 +410,8 @@ pub(crate) fn adamw_all_case<B: kernels::LabBackend>(device: &B::Device) -> usiz
         let param = random::<B, 2>([rows, cols], 100 + i, device);
         let grad = match i % 3 {
             0 => random::<B, 2>([cols, rows], 200 + i, device).transpose(),
+            // Columns of a wider matrix, as a packed product's gradient is sliced.
+            1 => random::<B, 2>([rows, cols + 5], 200 + i, device).slice([0..rows, 3..cols + 3]),
             _ => random::<B, 2>([rows, cols], 200 + i, device),
         }
         .mul_scalar(0.1);
@@ -832,6 +834,48 @@ fn fused_adamw_steps_like_burns_adamw_and_shares_its_checkpoints() {
     );
 }
 
+/// The address of each parameter's buffer (Autodiff<Flex>).
+struct Buffers(Vec<usize>);
+
+impl ModuleVisitor<Ad> for Buffers {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<Ad, D>>) {
+        let inner = param.val().inner().into_primitive().tensor();
+        self.0.push(inner.bytes().as_ptr() as usize);
+    }
+}
+
+#[test]
+fn the_optimizer_updates_each_parameter_in_its_own_buffer() {
+    // The optimizer takes the parameters out of the module rather than cloning them, so the
+    // update writes into their buffers: a copy of every parameter per step is gone. A copy
+    // would live at another address while the original is still held.
+    let device = Default::default();
+    let mut model: LanguageModel<Ad> = small_lm().init(&device);
+    let mut optim = ReferenceOptimizer::lab_adamw(LabAdamW::new(0.9, 0.99, 1e-5, 0.1), 1.0);
+    let buffers = |m: &LanguageModel<Ad>| {
+        let mut found = Buffers(Vec::new());
+        m.visit(&mut found);
+        found.0
+    };
+    with_fused(true, || {
+        for step in 0..3 {
+            let before = buffers(&model);
+            let (loss, _, _) = model.loss(batch(&device));
+            let grads = GradientsParams::from_grads(loss.backward(), &model);
+            model = optim.step(3e-3, model, grads);
+            let after = buffers(&model);
+            assert_eq!(before.len(), after.len());
+            let moved = before.iter().zip(&after).filter(|(a, b)| a != b).count();
+            assert_eq!(
+                moved,
+                0,
+                "step {step}: {moved} of {} parameters copied",
+                after.len()
+            );
+        }
+    });
+}
+
 /// Targets `[n]` in `0..v` from a seeded generator, with every third row set to `ignore`.
 pub(crate) fn targets<B: Backend>(
     n: usize,
@@ -1028,29 +1072,78 @@ fn layer_norm_gradients_are_the_same_whatever_the_threads_and_their_scheduling()
     // dγ and dβ sum over every row; split across rayon tasks, the partial sums must be added
     // in one fixed order (a rayon fold/reduce groups them by work stealing: a run's weights
     // then differed from the last run's in the 7th digit).
-    let (rows, d) = (1200, 256); // 307,200 elements: split across tasks
-    let wave = |i: usize, k: f32| ((i as f32 * k).sin() * 2.0) + 0.1 * (i % 7) as f32;
-    let x: Vec<f32> = (0..rows * d).map(|i| wave(i, 0.37)).collect();
-    let dy: Vec<f32> = (0..rows * d).map(|i| wave(i, 1.13)).collect();
-    let gamma: Vec<f32> = (0..d).map(|i| 1.0 + wave(i, 0.7) / 4.0).collect();
-    let (_, mean, rstd) = cpu::layer_norm(&x, d, &gamma, None, 1e-5);
-    let backward = |threads: usize| {
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(threads)
-            .build()
-            .unwrap();
-        pool.install(|| cpu::layer_norm_backward(&x, d, &gamma, &mean, &rstd, &dy, None))
-    };
-    let one = backward(1);
-    for threads in [2, 3, 4] {
-        for _ in 0..4 {
-            let other = backward(threads);
-            assert!(
-                one.1 == other.1 && one.2 == other.2,
-                "{threads} threads: dγ or dβ differ"
-            );
-            assert!(one.0 == other.0, "{threads} threads: dx differs");
+    // 307,200 elements split across tasks wherever the call comes from; 98,304 (the default
+    // language model's LayerNorm) split on a pool's thread and not outside one: the same tasks
+    // either way, run on one thread or several.
+    for (rows, d) in [(1200, 256), (768, 128)] {
+        let wave = |i: usize, k: f32| ((i as f32 * k).sin() * 2.0) + 0.1 * (i % 7) as f32;
+        let x: Vec<f32> = (0..rows * d).map(|i| wave(i, 0.37)).collect();
+        let dy: Vec<f32> = (0..rows * d).map(|i| wave(i, 1.13)).collect();
+        let gamma: Vec<f32> = (0..d).map(|i| 1.0 + wave(i, 0.7) / 4.0).collect();
+        let (_, mean, rstd) = cpu::layer_norm(&x, d, &gamma, None, 1e-5);
+        let run = || cpu::layer_norm_backward(&x, d, &gamma, &mean, &rstd, &dy, None);
+        let backward = |threads: usize| {
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()
+                .unwrap();
+            pool.install(run)
+        };
+        let one = run(); // on this thread, outside any pool
+        for threads in [1, 2, 3, 4] {
+            for _ in 0..4 {
+                let other = backward(threads);
+                assert!(
+                    one.1 == other.1 && one.2 == other.2,
+                    "{rows}×{d}, {threads} threads: dγ or dβ differ"
+                );
+                assert!(
+                    one.0 == other.0,
+                    "{rows}×{d}, {threads} threads: dx differs"
+                );
+            }
         }
+    }
+}
+
+#[test]
+fn the_element_wise_product_in_place_leaves_a_shared_input_as_it_was() {
+    // GELU's backward pass multiplies the incoming gradient by the kept derivative in place,
+    // into whichever of the two buffers nothing else holds: never into one still in use.
+    // Above and below the size that splits the work across cores, against burn's product.
+    use burn::tensor::TensorPrimitive;
+    let device = Default::default();
+    let prim = |t: &Tensor<Flex, 2>| t.clone().into_primitive().tensor();
+    for (rows, cols, seed) in [(3, 7, 1), (400, 500, 2)] {
+        let a = random::<Flex, 2>([rows, cols], seed, &device);
+        let b = random::<Flex, 2>([rows, cols], seed + 10, &device);
+        let (a_data, b_data) = (a.to_data(), b.to_data());
+        let expected = a.clone().mul(b.clone()).into_data();
+        let from = |x| Tensor::<Flex, 2>::from_primitive(TensorPrimitive::Float(x));
+        // Both shared (their clones held here), then each alone unique, then both.
+        let cases = [
+            (prim(&a), prim(&b)),
+            (prim(&a.clone().mul_scalar(1.0)), prim(&b)),
+            (prim(&a), prim(&b.clone().mul_scalar(1.0))),
+        ];
+        for (i, (x, y)) in cases.into_iter().enumerate() {
+            let got = from(<Flex as kernels::LabBackend>::fused_mul(x, y)).into_data();
+            assert_eq!(got, expected, "{rows}×{cols}, case {i}: not burn's product");
+            assert_eq!(
+                a.to_data(),
+                a_data,
+                "{rows}×{cols}, case {i}: a shared input changed"
+            );
+            assert_eq!(
+                b.to_data(),
+                b_data,
+                "{rows}×{cols}, case {i}: a shared input changed"
+            );
+        }
+        let (x, y) = (a.clone().mul_scalar(1.0), b.clone().mul_scalar(1.0));
+        let got = from(<Flex as kernels::LabBackend>::fused_mul(prim(&x), prim(&y)));
+        drop((x, y));
+        assert_eq!(got.into_data(), expected, "{rows}×{cols}: both unique");
     }
 }
 

@@ -15,6 +15,8 @@
 //! (the products inside attention's tiles). This file holds what they share: the run-time
 //! dispatch, the vectorising reductions and the uninitialised-buffer helpers.
 
+use std::mem::MaybeUninit;
+
 mod attention;
 mod linear;
 mod pointwise;
@@ -26,7 +28,7 @@ pub use attention::{
 };
 pub use linear::{linear, linear_backward, Matrix};
 pub use pointwise::{
-    adamw_all, dropout, gelu, gelu_with_derivative, scale, sum_squares, sum_squares_all,
+    adamw_all, dropout, gelu, gelu_with_derivative, mul, scale, sum_squares, sum_squares_all,
     AdamWSlices,
 };
 pub use rows::{
@@ -135,10 +137,47 @@ pub fn in_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {
 pub(super) const LANES: usize = 16;
 /// Elements per parallel task of the element-wise kernels.
 pub(super) const CHUNK: usize = 1 << 14;
-/// Element-wise and row-wise passes over fewer elements run on the calling thread: handing
-/// work to rayon from outside its pool wakes a worker and blocks on a latch, which costs more
-/// than a pass over a `768 × 128` activation (LayerNorm's) saves by splitting.
+/// Element-wise and row-wise passes over fewer elements, called from outside rayon's pool, run
+/// on the calling thread: handing work to the pool from outside wakes a worker and blocks on a
+/// latch, which costs more than a pass over a `768 × 128` activation (LayerNorm's) saves.
 pub(super) const SPLIT: usize = 1 << 17;
+/// The same threshold for a caller on one of the pool's threads (training runs there: see
+/// [`in_pool`]), where a split is a job pushed on its own queue for the other core to steal:
+/// two chunks are worth it.
+pub(super) const SPLIT_IN_POOL: usize = 2 * CHUNK;
+
+/// Whether a pass over `n` elements splits into parallel tasks ([`SPLIT`], [`SPLIT_IN_POOL`]).
+/// No kernel's result depends on it: each splits its work into the same tasks either way
+/// and only runs them on one thread or several.
+pub(super) fn splits(n: usize) -> bool {
+    n >= match rayon::current_thread_index() {
+        Some(_) => SPLIT_IN_POOL,
+        None => SPLIT,
+    }
+}
+
+/// Writes `values` into every element of `dst` and returns it, now initialised.
+#[inline(always)]
+pub(super) fn init(
+    dst: &mut [MaybeUninit<f32>],
+    values: impl ExactSizeIterator<Item = f32>,
+) -> &mut [f32] {
+    assert_eq!(values.len(), dst.len(), "a row written whole");
+    for (d, v) in dst.iter_mut().zip(values) {
+        d.write(v);
+    }
+    // SAFETY: every element was written just above.
+    unsafe { assume_init(dst) }
+}
+
+/// `dst` as the `f32`s it holds.
+///
+/// # Safety
+/// Every element of `dst` must have been written.
+#[inline(always)]
+pub(super) unsafe fn assume_init(dst: &mut [MaybeUninit<f32>]) -> &mut [f32] {
+    &mut *(dst as *mut [MaybeUninit<f32>] as *mut [f32])
+}
 
 /// Defines `pub fn $name` that runs the body compiled for the instruction set [`isa`] picks:
 /// AVX-512, AVX2 + FMA, or the baseline target.

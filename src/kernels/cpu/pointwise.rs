@@ -2,7 +2,7 @@
 //! optimizer's passes: the sum of squares global-norm clipping takes, its rescale, and AdamW's
 //! update.
 
-use super::{dot, erf, exp, multiversion, uninit, written, CHUNK, SPLIT};
+use super::{dot, erf, exp, multiversion, splits, uninit, written, CHUNK};
 use crate::kernels::{AdamWStep, DropoutMask};
 use rayon::prelude::*;
 use std::mem::MaybeUninit;
@@ -65,7 +65,7 @@ pub fn gelu_with_derivative(x: &[f32], mask: Option<DropoutMask>) -> (Vec<f32>, 
         &mut y.spare_capacity_mut()[..n],
         &mut derivative.spare_capacity_mut()[..n],
     );
-    if n < SPLIT {
+    if !splits(n) {
         gelu_with_derivative_chunk(x, ys, ds);
     } else {
         ys.par_chunks_mut(CHUNK)
@@ -85,7 +85,7 @@ fn gelu_dropout_with_derivative(x: &[f32], mask: DropoutMask) -> (Vec<f32>, Vec<
         mask.fill((c * CHUNK) as u64, d);
         gelu_dropout_with_derivative_chunk(x, y, d);
     };
-    if n < SPLIT {
+    if !splits(n) {
         chunk(0, ys, &mut derivative, x);
     } else {
         ys.par_chunks_mut(CHUNK)
@@ -101,7 +101,7 @@ fn gelu_dropout_with_derivative(x: &[f32], mask: DropoutMask) -> (Vec<f32>, Vec<
 /// Exact GELU of every element.
 pub fn gelu(x: &[f32]) -> Vec<f32> {
     let mut y = vec![0.0; x.len()];
-    if x.len() < SPLIT {
+    if !splits(x.len()) {
         gelu_chunk(x, &mut y);
         return y;
     }
@@ -119,7 +119,7 @@ pub fn dropout(x: &[f32], mask: DropoutMask) -> Vec<f32> {
         mask.fill((c * CHUNK) as u64, y);
         y.iter_mut().zip(x).for_each(|(y, &x)| *y *= x);
     };
-    if x.len() < SPLIT {
+    if !splits(x.len()) {
         chunk((0, (&mut y[..], x)));
     } else {
         y.par_chunks_mut(CHUNK)
@@ -190,7 +190,7 @@ pub fn adamw_all(items: Vec<AdamWSlices<'_>>, scale: f32) {
     let run = |(p, g, m, v, first, step): (_, _, _, _, bool, AdamWStep)| {
         adamw_chunk(p, g, m, v, scale, first, step)
     };
-    if total < SPLIT {
+    if !splits(total) {
         tasks.into_iter().for_each(run);
     } else {
         tasks.into_par_iter().for_each(run);
@@ -207,7 +207,7 @@ multiversion! {
 /// fixed lanes, their sums added in order — the same bits whatever the threads and the
 /// processor.
 pub fn sum_squares(x: &[f32]) -> f32 {
-    if x.len() < SPLIT {
+    if !splits(x.len()) {
         return x.chunks(CHUNK).map(sum_squares_chunk).sum();
     }
     let partial: Vec<f32> = x.par_chunks(CHUNK).map(sum_squares_chunk).collect();
@@ -219,7 +219,7 @@ pub fn sum_squares(x: &[f32]) -> f32 {
 pub fn sum_squares_all(xs: &[&[f32]]) -> f32 {
     let total: usize = xs.iter().map(|x| x.len()).sum();
     let chunks: Vec<&[f32]> = xs.iter().flat_map(|x| x.chunks(CHUNK)).collect();
-    let partial: Vec<f32> = match total < SPLIT {
+    let partial: Vec<f32> = match !splits(total) {
         true => chunks.into_iter().map(sum_squares_chunk).collect(),
         false => chunks.into_par_iter().map(sum_squares_chunk).collect(),
     };
@@ -234,7 +234,7 @@ pub fn sum_squares_all(xs: &[&[f32]]) -> f32 {
 
 /// `x ← x · s` in place (in parallel when large).
 pub fn scale(x: &mut [f32], s: f32) {
-    if x.len() < SPLIT {
+    if !splits(x.len()) {
         return scale_chunk(x, s);
     }
     x.par_chunks_mut(CHUNK).for_each(|x| scale_chunk(x, s));
@@ -243,5 +243,23 @@ pub fn scale(x: &mut [f32], s: f32) {
 multiversion! {
     fn scale_chunk(x: &mut [f32], s: f32) {
         x.iter_mut().for_each(|x| *x *= s);
+    }
+}
+
+/// `x ← x ⊙ y` element by element, in place (in parallel when large): the backward pass of an
+/// element-wise function whose derivative the forward pass kept (GELU's).
+pub fn mul(x: &mut [f32], y: &[f32]) {
+    assert_eq!(x.len(), y.len(), "an element-wise product of equal lengths");
+    if !splits(x.len()) {
+        return mul_chunk(x, y);
+    }
+    x.par_chunks_mut(CHUNK)
+        .zip(y.par_chunks(CHUNK))
+        .for_each(|(x, y)| mul_chunk(x, y));
+}
+
+multiversion! {
+    fn mul_chunk(x: &mut [f32], y: &[f32]) {
+        x.iter_mut().zip(y).for_each(|(x, &y)| *x *= y);
     }
 }

@@ -1,7 +1,9 @@
 //! Row-wise kernels: LayerNorm, softmax and the label-smoothed cross-entropy, each forward and
 //! backward.
 
-use super::{dot, exp, multiversion, rows_per_task, sum, uninit, written, LANES, SPLIT};
+use super::{
+    assume_init, dot, exp, init, multiversion, rows_per_task, splits, sum, uninit, written, LANES,
+};
 use crate::kernels::DropoutMask;
 use rayon::prelude::*;
 use std::mem::MaybeUninit;
@@ -13,15 +15,13 @@ multiversion! {
         gamma: &[f32],
         beta: Option<&[f32]>,
         epsilon: f32,
-        y: &mut [f32],
+        y: &mut [MaybeUninit<f32>],
         mean: &mut [f32],
         rstd: &mut [f32],
     ) {
         for (((x, y), mean), rstd) in x.chunks_exact(d).zip(y.chunks_exact_mut(d)).zip(mean).zip(rstd) {
             let mu = sum(x) / d as f32;
-            for (y, &x) in y.iter_mut().zip(x) {
-                *y = x - mu;
-            }
+            let y = init(y, x.iter().map(|&x| x - mu));
             let r = 1.0 / (dot(y, y) / d as f32 + epsilon).sqrt();
             match beta {
                 Some(beta) => {
@@ -50,33 +50,43 @@ pub fn layer_norm(
     epsilon: f32,
 ) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
     let n = x.len() / d;
-    let (mut y, mut mean, mut rstd) = (vec![0.0; x.len()], vec![0.0; n], vec![0.0; n]);
-    if x.len() < SPLIT {
-        layer_norm_rows(x, d, gamma, beta, epsilon, &mut y, &mut mean, &mut rstd);
-        return (y, mean, rstd);
-    }
+    let (mut y, mut mean, mut rstd) = (uninit(x.len()), vec![0.0; n], vec![0.0; n]);
+    let ys = &mut y.spare_capacity_mut()[..x.len()];
     let rows = rows_per_task(d);
-    y.par_chunks_mut(rows * d)
+    ys.par_chunks_mut(rows * d)
         .zip(mean.par_chunks_mut(rows))
         .zip(rstd.par_chunks_mut(rows))
         .zip(x.par_chunks(rows * d))
+        .with_min_len(min_tasks(x.len()))
         .for_each(|(((y, mean), rstd), x)| {
             layer_norm_rows(x, d, gamma, beta, epsilon, y, mean, rstd)
         });
-    (y, mean, rstd)
+    // SAFETY: the tasks cover every row, and each row is written whole.
+    (unsafe { written(y, x.len()) }, mean, rstd)
+}
+
+/// The least number of tasks rayon runs on one thread for a pass over `n` elements: all of
+/// them where the pass does not split ([`splits`]), so they run in order on the caller's.
+fn min_tasks(n: usize) -> usize {
+    if splits(n) {
+        1
+    } else {
+        usize::MAX
+    }
 }
 
 multiversion! {
-    /// `sum = x + h ⊙ sum` where `sum` holds the dropout multipliers (`x + h` without them).
-    fn residual_sum(x: &[f32], h: &[f32], dropped: bool, sum: &mut [f32]) {
-        if dropped {
-            for ((s, &x), &h) in sum.iter_mut().zip(x).zip(h) {
-                *s = x + h * *s;
-            }
-        } else {
-            for ((s, &x), &h) in sum.iter_mut().zip(x).zip(h) {
-                *s = x + h;
-            }
+    /// `sum = x + h`.
+    fn residual_sum(x: &[f32], h: &[f32], sum: &mut [MaybeUninit<f32>]) {
+        init(sum, x.iter().zip(h).map(|(&x, &h)| x + h));
+    }
+}
+
+multiversion! {
+    /// `sum = x + h ⊙ sum` where `sum` holds the dropout multipliers.
+    fn residual_sum_dropped(x: &[f32], h: &[f32], sum: &mut [f32]) {
+        for ((s, &x), &h) in sum.iter_mut().zip(x).zip(h) {
+            *s = x + h * *s;
         }
     }
 }
@@ -94,36 +104,49 @@ pub fn add_layer_norm(
     beta: Option<&[f32]>,
     epsilon: f32,
 ) -> (Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>) {
-    let n = x.len() / d;
-    let mut sum = vec![0.0; x.len()];
-    let (mut y, mut mean, mut rstd) = (vec![0.0; x.len()], vec![0.0; n], vec![0.0; n]);
+    let (len, n) = (x.len(), x.len() / d);
+    let (mut sum, mut y) = (uninit(len), uninit(len));
+    let (mut mean, mut rstd) = (vec![0.0; n], vec![0.0; n]);
     let rows = rows_per_task(d);
     let task = |(task, ((((sum, y), mean), rstd), (x, h))): (usize, RowTask)| {
-        if let Some(mask) = mask {
-            mask.fill((task * rows * d) as u64, sum);
-        }
-        residual_sum(x, h, mask.is_some(), sum);
+        let sum = match mask {
+            Some(mask) => {
+                let sum = init(sum, std::iter::repeat_n(0.0, x.len()));
+                mask.fill((task * rows * d) as u64, sum);
+                residual_sum_dropped(x, h, sum);
+                sum
+            }
+            None => {
+                residual_sum(x, h, sum);
+                // SAFETY: `residual_sum` wrote every element.
+                unsafe { assume_init(sum) }
+            }
+        };
         layer_norm_rows(sum, d, gamma, beta, epsilon, y, mean, rstd);
     };
-    let (s, ys) = (&mut sum[..], &mut y[..]);
-    if x.len() < SPLIT {
-        task((0, ((((s, ys), &mut mean[..]), &mut rstd[..]), (x, h))));
-    } else {
-        s.par_chunks_mut(rows * d)
-            .zip(ys.par_chunks_mut(rows * d))
-            .zip(mean.par_chunks_mut(rows))
-            .zip(rstd.par_chunks_mut(rows))
-            .zip(x.par_chunks(rows * d).zip(h.par_chunks(rows * d)))
-            .enumerate()
-            .for_each(task);
-    }
-    (sum, y, mean, rstd)
+    let (s, ys) = (
+        &mut sum.spare_capacity_mut()[..len],
+        &mut y.spare_capacity_mut()[..len],
+    );
+    s.par_chunks_mut(rows * d)
+        .zip(ys.par_chunks_mut(rows * d))
+        .zip(mean.par_chunks_mut(rows))
+        .zip(rstd.par_chunks_mut(rows))
+        .zip(x.par_chunks(rows * d).zip(h.par_chunks(rows * d)))
+        .enumerate()
+        .with_min_len(min_tasks(len))
+        .for_each(task);
+    // SAFETY: the tasks cover every row, and each writes its rows of both whole.
+    unsafe { (written(sum, len), written(y, len), mean, rstd) }
 }
 
 /// One task's rows of [`add_layer_norm`]: `(((sum, y), mean), 1/σ)` to write, `(x, h)` to read.
 type RowTask<'a> = (
     (
-        ((&'a mut [f32], &'a mut [f32]), &'a mut [f32]),
+        (
+            (&'a mut [MaybeUninit<f32>], &'a mut [MaybeUninit<f32>]),
+            &'a mut [f32],
+        ),
         &'a mut [f32],
     ),
     (&'a [f32], &'a [f32]),
@@ -138,16 +161,14 @@ multiversion! {
         rstd: &[f32],
         dy: &[f32],
         residual: &[f32],
-        dx: &mut [f32],
+        dx: &mut [MaybeUninit<f32>],
         dgamma: &mut [f32],
         dbeta: &mut [f32],
     ) {
         let rows = x.chunks_exact(d).zip(dy.chunks_exact(d)).zip(dx.chunks_exact_mut(d));
         for (i, (((x, dy), dx), (&mu, &r))) in rows.zip(mean.iter().zip(rstd)).enumerate() {
             // dx temporarily holds x̂; dL/dx̂ = dy·γ.
-            for (xh, &x) in dx.iter_mut().zip(x) {
-                *xh = (x - mu) * r;
-            }
+            let dx = init(dx, x.iter().map(|&x| (x - mu) * r));
             let (mut mean_g, mut mean_gx) = (0.0f32, 0.0f32);
             let mut acc_g = [0.0f32; LANES];
             let mut acc_gx = [0.0f32; LANES];
@@ -189,7 +210,8 @@ multiversion! {
 
 /// LayerNorm's gradients `(dx, dγ, dβ)` from the forward pass's statistics; with `residual`
 /// (the gradient the input already has from its other readers), `dx` plus it, added to each row
-/// as it is made.
+/// as it is made. dγ and dβ are sums over rows: each task of [`rows_per_task`] rows sums its
+/// own, and those are added in task order — the same bits on one thread or several.
 pub fn layer_norm_backward(
     x: &[f32],
     d: usize,
@@ -199,44 +221,38 @@ pub fn layer_norm_backward(
     dy: &[f32],
     residual: Option<&[f32]>,
 ) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
-    let mut dx = vec![0.0; x.len()];
+    let len = x.len();
+    let mut dx = uninit(len);
     let residual = residual.unwrap_or(&[]);
-    // Rows `x`, `dy`, their statistics and residual gradient → `dx`, and their share of dγ, dβ.
-    let rows_of = |x: &[f32], dy: &[f32], mean: &[f32], rstd: &[f32], residual, dx: &mut [f32]| {
-        let (mut dgamma, mut dbeta) = (vec![0.0f32; d], vec![0.0f32; d]);
-        layer_norm_backward_rows(
-            x,
-            d,
-            gamma,
-            mean,
-            rstd,
-            dy,
-            residual,
-            dx,
-            &mut dgamma,
-            &mut dbeta,
-        );
-        (dgamma, dbeta)
-    };
-    if x.len() < SPLIT {
-        let (dgamma, dbeta) = rows_of(x, dy, mean, rstd, residual, &mut dx);
-        return (dx, dgamma, dbeta);
-    }
     let rows = rows_per_task(d);
     // Each task's partial sums, added in task order afterwards: a rayon `fold`/`reduce` would
     // group them by how the work was stolen, and the weights would differ run to run.
-    let partials: Vec<(Vec<f32>, Vec<f32>)> = dx
+    let partials: Vec<(Vec<f32>, Vec<f32>)> = dx.spare_capacity_mut()[..len]
         .par_chunks_mut(rows * d)
         .enumerate()
         .zip(x.par_chunks(rows * d))
         .zip(dy.par_chunks(rows * d))
         .zip(mean.par_chunks(rows).zip(rstd.par_chunks(rows)))
+        .with_min_len(min_tasks(len))
         .map(|((((task, dx), x), dy), (mean, rstd))| {
             let residual = match residual.is_empty() {
                 true => residual,
                 false => &residual[task * rows * d..][..dx.len()],
             };
-            rows_of(x, dy, mean, rstd, residual, dx)
+            let (mut dgamma, mut dbeta) = (vec![0.0f32; d], vec![0.0f32; d]);
+            layer_norm_backward_rows(
+                x,
+                d,
+                gamma,
+                mean,
+                rstd,
+                dy,
+                residual,
+                dx,
+                &mut dgamma,
+                &mut dbeta,
+            );
+            (dgamma, dbeta)
         })
         .collect();
     let (mut dgamma, mut dbeta) = (vec![0.0f32; d], vec![0.0f32; d]);
@@ -244,7 +260,8 @@ pub fn layer_norm_backward(
         dgamma.iter_mut().zip(g).for_each(|(a, v)| *a += v);
         dbeta.iter_mut().zip(b).for_each(|(a, v)| *a += v);
     }
-    (dx, dgamma, dbeta)
+    // SAFETY: the tasks cover every row, and each row is written whole.
+    (unsafe { written(dx, len) }, dgamma, dbeta)
 }
 
 multiversion! {
@@ -265,7 +282,7 @@ multiversion! {
 /// Softmax of each row (`s` wide).
 pub fn softmax(x: &[f32], s: usize) -> Vec<f32> {
     let mut y = vec![0.0; x.len()];
-    if x.len() < SPLIT {
+    if !splits(x.len()) {
         softmax_rows(x, s, &mut y);
         return y;
     }
@@ -290,7 +307,7 @@ multiversion! {
 /// `p ⊙ (dp − Σ p·dp)` row by row (`s` wide): the softmax's input gradient.
 pub fn softmax_backward(p: &[f32], dp: &[f32], s: usize) -> Vec<f32> {
     let mut dx = vec![0.0; p.len()];
-    if p.len() < SPLIT {
+    if !splits(p.len()) {
         softmax_backward_rows(p, dp, s, &mut dx);
         return dx;
     }
@@ -356,7 +373,7 @@ pub fn cross_entropy(
 ) -> (Vec<f32>, Vec<f32>) {
     let n = targets.len();
     let (mut loss, mut lse) = (vec![0.0; n], vec![0.0; n]);
-    if x.len() < SPLIT {
+    if !splits(x.len()) {
         cross_entropy_rows(x, v, targets, smoothing, ignore, &mut loss, &mut lse);
         return (loss, lse);
     }
@@ -414,7 +431,7 @@ pub fn cross_entropy_backward(
 ) -> Vec<f32> {
     let mut dx = uninit(x.len());
     let slots = &mut dx.spare_capacity_mut()[..x.len()];
-    if x.len() < SPLIT {
+    if !splits(x.len()) {
         cross_entropy_backward_rows(x, v, targets, lse, grad, smoothing, ignore, slots);
     } else {
         let rows = rows_per_task(v);
