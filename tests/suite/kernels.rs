@@ -408,13 +408,14 @@ pub(crate) fn adamw_all_case<B: kernels::LabBackend>(device: &B::Device) -> usiz
             _ => (3, 5),
         };
         let param = random::<B, 2>([rows, cols], 100 + i, device);
+        // Scaled before the view is taken: an operation on the view would make it contiguous.
+        let grad = |shape: [usize; 2]| random::<B, 2>(shape, 200 + i, device).mul_scalar(0.1);
         let grad = match i % 3 {
-            0 => random::<B, 2>([cols, rows], 200 + i, device).transpose(),
+            0 => grad([cols, rows]).transpose(),
             // Columns of a wider matrix, as a packed product's gradient is sliced.
-            1 => random::<B, 2>([rows, cols + 5], 200 + i, device).slice([0..rows, 3..cols + 3]),
-            _ => random::<B, 2>([rows, cols], 200 + i, device),
-        }
-        .mul_scalar(0.1);
+            1 => grad([rows, cols + 5]).slice([0..rows, 3..cols + 3]),
+            _ => grad([rows, cols]),
+        };
         let moments = (i % 2 == 1).then(|| {
             (
                 random::<B, 2>([rows, cols], 300 + i, device).mul_scalar(0.01),
