@@ -423,7 +423,7 @@ impl LabBackend for Flex {
         if !xs.iter().all(is_f32) {
             return composed::sum_squares_each::<Flex>(xs, Self::fused_sum_squares);
         }
-        let xs: Vec<FlexTensor> = xs.into_iter().map(|x| flat(x)).collect();
+        let xs: Vec<FlexTensor> = xs.into_iter().map(flat).collect();
         let slices: Vec<&[f32]> = xs.iter().map(slice).collect();
         from_vec(vec![cpu::sum_squares_all(&slices)], Shape::new([1]))
     }
