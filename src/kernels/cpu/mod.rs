@@ -13,7 +13,8 @@
 //! clipping's passes), [`rows`] (LayerNorm, softmax, cross-entropy), [`linear`] (the tiled
 //! products of linear layers), [`attention`] (flash-style forward and backward) and [`tile`]
 //! (the products inside attention's tiles). This file holds what they share: the run-time
-//! dispatch, the vectorising reductions and the uninitialised-buffer helpers.
+//! dispatch, the vectorising reductions, when a pass splits across cores (`splits`) and the
+//! uninitialised-buffer helpers.
 
 use std::mem::MaybeUninit;
 

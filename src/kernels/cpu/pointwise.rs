@@ -173,9 +173,9 @@ pub struct AdamWSlices<'a> {
 
 /// One AdamW step (see [`AdamWStep`]) of every parameter of `items`, each gradient multiplied
 /// by `scale` as it is read (global-norm clipping's factor; `g·1` is `g`, bit for bit). One
-/// parallel pass over all of them in chunks of `CHUNK` elements (a model's parameters are
-/// mostly smaller than `SPLIT`, the size that splits one pass across cores, so one at a time
-/// they would each run on one core).
+/// parallel pass over all of them in chunks of `CHUNK` elements (a small model's parameters
+/// are mostly smaller than the size that splits one pass across cores, so one at a time they
+/// would each run on one core).
 pub fn adamw_all(items: Vec<AdamWSlices<'_>>, scale: f32) {
     let total: usize = items.iter().map(|item| item.param.len()).sum();
     let mut tasks = Vec::new();
