@@ -201,6 +201,7 @@ fn run_bench_generate<B: LabBackend>(args: BenchGenerateArgs, device: B::Device)
         },
         runs: args.runs,
     };
+    plan.check()?;
     eprintln!(
         "bench generate: {name} on {}: {} prompt token(s), {} new, greedy; median of {} runs",
         B::name(&device),

@@ -18,7 +18,7 @@ use crate::kernels::LabBackend;
 use anyhow::{anyhow, bail, Context, Result};
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::prelude::*;
-use burn::record::Recorder;
+use burn::record::{Recorder, RecorderError};
 use std::path::{Path, PathBuf};
 
 pub mod metrics;
@@ -456,11 +456,16 @@ pub fn load_weights<B: LabBackend, M: Module<B>>(
     let record = ArtifactRecorder::default()
         .load(path.to_path_buf(), device)
         .map_err(|err| {
-            anyhow!(
-                "{} does not hold weights for this model's config ({})",
-                path.with_extension("mpk").display(),
-                first_line(&format!("{err:?}"))
-            )
+            let file = path.with_extension("mpk");
+            match err {
+                RecorderError::FileNotFound(_) => anyhow!("{} does not exist", file.display()),
+                // burn's message for a record it cannot decode adds lines about an old format.
+                RecorderError::DeserializeError(why) | RecorderError::Unknown(why) => anyhow!(
+                    "{} cannot be read: it is damaged, truncated or not a model file ({})",
+                    file.display(),
+                    first_line(&why)
+                ),
+            }
         })?;
     // burn panics on a record of another structure.
     let loaded = catch_silently(|| model.load_record(record)).ok_or_else(|| {

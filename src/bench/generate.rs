@@ -29,6 +29,19 @@ pub struct GeneratePlan {
     pub runs: usize,
 }
 
+impl GeneratePlan {
+    /// Refuses a plan with nothing to measure.
+    pub fn check(&self) -> Result<()> {
+        if self.prompt_len == 0 || self.new_tokens == 0 || self.runs == 0 {
+            bail!("--prompt-len, --tokens and --runs must be at least 1");
+        }
+        if self.batches.contains(&0) {
+            bail!("--batch sizes must be at least 1");
+        }
+        Ok(())
+    }
+}
+
 /// One measured point.
 #[derive(Clone, Debug)]
 pub struct GenerateTiming {
@@ -53,12 +66,7 @@ pub fn bench_generate<B: LabBackend>(
     device: &B::Device,
     mut progress: impl FnMut(&GenerateTiming),
 ) -> Result<Vec<GenerateTiming>> {
-    if plan.prompt_len == 0 || plan.new_tokens == 0 || plan.runs == 0 {
-        bail!("--prompt-len, --tokens and --runs must be at least 1");
-    }
-    if plan.batches.contains(&0) {
-        bail!("--batch sizes must be at least 1");
-    }
+    plan.check()?;
     let mut rng = StdRng::seed_from_u64(0);
     let mut out = Vec::new();
     for &batch in &plan.batches {

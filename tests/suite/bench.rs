@@ -88,6 +88,10 @@ fn bench_train_times_every_phase_of_real_steps() {
         ),
         "at least 1",
     );
+    // Refused before anything is loaded or announced: the error is all it prints.
+    let bad = run(dir.path(), &["bench", "generate", "--tokens", "0"]);
+    assert_clean_error(&bad, "--tokens and --runs must be at least 1");
+    assert_eq!(stderr(&bad).lines().count(), 1, "{}", stderr(&bad));
 }
 
 #[test]

@@ -979,6 +979,14 @@ fn an_edited_config_is_refused_in_one_line() {
         &run.run(&["eval", "--artifact-dir", "art"]),
         "another structure",
     );
+    // The right config and a truncated model file: said so, not blamed on the config.
+    std::fs::write(run.path("art/config.json"), &original).unwrap();
+    let model = std::fs::read(run.path("art/model.mpk")).unwrap();
+    std::fs::write(run.path("art/model.mpk"), &model[..model.len() / 2]).unwrap();
+    assert_clean_error(
+        &run.run(&["eval", "--artifact-dir", "art"]),
+        "model.mpk cannot be read: it is damaged, truncated or not a model file",
+    );
 }
 
 #[test]

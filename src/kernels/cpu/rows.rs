@@ -282,13 +282,10 @@ multiversion! {
 /// Softmax of each row (`s` wide).
 pub fn softmax(x: &[f32], s: usize) -> Vec<f32> {
     let mut y = vec![0.0; x.len()];
-    if !splits(x.len()) {
-        softmax_rows(x, s, &mut y);
-        return y;
-    }
     let rows = rows_per_task(s);
     y.par_chunks_mut(rows * s)
         .zip(x.par_chunks(rows * s))
+        .with_min_len(min_tasks(x.len()))
         .for_each(|(y, x)| softmax_rows(x, s, y));
     y
 }
@@ -307,13 +304,10 @@ multiversion! {
 /// `p ⊙ (dp − Σ p·dp)` row by row (`s` wide): the softmax's input gradient.
 pub fn softmax_backward(p: &[f32], dp: &[f32], s: usize) -> Vec<f32> {
     let mut dx = vec![0.0; p.len()];
-    if !splits(p.len()) {
-        softmax_backward_rows(p, dp, s, &mut dx);
-        return dx;
-    }
     let rows = rows_per_task(s);
     dx.par_chunks_mut(rows * s)
         .zip(p.par_chunks(rows * s).zip(dp.par_chunks(rows * s)))
+        .with_min_len(min_tasks(p.len()))
         .for_each(|(dx, (p, dp))| softmax_backward_rows(p, dp, s, dx));
     dx
 }
@@ -373,14 +367,11 @@ pub fn cross_entropy(
 ) -> (Vec<f32>, Vec<f32>) {
     let n = targets.len();
     let (mut loss, mut lse) = (vec![0.0; n], vec![0.0; n]);
-    if !splits(x.len()) {
-        cross_entropy_rows(x, v, targets, smoothing, ignore, &mut loss, &mut lse);
-        return (loss, lse);
-    }
     let rows = rows_per_task(v);
     x.par_chunks(rows * v)
         .zip(targets.par_chunks(rows))
         .zip(loss.par_chunks_mut(rows).zip(lse.par_chunks_mut(rows)))
+        .with_min_len(min_tasks(x.len()))
         .for_each(|((x, t), (loss, lse))| {
             cross_entropy_rows(x, v, t, smoothing, ignore, loss, lse)
         });
@@ -431,18 +422,15 @@ pub fn cross_entropy_backward(
 ) -> Vec<f32> {
     let mut dx = uninit(x.len());
     let slots = &mut dx.spare_capacity_mut()[..x.len()];
-    if !splits(x.len()) {
-        cross_entropy_backward_rows(x, v, targets, lse, grad, smoothing, ignore, slots);
-    } else {
-        let rows = rows_per_task(v);
-        x.par_chunks(rows * v)
-            .zip(slots.par_chunks_mut(rows * v))
-            .zip(targets.par_chunks(rows))
-            .zip(lse.par_chunks(rows).zip(grad.par_chunks(rows)))
-            .for_each(|(((x, dx), t), (lse, g))| {
-                cross_entropy_backward_rows(x, v, t, lse, g, smoothing, ignore, dx)
-            });
-    }
+    let rows = rows_per_task(v);
+    x.par_chunks(rows * v)
+        .zip(slots.par_chunks_mut(rows * v))
+        .zip(targets.par_chunks(rows))
+        .zip(lse.par_chunks(rows).zip(grad.par_chunks(rows)))
+        .with_min_len(min_tasks(x.len()))
+        .for_each(|(((x, dx), t), (lse, g))| {
+            cross_entropy_backward_rows(x, v, t, lse, g, smoothing, ignore, dx)
+        });
     // SAFETY: every row of `dx` was written in full above.
     unsafe { written(dx, x.len()) }
 }
