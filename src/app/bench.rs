@@ -160,6 +160,19 @@ fn run_bench_mixers<B: LabBackend>(args: BenchMixersArgs, device: B::Device) -> 
 
 fn run_bench_generate<B: LabBackend>(args: BenchGenerateArgs, device: B::Device) -> Result<()> {
     use crate::bench::generate::{bench_generate, render, GeneratePlan};
+    // Checked before the model is loaded or made: a bad plan costs nothing.
+    let plan = GeneratePlan {
+        prompt_len: args.prompt_len,
+        new_tokens: args.tokens,
+        batches: args.batch.clone(),
+        decodings: if args.cached_only {
+            vec![Decoding::Cached]
+        } else {
+            vec![Decoding::Cached, Decoding::Recompute]
+        },
+        runs: args.runs,
+    };
+    plan.check()?;
     let (name, model) = match &args.artifact_dir {
         Some(dir) => {
             let trained = load_as::<LmConfig, B>(&ArtifactDir::new(dir), &device)?;
@@ -190,18 +203,6 @@ fn run_bench_generate<B: LabBackend>(args: BenchGenerateArgs, device: B::Device)
             )
         }
     };
-    let plan = GeneratePlan {
-        prompt_len: args.prompt_len,
-        new_tokens: args.tokens,
-        batches: args.batch.clone(),
-        decodings: if args.cached_only {
-            vec![Decoding::Cached]
-        } else {
-            vec![Decoding::Cached, Decoding::Recompute]
-        },
-        runs: args.runs,
-    };
-    plan.check()?;
     eprintln!(
         "bench generate: {name} on {}: {} prompt token(s), {} new, greedy; median of {} runs",
         B::name(&device),

@@ -88,8 +88,17 @@ fn bench_train_times_every_phase_of_real_steps() {
         ),
         "at least 1",
     );
-    // Refused before anything is loaded or announced: the error is all it prints.
-    let bad = run(dir.path(), &["bench", "generate", "--tokens", "0"]);
+    // Refused before anything is loaded or announced: the error is all it prints, and a
+    // missing artifact is not even looked for.
+    let args = [
+        "bench",
+        "generate",
+        "--artifact-dir",
+        "absent",
+        "--tokens",
+        "0",
+    ];
+    let bad = run(dir.path(), &args);
     assert_clean_error(&bad, "--tokens and --runs must be at least 1");
     assert_eq!(stderr(&bad).lines().count(), 1, "{}", stderr(&bad));
 }
