@@ -1427,3 +1427,60 @@ fn a_post_norm_stack_normalises_with_its_own_epsilon_fused_or_not() {
         "ε 0.5 normalises as ε 1e-5 does"
     );
 }
+
+/// Times the threads of `pool` have gone to sleep (blocked) so far, from Linux's per-thread
+/// `voluntary_ctxt_switches`.
+#[cfg(target_os = "linux")]
+fn sleeps(pool: &rayon::ThreadPool) -> u64 {
+    let tasks = pool.broadcast(|_| std::fs::read_link("/proc/thread-self").unwrap());
+    tasks
+        .iter()
+        .map(|task| {
+            let status =
+                std::fs::read_to_string(std::path::Path::new("/proc").join(task).join("status"))
+                    .unwrap_or_else(|err| panic!("{}: {err}", task.display()));
+            let line = status
+                .lines()
+                .find_map(|line| line.strip_prefix("voluntary_ctxt_switches:"))
+                .expect("a voluntary_ctxt_switches line");
+            line.trim().parse::<u64>().unwrap()
+        })
+        .sum()
+}
+
+#[test]
+#[cfg(target_os = "linux")]
+fn idle_workers_stay_awake_between_a_steps_parallel_passes() {
+    // A training step hands work to the other cores about a hundred times, between stretches
+    // of serial work (autodiff's bookkeeping, small passes) of tens to hundreds of µs. rayon's
+    // published workers look for work for ~32 rounds (~22 µs on a 2-core cloud processor)
+    // and then sleep, and waking one costs more than the work it is woken for (a step took 9%
+    // longer); the vendored rayon-core searches ~2000 rounds first (vendor/README.md). Here:
+    // 200 parallel passes, each after 100 µs of serial work. The published rayon-core sleeps
+    // in every gap (~200 sleeps); ours stays awake through them (a handful at most, from the
+    // pool starting and from preemption on a busy machine).
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(2)
+        .build()
+        .unwrap();
+    let spin = |micros: u64| {
+        let start = std::time::Instant::now();
+        while start.elapsed() < std::time::Duration::from_micros(micros) {
+            std::hint::spin_loop();
+        }
+    };
+    // Start both threads, then count from a quiet moment.
+    pool.install(|| rayon::join(|| spin(50), || spin(50)));
+    let before = sleeps(&pool);
+    pool.install(|| {
+        for _ in 0..200 {
+            spin(100);
+            rayon::join(|| spin(5), || spin(5));
+        }
+    });
+    let slept = sleeps(&pool) - before;
+    assert!(
+        slept < 50,
+        "the pool's workers slept {slept} times in 200 gaps of 100 µs"
+    );
+}

@@ -13,7 +13,7 @@
 //! clipping's passes), [`rows`] (LayerNorm, softmax, cross-entropy), [`linear`] (the tiled
 //! products of linear layers), [`attention`] (flash-style forward and backward) and [`tile`]
 //! (the products inside attention's tiles). This file holds what they share: the run-time
-//! dispatch, the vectorising reductions, when a pass splits across cores (`splits`) and the
+//! dispatch, the vectorising reductions, when a pass splits across cores (`min_tasks`) and the
 //! uninitialised-buffer helpers.
 
 use std::mem::MaybeUninit;
@@ -150,10 +150,21 @@ pub(super) const SPLIT_IN_POOL: usize = 2 * CHUNK;
 /// Whether a pass over `n` elements splits into parallel tasks ([`SPLIT`], [`SPLIT_IN_POOL`]).
 /// No kernel's result depends on it: each splits its work into the same tasks either way
 /// and only runs them on one thread or several.
-pub(super) fn splits(n: usize) -> bool {
+fn splits(n: usize) -> bool {
     n >= match rayon::current_thread_index() {
         Some(_) => SPLIT_IN_POOL,
         None => SPLIT,
+    }
+}
+
+/// The least number of tasks rayon runs on one thread for a pass over `n` elements
+/// (`with_min_len`): all of them where the pass does not split ([`splits`]), so they run in
+/// order on the caller's thread.
+pub(super) fn min_tasks(n: usize) -> usize {
+    if splits(n) {
+        1
+    } else {
+        usize::MAX
     }
 }
 

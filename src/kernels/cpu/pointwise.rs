@@ -2,7 +2,7 @@
 //! optimizer's passes: the sum of squares global-norm clipping takes, its rescale, and AdamW's
 //! update.
 
-use super::{dot, erf, exp, multiversion, splits, uninit, written, CHUNK};
+use super::{dot, erf, exp, min_tasks, multiversion, uninit, written, CHUNK};
 use crate::kernels::{AdamWStep, DropoutMask};
 use rayon::prelude::*;
 use std::mem::MaybeUninit;
@@ -65,14 +65,11 @@ pub fn gelu_with_derivative(x: &[f32], mask: Option<DropoutMask>) -> (Vec<f32>, 
         &mut y.spare_capacity_mut()[..n],
         &mut derivative.spare_capacity_mut()[..n],
     );
-    if !splits(n) {
-        gelu_with_derivative_chunk(x, ys, ds);
-    } else {
-        ys.par_chunks_mut(CHUNK)
-            .zip(ds.par_chunks_mut(CHUNK))
-            .zip(x.par_chunks(CHUNK))
-            .for_each(|((y, d), x)| gelu_with_derivative_chunk(x, y, d));
-    }
+    ys.par_chunks_mut(CHUNK)
+        .zip(ds.par_chunks_mut(CHUNK))
+        .zip(x.par_chunks(CHUNK))
+        .with_min_len(min_tasks(n))
+        .for_each(|((y, d), x)| gelu_with_derivative_chunk(x, y, d));
     // SAFETY: the chunks cover all `n` elements of both, and each kernel writes its chunk.
     unsafe { (written(y, n), written(derivative, n)) }
 }
@@ -81,19 +78,15 @@ fn gelu_dropout_with_derivative(x: &[f32], mask: DropoutMask) -> (Vec<f32>, Vec<
     let n = x.len();
     let (mut y, mut derivative) = (uninit(n), vec![0.0; n]);
     let ys = &mut y.spare_capacity_mut()[..n];
-    let chunk = |c: usize, y: &mut [MaybeUninit<f32>], d: &mut [f32], x: &[f32]| {
-        mask.fill((c * CHUNK) as u64, d);
-        gelu_dropout_with_derivative_chunk(x, y, d);
-    };
-    if !splits(n) {
-        chunk(0, ys, &mut derivative, x);
-    } else {
-        ys.par_chunks_mut(CHUNK)
-            .zip(derivative.par_chunks_mut(CHUNK))
-            .zip(x.par_chunks(CHUNK))
-            .enumerate()
-            .for_each(|(c, ((y, d), x))| chunk(c, y, d, x));
-    }
+    ys.par_chunks_mut(CHUNK)
+        .zip(derivative.par_chunks_mut(CHUNK))
+        .zip(x.par_chunks(CHUNK))
+        .enumerate()
+        .with_min_len(min_tasks(n))
+        .for_each(|(c, ((y, d), x))| {
+            mask.fill((c * CHUNK) as u64, d);
+            gelu_dropout_with_derivative_chunk(x, y, d);
+        });
     // SAFETY: the chunks cover all `n` elements, and each kernel writes its chunk.
     (unsafe { written(y, n) }, derivative)
 }
@@ -101,12 +94,9 @@ fn gelu_dropout_with_derivative(x: &[f32], mask: DropoutMask) -> (Vec<f32>, Vec<
 /// Exact GELU of every element.
 pub fn gelu(x: &[f32]) -> Vec<f32> {
     let mut y = vec![0.0; x.len()];
-    if !splits(x.len()) {
-        gelu_chunk(x, &mut y);
-        return y;
-    }
     y.par_chunks_mut(CHUNK)
         .zip(x.par_chunks(CHUNK))
+        .with_min_len(min_tasks(x.len()))
         .for_each(|(y, x)| gelu_chunk(x, y));
     y
 }
@@ -115,18 +105,14 @@ pub fn gelu(x: &[f32]) -> Vec<f32> {
 /// parallel chunks, each drawing its own part of the mask.
 pub fn dropout(x: &[f32], mask: DropoutMask) -> Vec<f32> {
     let mut y = vec![0.0; x.len()];
-    let chunk = |(c, (y, x)): (usize, (&mut [f32], &[f32]))| {
-        mask.fill((c * CHUNK) as u64, y);
-        y.iter_mut().zip(x).for_each(|(y, &x)| *y *= x);
-    };
-    if !splits(x.len()) {
-        chunk((0, (&mut y[..], x)));
-    } else {
-        y.par_chunks_mut(CHUNK)
-            .zip(x.par_chunks(CHUNK))
-            .enumerate()
-            .for_each(chunk);
-    }
+    y.par_chunks_mut(CHUNK)
+        .zip(x.par_chunks(CHUNK))
+        .enumerate()
+        .with_min_len(min_tasks(x.len()))
+        .for_each(|(c, (y, x))| {
+            mask.fill((c * CHUNK) as u64, y);
+            y.iter_mut().zip(x).for_each(|(y, &x)| *y *= x);
+        });
     y
 }
 
@@ -187,14 +173,10 @@ pub fn adamw_all(items: Vec<AdamWSlices<'_>>, scale: f32) {
             .zip(item.m.chunks_mut(CHUNK).zip(item.v.chunks_mut(CHUNK)));
         tasks.extend(chunks.map(|((p, g), (m, v))| (p, g, m, v, item.first, item.step)));
     }
-    let run = |(p, g, m, v, first, step): (_, _, _, _, bool, AdamWStep)| {
-        adamw_chunk(p, g, m, v, scale, first, step)
-    };
-    if !splits(total) {
-        tasks.into_iter().for_each(run);
-    } else {
-        tasks.into_par_iter().for_each(run);
-    }
+    tasks
+        .into_par_iter()
+        .with_min_len(min_tasks(total))
+        .for_each(|(p, g, m, v, first, step)| adamw_chunk(p, g, m, v, scale, first, step));
 }
 
 multiversion! {
@@ -207,11 +189,7 @@ multiversion! {
 /// fixed lanes, their sums added in order — the same bits whatever the threads and the
 /// processor.
 pub fn sum_squares(x: &[f32]) -> f32 {
-    if !splits(x.len()) {
-        return x.chunks(CHUNK).map(sum_squares_chunk).sum();
-    }
-    let partial: Vec<f32> = x.par_chunks(CHUNK).map(sum_squares_chunk).collect();
-    partial.iter().sum()
+    sum_squares_all(&[x])
 }
 
 /// `Σ x²` over every element of every slice of `xs`, the same bits as [`sum_squares`] of each
@@ -219,10 +197,11 @@ pub fn sum_squares(x: &[f32]) -> f32 {
 pub fn sum_squares_all(xs: &[&[f32]]) -> f32 {
     let total: usize = xs.iter().map(|x| x.len()).sum();
     let chunks: Vec<&[f32]> = xs.iter().flat_map(|x| x.chunks(CHUNK)).collect();
-    let partial: Vec<f32> = match !splits(total) {
-        true => chunks.into_iter().map(sum_squares_chunk).collect(),
-        false => chunks.into_par_iter().map(sum_squares_chunk).collect(),
-    };
+    let partial: Vec<f32> = chunks
+        .into_par_iter()
+        .with_min_len(min_tasks(total))
+        .map(sum_squares_chunk)
+        .collect();
     let mut at = 0;
     let each = xs.iter().map(|x| {
         let k = x.len().div_ceil(CHUNK);
@@ -234,10 +213,10 @@ pub fn sum_squares_all(xs: &[&[f32]]) -> f32 {
 
 /// `x ← x · s` in place (in parallel when large).
 pub fn scale(x: &mut [f32], s: f32) {
-    if !splits(x.len()) {
-        return scale_chunk(x, s);
-    }
-    x.par_chunks_mut(CHUNK).for_each(|x| scale_chunk(x, s));
+    let tasks = min_tasks(x.len());
+    x.par_chunks_mut(CHUNK)
+        .with_min_len(tasks)
+        .for_each(|x| scale_chunk(x, s));
 }
 
 multiversion! {
@@ -250,11 +229,10 @@ multiversion! {
 /// element-wise function whose derivative the forward pass kept (GELU's).
 pub fn mul(x: &mut [f32], y: &[f32]) {
     assert_eq!(x.len(), y.len(), "an element-wise product of equal lengths");
-    if !splits(x.len()) {
-        return mul_chunk(x, y);
-    }
+    let tasks = min_tasks(x.len());
     x.par_chunks_mut(CHUNK)
         .zip(y.par_chunks(CHUNK))
+        .with_min_len(tasks)
         .for_each(|(x, y)| mul_chunk(x, y));
 }
 

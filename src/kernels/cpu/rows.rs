@@ -2,7 +2,8 @@
 //! backward.
 
 use super::{
-    assume_init, dot, exp, init, multiversion, rows_per_task, splits, sum, uninit, written, LANES,
+    assume_init, dot, exp, init, min_tasks, multiversion, rows_per_task, sum, uninit, written,
+    LANES,
 };
 use crate::kernels::DropoutMask;
 use rayon::prelude::*;
@@ -63,16 +64,6 @@ pub fn layer_norm(
         });
     // SAFETY: the tasks cover every row, and each row is written whole.
     (unsafe { written(y, x.len()) }, mean, rstd)
-}
-
-/// The least number of tasks rayon runs on one thread for a pass over `n` elements: all of
-/// them where the pass does not split ([`splits`]), so they run in order on the caller's.
-fn min_tasks(n: usize) -> usize {
-    if splits(n) {
-        1
-    } else {
-        usize::MAX
-    }
 }
 
 multiversion! {
