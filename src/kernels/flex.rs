@@ -147,9 +147,62 @@ fn is_f32(x: &FlexTensor) -> bool {
 }
 
 /// `x` flattened to `[n]` (a copy where its layout is not one run of elements).
-fn flat(x: FlexTensor) -> FlexTensor {
-    let n = x.shape().num_elements();
-    <Flex as burn::tensor::ops::FloatTensorOps<Flex>>::float_reshape(contiguous(x), Shape::new([n]))
+/// `x`'s elements in row-major order as rows of its last dimension at one stride, read where
+/// they lie (`None` where the layout is not such rows: a transposed view, a negative stride).
+fn strided(x: &FlexTensor) -> Option<cpu::Strided<'_>> {
+    if let Some(data) = x.as_slice::<f32>() {
+        return Some(data.into());
+    }
+    let layout = x.layout();
+    let (shape, strides) = (x.shape(), layout.strides());
+    let rank = strides.len();
+    if x.dtype() != DType::F32 || rank == 0 || strides[rank - 1] != 1 {
+        return None;
+    }
+    let width = shape[rank - 1];
+    let len = shape.num_elements();
+    if len == 0 {
+        return None;
+    }
+    // The leading dimensions must step through rows evenly: each stride the next one's times
+    // its size (dimensions of size 1 are skipped: their stride is never used).
+    let mut stride = None;
+    let mut expect = None;
+    for d in (0..rank - 1).rev() {
+        if shape[d] == 1 {
+            continue;
+        }
+        let s = usize::try_from(strides[d]).ok()?;
+        match expect {
+            None => stride = Some(s),
+            Some(e) if e != s => return None,
+            Some(_) => {}
+        }
+        expect = Some(s * shape[d]);
+    }
+    let stride = stride.unwrap_or(width);
+    if stride < width {
+        return None;
+    }
+    let data = x.storage::<f32>();
+    let offset = layout.start_offset();
+    let last = offset + (len / width - 1) * stride + width;
+    (last <= data.len()).then_some(cpu::Strided {
+        data,
+        offset,
+        width,
+        stride,
+        len,
+    })
+}
+
+/// `x` as it is where [`strided`] reads it in place, else a contiguous copy.
+fn readable(x: FlexTensor) -> FlexTensor {
+    if strided(&x).is_some() {
+        x
+    } else {
+        dense(&x)
+    }
 }
 
 /// `x` contiguous from the start of its buffer, to be updated in place (in place where the
@@ -423,9 +476,9 @@ impl LabBackend for Flex {
         if !xs.iter().all(is_f32) {
             return composed::sum_squares_each::<Flex>(xs, Self::fused_sum_squares);
         }
-        let xs: Vec<FlexTensor> = xs.into_iter().map(flat).collect();
-        let slices: Vec<&[f32]> = xs.iter().map(slice).collect();
-        from_vec(vec![cpu::sum_squares_all(&slices)], Shape::new([1]))
+        let xs: Vec<FlexTensor> = xs.into_iter().map(readable).collect();
+        let views: Vec<_> = xs.iter().map(|x| strided(x).expect("readable")).collect();
+        from_vec(vec![cpu::sum_squares_all(&views)], Shape::new([1]))
     }
 
     fn fused_scale(x: FlexTensor, s: FlexTensor) -> FlexTensor {
@@ -458,7 +511,7 @@ impl LabBackend for Flex {
             .into_iter()
             .map(|item| {
                 let n = item.param.shape().num_elements();
-                let grad = flat(item.grad);
+                let grad = readable(item.grad);
                 let first = item.moments.is_none();
                 let (m, v) = match item.moments {
                     Some((m, v)) => (owned(m), owned(v)),
@@ -476,7 +529,7 @@ impl LabBackend for Flex {
                 let n = grad.shape().num_elements();
                 cpu::AdamWSlices {
                     param: &mut p.storage_mut::<f32>()[..n],
-                    grad: slice(grad),
+                    grad: strided(grad).expect("readable"),
                     m: &mut m.storage_mut::<f32>()[..n],
                     v: &mut v.storage_mut::<f32>()[..n],
                     first: *first,

@@ -465,6 +465,82 @@ fn adamw_over_many_parameters_at_once_equals_each_alone() {
     adamw_all_case::<Flex>(&Default::default());
 }
 
+/// The fused clipping sum and AdamW read a gradient sliced from the columns of a packed
+/// product's where it lies (rows of the slice's width at the wider matrix's stride) and give the
+/// bits they give on a contiguous copy of it: over two chunks with a row across the edge between
+/// them, on a one-column slice, and on a transposed view (copied first).
+#[test]
+fn gradient_views_give_the_bits_of_their_contiguous_copies() {
+    use burn::tensor::TensorPrimitive;
+    let device = Default::default();
+    let back = |x| Tensor::<Flex, 1>::from_primitive(TensorPrimitive::Float(x));
+    let bits = |t: Tensor<Flex, 1>| -> Vec<u32> {
+        let v = t.into_data().to_vec::<f32>().unwrap();
+        v.iter().map(|x| x.to_bits()).collect()
+    };
+    // 150 × 200 of a 150 × 300 matrix: 30,000 elements, more than one chunk of 16,384 (whose
+    // edge falls inside row 81).
+    let wide = random::<Flex, 2>([150, 300], 11, &device);
+    let views = [
+        wide.clone().slice([0..150, 60..260]),
+        wide.clone().slice([0..150, 7..8]),
+        wide.clone().slice([10..20, 0..300]),
+        random::<Flex, 2>([200, 150], 12, &device).transpose(),
+    ];
+    let copies: Vec<Tensor<Flex, 2>> = views
+        .iter()
+        .map(|v| Tensor::from_data(v.to_data(), &device))
+        .collect();
+    let sum = |grads: Vec<Tensor<Flex, 2>>| {
+        let prims = grads.into_iter().map(|g| g.into_primitive().tensor());
+        with_fused(true, || kernels::sum_squares_all::<Flex>(prims.collect()))
+            .into_scalar()
+            .to_bits()
+    };
+    assert_eq!(
+        sum(views.to_vec()),
+        sum(copies.clone()),
+        "Σg² of the views and of their copies"
+    );
+    let step = AdamWStep {
+        lr: 3e-3,
+        beta_1: 0.9,
+        beta_2: 0.99,
+        epsilon: 1e-8,
+        weight_decay: 0.1,
+        time: 7,
+    };
+    let clip = Tensor::<Flex, 1>::from_floats([0.37], &device);
+    let adamw = |grads: Vec<Tensor<Flex, 2>>| {
+        let items = grads
+            .into_iter()
+            .enumerate()
+            .map(|(i, g)| {
+                let n = g.shape().num_elements();
+                let flat = |seed: u64| {
+                    random::<Flex, 1>([n], seed + i as u64, &device)
+                        .into_primitive()
+                        .tensor()
+                };
+                kernels::AdamWItem {
+                    param: flat(20),
+                    grad: g.into_primitive().tensor(),
+                    moments: Some((flat(30), back(flat(40)).abs().into_primitive().tensor())),
+                    step,
+                }
+            })
+            .collect();
+        let out = with_fused(true, || kernels::adamw_all(items, Some(clip.clone())));
+        out.into_iter()
+            .flat_map(|(p, m, v)| [bits(back(p)), bits(back(m)), bits(back(v))])
+            .collect::<Vec<_>>()
+    };
+    assert!(
+        adamw(views.to_vec()) == adamw(copies),
+        "AdamW on the views and on their copies"
+    );
+}
+
 #[test]
 fn fused_softmax_equals_burns_on_masked_and_long_rows() {
     let device = Default::default();
@@ -1223,7 +1299,7 @@ fn clipping_sums_squares_and_rescales_like_the_composed_ops() {
         .map(|x| cpu::sum_squares(x))
         .reduce(|a, b| a + b)
         .unwrap();
-    let slices: Vec<&[f32]> = all.iter().map(Vec::as_slice).collect();
+    let slices: Vec<cpu::Strided> = all.iter().map(|x| x.as_slice().into()).collect();
     for threads in [1, 2, 3] {
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads)

@@ -140,13 +140,76 @@ multiversion! {
     }
 }
 
+/// A read-only tensor's elements in row-major order, stored as rows of `width` elements that
+/// start `stride` apart: a contiguous slice, or a view such as a parameter's gradient sliced
+/// from the columns of a packed product's, read where it lies instead of copied whole first.
+#[derive(Clone, Copy, Debug)]
+pub struct Strided<'a> {
+    /// The storage the rows lie in.
+    pub data: &'a [f32],
+    /// Index of the first element.
+    pub offset: usize,
+    /// Elements of one row.
+    pub width: usize,
+    /// Distance between the starts of two rows, at least `width`.
+    pub stride: usize,
+    /// Number of elements (whole rows).
+    pub len: usize,
+}
+
+impl<'a> From<&'a [f32]> for Strided<'a> {
+    fn from(x: &'a [f32]) -> Self {
+        Self {
+            data: x,
+            offset: 0,
+            width: x.len().max(1),
+            stride: x.len().max(1),
+            len: x.len(),
+        }
+    }
+}
+
+impl<'a> Strided<'a> {
+    /// Elements `start..start + n` in order: borrowed where they lie in one run, else gathered
+    /// row piece by row piece into `buf` (one task's chunk, while it is about to be read).
+    fn range<'b>(&self, start: usize, n: usize, buf: &'b mut Vec<f32>) -> &'b [f32]
+    where
+        'a: 'b,
+    {
+        assert!(start + n <= self.len, "a range inside the tensor");
+        let (row, column) = (start / self.width, start % self.width);
+        let first = self.offset + row * self.stride + column;
+        if self.width == self.stride || column + n <= self.width {
+            return &self.data[first..first + n];
+        }
+        buf.clear();
+        let (mut at, mut left) = (first, n);
+        let mut piece = self.width - column;
+        while left > 0 {
+            let take = piece.min(left);
+            buf.extend_from_slice(&self.data[at..at + take]);
+            left -= take;
+            at += piece + self.stride - self.width; // the next row's start
+            piece = self.width;
+        }
+        buf
+    }
+
+    /// Its chunks of [`CHUNK`] elements in order, each as `(self, start, length)`.
+    fn chunks(self) -> impl Iterator<Item = (Strided<'a>, usize, usize)> {
+        (0..self.len)
+            .step_by(CHUNK)
+            .map(move |start| (self, start, CHUNK.min(self.len - start)))
+    }
+}
+
 /// One parameter's share of [`adamw_all`]: the parameter and its moments, updated in place
 /// (`first`: the moments hold zeros and this is step 1's initialisation), and its gradient.
 pub struct AdamWSlices<'a> {
     /// The parameter.
     pub param: &'a mut [f32],
-    /// Its gradient.
-    pub grad: &'a [f32],
+    /// Its gradient, as many elements as the parameter.
+    pub grad: Strided<'a>,
     /// The first moment.
     pub m: &'a mut [f32],
     /// The second moment.
@@ -166,17 +229,24 @@ pub fn adamw_all(items: Vec<AdamWSlices<'_>>, scale: f32) {
     let total: usize = items.iter().map(|item| item.param.len()).sum();
     let mut tasks = Vec::new();
     for item in items {
+        assert_eq!(
+            item.grad.len,
+            item.param.len(),
+            "a gradient per parameter element"
+        );
         let chunks = item
             .param
             .chunks_mut(CHUNK)
-            .zip(item.grad.chunks(CHUNK))
+            .zip(item.grad.chunks())
             .zip(item.m.chunks_mut(CHUNK).zip(item.v.chunks_mut(CHUNK)));
         tasks.extend(chunks.map(|((p, g), (m, v))| (p, g, m, v, item.first, item.step)));
     }
     tasks
         .into_par_iter()
         .with_min_len(min_tasks(total))
-        .for_each(|(p, g, m, v, first, step)| adamw_chunk(p, g, m, v, scale, first, step));
+        .for_each_init(Vec::new, |buf, (p, (g, start, n), m, v, first, step)| {
+            adamw_chunk(p, g.range(start, n, buf), m, v, scale, first, step)
+        });
 }
 
 multiversion! {
@@ -189,22 +259,24 @@ multiversion! {
 /// fixed lanes, their sums added in order — the same bits whatever the threads and the
 /// processor.
 pub fn sum_squares(x: &[f32]) -> f32 {
-    sum_squares_all(&[x])
+    sum_squares_all(&[x.into()])
 }
 
-/// `Σ x²` over every element of every slice of `xs`, the same bits as [`sum_squares`] of each
-/// added in order, in one parallel pass over all their chunks.
-pub fn sum_squares_all(xs: &[&[f32]]) -> f32 {
-    let total: usize = xs.iter().map(|x| x.len()).sum();
-    let chunks: Vec<&[f32]> = xs.iter().flat_map(|x| x.chunks(CHUNK)).collect();
+/// `Σ x²` over every element of every tensor of `xs`, the same bits as [`sum_squares`] of each
+/// (of a contiguous copy of each) added in order, in one parallel pass over all their chunks.
+pub fn sum_squares_all(xs: &[Strided]) -> f32 {
+    let total: usize = xs.iter().map(|x| x.len).sum();
+    let chunks: Vec<_> = xs.iter().flat_map(|x| x.chunks()).collect();
     let partial: Vec<f32> = chunks
         .into_par_iter()
         .with_min_len(min_tasks(total))
-        .map(sum_squares_chunk)
+        .map_init(Vec::new, |buf, (x, start, n)| {
+            sum_squares_chunk(x.range(start, n, buf))
+        })
         .collect();
     let mut at = 0;
     let each = xs.iter().map(|x| {
-        let k = x.len().div_ceil(CHUNK);
+        let k = x.len.div_ceil(CHUNK);
         at += k;
         partial[at - k..at].iter().sum::<f32>()
     });
