@@ -146,7 +146,6 @@ fn is_f32(x: &FlexTensor) -> bool {
     x.dtype() == DType::F32
 }
 
-/// `x` flattened to `[n]` (a copy where its layout is not one run of elements).
 /// `x`'s elements in row-major order as rows of its last dimension at one stride, read where
 /// they lie (`None` where the layout is not such rows: a transposed view, a negative stride).
 fn strided(x: &FlexTensor) -> Option<cpu::Strided<'_>> {

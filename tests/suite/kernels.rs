@@ -468,7 +468,7 @@ fn adamw_over_many_parameters_at_once_equals_each_alone() {
 /// The fused clipping sum and AdamW read a gradient sliced from the columns of a packed
 /// product's where it lies (rows of the slice's width at the wider matrix's stride) and give the
 /// bits they give on a contiguous copy of it: over two chunks with a row across the edge between
-/// them, on a one-column slice, and on a transposed view (copied first).
+/// them, on a one-column slice, on whole rows, and on a transposed view (copied first).
 #[test]
 fn gradient_views_give_the_bits_of_their_contiguous_copies() {
     use burn::tensor::TensorPrimitive;
