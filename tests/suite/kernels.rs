@@ -468,7 +468,8 @@ fn adamw_over_many_parameters_at_once_equals_each_alone() {
 /// The fused clipping sum and AdamW read a gradient sliced from the columns of a packed
 /// product's where it lies (rows of the slice's width at the wider matrix's stride) and give the
 /// bits they give on a contiguous copy of it: over two chunks with a row across the edge between
-/// them, on a one-column slice, on whole rows, and on a transposed view (copied first).
+/// them, on a one-column slice, on whole rows, and on a transposed view (copied first); the
+/// sum also for each view alone.
 #[test]
 fn gradient_views_give_the_bits_of_their_contiguous_copies() {
     use burn::tensor::TensorPrimitive;
@@ -502,6 +503,15 @@ fn gradient_views_give_the_bits_of_their_contiguous_copies() {
         sum(copies.clone()),
         "Σg² of the views and of their copies"
     );
+    // One tensor alone (the backend's single-tensor entry) reads its view where it lies too.
+    let one = |g: Tensor<Flex, 2>| {
+        // Unflattened: flattening a column slice would copy it.
+        let g = g.into_primitive().tensor();
+        bits(back(<Flex as kernels::LabBackend>::fused_sum_squares(g)))
+    };
+    for (view, copy) in views.iter().zip(&copies) {
+        assert_eq!(one(view.clone()), one(copy.clone()), "Σg² of one view");
+    }
     let step = AdamWStep {
         lr: 3e-3,
         beta_1: 0.9,
