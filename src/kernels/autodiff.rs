@@ -207,6 +207,26 @@ impl<B: LabBackend> Backward<B, 3> for Linear {
 }
 
 #[derive(Debug)]
+struct GeluLinear;
+
+impl<B: LabBackend> Backward<B, 3> for GeluLinear {
+    /// `(x = GELU(h) [n, i], w, whether there is a bias, GELU'(h))`, dropout's multipliers in
+    /// both where there was a mask.
+    type State = (FloatTensor<B>, FloatTensor<B>, bool, FloatTensor<B>);
+
+    fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let (x, w, bias, derivative) = ops.state;
+        let dy = grads.consume::<B>(&ops.node);
+        let (dh, dw, db) = B::fused_gelu_linear_backward(x, w, dy, bias, derivative);
+        for (parent, grad) in ops.parents.into_iter().zip([Some(dh), Some(dw), db]) {
+            if let (Some(node), Some(grad)) = (parent, grad) {
+                grads.register::<B>(node.id, grad);
+            }
+        }
+    }
+}
+
+#[derive(Debug)]
 struct CrossEntropy;
 
 /// What the cross-entropy's backward needs: logits, targets, log-sum-exp, ε, the ignored class.
@@ -236,8 +256,8 @@ impl<B: LabBackend> Backward<B, 1> for CrossEntropy {
     }
 }
 
-/// LayerNorm's bias, the graph node its gradient goes to; without a bias, a constant stands in
-/// for it (it takes no gradient).
+/// A bias (LayerNorm's, a linear layer's), the graph node its gradient goes to; without a bias,
+/// a constant stands in for it (it takes no gradient).
 fn bias<B: LabBackend, C: CheckpointStrategy>(
     beta: Option<FloatTensor<Autodiff<B, C>>>,
     like: &FloatTensor<B>,
@@ -314,15 +334,30 @@ impl<B: LabBackend, C: CheckpointStrategy> LabBackend for Autodiff<B, C> {
             w.primitive.clone(),
             b.as_ref().map(|b| b.primitive.clone()),
         );
-        // Without a bias, a constant stands in for its node (it takes no gradient).
-        let bias = b.is_some();
-        let b_node = match b {
-            Some(b) => b.node,
-            None => Self::float_zeros([1].into(), &B::float_device(&y), y.dtype().into()).node,
-        };
-        let nodes = [x.node, w.node, b_node];
+        let (bias, b) = (b.is_some(), bias::<B, C>(b, &y));
+        let nodes = [x.node, w.node, b.node];
         match Linear.prepare::<C>(nodes).compute_bound().stateful() {
             OpsKind::Tracked(prep) => prep.finish((x.primitive, w.primitive, bias), y),
+            OpsKind::UnTracked(prep) => prep.finish(y),
+        }
+    }
+
+    fn fused_gelu_linear(
+        h: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        b: Option<FloatTensor<Self>>,
+        mask: Option<DropoutMask>,
+    ) -> FloatTensor<Self> {
+        let (x, derivative) = B::fused_gelu_forward(h.primitive, mask);
+        let y = B::fused_linear(
+            x.clone(),
+            w.primitive.clone(),
+            b.as_ref().map(|b| b.primitive.clone()),
+        );
+        let (bias, b) = (b.is_some(), bias::<B, C>(b, &y));
+        let nodes = [h.node, w.node, b.node];
+        match GeluLinear.prepare::<C>(nodes).compute_bound().stateful() {
+            OpsKind::Tracked(prep) => prep.finish((x, w.primitive, bias, derivative), y),
             OpsKind::UnTracked(prep) => prep.finish(y),
         }
     }

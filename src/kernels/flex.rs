@@ -204,6 +204,36 @@ fn readable(x: FlexTensor) -> FlexTensor {
     }
 }
 
+/// [`LabBackend::fused_linear_backward`] of `f32` operands on the processor; with `derivative`
+/// (contiguous, `x`'s shape), `dx` multiplied by it ([`LabBackend::fused_gelu_linear_backward`]).
+fn linear_backward(
+    x: FlexTensor,
+    w: FlexTensor,
+    dy: FlexTensor,
+    bias: bool,
+    derivative: Option<FlexTensor>,
+) -> (FlexTensor, FlexTensor, Option<FlexTensor>) {
+    let (x, w) = (positive(x), positive(w));
+    let dy = if dy.layout().strides()[1] == 1 {
+        positive(dy)
+    } else {
+        dy.to_contiguous()
+    };
+    let ([n, i], o) = ([x.shape()[0], x.shape()[1]], w.shape()[1]);
+    let (dx, dw, db) = cpu::linear_backward(
+        matrix(&x),
+        matrix(&w),
+        matrix(&dy),
+        bias,
+        derivative.as_ref().map(slice),
+    );
+    (
+        from_vec(dx, Shape::new([n, i])),
+        from_vec(dw, Shape::new([i, o])),
+        db.map(|db| from_vec(db, Shape::new([o]))),
+    )
+}
+
 /// `x` contiguous from the start of its buffer, to be updated in place (in place where the
 /// buffer is not shared; flex copies it on write otherwise).
 fn owned(x: FlexTensor) -> FlexTensor {
@@ -560,19 +590,21 @@ impl LabBackend for Flex {
         if !is_f32(&x) {
             return composed::linear_backward::<Flex>(x, w, dy, bias);
         }
-        let (x, w) = (positive(x), positive(w));
-        let dy = if dy.layout().strides()[1] == 1 {
-            positive(dy)
-        } else {
-            dy.to_contiguous()
-        };
-        let ([n, i], o) = ([x.shape()[0], x.shape()[1]], w.shape()[1]);
-        let (dx, dw, db) = cpu::linear_backward(matrix(&x), matrix(&w), matrix(&dy), bias);
-        (
-            from_vec(dx, Shape::new([n, i])),
-            from_vec(dw, Shape::new([i, o])),
-            db.map(|db| from_vec(db, Shape::new([o]))),
-        )
+        linear_backward(x, w, dy, bias, None)
+    }
+
+    fn fused_gelu_linear_backward(
+        x: FlexTensor,
+        w: FlexTensor,
+        dy: FlexTensor,
+        bias: bool,
+        derivative: FlexTensor,
+    ) -> (FlexTensor, FlexTensor, Option<FlexTensor>) {
+        if !is_f32(&x) || !is_f32(&derivative) || derivative.shape() != x.shape() {
+            let (dx, dw, db) = Self::fused_linear_backward(x, w, dy, bias);
+            return (Self::fused_mul(dx, derivative), dw, db);
+        }
+        linear_backward(x, w, dy, bias, Some(contiguous(derivative)))
     }
 
     fn fused_packed_attention_backward(

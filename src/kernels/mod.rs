@@ -376,6 +376,39 @@ pub trait LabBackend: Backend {
         composed::linear_backward::<Self>(x, w, dy, bias)
     }
 
+    /// `dropout(GELU(h))·w + b` for `h` `[n, i]` (a feed-forward network's activation and the
+    /// product after it), with the mask's multipliers where given: [`Self::fused_gelu_forward`]
+    /// then [`Self::fused_linear`], the values of the two apart. Under autodiff one graph node,
+    /// whose backward pass is [`Self::fused_gelu_linear_backward`].
+    fn fused_gelu_linear(
+        h: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        b: Option<FloatTensor<Self>>,
+        mask: Option<DropoutMask>,
+    ) -> FloatTensor<Self> {
+        Self::fused_linear(Self::fused_gelu_forward(h, mask).0, w, b)
+    }
+
+    /// The gradients `(dh, dw, db)` of [`Self::fused_gelu_linear`] from the layer's input `x`
+    /// (the activation's output) and the `derivative` its forward pass kept: those of
+    /// [`Self::fused_linear_backward`], with `dh = dx ⊙ derivative`. The default runs the two
+    /// apart; on a processor the product by the derivative runs on the core that made `dx`
+    /// while the other finishes `dw`.
+    fn fused_gelu_linear_backward(
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        dy: FloatTensor<Self>,
+        bias: bool,
+        derivative: FloatTensor<Self>,
+    ) -> (
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        Option<FloatTensor<Self>>,
+    ) {
+        let (dx, dw, db) = Self::fused_linear_backward(x, w, dy, bias);
+        (Self::fused_mul(dx, derivative), dw, db)
+    }
+
     /// The label-smoothed cross-entropy of each row of `logits` `[n, v]` against `targets`
     /// `[n]` (see [`cross_entropy`]) → `[n]`.
     fn fused_cross_entropy(
@@ -803,6 +836,31 @@ pub fn gelu_dropout<B: LabBackend, const D: usize>(
     let mask = dropout::next_mask(module.prob);
     let y = tensor::<B, 1>(B::fused_gelu_dropout(prim(x.reshape([-1])), mask)).reshape(shape);
     check::sabotage(Op::Gelu, y)
+}
+
+/// `layer(dropout(GELU(h)))`: a feed-forward network's activation, its dropout and the linear
+/// layer after them, the values of [`gelu_dropout`] then [`linear`] (the same mask). While
+/// training with the three fused, one graph node: its backward pass multiplies the layer's
+/// input gradient by the kept derivative on the core that made it, while the other core
+/// finishes the weight's gradient (one pass fewer over the activations).
+pub fn gelu_linear<B: LabBackend, const D: usize>(
+    module: &burn::nn::Dropout,
+    layer: &Linear<B>,
+    h: Tensor<B, D>,
+) -> Tensor<B, D> {
+    let training = B::ad_enabled(&h.device());
+    let masked = training && module.prob != 0.0;
+    let fused = uses(Op::Gelu) && uses(Op::Linear) && (!masked || uses(Op::Dropout));
+    if !training || !fused || !check::broken().is_empty() {
+        return linear(layer, gelu_dropout(module, h));
+    }
+    let mask = masked.then(|| dropout::next_mask(module.prob));
+    let mut shape = h.dims();
+    let h = h.reshape([-1, shape[D - 1] as i32]);
+    let (w, b) = (layer.weight.val(), layer.bias.as_ref().map(|b| b.val()));
+    let y = tensor::<B, 2>(B::fused_gelu_linear(prim(h), prim(w), b.map(prim), mask));
+    shape[D - 1] = y.dims()[1];
+    y.reshape(shape)
 }
 
 /// `x + dropout(h)` (a residual connection around a sublayer): as `x + dropout(module, h)`, the

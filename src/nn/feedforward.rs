@@ -1,7 +1,7 @@
 //! The position-wise feed-forward network `FFN(x) = act(x·W₁ + b₁)·W₂ + b₂` (§3.3).
 
 use super::linear;
-use crate::kernels::{gelu, gelu_dropout, LabBackend};
+use crate::kernels::{gelu, gelu_linear, LabBackend};
 use burn::module::Module;
 use burn::nn::{Dropout, DropoutConfig, Initializer, Linear, LinearConfig};
 use burn::prelude::*;
@@ -98,7 +98,7 @@ impl<B: LabBackend> FeedForward<B> {
     pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
         let h = linear(&self.linear_inner, x); // [b, t, d_ff]
         let h = match self.activation {
-            Activation::Gelu => gelu_dropout(&self.dropout, h),
+            Activation::Gelu => return gelu_linear(&self.dropout, &self.linear_outer, h),
             activation => crate::kernels::dropout(&self.dropout, activation.apply(h)),
         };
         linear(&self.linear_outer, h)

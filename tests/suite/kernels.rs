@@ -160,6 +160,52 @@ pub(crate) fn gelu_dropout_case<B: LabAutodiff>(
 }
 
 #[test]
+fn gelu_then_linear_in_one_node_equals_them_apart() {
+    // Small (one core), and large enough that the products split and the product by the
+    // derivative runs in tasks; the default composition on ndarray.
+    for shape in [[3, 37, 29], [4, 128, 512]] {
+        gelu_linear_case::<Ad>(shape, &Default::default());
+    }
+    gelu_linear_case::<Autodiff<NdArray>>([3, 37, 29], &Default::default());
+}
+
+/// [`kernels::gelu_linear`] of `h` `[b, t, d]` against [`kernels::gelu_dropout`] then
+/// [`kernels::linear`] from the same point of the mask stream, with and without dropout and a
+/// bias: the output and the gradients of `h`, the weight and the bias, bit for bit (the same
+/// products and the same multiplication by the kept derivative, in another place).
+fn gelu_linear_case<B: LabAutodiff>([b, t, d]: [usize; 3], device: &B::Device) {
+    let h = random::<B, 3>([b, t, d], 51, device).mul_scalar(2.0);
+    for (prob, bias) in [(0.0, true), (0.0, false), (0.3, true), (0.3, false)] {
+        let dropout = DropoutConfig::new(prob).init();
+        let mut layer = LinearConfig::new(d, 23).with_bias(bias).init::<B>(device);
+        layer.weight = Param::from_tensor(random([d, 23], 52, device));
+        layer.bias = layer
+            .bias
+            .map(|_| Param::from_tensor(random([23], 53, device)));
+        let run = |together: bool| {
+            reseed(23);
+            let h = h.clone().require_grad();
+            let y = match together {
+                true => kernels::gelu_linear(&dropout, &layer, h.clone()),
+                false => kernels::linear(&layer, kernels::gelu_dropout(&dropout, h.clone())),
+            };
+            let g = (y.clone() * random(y.dims(), 54, device)).sum().backward();
+            let dw = layer.weight.val().grad(&g).unwrap();
+            let db = layer.bias.as_ref().map(|b| b.val().grad(&g).unwrap());
+            (y.inner(), h.grad(&g).unwrap(), dw, db)
+        };
+        let ((y1, dh1, dw1, db1), (y2, dh2, dw2, db2)) = (run(true), run(false));
+        let what = format!("[{b}, {t}, {d}], dropout {prob}, bias {bias}");
+        assert_eq!(rel_diff(y1, y2), 0.0, "{what}: outputs differ");
+        assert_eq!(rel_diff(dh1, dh2), 0.0, "{what}: dh differs");
+        assert_eq!(rel_diff(dw1, dw2), 0.0, "{what}: dW differs");
+        if let (Some(db1), Some(db2)) = (db1, db2) {
+            assert_eq!(rel_diff(db1, db2), 0.0, "{what}: db differs");
+        }
+    }
+}
+
+#[test]
 fn fused_layer_norm_equals_burns() {
     let device = Default::default();
     for bias in [true, false] {

@@ -192,22 +192,44 @@ multiversion! {
 /// The gradients `(dx = dy·wᵀ, dw = xᵀ·dy, db = Σ_rows dy)` of [`linear`]. The two products
 /// are independent and of equal size: each runs on its own core (two single-core products are
 /// faster than two split ones at these sizes). `dy` must have unit column stride.
+///
+/// With `derivative` (`x` an element-wise function's output, e.g. GELU's, whose derivative the
+/// forward pass kept), `dx` comes out multiplied by it, element by element — the gradient of
+/// that function's input — on the core that made `dx`, as soon as it is made: `dw`'s product
+/// (its inner dimension the rows of `x`) takes longer, and the multiplication fills that wait
+/// instead of a pass of its own after both.
 pub fn linear_backward(
     x: Matrix,
     w: Matrix,
     dy: Matrix,
     bias: bool,
+    derivative: Option<&[f32]>,
 ) -> (Vec<f32>, Vec<f32>, Option<Vec<f32>>) {
     let ([n, i], o) = (x.shape, w.shape[1]);
     assert_eq!(dy.strides[1], 1, "dy rows must be contiguous");
+    if let Some(derivative) = derivative {
+        assert_eq!(
+            derivative.len(),
+            n * i,
+            "a derivative for each input element"
+        );
+    }
     let (mut dx, mut dw) = (uninit(n * i), uninit(i * o));
     let (dx_ptr, dw_ptr) = (SendPtr(dx.as_mut_ptr()), SendPtr(dw.as_mut_ptr()));
     // With more than two cores each product may split further.
     let split = rayon::current_num_threads() > 2;
     let db = rayon::join(
-        // SAFETY: each destination has room for its product, written without reading.
-        || unsafe { product(dx_ptr.get(), Start::Empty, dy, w.t(), split) },
         || {
+            // SAFETY: the destination has room for the product, written without reading.
+            unsafe { product(dx_ptr.get(), Start::Empty, dy, w.t(), split) };
+            if let Some(derivative) = derivative {
+                // SAFETY: the product wrote all `n × i` elements, and no one else holds them.
+                let dx = unsafe { std::slice::from_raw_parts_mut(dx_ptr.get(), n * i) };
+                super::pointwise::mul(dx, derivative);
+            }
+        },
+        || {
+            // SAFETY: as dx's.
             unsafe { product(dw_ptr.get(), Start::Empty, x.t(), dy, split) };
             bias.then(|| {
                 let mut db = vec![0.0; o];
