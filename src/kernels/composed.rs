@@ -202,6 +202,19 @@ pub fn linear_backward<B: Backend>(
     (prim(dx), prim(dw), db.map(prim))
 }
 
+/// See [`super::LabBackend::fused_gelu_linear_backward`]: the backend's linear backward, then
+/// `dx` multiplied by the kept GELU derivative.
+pub fn gelu_linear_backward<B: LabBackend>(
+    x: FloatTensor<B>,
+    w: FloatTensor<B>,
+    dy: FloatTensor<B>,
+    bias: bool,
+    derivative: FloatTensor<B>,
+) -> (FloatTensor<B>, FloatTensor<B>, Option<FloatTensor<B>>) {
+    let (dx, dw, db) = B::fused_linear_backward(x, w, dy, bias);
+    (B::fused_mul(dx, derivative), dw, db)
+}
+
 /// See [`super::LabBackend::fused_packed_attention_forward`]: the backend's attention on views
 /// of the packed projections.
 pub fn packed_attention_forward<B: LabBackend>(

@@ -601,8 +601,7 @@ impl LabBackend for Flex {
         derivative: FlexTensor,
     ) -> (FlexTensor, FlexTensor, Option<FlexTensor>) {
         if !is_f32(&x) || !is_f32(&derivative) || derivative.shape() != x.shape() {
-            let (dx, dw, db) = Self::fused_linear_backward(x, w, dy, bias);
-            return (Self::fused_mul(dx, derivative), dw, db);
+            return composed::gelu_linear_backward::<Flex>(x, w, dy, bias, derivative);
         }
         linear_backward(x, w, dy, bias, Some(contiguous(derivative)))
     }

@@ -405,8 +405,7 @@ pub trait LabBackend: Backend {
         FloatTensor<Self>,
         Option<FloatTensor<Self>>,
     ) {
-        let (dx, dw, db) = Self::fused_linear_backward(x, w, dy, bias);
-        (Self::fused_mul(dx, derivative), dw, db)
+        composed::gelu_linear_backward::<Self>(x, w, dy, bias, derivative)
     }
 
     /// The label-smoothed cross-entropy of each row of `logits` `[n, v]` against `targets`
