@@ -61,6 +61,63 @@ fn every_fused_operation_agrees_with_its_composed_form_on_cuda() {
     every_operation_agrees::<burn::backend::Cuda<f32, i32>>(&Default::default(), 64);
 }
 
+/// What our GPU kernels write is laid out contiguously under CUDA's own memory layout policy,
+/// taken from cubecl's CUDA server (it needs no GPU). CUDA lays a new tensor out pitched: each
+/// row padded to a multiple of up to 512 bytes. The kernels write at row-major offsets, so with
+/// that layout the logits' gradient `[n, 65]` came out scrambled and the fused path trained
+/// nothing on an H200, where wgpu (contiguous always) learned. The runtime's default layout is checked to pad these shapes, so the test
+/// fails if the kernels' outputs go back to it.
+#[test]
+#[cfg(feature = "cuda-backend")]
+fn gpu_kernel_outputs_are_contiguous_under_cudas_pitched_layout() {
+    use burn::tensor::{DType, Shape};
+    use cubecl::server::{
+        ComputeServer, MemoryLayoutDescriptor, MemoryLayoutPolicy, MemoryLayoutStrategy,
+    };
+    use cubecl::stream_id::StreamId;
+    use cubecl::Runtime;
+    use transformer_lab::kernels::cube::output_layout;
+    type Server = <cubecl::cuda::CudaRuntime as Runtime>::Server;
+    // The row alignment cubecl's CUDA runtime gives its policy (cuMallocPitched's).
+    let cuda = <<Server as ComputeServer>::MemoryLayoutPolicy>::new(512);
+    let strides = |descriptor: MemoryLayoutDescriptor| -> Vec<usize> {
+        let (_, layouts) = cuda.apply(StreamId::current(), &[descriptor]);
+        layouts[0].strides.to_vec()
+    };
+    // The logits of a 65-character vocabulary and an untied output layer's weight, LayerNorm and
+    // GELU inputs of odd widths, heads of 48, a packed projection of 3 · 96.
+    let shapes: [&[usize]; 6] = [
+        &[70, 65],
+        &[384, 65],
+        &[2, 67, 48],
+        &[2, 67, 96],
+        &[2, 3, 67, 48],
+        &[2, 67, 288],
+    ];
+    for dims in shapes {
+        let row_major: Vec<usize> = (0..dims.len())
+            .map(|i| dims[i + 1..].iter().product())
+            .collect();
+        for dtype in [DType::F32, DType::F16] {
+            let ours = strides(output_layout(Shape::from(dims.to_vec()), dtype));
+            assert_eq!(
+                ours, row_major,
+                "{dims:?} {dtype:?}: our kernels' output layout"
+            );
+        }
+        let default = MemoryLayoutDescriptor::new(
+            MemoryLayoutStrategy::Optimized,
+            Shape::from(dims.to_vec()),
+            4,
+        );
+        assert_ne!(
+            strides(default),
+            row_major,
+            "{dims:?}: CUDA's default layout pads it"
+        );
+    }
+}
+
 /// A temp dir with a corpus, a tiny char-LM experiment and a private kernel-check cache.
 struct Dir(tempfile::TempDir);
 

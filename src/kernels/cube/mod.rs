@@ -14,14 +14,15 @@ mod rows;
 use super::{composed, AdamWItem, DropoutMask, LabBackend};
 use attention::{LayoutLaunch, TILE};
 use burn::prelude::*;
-use burn::tensor::{FloatDType, TensorMetadata};
+use burn::tensor::{DType, FloatDType, TensorMetadata};
 use burn_cubecl::kernel::{into_contiguous, slice};
-use burn_cubecl::ops::numeric::empty_device_dtype;
 use burn_cubecl::ops::{permute, reshape};
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
 use cubecl::calculate_cube_count_elemwise;
 use cubecl::prelude::*;
+use cubecl::server::{MemoryLayout, MemoryLayoutDescriptor};
+use cubecl::zspace::metadata::Metadata;
 pub use launches::{launches, on_behalf_of};
 use rows::{GRAD_CHUNK, ROW_UNITS};
 
@@ -66,24 +67,38 @@ mod launches {
 /// The largest head dimension the attention kernels take (a row of it lives in registers).
 pub const MAX_HEAD_DIM: usize = 128;
 
-/// A new tensor on `like`'s device with its dtype.
-fn empty<R: CubeRuntime>(like: &CubeTensor<R>, shape: impl Into<Shape>) -> CubeTensor<R> {
-    empty_device_dtype(
+/// How every tensor these kernels write is laid out: contiguous, as they write it at row-major
+/// offsets. A runtime's own layout for a new tensor need not be: CUDA's pads each row to a
+/// multiple of up to 512 bytes (a `[n, 65]` `f32` tensor gets rows 128 wide), which burn's own
+/// kernels read through the strides but a kernel writing `out[i]` scrambles — the H200 run
+/// whose fused path trained nothing (the logits' gradient `[n, 65]` was written that way; wgpu
+/// lays every tensor out contiguously, so it never showed there).
+pub fn output_layout(shape: Shape, dtype: DType) -> MemoryLayoutDescriptor {
+    MemoryLayoutDescriptor::contiguous(shape, dtype.size())
+}
+
+/// A new tensor of `dtype` on `like`'s device, laid out by [`output_layout`].
+fn empty_as<R: CubeRuntime>(like: &CubeTensor<R>, shape: Shape, dtype: DType) -> CubeTensor<R> {
+    let layout = output_layout(shape.clone(), dtype);
+    let MemoryLayout { memory, strides } = like.client.empty_tensors(vec![layout]).remove(0);
+    let meta = Metadata::new(shape, strides);
+    CubeTensor::new(
         like.client.clone(),
+        memory,
+        meta,
         like.device.clone(),
-        shape.into(),
-        like.dtype,
+        dtype,
     )
 }
 
-/// A new `f32` tensor on `like`'s device (scratch sums).
+/// A new tensor on `like`'s device with its dtype (contiguous: [`output_layout`]).
+fn empty<R: CubeRuntime>(like: &CubeTensor<R>, shape: impl Into<Shape>) -> CubeTensor<R> {
+    empty_as(like, shape.into(), like.dtype)
+}
+
+/// A new `f32` tensor on `like`'s device (scratch sums; contiguous: [`output_layout`]).
 fn empty_f32<R: CubeRuntime>(like: &CubeTensor<R>, shape: impl Into<Shape>) -> CubeTensor<R> {
-    empty_device_dtype(
-        like.client.clone(),
-        like.device.clone(),
-        shape.into(),
-        burn::tensor::DType::F32,
-    )
+    empty_as(like, shape.into(), DType::F32)
 }
 
 /// One unit per element of `x`.
