@@ -34,9 +34,14 @@ pub(crate) fn wgpu_runs() -> bool {
 /// done with it (`None`: no adapter, skipped). burn 0.21's fusion server can lose a tensor's
 /// handle when several threads drive one device at once (burn issue 4328, "Should have handle
 /// for tensor", seen only with enough threads at once), which a test then meets as a failed
-/// device call; the program drives a device from one thread, so the tests take turns.
+/// device call; the program drives a device from one thread, so the tests take turns. From the
+/// first turn on, our kernels' outputs are poisoned ([`transformer_lab::kernels::cube::poison_outputs`]).
 pub(crate) fn wgpu_turn() -> Option<std::sync::MutexGuard<'static, ()>> {
     static TURN: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    // Our kernels' outputs start as NaN in every in-process GPU test: an element a kernel
+    // leaves unwritten (or reads before writing) shows here as it would on CUDA, whose new
+    // memory is not zeroed, where wgpu's is.
+    transformer_lab::kernels::cube::poison_outputs(true);
     // A test that failed holding it leaves nothing behind that the next one could trip on.
     wgpu_runs().then(|| TURN.lock().unwrap_or_else(|poisoned| poisoned.into_inner()))
 }

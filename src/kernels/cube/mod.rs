@@ -25,6 +25,7 @@ use cubecl::server::{MemoryLayout, MemoryLayoutDescriptor};
 use cubecl::zspace::metadata::Metadata;
 pub use launches::{launches, on_behalf_of};
 use rows::{GRAD_CHUNK, ROW_UNITS};
+use std::sync::atomic::{AtomicBool, Ordering};
 
 /// Counting launches, for the tests that check that the kernels ran (not a fallback to the
 /// composed form). Each count goes to the thread whose work the kernel does: the caller's, or —
@@ -77,18 +78,44 @@ pub fn output_layout(shape: Shape, dtype: DType) -> MemoryLayoutDescriptor {
     MemoryLayoutDescriptor::contiguous(shape, dtype.size())
 }
 
+/// Whether every new output is filled with NaN before its kernel runs ([`poison_outputs`]).
+static POISON: AtomicBool = AtomicBool::new(false);
+
+/// Fills every tensor these kernels allocate for their outputs with NaN before the kernel
+/// writes it, from now on in this process (for the tests). Memory a runtime hands out may hold
+/// anything: wgpu zeroes a new buffer, CUDA does not, and a reused one holds what was there.
+/// So a kernel that leaves an element unwritten, or reads an output before writing it, can
+/// pass on one runtime and be wrong on another; with the poison every such element is NaN on
+/// any runtime. The filling is not counted in [`launches`]; correct kernels give the same
+/// results with it.
+pub fn poison_outputs(on: bool) {
+    POISON.store(on, Ordering::Relaxed);
+}
+
 /// A new tensor of `dtype` on `like`'s device, laid out by [`output_layout`].
 fn empty_as<R: CubeRuntime>(like: &CubeTensor<R>, shape: Shape, dtype: DType) -> CubeTensor<R> {
     let layout = output_layout(shape.clone(), dtype);
     let MemoryLayout { memory, strides } = like.client.empty_tensors(vec![layout]).remove(0);
     let meta = Metadata::new(shape, strides);
-    CubeTensor::new(
+    let out = CubeTensor::new(
         like.client.clone(),
         memory,
         meta,
         like.device.clone(),
         dtype,
-    )
+    );
+    if POISON.load(Ordering::Relaxed) && out.meta.num_elements() > 0 {
+        let (count, dim) = elementwise(&out);
+        pointwise::fill_kernel::launch::<R>(
+            &out.client,
+            count,
+            dim,
+            out.clone().into_tensor_arg(),
+            f32::NAN,
+            dtype.into(),
+        );
+    }
+    out
 }
 
 /// A new tensor on `like`'s device with its dtype (contiguous: [`output_layout`]).

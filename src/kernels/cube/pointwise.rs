@@ -230,6 +230,16 @@ pub fn adamw_kernel<F: Float>(
     }
 }
 
+/// Every element of `out` set to `value` (see [`super::poison_outputs`]).
+#[cube(launch)]
+pub fn fill_kernel<F: Float>(out: &mut Tensor<F>, value: f32, #[define(F)] _dtype: StorageType) {
+    let i = ABSOLUTE_POS;
+    if i >= out.len() {
+        terminate!();
+    }
+    out[i] = F::cast_from(value);
+}
+
 /// A key–value cache's append, keys and values in one launch: `k` and `v` `[b, h, n, kd]` (any
 /// strides) written into columns `at..at + n` of `keys` and `values` `[b, h, s, kd]` (at their
 /// strides), one unit per element of the two; the grid is 2-D when it needs more than 65,535
