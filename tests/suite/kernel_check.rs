@@ -65,8 +65,8 @@ fn every_fused_operation_agrees_with_its_composed_form_on_cuda() {
 /// taken from cubecl's CUDA server (it needs no GPU). CUDA lays a new tensor out pitched: each
 /// row padded to a multiple of up to 512 bytes. The kernels write at row-major offsets, so with
 /// that layout the logits' gradient `[n, 65]` came out scrambled and the fused path trained
-/// nothing on an H200, where wgpu (contiguous always) learned. The runtime's default layout is checked to pad these shapes, so the test
-/// fails if the kernels' outputs go back to it.
+/// nothing on an H200, where wgpu (contiguous always) learned. The runtime's default layout is
+/// checked to pad these shapes, so the test fails if the kernels' outputs go back to it.
 #[test]
 #[cfg(feature = "cuda-backend")]
 fn gpu_kernel_outputs_are_contiguous_under_cudas_pitched_layout() {

@@ -35,7 +35,8 @@ pub(crate) fn wgpu_runs() -> bool {
 /// handle when several threads drive one device at once (burn issue 4328, "Should have handle
 /// for tensor", seen only with enough threads at once), which a test then meets as a failed
 /// device call; the program drives a device from one thread, so the tests take turns. From the
-/// first turn on, our kernels' outputs are poisoned ([`transformer_lab::kernels::cube::poison_outputs`]).
+/// first turn on, our kernels' outputs are poisoned
+/// ([`transformer_lab::kernels::cube::poison_outputs`]).
 pub(crate) fn wgpu_turn() -> Option<std::sync::MutexGuard<'static, ()>> {
     static TURN: std::sync::Mutex<()> = std::sync::Mutex::new(());
     // Our kernels' outputs start as NaN in every in-process GPU test: an element a kernel
