@@ -92,6 +92,19 @@ pub fn poison_outputs(on: bool) {
     POISON.store(on, Ordering::Relaxed);
 }
 
+/// Poisons our kernels' outputs ([`poison_outputs`]) until the guard is dropped, then sets it
+/// back as it was: the on-device kernel check runs so, as a kernel that leaves an element
+/// unwritten on one device's grid (its cube size chosen by the device) may not on another's.
+pub fn poisoned() -> impl Drop {
+    struct Restore(bool);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            POISON.store(self.0, Ordering::Relaxed);
+        }
+    }
+    Restore(POISON.swap(true, Ordering::Relaxed))
+}
+
 /// A new tensor of `dtype` on `like`'s device, laid out by [`output_layout`].
 fn empty_as<R: CubeRuntime>(like: &CubeTensor<R>, shape: Shape, dtype: DType) -> CubeTensor<R> {
     let layout = output_layout(shape.clone(), dtype);
