@@ -1,5 +1,6 @@
 //! Command-line types (clap derive). The doc comments are the `--help` text.
 
+use crate::kernels::Op;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use std::path::PathBuf;
 
@@ -173,7 +174,27 @@ pub enum Command {
     /// the linear layer, softmax) against its composed form on this backend's device: outputs
     /// and gradients on small random inputs, one row per operation with its largest relative
     /// error. Exits non-zero when one disagrees (runs then use its composed form).
-    Doctor(BackendArgs),
+    Doctor(DoctorArgs),
+}
+
+/// `doctor` options.
+#[derive(Args, Debug)]
+pub struct DoctorArgs {
+    #[command(flatten)]
+    pub backend: BackendArgs,
+    /// Check only these operations (comma-separated: gelu, layer_norm, softmax, attention,
+    /// packed_attention, dropout, cross_entropy, adamw, linear). Their rows are printed but not
+    /// cached: what runs read is a check of every operation. Several such runs in parallel
+    /// compile a new GPU's kernels in a fraction of the time one `doctor` takes.
+    #[arg(long, value_name = "OPS", value_delimiter = ',', value_parser = parse_op)]
+    pub only: Vec<Op>,
+}
+
+fn parse_op(name: &str) -> Result<Op, String> {
+    Op::from_name(name.trim()).ok_or_else(|| {
+        let names: Vec<&str> = Op::ALL.iter().map(|op| op.name()).collect();
+        format!("no fused operation `{name}` (one of {})", names.join(", "))
+    })
 }
 
 /// `curves` options.

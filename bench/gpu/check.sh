@@ -9,20 +9,26 @@
 # its own limit and the whole a deadline (GPU_CHECK_SECONDS, 540 s); it prints one table last.
 #
 # On a fresh machine the first CUDA steps are slow: every kernel is compiled (NVRTC, then the
-# driver's PTX compiler, 0.7–1.3 s each on an H200) and every matmul shape autotunes ~10
-# candidates; the kernel check alone ran over 250 s there (2026-11-28). The binary keeps the
-# compiled kernels and autotune choices in its cache directory (GPU_CHECK_CACHE here, kept out
-# of OUT_DIR), so later steps reuse what earlier ones compiled:
+# driver's PTX compiler, 0.7–1.3 s each on an H200), one at a time in each process, and every
+# matmul shape autotunes ~10 candidates; the kernel check alone ran over 250 s there
+# (2026-11-28). The binary keeps the compiled kernels and autotune choices in its cache
+# directory (GPU_CHECK_CACHE here, kept out of OUT_DIR; cubecl's caches take writers from
+# several processes at once). So the script first runs, all at once for at most
+# GPU_CHECK_WARM_SECONDS (270 s), processes that between them compile what the later steps
+# need: the kernel check split by operation (`doctor --only`), a composed training step at the
+# step check's shape, bf16 training, cached generation and the compiled PyTorch peer, beside the
+# learning checks whose verdicts need no quiet GPU (the raw fused cuda path, and wgpu after its
+# `doctor`). Everything timed runs after them, one step at a time, on warm caches:
 #
 #   - `doctor` on cuda and wgpu: every fused kernel against its composed form on the device;
 #   - a learning check per backend: experiments/shakespeare-char-gpu.json cut to 150 steps must
 #     end below the unigram loss of its text (cuda with the kernel checks — each operation, then
 #     the run's first step fused against composed, whose warnings name what runs composed —,
 #     cuda without them — the raw fused path — and wgpu);
-#   - `bench train` at f32 and bf16 on cuda, f32 on wgpu; `bench generate` (cached) at batch 1
-#     and 8 on cuda;
-#   - the PyTorch peers on the same GPU: bench/pytorch/train_bench.py at f32, bf16 and compiled
-#     bf16, bench/pytorch/generate_bench.py (transformers) at batch 1 and 8.
+#   - `bench train` at f32 and bf16 on cuda, f32 on wgpu, alternating with the PyTorch peer on
+#     the same GPU (bench/pytorch/train_bench.py at f32, bf16 and compiled bf16);
+#   - `bench generate` (cached) at batch 1 and 8 on cuda, and transformers' `generate`
+#     (bench/pytorch/generate_bench.py);
 #   - where a fused cuda step's and a generated token's time goes: launches and microseconds by
 #     kernel (bench/gpu/launches.sh at the experiment's full shape).
 #
@@ -48,7 +54,7 @@ fi
 [ -f "$DATA/tinyshakespeare/input.txt" ] || { echo "error: no $DATA/tinyshakespeare/input.txt"; exit 2; }
 
 ROWS=()
-row() { ROWS+=("$(printf '%-34s %-14s %s' "$1" "$2" "$3")"); }
+row() { ROWS+=("$(printf '%-40s %-10s %s' "$1" "$2" "$3")"); }
 
 # Runs NAME LIMIT CMD...: logs to OUT_DIR/NAME.log, at most LIMIT seconds or what is left.
 step() {
@@ -66,25 +72,26 @@ step() {
 }
 
 status() { case $1 in 0) echo ok;; 124|137) echo "timed out";; 125) echo skipped;; *) echo "exit $1";; esac; }
-# The first error line of a step's log (what a failed step said).
-why() { grep -m1 '^error' "$OUT_DIR/$1.log" | cut -c1-100; }
+# The exit status a step's log ends with (125 where it was skipped or never ran).
+rc_of() { sed -n 's/^exit \([0-9]*\) after .*/\1/p' "$OUT_DIR/$1.log" 2>/dev/null | tail -1 | grep . || echo 125; }
+# What a failed step said: the first error line of its log, else its last line (a Python
+# traceback's last).
+why() {
+  local log="$OUT_DIR/$1.log"
+  { grep -m1 '^error' "$log" || grep -v '^exit [0-9]* after' "$log" | tail -1; } 2>/dev/null | cut -c1-100
+}
 
-# 1. The kernels on each backend.
-for backend in cuda wgpu; do
-  step "doctor-$backend" 300 "$BIN" --backend "$backend" doctor
-  rc=$?
-  summary=$(grep -o '[0-9]* of [0-9]* operations agree' "$OUT_DIR/doctor-$backend.log" || true)
-  wrong=$(grep -o 'fused kernels wrong on this device: .*(' "$OUT_DIR/doctor-$backend.log" | sed 's/fused kernels wrong on this device: //; s/ (//' || true)
-  row "kernels ($backend)" "$(status $rc)" "${summary:-$(why "doctor-$backend")}${wrong:+; fallback: $wrong}"
-done
-
-# 2. Learning: 150 steps of the GPU experiment, against the unigram loss of its text.
-python3 - "$OUT_DIR/learn.json" <<'EOF'
+# The learning check's experiment: 150 steps of the GPU experiment, against the unigram loss of
+# its text; and the training step check's shape (one device's batch, at most 16 items) for the
+# warm-up.
+python3 - "$OUT_DIR/learn.json" "$OUT_DIR/composed.json" <<'EOF'
 import json, sys
 c = json.load(open("experiments/shakespeare-char-gpu.json"))
 c["name"] = "gpu-check-learn"
 c["train"].update(steps=150, steps_per_epoch=75, eval_batches=20, warmup_steps=30, decay_steps=150)
 json.dump(c, open(sys.argv[1], "w"), indent=1)
+c["train"].update(batch_size=16, steps=2, steps_per_epoch=2, eval_batches=1, warmup_steps=1, decay_steps=2)
+json.dump(c, open(sys.argv[2], "w"), indent=1)
 EOF
 UNIGRAM=$(python3 - "$DATA/tinyshakespeare/input.txt" <<'EOF'
 import collections, math, sys
@@ -94,12 +101,14 @@ n = len(text)
 print(f"{-sum(c / n * math.log(c / n) for c in counts.values()):.4f}")
 EOF
 )
-learn() {
-  local name=$1 backend=$2; shift 2
-  step "learn-$name" 200 "$BIN" --backend "$backend" "$@" train -e "$OUT_DIR/learn.json" \
+learn_run() {
+  local name=$1 backend=$2 limit=$3; shift 3
+  step "learn-$name" "$limit" "$BIN" --backend "$backend" "$@" train -e "$OUT_DIR/learn.json" \
     --artifact-dir "${TMPDIR:-/tmp}/gpu-check-art-$name" --force --plain
-  local rc=$?
-  local valid speed
+}
+learn_row() {
+  local name=$1 rc valid speed composed
+  rc=$(rc_of "learn-$name")
   valid=$(grep ' valid ' "$OUT_DIR/learn-$name.log" | tail -1 | sed -E 's/.*loss ([0-9.a-zA-Z]+).*/\1/')
   speed=$(grep -o '[0-9]* tok/s' "$OUT_DIR/learn-$name.log" | tail -1)
   local verdict="no validation $(why "learn-$name")"
@@ -107,14 +116,67 @@ learn() {
     verdict=$(python3 -c "print('learns' if float('$valid') < $UNIGRAM else 'DOES NOT LEARN')" 2>/dev/null || echo "?")
   fi
   # The operations the kernel check or the step check made run composed (their warnings).
-  local composed
   composed=$(grep '^warning' "$OUT_DIR/learn-$name.log" | grep -o 'fused [a-z_]* kernel' | awk '{print $2}' | sort -u | paste -sd, - || true)
-  row "learning ($name)" "$(status $rc)" "valid ${valid:-?} vs unigram $UNIGRAM: $verdict; ${speed:-}${composed:+; composed: $composed}"
+  row "learning ($name)" "$(status "$rc")" "valid ${valid:-?} vs unigram $UNIGRAM: $verdict; ${speed:-}${composed:+; composed: $composed}"
 }
-learn cuda-unchecked cuda --kernel-check never
+doctor_row() {
+  local backend=$1 rc summary wrong
+  rc=$(rc_of "doctor-$backend")
+  summary=$(grep -o '[0-9]* of [0-9]* operations agree' "$OUT_DIR/doctor-$backend.log" || true)
+  wrong=$(grep -o 'fused kernels wrong on this device: .*(' "$OUT_DIR/doctor-$backend.log" | sed 's/fused kernels wrong on this device: //; s/ (//' || true)
+  row "kernels ($backend)" "$(status "$rc")" "${summary:-$(why "doctor-$backend")}${wrong:+; fallback: $wrong}"
+}
+
+# 1. The warm-up, all at once (see the top). The learning rows' tokens/s are no benchmark: those
+# runs share the GPU and the processor with the others.
+WARM=${GPU_CHECK_WARM_SECONDS:-270}
+NEVER=(--kernel-check never)
+# The kernel check split by operation, the parts about as many kernels each (on lavapipe: 36,
+# 64, 52, 51, 63 and 70 of the whole check's 203).
+WARM_OPS=(linear attention packed_attention layer_norm gelu,dropout,adamw softmax,cross_entropy)
+for i in "${!WARM_OPS[@]}"; do
+  step "warm-doctor-$i" "$WARM" "$BIN" --backend cuda doctor --only "${WARM_OPS[$i]}" &
+done
+# The raw fused path (the learning check that matters most), and a composed step at the step
+# check's shape.
+learn_run cuda-unchecked cuda "$WARM" "${NEVER[@]}" &
+step warm-composed "$WARM" "$BIN" --backend cuda --no-fused "${NEVER[@]}" train \
+  -e "$OUT_DIR/composed.json" --artifact-dir "${TMPDIR:-/tmp}/gpu-check-art-composed" --force --plain &
+step warm-bench-bf16 "$WARM" "$BIN" --backend cuda "${NEVER[@]}" bench train \
+  -e experiments/shakespeare-char-gpu.json --precision bf16 --steps 2 --warmup 1 --runs 1 &
+step warm-generate "$WARM" "$BIN" --backend cuda "${NEVER[@]}" bench generate \
+  -e experiments/shakespeare-char-gpu.json --cached-only --batch 1,8 --runs 1 &
+# wgpu: its whole check (which its learning run then reads from the cache), then that run.
+{
+  step doctor-wgpu "$WARM" "$BIN" --backend wgpu doctor
+  learn_run wgpu wgpu "$WARM"
+} &
+step warm-pytorch-compiled "$WARM" python3 bench/pytorch/train_bench.py --data-dir "$DATA" \
+  --config gpu --device cuda --adamw fused --dtype bf16 --compile --steps 2 --warmup 1 --runs 1 &
+wait
+for i in "${!WARM_OPS[@]}"; do
+  rc=$(rc_of "warm-doctor-$i")
+  [ "$rc" = 0 ] || row "warm-up (doctor --only ${WARM_OPS[$i]})" "$(status "$rc")" "$(why "warm-doctor-$i")"
+done
+for warm in composed bench-bf16 generate pytorch-compiled; do
+  rc=$(rc_of "warm-$warm")
+  [ "$rc" = 0 ] || row "warm-up ($warm)" "$(status "$rc")" "$(why "warm-$warm")"
+done
+
+# 2. The kernels on each backend: cuda's whole check now, on warm caches (what the checked
+# learning run below reads).
+step doctor-cuda 200 "$BIN" --backend cuda doctor
+doctor_row cuda
+doctor_row wgpu
+
+# 3. Learning: the raw fused cuda path and wgpu (run above), and cuda with the kernel checks —
+# each operation, then the run's first step fused against composed, whose warnings name what
+# runs composed.
+learn_row cuda-unchecked
 RAW_LEARNS=$(case "${ROWS[-1]}" in *"DOES NOT LEARN"*) echo no;; *) echo yes;; esac)
-learn cuda cuda
-learn wgpu wgpu
+learn_run cuda cuda 200
+learn_row cuda
+learn_row wgpu
 
 # Where the raw fused path does not learn: which operation. Each run forces one operation to
 # its composed form through the kernel check's cache (its entry marked as failed), the others
@@ -140,7 +202,7 @@ EOF
   cp "$OUT_DIR/kernel-check.json" "$CHECKS"
 fi
 
-# 3. Training speed, ours.
+# 4. Training speed: ours and the PyTorch peer on the same GPU, alternating.
 bench_train() {
   local name=$1 backend=$2; shift 2
   step "bench-train-$name" 120 "$BIN" --backend "$backend" bench train \
@@ -149,21 +211,9 @@ bench_train() {
   row "bench train ($name)" "$(status $rc)" "$(grep -E 'tokens/s|tok/s' "$OUT_DIR/bench-train-$name.log" | head -1)"
   local split; split=$(grep -E 'step .* ms' "$OUT_DIR/bench-train-$name.log" | head -1)
   [ -n "$split" ] && row "" "" "$split"
+  local warm; warm=$(grep -E '^warm-up' "$OUT_DIR/bench-train-$name.log" | head -1 | cut -c1-100)
+  [ -n "$warm" ] && row "" "" "$warm"
 }
-bench_train cuda-f32 cuda
-bench_train cuda-bf16 cuda --precision bf16
-bench_train wgpu-f32 wgpu
-
-# 4. Generation speed, ours.
-step bench-generate-cuda 90 "$BIN" --backend cuda bench generate \
-  -e experiments/shakespeare-char-gpu.json --cached-only --batch 1,8
-rc=$?
-for b in 1 8; do
-  line=$(awk -v b="$b" '$1 == "cached" && $2 == b' "$OUT_DIR/bench-generate-cuda.log")
-  row "bench generate (cuda, batch $b)" "$(status $rc)" "${line:-none}"
-done
-
-# 5. The PyTorch peers on the same GPU.
 peer() {
   local name=$1; shift
   step "pytorch-$name" 100 python3 bench/pytorch/train_bench.py --data-dir "$DATA" --config gpu \
@@ -171,9 +221,21 @@ peer() {
   local rc=$?
   row "pytorch train ($name)" "$(status $rc)" "$(grep 'tokens/s' "$OUT_DIR/pytorch-$name.log" | sed -E 's/.*: ([0-9]+ tokens\/s).*/\1/')"
 }
+bench_train cuda-f32 cuda
 peer f32 --dtype f32
+bench_train cuda-bf16 cuda --precision bf16
 peer bf16 --dtype bf16
 peer bf16-compiled --dtype bf16 --compile
+bench_train wgpu-f32 wgpu
+
+# 5. Generation speed: ours (cached) and transformers' generate.
+step bench-generate-cuda 90 "$BIN" --backend cuda bench generate \
+  -e experiments/shakespeare-char-gpu.json --cached-only --batch 1,8
+rc=$?
+for b in 1 8; do
+  line=$(awk -v b="$b" '$1 == "cached" && $2 == b' "$OUT_DIR/bench-generate-cuda.log")
+  row "bench generate (cuda, batch $b)" "$(status $rc)" "${line:-none}"
+done
 step transformers-generate 90 python3 bench/pytorch/generate_bench.py --device cuda --cached-only --batch 1,8 --runs 3
 rc=$?
 for b in 1 8; do
@@ -199,7 +261,7 @@ kernels cuda-token "kernels per token (cuda, batch 1)" 60 \
 # The table.
 echo
 echo "GPU check, $(date -u +%Y-%m-%d), $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -1), ${SECONDS}s"
-printf '%-34s %-14s %s\n' "check" "status" "result"
+printf '%-40s %-10s %s\n' "check" "status" "result"
 for r in "${ROWS[@]}"; do echo "$r"; done
 
 # GPU_CHECK_PACK=1: the logs as one archive in OUT_DIR (for a machine that returns few files).

@@ -7,7 +7,7 @@
 use crate::backend::BackendKind;
 use crate::cli::KernelCheck;
 use crate::kernels::check::{
-    broken_label, check_all, read_cache, show_error, storable, write_cache, Cached, OpCheck,
+    broken_label, check, check_all, read_cache, show_error, storable, write_cache, Cached, OpCheck,
 };
 use crate::kernels::{fall_back, fused, step_check, LabBackend, Op};
 use crate::user_cache::binary_identity;
@@ -68,13 +68,22 @@ pub fn prepare<B: LabBackend>(
     Ok(())
 }
 
-/// `doctor`: checks every fused operation on `device` now (whatever the cache holds), prints
+/// `doctor`: checks the fused operations on `device` now (whatever the cache holds), prints
 /// one table row per operation, and caches the result. Fails where an operation disagrees.
-pub fn run_doctor<B: LabBackend>(kind: BackendKind, device: &B::Device) -> Result<()> {
+/// `only` (when not empty) checks those operations alone and caches nothing: a run reads a
+/// check of every operation.
+pub fn run_doctor<B: LabBackend>(kind: BackendKind, device: &B::Device, only: &[Op]) -> Result<()> {
     anyhow::ensure!(fused(), "doctor checks the fused kernels: drop --no-fused");
     let name = describe(kind);
     let started = Instant::now();
-    let checks = check_all::<Autodiff<B>>(device, head_dim(kind));
+    let checks = match only {
+        [] => check_all::<Autodiff<B>>(device, head_dim(kind)),
+        ops => Op::ALL
+            .into_iter()
+            .filter(|op| ops.contains(op))
+            .map(|op| check::<Autodiff<B>>(op, device, head_dim(kind)))
+            .collect(),
+    };
     let seconds = started.elapsed().as_secs_f64();
     let backend = format!("{kind:?}").to_lowercase();
     println!(
@@ -92,9 +101,11 @@ pub fn run_doctor<B: LabBackend>(kind: BackendKind, device: &B::Device) -> Resul
             if check.passed() { "pass" } else { "fallback" }
         );
     }
-    let mut cache = read_cache();
-    cache.checks.insert(identity(kind), to_cache(&checks));
-    write_cache(&cache);
+    if only.is_empty() {
+        let mut cache = read_cache();
+        cache.checks.insert(identity(kind), to_cache(&checks));
+        write_cache(&cache);
+    }
     let failed: Vec<&str> = checks
         .iter()
         .filter(|c| !c.passed())

@@ -85,7 +85,7 @@ impl Command {
         match self {
             Command::Curves(_) => Needs::Nothing,
             Command::Import(_) | Command::Export(_) => Needs::Cpu,
-            Command::Doctor(args) => Needs::Backend(args.backend.or(outer.backend)),
+            Command::Doctor(args) => Needs::Backend(args.backend.backend.or(outer.backend)),
             Command::Train(args) => compute(&args.compute),
             Command::Generate(args) => compute(&args.compute),
             Command::Serve(args) => compute(&args.compute),
@@ -166,8 +166,8 @@ impl BackendTask for Checked {
     }
 
     fn run<B: LabBackend>(self, device: B::Device) -> Result<()> {
-        if let Command::Doctor(_) = self.command {
-            return doctor::run_doctor::<B>(self.kind, &device);
+        if let Command::Doctor(args) = &self.command {
+            return doctor::run_doctor::<B>(self.kind, &device, &args.only);
         }
         doctor::prepare::<B>(self.kind, self.check, &device)?;
         self.command.run::<B>(device)

@@ -370,6 +370,55 @@ fn doctor_prints_every_operation_and_fails_on_a_broken_one() {
     );
 }
 
+#[test]
+fn doctor_only_checks_the_named_operations_and_caches_nothing() {
+    let dir = Dir::new(20);
+    let cache = dir.path().join("cache/kernel-check.json");
+    // In any order, a name twice: each named operation once, in the table's order.
+    let out = dir
+        .command(&["doctor", "--only", "linear,gelu,linear"])
+        .env(BREAK_ENV, "layer_norm")
+        .output()
+        .unwrap();
+    let (stdout, stderr) = text_of(&out);
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    let ops: Vec<&str> = stdout
+        .lines()
+        .filter(|l| l.ends_with(" pass") || l.ends_with(" fallback"))
+        .filter_map(|l| l.split_whitespace().rev().nth(3))
+        .collect();
+    assert_eq!(ops, ["gelu", "linear"], "{stdout}");
+    assert!(stdout.contains("2 of 2 operations agree"), "{stdout}");
+    // A partial check is not what a run may read as the device's check.
+    assert!(!cache.exists(), "a partial check was cached");
+
+    // A broken operation among those named fails as the whole check does.
+    let out = dir
+        .command(&["doctor", "--only", "layer_norm"])
+        .env(BREAK_ENV, "layer_norm")
+        .output()
+        .unwrap();
+    assert_clean_error(&out, "fused kernels wrong on this device: layer_norm");
+    assert!(!cache.exists(), "a partial check was cached");
+
+    let out = dir
+        .command(&["doctor", "--only", "gelu,softmx"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+    assert!(
+        err.contains("no fused operation `softmx` (one of gelu, layer_norm, softmax"),
+        "{err}"
+    );
+
+    // The whole check is cached, as before.
+    let out = dir.command(&["doctor"]).output().unwrap();
+    assert!(out.status.success());
+    assert!(cache.exists(), "the whole check was not cached");
+}
+
 /// The last four columns (operation, max error, tolerance, result) of `doctor`'s row for `op`.
 fn row<'a>(table: &'a str, op: &str) -> [&'a str; 4] {
     let line = table
