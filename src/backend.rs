@@ -77,6 +77,23 @@ fn wgpu_adapters() -> Vec<wgpu::Adapter> {
     }
 }
 
+/// Keeps Mesa's Vulkan device-select layer from printing "error: XDG_RUNTIME_DIR is invalid or
+/// not set in the environment." on a machine without a desktop session. The layer orders the
+/// GPUs by the one the display uses, and to find it connects to a Wayland display as every
+/// Vulkan instance starts. Without `XDG_RUNTIME_DIR` that connection fails loudly: one such line
+/// per instance, on every command that looks for a GPU, before its own output. With no display
+/// there is nothing to order by, and wgpu picks its adapter by type itself, so the layer is
+/// switched off for this process (`NODEVICE_SELECT=1`, Mesa's own switch) unless the user set
+/// that. Runs at start-up, before any thread.
+pub fn quiet_headless_vulkan() {
+    if cfg!(all(feature = "wgpu-backend", target_os = "linux"))
+        && std::env::var_os("XDG_RUNTIME_DIR").is_none()
+        && std::env::var_os("NODEVICE_SELECT").is_none()
+    {
+        std::env::set_var("NODEVICE_SELECT", "1");
+    }
+}
+
 /// Whether wgpu finds any adapter (a GPU, or a CPU driver such as lavapipe) to run on.
 #[cfg(feature = "wgpu-backend")]
 pub fn wgpu_adapter_present() -> bool {

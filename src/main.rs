@@ -12,6 +12,8 @@ use transformer_lab::memory::CountingAlloc;
 static ALLOCATOR: CountingAlloc = CountingAlloc;
 
 fn main() -> ExitCode {
+    // Before any thread starts: it sets an environment variable.
+    transformer_lab::backend::quiet_headless_vulkan();
     // clap prints --help and usage errors itself (ignoring a closed pipe) and exits.
     let cli = Cli::parse();
     transformer_lab::memory::keep_freed_memory();

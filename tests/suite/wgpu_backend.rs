@@ -184,6 +184,30 @@ fn the_default_backend_is_wgpu_only_on_a_hardware_gpu() {
     }
 }
 
+/// On a machine without a desktop session (no `XDG_RUNTIME_DIR`), Mesa's device-select layer
+/// (installed with lavapipe) printed "error: XDG_RUNTIME_DIR is invalid or not set in the
+/// environment." as each Vulkan instance started: ten such lines before `doctor`'s table.
+#[test]
+fn a_gpu_command_without_a_desktop_session_prints_no_stray_error() {
+    if !wgpu_runs() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_transformer-lab"))
+        .args(["--backend", "wgpu", "doctor", "--only", "gelu"])
+        .env_remove("XDG_RUNTIME_DIR")
+        .env_remove("NODEVICE_SELECT")
+        .env("TRANSFORMER_LAB_CACHE_DIR", dir.path())
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        !stderr.lines().any(|l| l.starts_with("error")),
+        "a stray error line: {stderr}"
+    );
+}
+
 #[test]
 fn without_an_adapter_wgpu_is_one_clear_error() {
     // A Vulkan loader pointed at no driver finds no adapter, on any machine.
