@@ -60,8 +60,8 @@ row() { ROWS+=("$(printf '%-40s %-10s %s' "$1" "$2" "$3")"); }
 step() {
   local name=$1 limit=$2; shift 2
   local left=$((DEADLINE - SECONDS - 5))
-  if [ "$left" -lt 10 ]; then echo "skipped (deadline)" >"$OUT_DIR/$name.log"; return 125; fi
   [ "$limit" -gt "$left" ] && limit=$left
+  if [ "$limit" -lt 10 ]; then echo "skipped (deadline)" >"$OUT_DIR/$name.log"; return 125; fi
   echo "== $name (limit ${limit}s, ${SECONDS}s in)" >&2
   local start=$SECONDS
   timeout -k 5 "$limit" "$@" >"$OUT_DIR/$name.log" 2>&1
@@ -130,6 +130,7 @@ doctor_row() {
 # 1. The warm-up, all at once (see the top). The learning rows' tokens/s are no benchmark: those
 # runs share the GPU and the processor with the others.
 WARM=${GPU_CHECK_WARM_SECONDS:-270}
+WARM_END=$((SECONDS + WARM))
 NEVER=(--kernel-check never)
 # The kernel check split by operation, the parts about as many kernels each (on lavapipe: 36,
 # 64, 52, 51, 63 and 70 of the whole check's 203).
@@ -149,7 +150,7 @@ step warm-generate "$WARM" "$BIN" --backend cuda "${NEVER[@]}" bench generate \
 # wgpu: its whole check (which its learning run then reads from the cache), then that run.
 {
   step doctor-wgpu "$WARM" "$BIN" --backend wgpu doctor
-  learn_run wgpu wgpu "$WARM"
+  learn_run wgpu wgpu "$((WARM_END - SECONDS))"
 } &
 step warm-pytorch-compiled "$WARM" python3 bench/pytorch/train_bench.py --data-dir "$DATA" \
   --config gpu --device cuda --adamw fused --dtype bf16 --compile --steps 2 --warmup 1 --runs 1 &
