@@ -184,8 +184,9 @@ pub struct DoctorArgs {
     pub backend: BackendArgs,
     /// Check only these operations (comma-separated: gelu, layer_norm, softmax, attention,
     /// packed_attention, dropout, cross_entropy, adamw, linear). Their rows are printed but not
-    /// cached: what runs read is a check of every operation. Several such runs in parallel
-    /// compile a new GPU's kernels in a fraction of the time one `doctor` takes.
+    /// cached: what runs read is a check of every operation. A GPU backend compiles one kernel
+    /// at a time in each process, so several such runs at once share out a new GPU's
+    /// compilation (the compiled kernels are cached for the whole check after them).
     #[arg(long, value_name = "OPS", value_delimiter = ',', value_parser = parse_op)]
     pub only: Vec<Op>,
 }

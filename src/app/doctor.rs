@@ -76,14 +76,11 @@ pub fn run_doctor<B: LabBackend>(kind: BackendKind, device: &B::Device, only: &[
     anyhow::ensure!(fused(), "doctor checks the fused kernels: drop --no-fused");
     let name = describe(kind);
     let started = Instant::now();
-    let checks = match only {
-        [] => check_all::<Autodiff<B>>(device, head_dim(kind)),
-        ops => Op::ALL
-            .into_iter()
-            .filter(|op| ops.contains(op))
-            .map(|op| check::<Autodiff<B>>(op, device, head_dim(kind)))
-            .collect(),
-    };
+    let checks: Vec<OpCheck> = Op::ALL
+        .into_iter()
+        .filter(|op| only.is_empty() || only.contains(op))
+        .map(|op| check::<Autodiff<B>>(op, device, head_dim(kind)))
+        .collect();
     let seconds = started.elapsed().as_secs_f64();
     let backend = format!("{kind:?}").to_lowercase();
     println!(
