@@ -26,7 +26,8 @@
 #     the run's first step fused against composed, whose warnings name what runs composed —,
 #     cuda without them — the raw fused path — and wgpu);
 #   - `bench train` at f32 and bf16 on cuda, f32 on wgpu, alternating with the PyTorch peer on
-#     the same GPU (bench/pytorch/train_bench.py at f32, bf16 and compiled bf16);
+#     the same GPU (bench/pytorch/train_bench.py at f32, f32 with TF32 products, bf16 and
+#     compiled bf16);
 #   - `bench generate` (cached) at batch 1 and 8 on cuda, and transformers' `generate`
 #     (bench/pytorch/generate_bench.py);
 #   - where a fused cuda step's and a generated token's time goes: launches and microseconds by
@@ -224,6 +225,7 @@ peer() {
 }
 bench_train cuda-f32 cuda
 peer f32 --dtype f32
+peer f32-tf32 --dtype tf32
 bench_train cuda-bf16 cuda --precision bf16
 peer bf16 --dtype bf16
 peer bf16-compiled --dtype bf16 --compile

@@ -5,7 +5,7 @@ on the same machine, in the same sitting, with the same model, optimizer and bat
 
     python3 bench/pytorch/train_bench.py --data-dir DATA [--threads 2] [--steps 30] [--warmup 5] [--runs 3]
         [--adamw default|foreach|fused] [--config small|gpu] [--device cpu|cuda]
-        [--dtype f32|bf16|f16] [--compile]
+        [--dtype f32|tf32|bf16|f16] [--compile]
 
 Model (`--config small`, experiments/shakespeare-char.json): 4 pre-norm blocks, 4 heads,
 d_model 128, d_ff 512, exact GELU, no biases, learned positions, tied input/output embedding,
@@ -14,9 +14,12 @@ shakespeare-char): 6 blocks, 6 heads, d_model 384, d_ff 1536, context 256, batch
 (embeddings, attention weights, residual branches). AdamW (lr 1e-3, betas 0.9/0.99, weight decay
 0.1 on matrices only) with global-norm clipping 1.0.
 
-`--dtype bf16|f16` trains under torch.autocast (products in half precision, f32 weights; f16 with
-a GradScaler), what `transformer-lab train --precision` does; `--compile` runs torch.compile'd
-(nanoGPT's default on a GPU). Prints tokens/s (median of the runs) and the forward / backward /
+`--dtype tf32` keeps f32 weights and activations but lets CUDA's products round their inputs to
+TF32 on tensor cores (10-bit mantissas): nanoGPT's setting, and what burn's autotuned matmul may
+pick for f32 on cuda (cubek's accelerated kernels stage f32 as TF32). `--dtype bf16|f16` trains
+under torch.autocast (products in half precision, f32 weights; f16 with a GradScaler), what
+`transformer-lab train --precision` does; `--compile` runs torch.compile'd (nanoGPT's default on
+a GPU). Prints tokens/s (median of the runs) and the forward / backward /
 optimizer split.
 """
 
@@ -115,14 +118,17 @@ def main():
     )
     ap.add_argument("--config", choices=sorted(CONFIGS), default="small")
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
-    ap.add_argument("--dtype", choices=["f32", "bf16", "f16"], default="f32")
+    ap.add_argument("--dtype", choices=["f32", "tf32", "bf16", "f16"], default="f32")
     ap.add_argument("--compile", action="store_true", help="torch.compile the model")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(1337)
     device = torch.device(args.device)
     shape = CONFIGS[args.config]
-    half = {"f32": None, "bf16": torch.bfloat16, "f16": torch.float16}[args.dtype]
+    half = {"f32": None, "tf32": None, "bf16": torch.bfloat16, "f16": torch.float16}[args.dtype]
+    # PyTorch's default for f32 products is full f32; tf32 is the setting nanoGPT trains with.
+    torch.backends.cuda.matmul.allow_tf32 = args.dtype == "tf32"
+    torch.backends.cudnn.allow_tf32 = args.dtype == "tf32"
 
     def sync():
         if device.type == "cuda":
