@@ -1,6 +1,8 @@
 //! Flash-style attention on the GPU: a cube of [`TILE`] units takes [`TILE`] consecutive query
 //! rows of one head, walks the keys [`TILE`] at a time through shared memory and keeps an online
 //! softmax per row, so memory is linear in the sequence length (the `t × s` scores never exist).
+//! Under a causal mask without padding a cube walks only the tiles its rows can see: keys up to
+//! its last query row, queries from its first key row (half the tiles of a long sequence).
 //! The backward pass recomputes the probabilities from the saved log-sum-exp: one kernel walks
 //! the keys for each query row (dQ, and `D = rowsum(dO ⊙ O)`), another the queries for each key
 //! row (dK and dV), so no two units ever add into the same gradient. One query row per head (a
@@ -126,6 +128,32 @@ fn is_masked<F: Float>(
     masked
 }
 
+/// Where a cube's walk over the keys ends: past its last query row a causal mask hides every
+/// key from all its rows, so without padding (where a fully masked row attends to every key)
+/// those tiles are neither loaded nor visited; otherwise every key.
+#[cube]
+fn keys_end(s: usize, #[comptime] causal: bool, #[comptime] has_pad: bool) -> usize {
+    let mut end = s;
+    if causal && !has_pad {
+        let last = (CUBE_POS_X as usize + 1) * TILE as usize;
+        if last < end {
+            end = last;
+        }
+    }
+    end
+}
+
+/// Where the key kernel's walk over the queries starts: before its first key row a causal
+/// mask hides its keys from every query, so without padding those query tiles are skipped.
+#[cube]
+fn queries_start(#[comptime] causal: bool, #[comptime] has_pad: bool) -> usize {
+    let mut start = 0usize;
+    if causal && !has_pad {
+        start = CUBE_POS_X as usize * TILE as usize;
+    }
+    start
+}
+
 /// The dropout multiplier of weight `(i, j)` of head `bh` (1 without dropout).
 #[cube]
 fn multiplier(
@@ -217,8 +245,9 @@ pub fn attention_forward_kernel<F: Float>(
     let mut m = f32::new(NO_SCORE);
     let mut l = 0.0f32;
 
+    let end = keys_end(s, causal, has_pad);
     let mut j0 = 0usize;
-    while j0 < s {
+    while j0 < end {
         load_tile::<F>(k, &mut ks, b, h, j0, kd);
         load_tile::<F>(v, &mut vs, b, h, j0, kd);
         sync_cube();
@@ -341,8 +370,9 @@ pub fn attention_backward_queries_kernel<F: Float>(
     let mut ks = SharedMemory::<f32>::new(TILE as usize * kd);
     let mut vs = SharedMemory::<f32>::new(TILE as usize * kd);
 
+    let end = keys_end(s, causal, has_pad);
     let mut j0 = 0usize;
-    while j0 < s {
+    while j0 < end {
         load_tile::<F>(k, &mut ks, b, h, j0, kd);
         load_tile::<F>(v, &mut vs, b, h, j0, kd);
         sync_cube();
@@ -437,7 +467,7 @@ pub fn attention_backward_keys_kernel<F: Float>(
     let mut lses = SharedMemory::<f32>::new(TILE as usize);
     let mut deltas = SharedMemory::<f32>::new(TILE as usize);
 
-    let mut i0 = 0usize;
+    let mut i0 = queries_start(causal, has_pad);
     while i0 < t {
         load_tile::<F>(q, &mut qs, b, h, i0, kd);
         load_tile::<F>(d_o, &mut dos, b, h, i0, kd);
