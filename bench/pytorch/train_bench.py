@@ -127,8 +127,10 @@ def main():
     shape = CONFIGS[args.config]
     half = {"f32": None, "tf32": None, "bf16": torch.bfloat16, "f16": torch.float16}[args.dtype]
     # PyTorch's default for f32 products is full f32; tf32 is the setting nanoGPT trains with.
-    torch.backends.cuda.matmul.allow_tf32 = args.dtype == "tf32"
-    torch.backends.cudnn.allow_tf32 = args.dtype == "tf32"
+    # The other dtypes keep PyTorch's defaults untouched.
+    if args.dtype == "tf32":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
 
     def sync():
         if device.type == "cuda":

@@ -2,7 +2,7 @@
 //! rows of one head, walks the keys [`TILE`] at a time through shared memory and keeps an online
 //! softmax per row, so memory is linear in the sequence length (the `t × s` scores never exist).
 //! Under a causal mask without padding a cube walks only the tiles its rows can see: keys up to
-//! its last query row, queries from its first key row (half the tiles of a long sequence).
+//! its last query row, queries from its first key row (about half the tiles of a long sequence).
 //! The backward pass recomputes the probabilities from the saved log-sum-exp: one kernel walks
 //! the keys for each query row (dQ, and `D = rowsum(dO ⊙ O)`), another the queries for each key
 //! row (dK and dV), so no two units ever add into the same gradient. One query row per head (a
