@@ -185,6 +185,10 @@ impl TrainConfig {
                 bail!("train: {name} must be in [0, 1), got {beta}");
             }
         }
+        // PyTorch's AdamW allows 0; below it the update's denominator can reach 0.
+        if self.epsilon.is_nan() || self.epsilon < 0.0 {
+            bail!("train: epsilon must not be negative, got {}", self.epsilon);
+        }
         if self.grad_clip < 0.0 || self.weight_decay < 0.0 {
             bail!("train: grad_clip and weight_decay must not be negative");
         }
