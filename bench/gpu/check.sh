@@ -210,7 +210,8 @@ bench_train() {
   step "bench-train-$name" 120 "$BIN" --backend "$backend" bench train \
     -e experiments/shakespeare-char-gpu.json --steps 20 --warmup 5 --runs 3 "$@"
   local rc=$?
-  row "bench train ($name)" "$(status $rc)" "$(grep -E 'tokens/s|tok/s' "$OUT_DIR/bench-train-$name.log" | head -1)"
+  local speed; speed=$(grep -E 'tokens/s|tok/s' "$OUT_DIR/bench-train-$name.log" | head -1)
+  row "bench train ($name)" "$(status $rc)" "${speed:-$(why "bench-train-$name")}"
   local split; split=$(grep -E 'step .* ms' "$OUT_DIR/bench-train-$name.log" | head -1)
   [ -n "$split" ] && row "" "" "$split"
   local warm; warm=$(grep -E '^warm-up' "$OUT_DIR/bench-train-$name.log" | head -1 | cut -c1-100)
@@ -221,7 +222,8 @@ peer() {
   step "pytorch-$name" 100 python3 bench/pytorch/train_bench.py --data-dir "$DATA" --config gpu \
     --device cuda --adamw fused --steps 20 --warmup 5 --runs 3 "$@"
   local rc=$?
-  row "pytorch train ($name)" "$(status $rc)" "$(grep 'tokens/s' "$OUT_DIR/pytorch-$name.log" | sed -E 's/.*: ([0-9]+ tokens\/s).*/\1/')"
+  local speed; speed=$(grep 'tokens/s' "$OUT_DIR/pytorch-$name.log" | sed -E 's/.*: ([0-9]+ tokens\/s).*/\1/')
+  row "pytorch train ($name)" "$(status $rc)" "${speed:-$(why "pytorch-$name")}"
 }
 bench_train cuda-f32 cuda
 peer f32 --dtype f32
@@ -237,13 +239,13 @@ step bench-generate-cuda 90 "$BIN" --backend cuda bench generate \
 rc=$?
 for b in 1 8; do
   line=$(awk -v b="$b" '$1 == "cached" && $2 == b' "$OUT_DIR/bench-generate-cuda.log")
-  row "bench generate (cuda, batch $b)" "$(status $rc)" "${line:-none}"
+  row "bench generate (cuda, batch $b)" "$(status $rc)" "${line:-$(why bench-generate-cuda)}"
 done
 step transformers-generate 90 python3 bench/pytorch/generate_bench.py --device cuda --cached-only --batch 1,8 --runs 3
 rc=$?
 for b in 1 8; do
   line=$(awk -v b="$b" '$1 == "cached" && $2 == b' "$OUT_DIR/transformers-generate.log")
-  row "transformers generate (batch $b)" "$(status $rc)" "${line:-none}"
+  row "transformers generate (batch $b)" "$(status $rc)" "${line:-$(why transformers-generate)}"
 done
 
 # 6. Where a fused cuda step's and a generated token's time goes: launches and time by kernel
@@ -254,7 +256,7 @@ kernels() {
   local rc=$? log="$OUT_DIR/kernels-$name.log"
   local total; total=$(awk '$NF == "total" { printf "%.0f launches, %.1f ms of kernels", $1, $2 / 1000 }' "$log")
   local top; top=$(grep -A3 '^kernels per' "$log" | tail -3 | awk '{ printf "%s%s %s", (NR > 1 ? ", " : ""), $4, $3 }')
-  row "$label" "$(status $rc)" "${total:-none}${top:+; $top}"
+  row "$label" "$(status $rc)" "${total:-$(why "kernels-$name")}${top:+; $top}"
 }
 kernels cuda-step "kernels per step (cuda, f32)" 100 \
   bench/gpu/launches.sh "$BIN" experiments/shakespeare-char-gpu.json cuda 3
