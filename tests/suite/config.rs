@@ -69,7 +69,10 @@ fn mistakes_are_clear_errors() {
         ),
         (r#"{"train": {"warmup_steps": 5000}}"#, "warmup_steps"),
         (r#"{"model": {"dropout": 1.5}}"#, "dropout"),
-        (r#"{"train": {"epsilon": -1e-8}}"#, "epsilon must not be negative"),
+        (
+            r#"{"train": {"epsilon": -1e-8}}"#,
+            "epsilon must not be negative",
+        ),
         (r#"{"model": "#, "malformed config"),
         // The data must suit the model.
         (
