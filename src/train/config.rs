@@ -185,7 +185,8 @@ impl TrainConfig {
                 bail!("train: {name} must be in [0, 1), got {beta}");
             }
         }
-        // PyTorch's AdamW allows 0; below it the update's denominator can reach 0.
+        // As PyTorch's AdamW: 0 is allowed; below it the update's denominator √v̂ + ε can turn
+        // negative, and the step goes uphill.
         if self.epsilon.is_nan() || self.epsilon < 0.0 {
             bail!("train: epsilon must not be negative, got {}", self.epsilon);
         }
