@@ -214,8 +214,8 @@ pub fn prepare_gpu(kind: BackendKind) {
 /// The devices `ids` of the backend whose default device is `default`, for data-parallel
 /// training: CUDA device `i`; for wgpu the `i`-th adapter of the kind burn picks by default
 /// (discrete, else integrated, virtual); on a CPU backend (and wgpu on a CPU adapter) every id
-/// is the one CPU device, each peer a thread of its own (the path works and is tested there,
-/// it is not faster). One error line for an id the machine does not have.
+/// is `default`, the one CPU device, each peer a thread of its own (the path works and is
+/// tested there, it is not faster). One error line for an id the machine does not have.
 pub fn peer_devices<B: burn::tensor::backend::Backend>(
     default: &B::Device,
     ids: &[usize],
@@ -231,6 +231,9 @@ pub fn peer_devices<B: burn::tensor::backend::Backend>(
     } else {
         (first.type_id, usize::MAX, "")
     };
+    if available == usize::MAX {
+        return Ok(vec![default.clone(); ids.len()]);
+    }
     ids.iter()
         .map(|&id| {
             if id >= available {

@@ -515,8 +515,8 @@ pub struct PredictArgs {
     #[arg(required = true)]
     pub images: Vec<PathBuf>,
     /// How many classes to show per image.
-    #[arg(long, default_value_t = 3)]
-    pub top: usize,
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u64).range(1..))]
+    pub top: u64,
     #[command(flatten)]
     pub compute: ComputeArgs,
 }

@@ -173,10 +173,11 @@ fn run_bench_generate<B: LabBackend>(args: BenchGenerateArgs, device: B::Device)
         runs: args.runs,
     };
     plan.check()?;
-    let (name, model) = match &args.artifact_dir {
+    let (name, model, section) = match &args.artifact_dir {
         Some(dir) => {
             let trained = load_as::<LmConfig, B>(&ArtifactDir::new(dir), &device)?;
-            (dir.display().to_string(), trained.model)
+            let section = trained.config.model_as::<LmConfig>()?.clone();
+            (dir.display().to_string(), trained.model, section)
         }
         None => {
             let config = match &args.experiment {
@@ -200,9 +201,13 @@ fn run_bench_generate<B: LabBackend>(args: BenchGenerateArgs, device: B::Device)
             (
                 format!("{} (random weights)", config.name),
                 lm.init::<B>(&device),
+                lm,
             )
         }
     };
+    // As `generate` refuses it: a prompt past learned positions would be timed cut short.
+    crate::generate::check_prompt(plan.prompt_len, section.context, section.position)
+        .map_err(|err| anyhow!("--prompt-len {}: {err}", plan.prompt_len))?;
     eprintln!(
         "bench generate: {name} on {}: {} prompt token(s), {} new, greedy; median of {} runs",
         B::name(&device),

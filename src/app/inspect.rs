@@ -15,6 +15,9 @@ pub(super) fn run_eval<B: LabBackend>(args: EvalArgs, device: B::Device) -> Resu
     if args.batch_size == 0 {
         bail!("--batch-size must be at least 1");
     }
+    if args.limit == Some(0) {
+        bail!("--limit must be at least 1 (leave it out to evaluate the whole test split)");
+    }
     let artifact = ArtifactDir::new(&args.artifact_dir);
     let trained = crate::kinds::load::<B>(&artifact, &device)?;
     let request = EvalRequest {

@@ -138,7 +138,7 @@ pub(super) fn run_predict<B: LabBackend>(args: PredictArgs, device: B::Device) -
         .zip(&prepared)
         .zip(probabilities.chunks(classes.len()))
     {
-        let top: Vec<String> = top_classes(row, args.top.max(1))
+        let top: Vec<String> = top_classes(row, args.top as usize)
             .into_iter()
             .map(|(class, p)| format!("{} {:.1}%", classes[class], 100.0 * p))
             .collect();

@@ -508,9 +508,12 @@ where
     let section = config.model_as::<K>()?;
     let floats = section.activation_floats(&config.data);
     let devices = match &config.train.devices {
-        Some(ids) if ids.len() > 1 => crate::backend::peer_devices::<B>(&device, ids)?,
+        Some(ids) if !ids.is_empty() => crate::backend::peer_devices::<B>(&device, ids)?,
         _ => vec![device.clone()],
     };
+    // The model lives where peer 0 trains: on the first device listed (`--devices 1` trains on
+    // device 1 alone, `--devices 2,3` on 2 and 3), not on the backend's default device.
+    let device = devices[0].clone();
     let nodes = session.nodes().map_or(1, |g| g.count);
     let peers = devices.len() * nodes;
     if !config.train.batch_size.is_multiple_of(peers) {

@@ -101,6 +101,22 @@ fn bench_train_times_every_phase_of_real_steps() {
     let bad = run(dir.path(), &args);
     assert_clean_error(&bad, "--tokens and --runs must be at least 1");
     assert_eq!(stderr(&bad).lines().count(), 1, "{}", stderr(&bad));
+    // A prompt past the learned positions is refused, as `generate` refuses it, not timed cut
+    // down to the context under its own length.
+    assert_clean_error(
+        &run(
+            dir.path(),
+            &[
+                "bench",
+                "generate",
+                "--artifact-dir",
+                "art",
+                "--prompt-len",
+                "100",
+            ],
+        ),
+        "the prompt has 100 tokens but the model's context is",
+    );
 }
 
 #[test]

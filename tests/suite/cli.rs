@@ -255,6 +255,11 @@ fn bad_inputs_get_one_clear_error_line() {
         &sb.run(&["eval", "--artifact-dir", "art", "--batch-size", "0"]),
         "batch-size",
     );
+    // Not "accuracy 0.00% on 0 sentences", which reads as a model that learned nothing.
+    assert_error(
+        &sb.run(&["eval", "--artifact-dir", "art", "--limit", "0"]),
+        "--limit must be at least 1",
+    );
     assert_error(
         &sb.run(&["explain", "--x", "1,0;0"]),
         "same number of values",

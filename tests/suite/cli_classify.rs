@@ -137,6 +137,21 @@ fn predict_classifies_an_image_file_and_rejects_a_non_image() {
         ),
         "missing.png",
     );
+    // Not one class shown as if asked for.
+    assert_clean_error(
+        &run(
+            dir.path(),
+            &[
+                "predict",
+                "--artifact-dir",
+                "art",
+                "digit.png",
+                "--top",
+                "0",
+            ],
+        ),
+        "--top",
+    );
 }
 
 #[test]

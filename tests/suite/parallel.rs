@@ -126,9 +126,13 @@ fn two_devices_train_the_weights_one_device_trains() {
     );
     train("two-again", &["--devices", "0,1"]);
     train("four", &["--devices", "0,1,2,3"]);
+    // One device named: the run of that device alone (here the one CPU device), not a group.
+    let single = train("device-3", &["--devices", "3"]);
+    assert!(!single.contains("data-parallel"), "{single}");
     train("other-seed", &["-e", "other.json"]);
     let one = weights(&dir.path().join("one"));
     let two = weights(&dir.path().join("two"));
+    assert_eq!(one, weights(&dir.path().join("device-3")), "one device");
     assert_eq!(
         two,
         weights(&dir.path().join("two-again")),
