@@ -141,7 +141,8 @@ pub enum Decoding {
     Recompute,
 }
 
-/// Extends `prompt` by `max_new_tokens` tokens, calling `emit` with each as it is chosen.
+/// Extends `prompt` by `max_new_tokens` tokens, calling `emit` with each as it is chosen and
+/// the logits it was drawn from.
 ///
 /// Up to the context length both [`Decoding`]s give the same logits (tested); past it, see
 /// [`Decoding`].
@@ -154,7 +155,7 @@ pub fn generate<B: LabBackend>(
     seed: u64,
     decoding: Decoding,
     device: &B::Device,
-    mut emit: impl FnMut(usize) -> Result<()>,
+    mut emit: impl FnMut(usize, &[f32]) -> Result<()>,
 ) -> Result<Vec<usize>> {
     let mut rng = StdRng::seed_from_u64(seed);
     let mut decoder = Decoder::new(model, vec![prompt.to_vec()], decoding, device);
@@ -167,7 +168,7 @@ pub fn generate<B: LabBackend>(
             .expect("f32 logits");
         let next = sampling.sample(&logits, &mut rng);
         decoder.push(&[next]);
-        emit(next)?;
+        emit(next, &logits)?;
     }
     Ok(decoder.tokens.swap_remove(0))
 }

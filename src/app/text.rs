@@ -54,7 +54,7 @@ pub(super) fn run_generate<B: LabBackend>(args: GenerateArgs, device: B::Device)
             Decoding::Cached
         },
         &device,
-        |token| {
+        |token, _| {
             write!(out, "{}", tokenizer.decode(&[token]))?;
             out.flush()?;
             Ok(())

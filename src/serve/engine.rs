@@ -30,18 +30,86 @@ pub struct Job {
     pub sampling: Sampling,
     /// Seed of this request's own generator.
     pub seed: u64,
+    /// Score each generated token ([`Scored`]) with this many most likely alternatives.
+    pub logprobs: Option<usize>,
+    /// Also score the prompt's tokens ([`Event::Prompt`]): it must fit the model's context.
+    pub score_prompt: bool,
     /// Where its tokens go; a closed receiver (the client left, or a stop string was met)
     /// takes the request out of the batch at the next step.
     pub events: UnboundedSender<Event>,
 }
 
 /// What the engine tells a request.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub enum Event {
-    /// The next token.
-    Token(usize),
+    /// The scores of the prompt's tokens after the first (asked with [`Job::score_prompt`]),
+    /// before any token.
+    Prompt(Vec<Scored>),
+    /// The next token, scored where [`Job::logprobs`] asks.
+    Token(usize, Option<Scored>),
     /// No more tokens, and why.
     Done(Finish),
+}
+
+/// A token's log-probability under the model, and the most likely tokens at its position
+/// with theirs, most likely first: the model's own distribution, `log softmax(logits)`,
+/// before temperature and top-p reshape it for sampling.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Scored {
+    /// ln p(token).
+    pub logprob: f32,
+    /// `(token, ln p)` of the `k` most likely tokens (ties: the lower id first).
+    pub top: Vec<(usize, f32)>,
+}
+
+impl Scored {
+    /// `token`'s score in `logits` (one position's, `[v]`) with its `k` most likely rivals.
+    pub fn of(logits: &[f32], token: usize, k: usize) -> Self {
+        let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let sum: f64 = logits.iter().map(|&l| f64::from(l - max).exp()).sum();
+        let log_z = f64::from(max) + sum.ln();
+        let logprob = |t: usize| (f64::from(logits[t]) - log_z) as f32;
+        let mut order: Vec<usize> = (0..logits.len()).collect();
+        let k = k.min(logits.len());
+        if k > 0 {
+            let by = |a: &usize, b: &usize| logits[*b].total_cmp(&logits[*a]).then(a.cmp(b));
+            order.select_nth_unstable_by(k - 1, by);
+            order.truncate(k);
+            order.sort_by(by);
+        }
+        Self {
+            logprob: logprob(token),
+            top: order.into_iter().take(k).map(|t| (t, logprob(t))).collect(),
+        }
+    }
+}
+
+/// The scores of `tokens[1..]` given the tokens before each (`tokens` fit the context): one
+/// forward pass over the whole window.
+fn score_window<B: LabBackend>(
+    model: &LanguageModel<B>,
+    tokens: &[usize],
+    k: usize,
+    device: &B::Device,
+) -> Vec<Scored> {
+    let n = tokens.len();
+    if n < 2 {
+        return Vec::new();
+    }
+    let input = ids::<B>(&[tokens[..n - 1].to_vec()], 0..n - 1, device);
+    let logits: Vec<f32> = model
+        .forward(input)
+        .logits
+        .into_data()
+        .convert::<f32>()
+        .to_vec()
+        .expect("f32 logits");
+    let v = model.vocab_size();
+    logits
+        .chunks(v)
+        .zip(&tokens[1..])
+        .map(|(row, &token)| Scored::of(row, token, k))
+        .collect()
 }
 
 /// Why a request's generation ended.
@@ -172,7 +240,8 @@ impl Row {
         let token = self.job.sampling.sample(logits, &mut self.rng);
         self.tokens.push(token);
         self.produced += 1;
-        if self.job.events.send(Event::Token(token)).is_err() {
+        let scored = self.job.logprobs.map(|k| Scored::of(logits, token, k));
+        if self.job.events.send(Event::Token(token, scored)).is_err() {
             return false; // the client has gone
         }
         if self.produced >= self.job.max_tokens {
@@ -247,6 +316,15 @@ impl<B: LabBackend> Engine<'_, B> {
                 if job.events.is_closed() {
                     continue;
                 }
+                if job.score_prompt {
+                    let k = job.logprobs.unwrap_or(0);
+                    let scores = score_window(self.model, &job.prompt, k, &self.device);
+                    let _ = job.events.send(Event::Prompt(scores));
+                }
+                if job.max_tokens == 0 {
+                    let _ = job.events.send(Event::Done(Finish::Length));
+                    continue;
+                }
                 if !batched {
                     self.alone(job);
                     continue;
@@ -258,10 +336,7 @@ impl<B: LabBackend> Engine<'_, B> {
                     job,
                 };
                 let logits = self.prefill(&row.tokens, &mut cache);
-                if row.job.max_tokens == 0 {
-                    let _ = row.job.events.send(Event::Done(Finish::Length));
-                }
-                if row.job.max_tokens > 0 && row.take(&logits) {
+                if row.take(&logits) {
                     rows.push(row);
                 } else {
                     // Done at its first token: its columns leave with it.
@@ -379,14 +454,15 @@ impl<B: LabBackend> Engine<'_, B> {
             job.seed,
             Decoding::Cached,
             &self.device,
-            |token| {
+            |token, logits| {
                 if stopping.load(Ordering::SeqCst) {
                     anyhow::bail!("stopping");
                 }
                 self.counters.steps.fetch_add(1, Ordering::SeqCst);
                 self.counters.rows.fetch_add(1, Ordering::SeqCst);
+                let scored = job.logprobs.map(|k| Scored::of(logits, token, k));
                 job.events
-                    .send(Event::Token(token))
+                    .send(Event::Token(token, scored))
                     .map_err(|_| anyhow::anyhow!("the client has gone"))
             },
         );

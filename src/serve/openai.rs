@@ -3,7 +3,7 @@
 //! it is produced, then `data: [DONE]`) or not. The request and response fields are OpenAI's;
 //! a field this server does not know is refused by name rather than ignored.
 
-use super::engine::{Event as EngineEvent, Finish, Job, Submit};
+use super::engine::{Event as EngineEvent, Finish, Job, Scored, Submit};
 use super::text::TextOut;
 use super::{ApiError, ApiJson, App, Served};
 use crate::generate::Sampling;
@@ -78,6 +78,9 @@ pub struct CompletionRequest {
     /// Put the prompt before the completion in the answer.
     #[serde(default)]
     echo: bool,
+    /// Give each token's log-probability and this many most likely alternatives (0–5); with
+    /// `echo`, the prompt's tokens too (how evaluation harnesses score a text).
+    logprobs: Option<usize>,
     #[serde(flatten)]
     settings: Settings,
 }
@@ -134,6 +137,20 @@ pub async fn completions(
             ))
         }
     };
+    if let Some(k) = request.logprobs {
+        if k > MAX_LOGPROBS {
+            return Err(ApiError::invalid(
+                "logprobs",
+                format!("logprobs is at most {MAX_LOGPROBS}, got {k}"),
+            ));
+        }
+        if request.settings.stream {
+            return Err(ApiError::invalid(
+                "logprobs",
+                "logprobs come with whole answers: ask without stream".into(),
+            ));
+        }
+    }
     let echo = request.echo.then(|| prompt.clone());
     run(
         app,
@@ -141,7 +158,10 @@ pub async fn completions(
         prompt,
         request.settings,
         16,
-        Route::Completion { echo },
+        Route::Completion {
+            echo,
+            logprobs: request.logprobs,
+        },
     )
     .await
 }
@@ -190,9 +210,15 @@ pub async fn chat(
     .await
 }
 
+/// The most alternatives `logprobs` may ask for (OpenAI's limit).
+const MAX_LOGPROBS: usize = 5;
+
 /// Which answer format.
 enum Route {
-    Completion { echo: Option<String> },
+    Completion {
+        echo: Option<String>,
+        logprobs: Option<usize>,
+    },
     Chat,
 }
 
@@ -322,11 +348,28 @@ async fn run(
     let checked = check(&app, model, &prompt, settings, default_max)?;
     let (events, tokens) = mpsc::unbounded_channel();
     let prompt_tokens = checked.prompt.len();
+    let (logprobs, score_prompt) = match &route {
+        Route::Completion { echo, logprobs } => (*logprobs, logprobs.is_some() && echo.is_some()),
+        Route::Chat => (None, false),
+    };
+    if score_prompt && prompt_tokens > model.context {
+        return Err(ApiError::invalid(
+            "prompt",
+            format!(
+                "echo with logprobs scores the prompt in one window of the model's context ({} \
+                 tokens); the prompt has {prompt_tokens}",
+                model.context
+            ),
+        ));
+    }
+    let scored_prompt = score_prompt.then(|| checked.prompt.clone());
     let job = Job {
         prompt: checked.prompt,
         max_tokens: checked.max_tokens,
         sampling: checked.sampling,
         seed: checked.seed,
+        logprobs,
+        score_prompt,
         events,
     };
     if let Submit::Full = model.engine.submit(job) {
@@ -344,6 +387,8 @@ async fn run(
         arrived,
         last: arrived,
         done: false,
+        prompt_scores: Vec::new(),
+        scored: Vec::new(),
     };
     let head = json!({
         "id": format!("cmpl-{:016x}", rand::random::<u64>()),
@@ -353,10 +398,11 @@ async fn run(
     });
     let usage = move |completion: usize| json!({"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion});
     let echo = match &route {
-        Route::Completion { echo } => echo.clone(),
+        Route::Completion { echo, .. } => echo.clone(),
         Route::Chat => None,
     };
     if !checked.stream {
+        let echoed = echo.as_deref().map_or(0, |e| e.chars().count());
         let mut text = echo.unwrap_or_default();
         let mut finish = "cancelled";
         while let Some(piece) = reader.next().await {
@@ -366,7 +412,16 @@ async fn run(
             }
         }
         let mut answer = head;
-        answer["choices"] = json!([route.choice(&text, Some(finish), false, true)]);
+        let mut choice = route.choice(&text, Some(finish), false, true);
+        if logprobs.is_some() {
+            let generated = text.chars().count() - echoed;
+            choice["logprobs"] = reader.logprobs(
+                scored_prompt.as_deref(),
+                prompt.chars().count(),
+                (finish == "stop").then_some(generated),
+            );
+        }
+        answer["choices"] = json!([choice]);
         answer["usage"] = usage(reader.out.tokens());
         return Ok(Json(answer).into_response());
     }
@@ -433,6 +488,10 @@ struct Reader {
     arrived: Instant,
     last: Instant,
     done: bool,
+    /// The prompt's scores, where asked.
+    prompt_scores: Vec<Scored>,
+    /// The generated tokens with their scores, where asked.
+    scored: Vec<(usize, Scored)>,
 }
 
 impl Reader {
@@ -444,7 +503,14 @@ impl Reader {
         let metrics = &self.app.metrics;
         loop {
             let finish = match self.tokens.recv().await {
-                Some(EngineEvent::Token(token)) => {
+                Some(EngineEvent::Prompt(scores)) => {
+                    self.prompt_scores = scores;
+                    continue;
+                }
+                Some(EngineEvent::Token(token, scored)) => {
+                    if let Some(scored) = scored {
+                        self.scored.push((token, scored));
+                    }
                     let now = Instant::now();
                     let (histogram, since) = if self.out.tokens() == 0 {
                         (&metrics.first_token, self.arrived)
@@ -483,5 +549,66 @@ impl Reader {
                 finish: Some(finish),
             });
         }
+    }
+}
+
+impl Reader {
+    /// The answer's `logprobs` (OpenAI's completions form): each token's text, log-probability
+    /// and most likely alternatives, and where its text begins — the prompt's tokens first when
+    /// `prompt` (scored) is given, the first with no score (nothing precedes it); otherwise the
+    /// offsets begin after the prompt's `prompt_chars` characters. A stop string cut the text at
+    /// `stopped_at` characters of the completion: the tokens after the cut are left out.
+    fn logprobs(
+        &self,
+        prompt: Option<&[usize]>,
+        prompt_chars: usize,
+        stopped_at: Option<usize>,
+    ) -> Value {
+        let tokenizer = self.out.tokenizer();
+        let top = |scored: &Scored| {
+            let mut map = serde_json::Map::new();
+            for &(token, logprob) in &scored.top {
+                map.entry(tokenizer.decode(&[token]))
+                    .or_insert(json!(logprob));
+            }
+            Value::Object(map)
+        };
+        let (mut tokens, mut logprobs, mut tops, mut offsets) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let mut at = 0;
+        if let Some(prompt) = prompt {
+            for (i, &token) in prompt.iter().enumerate() {
+                let text = tokenizer.decode(&[token]);
+                offsets.push(at);
+                at += text.chars().count();
+                tokens.push(text);
+                match i.checked_sub(1).and_then(|i| self.prompt_scores.get(i)) {
+                    Some(scored) => {
+                        logprobs.push(json!(scored.logprob));
+                        tops.push(top(scored));
+                    }
+                    None => {
+                        logprobs.push(Value::Null);
+                        tops.push(Value::Null);
+                    }
+                }
+            }
+        } else {
+            at = prompt_chars;
+        }
+        let start = at;
+        for (token, scored) in &self.scored {
+            if stopped_at.is_some_and(|end| at - start >= end) {
+                break;
+            }
+            let text = tokenizer.decode(&[*token]);
+            offsets.push(at);
+            at += text.chars().count();
+            tokens.push(text);
+            logprobs.push(json!(scored.logprob));
+            tops.push(top(scored));
+        }
+        json!({"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops,
+            "text_offset": offsets})
     }
 }

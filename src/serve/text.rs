@@ -77,6 +77,11 @@ impl TextOut {
         &self.text[..self.sent]
     }
 
+    /// The tokenizer that decodes them.
+    pub fn tokenizer(&self) -> &Tokenizer {
+        &self.tokenizer
+    }
+
     /// Tokens generated.
     pub fn tokens(&self) -> usize {
         self.tokens.len()

@@ -30,6 +30,16 @@ check("a completion is generate's greedy text", done.choices[0].text == expected
 check("finish_reason length", done.choices[0].finish_reason == "length", done.choices[0].finish_reason)
 check("usage counts tokens", (done.usage.prompt_tokens, done.usage.completion_tokens) == (5, 40), done.usage)
 
+scored = client.completions.create(model="lm", prompt="to be", max_tokens=0, echo=True, logprobs=2)
+lp = scored.choices[0].logprobs
+check("echo with logprobs scores the prompt", lp.tokens == list("to be") and lp.token_logprobs[0] is None
+      and all(x < 0 for x in lp.token_logprobs[1:]) and len(lp.top_logprobs[1]) == 2, lp)
+greedy = client.completions.create(model="lm", prompt="to be", max_tokens=5, temperature=0, logprobs=1)
+lp = greedy.choices[0].logprobs
+check("a greedy token is its position's most likely", all(
+    top == {token: logprob} for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs)
+) and lp.text_offset == [5, 6, 7, 8, 9], lp)
+
 pieces = []
 for chunk in client.completions.create(
     model="lm", prompt="to be", max_tokens=40, temperature=0, stream=True

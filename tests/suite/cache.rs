@@ -53,9 +53,16 @@ fn past_the_context_the_cache_refills_from_the_last_half_context() {
     let model = lm(Mixer::Full, context);
     let prompt = [1, 2, 3];
     let run = |decoding| {
-        generate(&model, &prompt, 30, &greedy(), 0, decoding, &device, |_| {
-            Ok(())
-        })
+        generate(
+            &model,
+            &prompt,
+            30,
+            &greedy(),
+            0,
+            decoding,
+            &device,
+            |_, _| Ok(()),
+        )
         .unwrap()
     };
     let (cached, recomputed) = (run(Decoding::Cached), run(Decoding::Recompute));
@@ -84,9 +91,16 @@ fn hyena_recomputes_its_window_and_local_attention_keeps_only_its_window() {
     let hyena = lm(Mixer::Hyena(HyenaConfig::default()), 8);
     assert!(!hyena.caches());
     let run = |model, decoding| {
-        generate(model, &[4, 5], 12, &greedy(), 0, decoding, &device, |_| {
-            Ok(())
-        })
+        generate(
+            model,
+            &[4, 5],
+            12,
+            &greedy(),
+            0,
+            decoding,
+            &device,
+            |_, _| Ok(()),
+        )
         .unwrap()
     };
     assert_eq!(

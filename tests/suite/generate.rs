@@ -160,7 +160,7 @@ fn the_same_seed_gives_the_same_text() {
             seed,
             Decoding::Cached,
             &device,
-            |_| Ok(()),
+            |_, _| Ok(()),
         )
         .unwrap()
     };
@@ -177,7 +177,7 @@ fn the_same_seed_gives_the_same_text() {
         11,
         Decoding::Cached,
         &device,
-        |t| {
+        |t, _| {
             streamed.push(t);
             Ok(())
         },

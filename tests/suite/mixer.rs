@@ -386,7 +386,7 @@ fn every_causal_mixer_generates_its_most_likely_tokens_greedily() {
             0,
             Decoding::Recompute,
             &device,
-            |_| Ok(()),
+            |_, _| Ok(()),
         )
         .unwrap();
         assert_eq!(tokens.len(), 33, "{}", mixer.name());

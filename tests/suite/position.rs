@@ -175,7 +175,7 @@ fn a_rolling_cache_generates_what_the_sliding_window_generates() {
                 0,
                 decoding,
                 &device,
-                |_| Ok(()),
+                |_, _| Ok(()),
             )
             .unwrap()
         };

@@ -312,6 +312,147 @@ fn a_linear_attention_model_decodes_one_request_at_a_time_and_says_what_generate
     assert_eq!(steps, rows, "a linear-attention model decodes rows of one");
 }
 
+/// `logprobs` (with `echo`, how evaluation harnesses score a text) against the model's own
+/// log-softmax, computed here in-process with burn's composed ops on the whole sequence.
+#[test]
+fn logprobs_are_the_model_s_log_softmax_for_the_prompt_and_every_generated_token() {
+    use burn::backend::NdArray;
+    use burn::prelude::*;
+    use transformer_lab::config::{LmConfig, TokenizerKind};
+    use transformer_lab::data::Tokenizer;
+    let dir = tempfile::tempdir().unwrap();
+    let config = r#"{"name": "lm", "model": {"kind": "lm", "d_model": 32, "n_layers": 2,
+        "n_heads": 4, "context": 64}, "data": {"dataset": "tinyshakespeare", "tokenizer": "char"}}"#;
+    let build = |c: &transformer_lab::config::ExperimentConfig| {
+        let model = c.model_as::<LmConfig>().unwrap();
+        crate::common::explicit_weights(model.init::<NdArray<f32>>(&Default::default()), 5)
+    };
+    let tokenizer = Tokenizer::fit(TokenizerKind::Char, std::iter::once(TEXT), 0).unwrap();
+    crate::common::write_artifact_at(dir.path(), "lm", config, build, Some(tokenizer.clone()));
+    // The config as written: its vocabulary is the tokenizer's.
+    let written = dir.path().join("lm/config.json");
+    let model = build(&transformer_lab::config::ExperimentConfig::load(&written).unwrap());
+    // ln p(token i | tokens before it) for i ≥ 1, and each position's log-softmax row.
+    let reference = |text: &str| -> (Vec<usize>, Vec<Vec<f32>>) {
+        let ids = tokenizer.encode(text).unwrap();
+        let input = Tensor::<NdArray<f32>, 2, Int>::from_data(
+            TensorData::new(ids.iter().map(|&t| t as i64).collect(), [1, ids.len()]),
+            &Default::default(),
+        );
+        let rows = transformer_lab::kernels::with_fused(false, || {
+            let logits = model.forward(input).logits;
+            burn::tensor::activation::log_softmax(logits, 2)
+        });
+        let v = tokenizer.vocab_size();
+        let values: Vec<f32> = rows.into_data().to_vec().unwrap();
+        (ids, values.chunks(v).map(<[f32]>::to_vec).collect())
+    };
+    let top = |row: &[f32], k: usize| -> Vec<usize> {
+        let mut order: Vec<usize> = (0..row.len()).collect();
+        order.sort_by(|&a, &b| row[b].total_cmp(&row[a]).then(a.cmp(&b)));
+        order.truncate(k);
+        order
+    };
+    let close = |got: &Value, want: f32, what: &str| {
+        let got = got.as_f64().unwrap_or_else(|| panic!("{what}: {got}")) as f32;
+        assert!((got - want).abs() < 1e-4, "{what}: {got} against {want}");
+    };
+    let server = Server::start(dir.path(), &[]);
+
+    // Scoring a text: echo, no new token. The first token has no score.
+    let prompt = "whether 'tis nobler";
+    let (status, answer) = server.post(
+        "/v1/completions",
+        &json!({"model": "lm", "prompt": prompt, "max_tokens": 0, "echo": true, "logprobs": 3})
+            .to_string(),
+    );
+    assert_eq!(status, 200, "{answer}");
+    let (ids, rows) = reference(prompt);
+    let lp = &answer["choices"][0]["logprobs"];
+    assert_eq!(answer["choices"][0]["text"], prompt);
+    let tokens: Vec<&str> = (lp["tokens"].as_array().unwrap().iter())
+        .map(|t| t.as_str().unwrap())
+        .collect();
+    assert_eq!(tokens.concat(), prompt);
+    assert_eq!(lp["token_logprobs"][0], Value::Null);
+    assert_eq!(lp["top_logprobs"][0], Value::Null);
+    let offsets: Vec<u64> = (0..ids.len() as u64).collect();
+    assert_eq!(lp["text_offset"], json!(offsets));
+    for i in 1..ids.len() {
+        let row = &rows[i - 1];
+        close(&lp["token_logprobs"][i], row[ids[i]], &format!("token {i}"));
+        let alternatives = lp["top_logprobs"][i].as_object().unwrap();
+        assert_eq!(alternatives.len(), 3, "{alternatives:?}");
+        for t in top(row, 3) {
+            let piece = tokenizer.decode(&[t]);
+            close(
+                &alternatives[&piece],
+                row[t],
+                &format!("token {i}'s rival {piece:?}"),
+            );
+        }
+    }
+
+    // Generated tokens, decoded through the key–value cache, scored as the whole sequence's
+    // forward pass scores them; greedy, so each is its position's most likely token.
+    let (status, answer) = server.post(
+        "/v1/completions",
+        &json!({"model": "lm", "prompt": "to be", "max_tokens": 30, "temperature": 0,
+            "logprobs": 1})
+        .to_string(),
+    );
+    assert_eq!(status, 200, "{answer}");
+    let text = answer["choices"][0]["text"].as_str().unwrap();
+    let lp = &answer["choices"][0]["logprobs"];
+    let (ids, rows) = reference(&format!("to be{text}"));
+    assert_eq!(lp["tokens"].as_array().unwrap().len(), 30);
+    for j in 0..30 {
+        let i = 5 + j; // the prompt is 5 tokens
+        let row = &rows[i - 1];
+        assert_eq!(top(row, 1), [ids[i]], "greedy token {j}");
+        close(
+            &lp["token_logprobs"][j],
+            row[ids[i]],
+            &format!("new token {j}"),
+        );
+        assert_eq!(lp["text_offset"][j], json!(i));
+    }
+
+    // A stop string: the tokens after the cut are left out.
+    let (_, answer) = server.post(
+        "/v1/completions",
+        &json!({"model": "lm", "prompt": "to be", "max_tokens": 60, "seed": 3, "stop": "e",
+            "logprobs": 0})
+        .to_string(),
+    );
+    let text = answer["choices"][0]["text"].as_str().unwrap();
+    let tokens: Vec<&str> = (answer["choices"][0]["logprobs"]["tokens"]
+        .as_array()
+        .unwrap())
+    .iter()
+    .map(|t| t.as_str().unwrap())
+    .collect();
+    if answer["choices"][0]["finish_reason"] == "stop" {
+        assert_eq!(tokens.concat(), text, "{answer}");
+    }
+
+    for (body, needle) in [
+        (
+            json!({"model": "lm", "prompt": "to", "logprobs": 6}),
+            "at most 5",
+        ),
+        (
+            json!({"model": "lm", "prompt": "to", "logprobs": 1, "stream": true}),
+            "without stream",
+        ),
+    ] {
+        let (status, answer) = server.post("/v1/completions", &body.to_string());
+        assert_eq!(status, 400, "{answer}");
+        let message = answer["error"]["message"].as_str().unwrap();
+        assert!(message.contains(needle), "{message}");
+    }
+}
+
 #[test]
 fn every_bad_request_gets_one_json_error_and_the_others_go_on() {
     let dir = tempfile::tempdir().unwrap();
