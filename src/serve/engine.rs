@@ -69,17 +69,19 @@ impl Scored {
         let sum: f64 = logits.iter().map(|&l| f64::from(l - max).exp()).sum();
         let log_z = f64::from(max) + sum.ln();
         let logprob = |t: usize| (f64::from(logits[t]) - log_z) as f32;
-        let mut order: Vec<usize> = (0..logits.len()).collect();
         let k = k.min(logits.len());
+        let mut top = Vec::new();
         if k > 0 {
             let by = |a: &usize, b: &usize| logits[*b].total_cmp(&logits[*a]).then(a.cmp(b));
+            let mut order: Vec<usize> = (0..logits.len()).collect();
             order.select_nth_unstable_by(k - 1, by);
             order.truncate(k);
             order.sort_by(by);
+            top = order.into_iter().map(|t| (t, logprob(t))).collect();
         }
         Self {
             logprob: logprob(token),
-            top: order.into_iter().take(k).map(|t| (t, logprob(t))).collect(),
+            top,
         }
     }
 }
