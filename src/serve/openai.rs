@@ -5,7 +5,7 @@
 
 use super::engine::{Event as EngineEvent, Finish, Job, Scored, Submit};
 use super::text::TextOut;
-use super::{ApiError, ApiJson, App, Served};
+use super::{ApiError, ApiJson, App};
 use crate::generate::Sampling;
 use axum::extract::State;
 use axum::response::sse::{Event, KeepAlive, Sse};
@@ -20,7 +20,7 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::StreamExt;
 
-/// A prompt: one string, or a list holding one.
+/// A prompt: one string, or a list holding one; or token ids, or a list holding one list.
 #[derive(Deserialize)]
 #[serde(untagged)]
 pub enum Prompt {
@@ -28,6 +28,18 @@ pub enum Prompt {
     One(String),
     /// Several texts (this server takes one).
     Many(Vec<String>),
+    /// One prompt's token ids, exactly as the model reads them.
+    Ids(Vec<usize>),
+    /// Several prompts' token ids (this server takes one).
+    ManyIds(Vec<Vec<usize>>),
+}
+
+/// A prompt as given: text to encode, or token ids to take as they are.
+pub enum Given {
+    /// Text.
+    Text(String),
+    /// Token ids.
+    Ids(Vec<usize>),
 }
 
 /// One or several stop strings.
@@ -127,15 +139,19 @@ pub async fn completions(
     State(app): State<Arc<App>>,
     ApiJson(request): ApiJson<CompletionRequest>,
 ) -> Result<Response, ApiError> {
+    let one = |count: usize| {
+        ApiError::invalid(
+            "prompt",
+            format!("give one prompt per request (got {count})"),
+        )
+    };
     let prompt = match request.prompt {
-        Prompt::One(text) => text,
-        Prompt::Many(mut texts) if texts.len() == 1 => texts.remove(0),
-        Prompt::Many(texts) => {
-            return Err(ApiError::invalid(
-                "prompt",
-                format!("give one prompt per request (got {})", texts.len()),
-            ))
-        }
+        Prompt::One(text) => Given::Text(text),
+        Prompt::Many(mut texts) if texts.len() == 1 => Given::Text(texts.remove(0)),
+        Prompt::Many(texts) => return Err(one(texts.len())),
+        Prompt::Ids(ids) => Given::Ids(ids),
+        Prompt::ManyIds(mut lists) if lists.len() == 1 => Given::Ids(lists.remove(0)),
+        Prompt::ManyIds(lists) => return Err(one(lists.len())),
     };
     if let Some(k) = request.logprobs {
         if k > MAX_LOGPROBS {
@@ -151,7 +167,6 @@ pub async fn completions(
             ));
         }
     }
-    let echo = request.echo.then(|| prompt.clone());
     run(
         app,
         &request.model,
@@ -159,7 +174,7 @@ pub async fn completions(
         request.settings,
         16,
         Route::Completion {
-            echo,
+            echo: request.echo,
             logprobs: request.logprobs,
         },
     )
@@ -202,7 +217,7 @@ pub async fn chat(
     run(
         app,
         &request.model,
-        prompt,
+        Given::Text(prompt),
         request.settings,
         256,
         Route::Chat,
@@ -215,10 +230,7 @@ const MAX_LOGPROBS: usize = 5;
 
 /// Which answer format.
 enum Route {
-    Completion {
-        echo: Option<String>,
-        logprobs: Option<usize>,
-    },
+    Completion { echo: bool, logprobs: Option<usize> },
     Chat,
 }
 
@@ -268,8 +280,7 @@ struct Checked {
 
 fn check(
     app: &App,
-    model: &Served,
-    prompt: &str,
+    prompt: Vec<usize>,
     settings: Settings,
     default_max: usize,
 ) -> Result<Checked, ApiError> {
@@ -317,7 +328,6 @@ fn check(
             ))
         }
     };
-    let prompt = model.encode(prompt)?;
     Ok(Checked {
         prompt,
         max_tokens,
@@ -338,18 +348,19 @@ fn check(
 async fn run(
     app: Arc<App>,
     model_id: &str,
-    prompt: String,
+    prompt: Given,
     settings: Settings,
     default_max: usize,
     route: Route,
 ) -> Result<Response, ApiError> {
     let arrived = Instant::now();
     let model = app.model(model_id)?;
-    let checked = check(&app, model, &prompt, settings, default_max)?;
+    let (prompt, ids) = model.prompt(prompt)?;
+    let checked = check(&app, ids, settings, default_max)?;
     let (events, tokens) = mpsc::unbounded_channel();
     let prompt_tokens = checked.prompt.len();
     let (logprobs, score_prompt) = match &route {
-        Route::Completion { echo, logprobs } => (*logprobs, logprobs.is_some() && echo.is_some()),
+        Route::Completion { echo, logprobs } => (*logprobs, logprobs.is_some() && *echo),
         Route::Chat => (None, false),
     };
     if score_prompt && prompt_tokens > model.context {
@@ -398,8 +409,8 @@ async fn run(
     });
     let usage = move |completion: usize| json!({"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion});
     let echo = match &route {
-        Route::Completion { echo, .. } => echo.clone(),
-        Route::Chat => None,
+        Route::Completion { echo: true, .. } => Some(prompt.clone()),
+        _ => None,
     };
     if !checked.stream {
         let echoed = echo.as_deref().map_or(0, |e| e.chars().count());

@@ -367,6 +367,7 @@ fn logprobs_are_the_model_s_log_softmax_for_the_prompt_and_every_generated_token
             .to_string(),
     );
     assert_eq!(status, 200, "{answer}");
+    let scored = answer.clone();
     let (ids, rows) = reference(prompt);
     let lp = &answer["choices"][0]["logprobs"];
     assert_eq!(answer["choices"][0]["text"], prompt);
@@ -436,7 +437,26 @@ fn logprobs_are_the_model_s_log_softmax_for_the_prompt_and_every_generated_token
         assert_eq!(tokens.concat(), text, "{answer}");
     }
 
+    // The prompt as token ids (how harnesses send it, so that the ids scored are theirs): the
+    // same answer as its text, scores included.
+    let ids = tokenizer.encode(prompt).unwrap();
+    for given in [json!(prompt), json!(ids), json!([ids])] {
+        let (status, answer) = server.post(
+            "/v1/completions",
+            &json!({"model": "lm", "prompt": given, "max_tokens": 0, "echo": true,
+                "logprobs": 3})
+            .to_string(),
+        );
+        assert_eq!(status, 200, "{answer}");
+        assert_eq!(answer["choices"][0], scored["choices"][0], "{given}");
+    }
+
+    let vocab = tokenizer.vocab_size();
     for (body, needle) in [
+        (
+            json!({"model": "lm", "prompt": [0, vocab]}),
+            "is not in the vocabulary",
+        ),
         (
             json!({"model": "lm", "prompt": "to", "logprobs": 6}),
             "at most 5",
