@@ -87,39 +87,31 @@ impl Served {
     /// The prompt's text and token ids, or the error a client gets: text is encoded, ids are
     /// taken as they are (each below the vocabulary's size) and decoded for the text.
     fn prompt(&self, given: openai::Given) -> Result<(String, Vec<usize>), ApiError> {
-        let ids = match given {
+        let (text, ids) = match given {
             openai::Given::Text(text) => {
-                let ids = self.encode(&text)?;
-                return Ok((text, ids));
+                // An empty prompt starts a fresh passage, as `generate` does.
+                let ids = (self.tokenizer)
+                    .encode(if text.is_empty() { "\n" } else { &text })
+                    .map_err(|e| ApiError::invalid("prompt", format!("{e:#}")))?;
+                (text, ids)
             }
-            openai::Given::Ids(ids) => ids,
+            openai::Given::Ids(ids) => {
+                let vocab = self.tokenizer.vocab_size();
+                if let Some(bad) = ids.iter().find(|&&id| id >= vocab) {
+                    return Err(ApiError::invalid(
+                        "prompt",
+                        format!(
+                            "token id {bad} is not in the vocabulary (ids 0–{})",
+                            vocab - 1
+                        ),
+                    ));
+                }
+                (self.tokenizer.decode(&ids), ids)
+            }
         };
-        let vocab = self.tokenizer.vocab_size();
-        if let Some(bad) = ids.iter().find(|&&id| id >= vocab) {
-            return Err(ApiError::invalid(
-                "prompt",
-                format!(
-                    "token id {bad} is not in the vocabulary (ids 0–{})",
-                    vocab - 1
-                ),
-            ));
-        }
         check_prompt(ids.len(), self.context, self.position)
             .map_err(|e| ApiError::invalid("prompt", format!("{e:#}")))?;
-        Ok((self.tokenizer.decode(&ids), ids))
-    }
-
-    /// The prompt's token ids, or the error a client gets.
-    fn encode(&self, prompt: &str) -> Result<Vec<usize>, ApiError> {
-        // An empty prompt starts a fresh passage, as `generate` does.
-        let prompt = if prompt.is_empty() { "\n" } else { prompt };
-        let ids = self
-            .tokenizer
-            .encode(prompt)
-            .map_err(|e| ApiError::invalid("prompt", format!("{e:#}")))?;
-        check_prompt(ids.len(), self.context, self.position)
-            .map_err(|e| ApiError::invalid("prompt", format!("{e:#}")))?;
-        Ok(ids)
+        Ok((text, ids))
     }
 }
 

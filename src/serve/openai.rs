@@ -561,9 +561,7 @@ impl Reader {
             });
         }
     }
-}
 
-impl Reader {
     /// The answer's `logprobs` (OpenAI's completions form): each token's text, log-probability
     /// and most likely alternatives, and where its text begins — the prompt's tokens first when
     /// `prompt` (scored) is given, the first with no score (nothing precedes it); otherwise the
@@ -586,38 +584,32 @@ impl Reader {
         };
         let (mut tokens, mut logprobs, mut tops, mut offsets) =
             (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        // One token's entries, at character `at`; returns the length of its text.
+        let mut push = |token: usize, scored: Option<&Scored>, at: usize| {
+            let text = tokenizer.decode(&[token]);
+            let length = text.chars().count();
+            offsets.push(at);
+            tokens.push(text);
+            logprobs.push(scored.map_or(Value::Null, |s| json!(s.logprob)));
+            tops.push(scored.map_or(Value::Null, top));
+            length
+        };
         let mut at = 0;
-        if let Some(prompt) = prompt {
-            for (i, &token) in prompt.iter().enumerate() {
-                let text = tokenizer.decode(&[token]);
-                offsets.push(at);
-                at += text.chars().count();
-                tokens.push(text);
-                match i.checked_sub(1).and_then(|i| self.prompt_scores.get(i)) {
-                    Some(scored) => {
-                        logprobs.push(json!(scored.logprob));
-                        tops.push(top(scored));
-                    }
-                    None => {
-                        logprobs.push(Value::Null);
-                        tops.push(Value::Null);
-                    }
+        match prompt {
+            Some(prompt) => {
+                for (i, &token) in prompt.iter().enumerate() {
+                    let scored = i.checked_sub(1).and_then(|i| self.prompt_scores.get(i));
+                    at += push(token, scored, at);
                 }
             }
-        } else {
-            at = prompt_chars;
+            None => at = prompt_chars,
         }
         let start = at;
         for (token, scored) in &self.scored {
             if stopped_at.is_some_and(|end| at - start >= end) {
                 break;
             }
-            let text = tokenizer.decode(&[*token]);
-            offsets.push(at);
-            at += text.chars().count();
-            tokens.push(text);
-            logprobs.push(json!(scored.logprob));
-            tops.push(top(scored));
+            at += push(*token, Some(scored), at);
         }
         json!({"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops,
             "text_offset": offsets})

@@ -104,17 +104,20 @@ fn predict_classifies_an_image_file_and_rejects_a_non_image() {
         }])
     });
     picture.save(dir.path().join("digit.png")).unwrap();
-    let out = run(
-        dir.path(),
-        &[
-            "predict",
-            "--artifact-dir",
-            "art",
-            "digit.png",
-            "--top",
-            "2",
-        ],
-    );
+    let predict = |top: &str| {
+        run(
+            dir.path(),
+            &[
+                "predict",
+                "--artifact-dir",
+                "art",
+                "digit.png",
+                "--top",
+                top,
+            ],
+        )
+    };
+    let out = predict("2");
     assert!(out.status.success(), "{}", stderr(&out));
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
@@ -138,20 +141,7 @@ fn predict_classifies_an_image_file_and_rejects_a_non_image() {
         "missing.png",
     );
     // Not one class shown as if asked for.
-    assert_clean_error(
-        &run(
-            dir.path(),
-            &[
-                "predict",
-                "--artifact-dir",
-                "art",
-                "digit.png",
-                "--top",
-                "0",
-            ],
-        ),
-        "--top",
-    );
+    assert_clean_error(&predict("0"), "--top");
 }
 
 #[test]
