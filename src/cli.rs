@@ -314,6 +314,34 @@ pub struct GenerateArgs {
     /// Always take the most likely token (deterministic).
     #[arg(long)]
     pub greedy: bool,
+    /// Discourage repeats, as Hugging Face's `repetition_penalty` (the CTRL paper's): the logit
+    /// of every token already in the prompt or the text is divided by R where positive and
+    /// multiplied by R where not. 1 = off; 1.1–1.3 is usual.
+    #[arg(
+        long,
+        value_name = "R",
+        default_value_t = 1.0,
+        allow_negative_numbers = true
+    )]
+    pub repetition_penalty: f32,
+    /// As OpenAI's `frequency_penalty`: F times the number of times a token was generated so
+    /// far is taken from its logit (−2 to 2; 0 = off).
+    #[arg(
+        long,
+        value_name = "F",
+        default_value_t = 0.0,
+        allow_negative_numbers = true
+    )]
+    pub frequency_penalty: f32,
+    /// As OpenAI's `presence_penalty`: P is taken from the logit of every token generated at
+    /// least once (−2 to 2; 0 = off).
+    #[arg(
+        long,
+        value_name = "P",
+        default_value_t = 0.0,
+        allow_negative_numbers = true
+    )]
+    pub presence_penalty: f32,
     /// Random seed: the same seed gives the same text.
     #[arg(long, default_value_t = 1337)]
     pub seed: u64,

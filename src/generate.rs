@@ -1,5 +1,6 @@
 //! Autoregressive sampling from a language model: temperature, top-k, nucleus (top-p) and
-//! greedy decoding, written once for every backend.
+//! greedy decoding, with repetition, frequency and presence penalties and per-token biases,
+//! written once for every backend.
 
 use crate::kernels::LabBackend;
 use crate::models::LanguageModel;
@@ -9,6 +10,7 @@ use burn::prelude::*;
 use burn::tensor::activation::softmax;
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
+use std::collections::HashMap;
 
 /// How the next token is chosen from the model's logits.
 #[derive(Clone, Debug, PartialEq)]
@@ -21,6 +23,8 @@ pub struct Sampling {
     pub top_p: Option<f64>,
     /// Always take the most likely token.
     pub greedy: bool,
+    /// What the tokens already seen do to the logits before any of the above.
+    pub penalties: Penalties,
 }
 
 impl Default for Sampling {
@@ -30,7 +34,127 @@ impl Default for Sampling {
             top_k: None,
             top_p: None,
             greedy: false,
+            penalties: Penalties::default(),
         }
+    }
+}
+
+/// Changes to the logits from the tokens seen so far, applied in this order before
+/// temperature, top-k and top-p (a [`Sampler`] applies them; [`Sampling::sample`] does not).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Penalties {
+    /// The CTRL paper's (Keskar et al. 2019) and Hugging Face's `repetition_penalty`: the logit
+    /// `l` of every token in the prompt or generated so far becomes `l / r` where positive and
+    /// `l · r` where not (`1` = off; above 1 discourages repeats).
+    pub repetition: f32,
+    /// OpenAI's `frequency_penalty`: `α` times the number of times a token was generated is
+    /// subtracted from its logit (`0` = off; the prompt does not count).
+    pub frequency: f32,
+    /// OpenAI's `presence_penalty`: `α` is subtracted from the logit of every token generated
+    /// at least once (`0` = off).
+    pub presence: f32,
+    /// OpenAI's `logit_bias`: `(token, b)` adds `b` to that token's logit, last (−100 bans it,
+    /// +100 all but forces it).
+    pub bias: Vec<(usize, f32)>,
+}
+
+impl Default for Penalties {
+    fn default() -> Self {
+        Self {
+            repetition: 1.0,
+            frequency: 0.0,
+            presence: 0.0,
+            bias: Vec::new(),
+        }
+    }
+}
+
+impl Penalties {
+    /// Whether they change nothing.
+    pub fn are_off(&self) -> bool {
+        self.repetition == 1.0
+            && self.frequency == 0.0
+            && self.presence == 0.0
+            && self.bias.is_empty()
+    }
+
+    /// Applies them to `logits` after the tokens `seen`.
+    pub fn apply(&self, logits: &mut [f32], seen: &Seen) {
+        for (&token, &(_, generated)) in &seen.counts {
+            let l = &mut logits[token];
+            if self.repetition != 1.0 {
+                *l = if *l > 0.0 {
+                    *l / self.repetition
+                } else {
+                    *l * self.repetition
+                };
+            }
+            if generated > 0 {
+                *l -= generated as f32 * self.frequency + self.presence;
+            }
+        }
+        for &(token, b) in &self.bias {
+            logits[token] += b;
+        }
+    }
+}
+
+/// The tokens a sequence holds so far, for [`Penalties`]: per token, whether the prompt holds
+/// it and how many times it was generated.
+#[derive(Clone, Debug, Default)]
+pub struct Seen {
+    counts: HashMap<usize, (bool, u32)>,
+}
+
+impl Seen {
+    /// After `prompt`, nothing generated.
+    pub fn new(prompt: &[usize]) -> Self {
+        let mut counts = HashMap::new();
+        for &token in prompt {
+            counts.insert(token, (true, 0));
+        }
+        Self { counts }
+    }
+
+    /// Records a generated token.
+    pub fn push(&mut self, token: usize) {
+        self.counts.entry(token).or_insert((false, 0)).1 += 1;
+    }
+}
+
+/// Draws a sequence's tokens one after another: [`Sampling`] with its own seeded generator and
+/// what the sequence has seen, for the penalties.
+pub struct Sampler {
+    sampling: Sampling,
+    rng: StdRng,
+    seen: Seen,
+}
+
+impl Sampler {
+    /// For a sequence that starts with `prompt`.
+    pub fn new(sampling: Sampling, seed: u64, prompt: &[usize]) -> Self {
+        let seen = match sampling.penalties.are_off() {
+            true => Seen::default(),
+            false => Seen::new(prompt),
+        };
+        Self {
+            sampling,
+            rng: StdRng::seed_from_u64(seed),
+            seen,
+        }
+    }
+
+    /// Draws the next token from the model's `logits` for it, and records it.
+    pub fn next(&mut self, logits: &[f32]) -> usize {
+        let penalties = &self.sampling.penalties;
+        if penalties.are_off() {
+            return self.sampling.sample(logits, &mut self.rng);
+        }
+        let mut logits = logits.to_vec();
+        penalties.apply(&mut logits, &self.seen);
+        let token = self.sampling.sample(&logits, &mut self.rng);
+        self.seen.push(token);
+        token
     }
 }
 
@@ -49,6 +173,21 @@ impl Sampling {
         if let Some(p) = self.top_p {
             if !(p > 0.0 && p <= 1.0) {
                 bail!("--top-p must be in (0, 1], got {p}");
+            }
+        }
+        let penalties = &self.penalties;
+        if !(penalties.repetition > 0.0 && penalties.repetition.is_finite()) {
+            bail!(
+                "--repetition-penalty must be a finite number > 0 (1 = off), got {}",
+                penalties.repetition
+            );
+        }
+        for (name, value) in [
+            ("frequency", penalties.frequency),
+            ("presence", penalties.presence),
+        ] {
+            if !(-2.0..=2.0).contains(&value) {
+                bail!("--{name}-penalty must be between -2 and 2, got {value}");
             }
         }
         Ok(())
@@ -87,7 +226,8 @@ impl Sampling {
         kept
     }
 
-    /// Draws the next token.
+    /// Draws the next token from `logits` as given (no [`Penalties`]: a [`Sampler`] applies
+    /// them first).
     pub fn sample(&self, logits: &[f32], rng: &mut StdRng) -> usize {
         let candidates = self.candidates(logits);
         let mut u: f64 = rng.random();
@@ -157,7 +297,7 @@ pub fn generate<B: LabBackend>(
     device: &B::Device,
     mut emit: impl FnMut(usize, &[f32]) -> Result<()>,
 ) -> Result<Vec<usize>> {
-    let mut rng = StdRng::seed_from_u64(seed);
+    let mut sampler = Sampler::new(sampling.clone(), seed, prompt);
     let mut decoder = Decoder::new(model, vec![prompt.to_vec()], decoding, device);
     for _ in 0..max_new_tokens {
         let logits: Vec<f32> = decoder
@@ -166,7 +306,7 @@ pub fn generate<B: LabBackend>(
             .convert::<f32>()
             .to_vec()
             .expect("f32 logits");
-        let next = sampling.sample(&logits, &mut rng);
+        let next = sampler.next(&logits);
         decoder.push(&[next]);
         emit(next, &logits)?;
     }

@@ -13,7 +13,7 @@ use crate::cli::{
 };
 use crate::config::{ClassifierConfig, ClipConfig, LmConfig, MlmConfig, Seq2SeqConfig, VitConfig};
 use crate::embed::{best_threshold, cosine, read_pairs, word_vectors};
-use crate::generate::{check_prompt, generate, Decoding, Sampling};
+use crate::generate::{check_prompt, generate, Decoding, Penalties, Sampling};
 use crate::kernels::LabBackend;
 use crate::kinds::{fill_mask, load_as, zero_shot};
 use crate::serve::ServeOptions;
@@ -27,6 +27,12 @@ pub(super) fn run_generate<B: LabBackend>(args: GenerateArgs, device: B::Device)
         top_k: args.top_k,
         top_p: args.top_p,
         greedy: args.greedy,
+        penalties: Penalties {
+            repetition: args.repetition_penalty,
+            frequency: args.frequency_penalty,
+            presence: args.presence_penalty,
+            bias: Vec::new(),
+        },
     };
     sampling.validate()?;
     let trained = load_as::<LmConfig, B>(&ArtifactDir::new(&args.artifact_dir), &device)?;

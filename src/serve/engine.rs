@@ -7,13 +7,11 @@
 //! other requests share its steps: each row's logits are those of decoding it alone (tested
 //! in `nn`), and the same request with the same seed gives the same text, batched or not.
 
-use crate::generate::{generate, ids, Decoding, Sampling};
+use crate::generate::{generate, ids, Decoding, Sampler, Sampling};
 use crate::kernels::LabBackend;
 use crate::models::LanguageModel;
 use crate::nn::{KvCache, RowsCache};
 use burn::prelude::*;
-use rand::rngs::StdRng;
-use rand::SeedableRng;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, SyncSender, TrySendError};
 use std::sync::Arc;
@@ -233,13 +231,13 @@ struct Row {
     /// Every token so far, prompt included; the last is not yet in the cache.
     tokens: Vec<usize>,
     produced: usize,
-    rng: StdRng,
+    sampler: Sampler,
 }
 
 impl Row {
     /// Draws the next token from `logits`, tells the client, and says whether the row goes on.
     fn take(&mut self, logits: &[f32]) -> bool {
-        let token = self.job.sampling.sample(logits, &mut self.rng);
+        let token = self.sampler.next(logits);
         self.tokens.push(token);
         self.produced += 1;
         let scored = self.job.logprobs.map(|k| Scored::of(logits, token, k));
@@ -333,7 +331,7 @@ impl<B: LabBackend> Engine<'_, B> {
                 }
                 let mut row = Row {
                     tokens: job.prompt.clone(),
-                    rng: StdRng::seed_from_u64(job.seed),
+                    sampler: Sampler::new(job.sampling.clone(), job.seed, &job.prompt),
                     produced: 0,
                     job,
                 };

@@ -6,13 +6,14 @@
 use super::engine::{Event as EngineEvent, Finish, Job, Scored, Submit};
 use super::text::TextOut;
 use super::{ApiError, ApiJson, App};
-use crate::generate::Sampling;
+use crate::generate::{Penalties, Sampling};
 use axum::extract::State;
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde::Deserialize;
 use serde_json::{json, Value};
+use std::collections::BTreeMap;
 use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::Instant;
@@ -70,6 +71,14 @@ pub struct Settings {
     max_completion_tokens: Option<usize>,
     temperature: Option<f64>,
     top_p: Option<f64>,
+    /// vLLM's extension: only the `k` most likely tokens (`-1` or `0`: all).
+    top_k: Option<i64>,
+    frequency_penalty: Option<f32>,
+    presence_penalty: Option<f32>,
+    /// vLLM's extension, Hugging Face's `repetition_penalty`.
+    repetition_penalty: Option<f32>,
+    /// Token id (as a string) → bias added to its logit.
+    logit_bias: Option<BTreeMap<String, f32>>,
     stop: Option<Stop>,
     seed: Option<u64>,
     #[serde(default)]
@@ -281,6 +290,7 @@ struct Checked {
 fn check(
     app: &App,
     prompt: Vec<usize>,
+    vocab: usize,
     settings: Settings,
     default_max: usize,
 ) -> Result<Checked, ApiError> {
@@ -317,6 +327,17 @@ fn check(
             format!("top_p must be in (0, 1], got {top_p}"),
         ));
     }
+    let top_k = match settings.top_k {
+        None | Some(-1 | 0) => None,
+        Some(k) if k > 0 => Some(k as usize),
+        Some(k) => {
+            return Err(ApiError::invalid(
+                "top_k",
+                format!("top_k must be at least 1 (or -1 for all), got {k}"),
+            ))
+        }
+    };
+    let penalties = penalties(&settings, vocab)?;
     let stops = match settings.stop {
         None => Vec::new(),
         Some(Stop::One(stop)) => vec![stop],
@@ -333,15 +354,74 @@ fn check(
         max_tokens,
         sampling: Sampling {
             temperature,
-            top_k: None,
+            top_k,
             top_p: (top_p < 1.0).then_some(top_p),
             greedy: temperature == 0.0,
+            penalties,
         },
         seed: settings.seed.unwrap_or_else(rand::random),
         stops,
         stream: settings.stream,
         usage_in_stream: settings.stream_options.unwrap_or_default().include_usage,
     })
+}
+
+/// The request's penalties and biases, checked against OpenAI's ranges (and vLLM's for
+/// `repetition_penalty`) and the vocabulary.
+fn penalties(settings: &Settings, vocab: usize) -> Result<Penalties, ApiError> {
+    let mut penalties = Penalties::default();
+    for (param, given, into) in [
+        (
+            "frequency_penalty",
+            settings.frequency_penalty,
+            &mut penalties.frequency,
+        ),
+        (
+            "presence_penalty",
+            settings.presence_penalty,
+            &mut penalties.presence,
+        ),
+    ] {
+        let value = given.unwrap_or(0.0);
+        if !(-2.0..=2.0).contains(&value) {
+            return Err(ApiError::invalid(
+                param,
+                format!("{param} must be between -2 and 2, got {value}"),
+            ));
+        }
+        *into = value;
+    }
+    penalties.repetition = settings.repetition_penalty.unwrap_or(1.0);
+    if !(penalties.repetition.is_finite() && penalties.repetition > 0.0) {
+        return Err(ApiError::invalid(
+            "repetition_penalty",
+            format!(
+                "repetition_penalty must be a finite number above 0 (1 = off), got {}",
+                penalties.repetition
+            ),
+        ));
+    }
+    for (token, &bias) in settings.logit_bias.iter().flatten() {
+        let id = match token.parse::<usize>() {
+            Ok(id) if id < vocab => id,
+            _ => {
+                return Err(ApiError::invalid(
+                    "logit_bias",
+                    format!(
+                        "logit_bias keys are token ids below the vocabulary's size ({vocab}),                          got {token:?}"
+                    ),
+                ))
+            }
+        };
+        if !(-100.0..=100.0).contains(&bias) {
+            return Err(ApiError::invalid(
+                "logit_bias",
+                format!("a logit bias must be between -100 and 100, got {bias} for {token}"),
+            ));
+        }
+        penalties.bias.push((id, bias));
+    }
+    Ok(penalties)
 }
 
 /// Queues the request on its model's engine and answers, streamed or whole.
@@ -356,7 +436,13 @@ async fn run(
     let arrived = Instant::now();
     let model = app.model(model_id)?;
     let (prompt, ids) = model.prompt(prompt)?;
-    let checked = check(&app, ids, settings, default_max)?;
+    let checked = check(
+        &app,
+        ids,
+        model.tokenizer.vocab_size(),
+        settings,
+        default_max,
+    )?;
     let (events, tokens) = mpsc::unbounded_channel();
     let prompt_tokens = checked.prompt.len();
     let (logprobs, score_prompt) = match &route {

@@ -54,6 +54,16 @@ seeded = [
 ]
 check("the same seed gives the same text", seeded[0] == seeded[1], seeded)
 
+forced = client.completions.create(model="lm", prompt="to be", max_tokens=5, logit_bias={"0": 100}, seed=2)
+check("a logit bias of +100 forces its token", len(set(forced.choices[0].text)) == 1, repr(forced.choices[0].text))
+penalised = client.completions.create(
+    model="lm", prompt="to be", max_tokens=40, temperature=0, frequency_penalty=2, presence_penalty=2,
+    extra_body={"repetition_penalty": 1.5, "top_k": 5},
+)
+text = penalised.choices[0].text
+check("the penalties discourage repeats", text != expected and len(set(text)) > len(set(expected)),
+      repr((text, expected)))
+
 chat = client.chat.completions.create(
     model="lm", messages=[{"role": "user", "content": "to be"}], max_tokens=20, temperature=0
 )

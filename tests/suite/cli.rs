@@ -194,10 +194,17 @@ fn bad_inputs_get_one_clear_error_line() {
         &sb.run(&["generate", "--artifact-dir", "empty"]),
         "holds no trained model",
     );
-    assert_error(
-        &sb.run(&["generate", "--artifact-dir", "art", "--top-p", "2"]),
-        "--top-p",
-    );
+    for (flag, value) in [
+        ("--top-p", "2"),
+        ("--repetition-penalty", "0"),
+        ("--frequency-penalty", "-2.5"),
+        ("--presence-penalty", "3"),
+    ] {
+        assert_error(
+            &sb.run(&["generate", "--artifact-dir", "art", flag, value]),
+            flag,
+        );
+    }
 
     // The artifact is never overwritten without --force.
     let before = std::fs::read(sb.path("art/model.mpk")).unwrap();

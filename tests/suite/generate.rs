@@ -1,11 +1,13 @@
 //! Sampling: top-k 1 and a tiny top-p are greedy, samples never leave the top-k/top-p set,
-//! and the same seed gives the same text.
+//! the same seed gives the same text, and the penalties follow their published formulas.
 
 use burn::backend::NdArray;
 use rand::rngs::StdRng;
 use rand::SeedableRng;
 use transformer_lab::config::LmConfig;
-use transformer_lab::generate::{check_prompt, generate, Decoding, Sampling};
+use transformer_lab::generate::{
+    check_prompt, generate, Decoding, Penalties, Sampler, Sampling, Seen,
+};
 use transformer_lab::nn::PositionKind;
 use transformer_lab::nn::StackConfig;
 
@@ -269,7 +271,7 @@ fn temperature_top_k_and_top_p_draw_from_the_exact_distribution() {
             temperature,
             top_k,
             top_p,
-            greedy: false,
+            ..Sampling::default()
         };
         // The candidates are that distribution, to rounding.
         let got = s.candidates(&l);
@@ -311,4 +313,211 @@ fn temperature_top_k_and_top_p_draw_from_the_exact_distribution() {
             "case {case} (T {temperature}, k {top_k:?}, p {top_p:?}): chi-square {chi2:.1} ≥ {limit:.1}; counts {counts:?}, expected {expected:?}"
         );
     }
+}
+
+/// The penalties' formulas, worked by hand on five logits after the prompt `[0, 2]` and the
+/// generated tokens `3, 3, 1`.
+#[test]
+fn penalties_change_the_logits_as_their_formulas_say() {
+    let logits = [2.0f32, -1.0, 0.5, 3.0, 1.0];
+    let mut seen = Seen::new(&[0, 2]);
+    for token in [3, 3, 1] {
+        seen.push(token);
+    }
+    let penalties = Penalties {
+        repetition: 2.0,
+        frequency: 0.5,
+        presence: 0.25,
+        bias: vec![(4, -100.0), (2, 1.0)],
+    };
+    let mut got = logits;
+    penalties.apply(&mut got, &seen);
+    let want = [
+        2.0 / 2.0,                    // in the prompt: divided (positive)
+        -2.0 - 0.5 - 0.25,            // generated once: −1 multiplied (negative), then 1·F + P
+        0.5 / 2.0 + 1.0,              // in the prompt, biased +1
+        3.0 / 2.0 - 2.0 * 0.5 - 0.25, // generated twice
+        1.0 - 100.0,                  // never seen, biased −100
+    ];
+    assert_eq!(got, want);
+    // One at a time: the prompt counts for repetition only; frequency counts each draw.
+    let only = |p: Penalties| {
+        let mut l = logits;
+        p.apply(&mut l, &seen);
+        l
+    };
+    let frequency = only(Penalties {
+        frequency: 1.0,
+        ..Penalties::default()
+    });
+    assert_eq!(frequency, [2.0, -2.0, 0.5, 1.0, 1.0]);
+    let presence = only(Penalties {
+        presence: 1.0,
+        ..Penalties::default()
+    });
+    assert_eq!(presence, [2.0, -2.0, 0.5, 2.0, 1.0]);
+    let repetition = only(Penalties {
+        repetition: 0.5,
+        ..Penalties::default()
+    });
+    assert_eq!(repetition, [4.0, -0.5, 1.0, 6.0, 1.0]);
+    assert_eq!(only(Penalties::default()), logits);
+
+    // A sampler draws from the penalised logits and counts what it draws: greedy on
+    // [1, -2.75, 1.25, 0.25, -99] takes token 2, which then carries 1·F + P = 0.75 and the
+    // prompt's division: 0.5/2 + 1 − 0.75 = 0.5, so token 0 (1.0) comes next.
+    let sampling = Sampling {
+        greedy: true,
+        penalties,
+        ..Sampling::default()
+    };
+    // (The sampler draws 3, 3, 1 first from logits that leave it no choice.)
+    let after_331 = |sampling: &Sampling, seed: u64| {
+        let mut sampler = Sampler::new(sampling.clone(), seed, &[0, 2]);
+        for token in [3, 3, 1] {
+            let mut forcing = [0.0f32; 5];
+            forcing[token] = 1000.0;
+            assert_eq!(sampler.next(&forcing), token);
+        }
+        sampler
+    };
+    let mut sampler = after_331(&sampling, 0);
+    assert_eq!(sampler.next(&logits), 2);
+    assert_eq!(sampler.next(&logits), 0);
+    // Temperature and the cuts act on the penalised logits: the kept distribution is the
+    // softmax of `want` at that temperature.
+    let warm = Sampling {
+        temperature: 0.5,
+        greedy: false,
+        ..sampling
+    };
+    let expected = exact_distribution(&want, 0.5, None, None);
+    let mut counts = [0usize; 5];
+    let draws = 20_000;
+    for seed in 0..draws {
+        counts[after_331(&warm, seed).next(&logits)] += 1;
+    }
+    for (token, p) in expected {
+        let share = counts[token] as f64 / draws as f64;
+        assert!(
+            (share - p).abs() < 0.015,
+            "token {token}: drawn {share}, expected {p}"
+        );
+    }
+}
+
+#[test]
+fn penalty_settings_are_checked() {
+    for penalties in [
+        Penalties {
+            repetition: 0.0,
+            ..Penalties::default()
+        },
+        Penalties {
+            repetition: f32::NAN,
+            ..Penalties::default()
+        },
+        Penalties {
+            frequency: 2.5,
+            ..Penalties::default()
+        },
+        Penalties {
+            presence: -3.0,
+            ..Penalties::default()
+        },
+    ] {
+        let sampling = Sampling {
+            penalties,
+            ..Sampling::default()
+        };
+        assert!(sampling.validate().is_err(), "{sampling:?}");
+    }
+}
+
+/// `generate` with penalties, through the key–value cache, against a loop written here: the
+/// whole sequence's forward pass, the penalties by their formulas over the tokens so far, and
+/// the argmax.
+#[test]
+fn generation_applies_the_penalties_at_every_step() {
+    use burn::prelude::*;
+    let device = Default::default();
+    let config = LmConfig {
+        stack: StackConfig {
+            d_model: 16,
+            n_heads: 2,
+            ..LmConfig::default().stack
+        },
+        vocab_size: 12,
+        n_layers: 2,
+        context: 64,
+        ..LmConfig::default()
+    };
+    let model = config.init::<B>(&device);
+    let prompt = [1usize, 2, 3, 1];
+    let (repetition, frequency, presence) = (3.0f32, 0.4f32, 0.3f32);
+    let sampling = Sampling {
+        greedy: true,
+        penalties: Penalties {
+            repetition,
+            frequency,
+            presence,
+            bias: vec![(5, -100.0)],
+        },
+        ..Sampling::default()
+    };
+    let out = generate(
+        &model,
+        &prompt,
+        40,
+        &sampling,
+        0,
+        Decoding::Cached,
+        &device,
+        |_, _| Ok(()),
+    )
+    .unwrap();
+    let mut tokens = prompt.to_vec();
+    let (mut changed, mut plain_repeats) = (0, 0);
+    for _ in 0..40 {
+        let t = tokens.len();
+        let input = Tensor::<B, 2, Int>::from_data(
+            TensorData::new(tokens.iter().map(|&x| x as i64).collect(), [1, t]),
+            &device,
+        );
+        let row: Vec<f32> = (model.forward(input).logits)
+            .slice([0..1, t - 1..t])
+            .into_data()
+            .to_vec()
+            .unwrap();
+        let mut penalised = row.clone();
+        for (id, l) in penalised.iter_mut().enumerate() {
+            let generated = tokens[prompt.len()..].iter().filter(|&&x| x == id).count();
+            if tokens.contains(&id) {
+                *l = if *l > 0.0 {
+                    *l / repetition
+                } else {
+                    *l * repetition
+                };
+            }
+            if generated > 0 {
+                *l -= generated as f32 * frequency + presence;
+            }
+            if id == 5 {
+                *l -= 100.0;
+            }
+        }
+        let next = argmax(&penalised);
+        changed += usize::from(next != argmax(&row));
+        plain_repeats += usize::from(tokens[prompt.len()..].contains(&argmax(&row)));
+        tokens.push(next);
+    }
+    assert_eq!(out, tokens);
+    assert!(
+        !out[prompt.len()..].contains(&5),
+        "a banned token was drawn"
+    );
+    assert!(
+        changed > 0 && plain_repeats > 0,
+        "the penalties never mattered"
+    );
 }

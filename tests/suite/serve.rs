@@ -86,6 +86,28 @@ impl Server {
         answer["choices"][0]["text"].as_str().unwrap().to_string()
     }
 
+    /// A streamed completion's text, its events' pieces joined, and how many events came
+    /// (asserting that the last is `[DONE]`).
+    fn stream_text(&self, request: Value) -> (String, usize) {
+        let mut response = agent()
+            .post(format!("{}/v1/completions", self.url))
+            .header("content-type", "application/json")
+            .send(request.to_string())
+            .unwrap();
+        let body = response.body_mut().read_to_string().unwrap();
+        let events: Vec<&str> = body
+            .lines()
+            .filter_map(|l| l.strip_prefix("data: "))
+            .collect();
+        assert_eq!(events.last(), Some(&"[DONE]"), "{body}");
+        let mut text = String::new();
+        for event in &events[..events.len() - 1] {
+            let chunk: Value = serde_json::from_str(event).unwrap();
+            text.push_str(chunk["choices"][0]["text"].as_str().unwrap());
+        }
+        (text, events.len())
+    }
+
     /// A metric's value summed over its labels.
     fn metric(&self, name: &str) -> f64 {
         let (_, text) = self.get("/metrics");
@@ -209,31 +231,11 @@ fn completions_say_what_generate_says_alone_and_batched_and_streamed() {
     );
     // Streamed: the events' pieces make the same text, then [DONE].
     let (prompt, seed) = &cases[2];
-    let mut response = agent()
-        .post(format!("{}/v1/completions", server.url))
-        .header("content-type", "application/json")
-        .send(
-            json!({"model": "lm", "prompt": prompt, "max_tokens": 100, "seed": seed,
-                     "temperature": 1.0, "stream": true})
-            .to_string(),
-        )
-        .unwrap();
-    let body = response.body_mut().read_to_string().unwrap();
-    let events: Vec<&str> = body
-        .lines()
-        .filter_map(|l| l.strip_prefix("data: "))
-        .collect();
-    assert_eq!(events.last(), Some(&"[DONE]"));
-    let mut text = String::new();
-    for event in &events[..events.len() - 1] {
-        let chunk: Value = serde_json::from_str(event).unwrap();
-        text.push_str(chunk["choices"][0]["text"].as_str().unwrap());
-    }
-    assert!(
-        events.len() > 50,
-        "one event per token: {} events",
-        events.len()
+    let (text, events) = server.stream_text(
+        json!({"model": "lm", "prompt": prompt, "max_tokens": 100, "seed": seed,
+            "temperature": 1.0, "stream": true}),
     );
+    assert!(events > 50, "one event per token: {events} events");
     assert_eq!(text, expected[2].1);
     // Chat: the messages' contents, joined by newlines, are the prompt.
     let (status, answer) = server.post(
@@ -312,10 +314,15 @@ fn a_linear_attention_model_decodes_one_request_at_a_time_and_says_what_generate
     assert_eq!(steps, rows, "a linear-attention model decodes rows of one");
 }
 
-/// `logprobs` (with `echo`, how evaluation harnesses score a text) against the model's own
-/// log-softmax, computed here in-process with burn's composed ops on the whole sequence.
-#[test]
-fn logprobs_are_the_model_s_log_softmax_for_the_prompt_and_every_generated_token() {
+/// A character language model with explicit (seeded, spread-out) weights written as the
+/// artifact `lm` in a new folder; and `reference(text, log_softmax)`: the token ids of `text`
+/// and the row after each position of the model's whole-sequence forward pass, computed here
+/// in-process with burn's composed ops (logits, or their log-softmax).
+fn explicit_lm() -> (
+    tempfile::TempDir,
+    transformer_lab::data::Tokenizer,
+    Reference,
+) {
     use burn::backend::NdArray;
     use burn::prelude::*;
     use transformer_lab::config::{LmConfig, TokenizerKind};
@@ -332,21 +339,42 @@ fn logprobs_are_the_model_s_log_softmax_for_the_prompt_and_every_generated_token
     // The config as written: its vocabulary is the tokenizer's.
     let written = dir.path().join("lm/config.json");
     let model = build(&transformer_lab::config::ExperimentConfig::load(&written).unwrap());
-    // ln p(token i | tokens before it) for i ≥ 1, and each position's log-softmax row.
-    let reference = |text: &str| -> (Vec<usize>, Vec<Vec<f32>>) {
-        let ids = tokenizer.encode(text).unwrap();
+    let encoder = tokenizer.clone();
+    let reference = Box::new(move |text: &str, log_softmax: bool| {
+        let ids = encoder.encode(text).unwrap();
         let input = Tensor::<NdArray<f32>, 2, Int>::from_data(
             TensorData::new(ids.iter().map(|&t| t as i64).collect(), [1, ids.len()]),
             &Default::default(),
         );
         let rows = transformer_lab::kernels::with_fused(false, || {
             let logits = model.forward(input).logits;
-            burn::tensor::activation::log_softmax(logits, 2)
+            match log_softmax {
+                true => burn::tensor::activation::log_softmax(logits, 2),
+                false => logits,
+            }
         });
-        let v = tokenizer.vocab_size();
+        let v = encoder.vocab_size();
         let values: Vec<f32> = rows.into_data().to_vec().unwrap();
         (ids, values.chunks(v).map(<[f32]>::to_vec).collect())
-    };
+    });
+    (dir, tokenizer, reference)
+}
+
+/// `reference(text, log_softmax)` of [`explicit_lm`].
+type Reference = Box<dyn Fn(&str, bool) -> (Vec<usize>, Vec<Vec<f32>>)>;
+
+/// Where `row` is largest (ties: the lower id), as greedy decoding picks.
+fn argmax(row: &[f32]) -> usize {
+    (0..row.len()).fold(0, |best, i| if row[i] > row[best] { i } else { best })
+}
+
+/// `logprobs` (with `echo`, how evaluation harnesses score a text) against the model's own
+/// log-softmax, computed here in-process with burn's composed ops on the whole sequence.
+#[test]
+fn logprobs_are_the_model_s_log_softmax_for_the_prompt_and_every_generated_token() {
+    let (dir, tokenizer, reference) = explicit_lm();
+    // ln p(token i | tokens before it) for i ≥ 1, and each position's log-softmax row.
+    let reference = |text: &str| reference(text, true);
     let top = |row: &[f32], k: usize| -> Vec<usize> {
         let mut order: Vec<usize> = (0..row.len()).collect();
         order.sort_by(|&a, &b| row[b].total_cmp(&row[a]).then(a.cmp(&b)));
@@ -470,6 +498,121 @@ fn logprobs_are_the_model_s_log_softmax_for_the_prompt_and_every_generated_token
         assert_eq!(status, 400, "{answer}");
         let message = answer["error"]["message"].as_str().unwrap();
         assert!(message.contains(needle), "{message}");
+    }
+}
+
+/// `repetition_penalty`, `frequency_penalty`, `presence_penalty` and `logit_bias` on greedy
+/// decoding through the key–value cache: each new token is the argmax of the whole
+/// sequence's logits (computed here) after the formulas applied here to the tokens before it.
+#[test]
+fn penalties_and_logit_bias_act_on_every_step_as_their_formulas_say() {
+    let (dir, tokenizer, reference) = explicit_lm();
+    let server = Server::start(dir.path(), &[]);
+    let prompt = "to be, or not";
+    let plain = server
+        .complete(json!({"model": "lm", "prompt": prompt, "max_tokens": 40, "temperature": 0}));
+    let banned = tokenizer.encode(&plain[..1]).unwrap()[0];
+    let (repetition, frequency, presence) = (3.0f32, 0.6f32, 0.5f32);
+    let request = json!({"model": "lm", "prompt": prompt, "max_tokens": 40, "temperature": 0,
+        "repetition_penalty": repetition, "frequency_penalty": frequency,
+        "presence_penalty": presence, "logit_bias": {banned.to_string(): -100}, "top_k": -1});
+    let text = server.complete(request.clone());
+    assert_ne!(text, plain, "the penalties changed nothing");
+    let (ids, rows) = reference(&format!("{prompt}{text}"), false);
+    let start = tokenizer.encode(prompt).unwrap().len();
+    assert_eq!(ids.len(), start + 40);
+    for i in start..ids.len() {
+        let mut row = rows[i - 1].clone();
+        for (id, l) in row.iter_mut().enumerate() {
+            if ids[..i].contains(&id) {
+                *l = if *l > 0.0 {
+                    *l / repetition
+                } else {
+                    *l * repetition
+                };
+            }
+            let generated = ids[start..i].iter().filter(|&&x| x == id).count();
+            if generated > 0 {
+                *l -= generated as f32 * frequency + presence;
+            }
+            if id == banned {
+                *l -= 100.0;
+            }
+        }
+        assert_eq!(argmax(&row), ids[i], "token {}", i - start);
+    }
+    // Chat takes the same fields; streaming gives the same text.
+    let (status, answer) = server.post(
+        "/v1/chat/completions",
+        &json!({"model": "lm", "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": 40, "temperature": 0, "repetition_penalty": repetition,
+            "frequency_penalty": frequency, "presence_penalty": presence,
+            "logit_bias": {banned.to_string(): -100}})
+        .to_string(),
+    );
+    assert_eq!(status, 200, "{answer}");
+    assert_eq!(answer["choices"][0]["message"]["content"], text.as_str());
+    let mut streamed = request;
+    streamed["stream"] = json!(true);
+    assert_eq!(server.stream_text(streamed).0, text);
+    // `generate`'s flags are the same penalties (it has no logit bias).
+    let unbiased = server.complete(json!({"model": "lm", "prompt": prompt, "max_tokens": 40,
+        "temperature": 0, "repetition_penalty": repetition, "frequency_penalty": frequency,
+        "presence_penalty": presence}));
+    let flags = [repetition, frequency, presence].map(|x| x.to_string());
+    let cli = generated(
+        dir.path(),
+        prompt,
+        40,
+        &[
+            "--greedy",
+            "--repetition-penalty",
+            &flags[0],
+            "--frequency-penalty",
+            &flags[1],
+            "--presence-penalty",
+            &flags[2],
+        ],
+    );
+    assert_eq!(cli, unbiased);
+    assert_ne!(cli, plain);
+    // A bias of +100 all but forces its token.
+    let forced = server.complete(json!({"model": "lm", "prompt": prompt, "max_tokens": 10,
+        "seed": 1, "logit_bias": {banned.to_string(): 100}}));
+    assert_eq!(forced, plain[..1].repeat(10));
+
+    let vocab = tokenizer.vocab_size();
+    for (body, needle) in [
+        (
+            json!({"frequency_penalty": 2.5}),
+            "frequency_penalty must be between -2 and 2",
+        ),
+        (
+            json!({"presence_penalty": -3}),
+            "presence_penalty must be between -2 and 2",
+        ),
+        (
+            json!({"repetition_penalty": 0}),
+            "repetition_penalty must be a finite number above 0",
+        ),
+        (
+            json!({"logit_bias": {"x": 1}}),
+            "token ids below the vocabulary's size",
+        ),
+        (
+            json!({"logit_bias": {vocab.to_string(): 1}}),
+            "below the vocabulary's size",
+        ),
+        (json!({"logit_bias": {"0": 101}}), "between -100 and 100"),
+        (json!({"top_k": -2}), "top_k must be at least 1"),
+    ] {
+        let mut body = body;
+        body["model"] = json!("lm");
+        body["prompt"] = json!("to");
+        let (status, answer) = server.post("/v1/completions", &body.to_string());
+        assert_eq!(status, 400, "{answer}");
+        let message = answer["error"]["message"].as_str().unwrap();
+        assert!(message.contains(needle), "{needle:?} not in {message:?}");
     }
 }
 
