@@ -8,6 +8,7 @@ use super::text::TextOut;
 use super::{ApiError, ApiJson, App};
 use crate::generate::{Penalties, Sampling};
 use axum::extract::State;
+use axum::http::StatusCode;
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
@@ -253,13 +254,20 @@ impl Route {
     }
 
     /// One choice holding `text` (a whole answer, or one streamed piece).
-    fn choice(&self, text: &str, finish: Option<&str>, stream: bool, first: bool) -> Value {
+    fn choice(
+        &self,
+        index: usize,
+        text: &str,
+        finish: Option<&str>,
+        stream: bool,
+        first: bool,
+    ) -> Value {
         match self {
             Route::Completion { .. } => {
-                json!({"index": 0, "text": text, "logprobs": null, "finish_reason": finish})
+                json!({"index": index, "text": text, "logprobs": null, "finish_reason": finish})
             }
             Route::Chat if !stream => json!({
-                "index": 0,
+                "index": index,
                 "message": {"role": "assistant", "content": text},
                 "logprobs": null,
                 "finish_reason": finish,
@@ -270,15 +278,20 @@ impl Route {
                     (false, Some(_)) if text.is_empty() => json!({}),
                     _ => json!({"content": text}),
                 };
-                json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish})
+                json!({"index": index, "delta": delta, "logprobs": null, "finish_reason": finish})
             }
         }
     }
 }
 
+/// The most choices one request may ask for.
+const MAX_CHOICES: usize = 16;
+
 /// A checked generation request, ready for the engine.
 struct Checked {
     prompt: Vec<usize>,
+    /// Choices: choice `i` is drawn with `seed + i`.
+    n: usize,
     max_tokens: usize,
     sampling: Sampling,
     seed: u64,
@@ -294,10 +307,11 @@ fn check(
     settings: Settings,
     default_max: usize,
 ) -> Result<Checked, ApiError> {
-    if settings.n.is_some_and(|n| n != 1) {
+    let n = settings.n.unwrap_or(1);
+    if !(1..=MAX_CHOICES).contains(&n) {
         return Err(ApiError::invalid(
             "n",
-            "this server gives one choice per request (n = 1)".into(),
+            format!("n (choices per request) must be 1 to {MAX_CHOICES}, got {n}"),
         ));
     }
     let max_tokens = settings
@@ -351,6 +365,7 @@ fn check(
     };
     Ok(Checked {
         prompt,
+        n,
         max_tokens,
         sampling: Sampling {
             temperature,
@@ -443,7 +458,6 @@ async fn run(
         settings,
         default_max,
     )?;
-    let (events, tokens) = mpsc::unbounded_channel();
     let prompt_tokens = checked.prompt.len();
     let (logprobs, score_prompt) = match &route {
         Route::Completion { echo, logprobs } => (*logprobs, logprobs.is_some() && *echo),
@@ -460,33 +474,40 @@ async fn run(
         ));
     }
     let scored_prompt = score_prompt.then(|| checked.prompt.clone());
-    let job = Job {
-        prompt: checked.prompt,
-        max_tokens: checked.max_tokens,
-        sampling: checked.sampling,
-        seed: checked.seed,
-        logprobs,
-        score_prompt,
-        events,
-    };
-    if let Submit::Full = model.engine.submit(job) {
-        return Err(ApiError::busy(&model.id));
+    // One job a choice, choice i drawn with seed + i; the first scores the prompt for all.
+    // Should the queue fill before the last, the readers made so far are dropped, which
+    // closes their channels: the engine skips those jobs.
+    let mut readers = Vec::with_capacity(checked.n);
+    for i in 0..checked.n {
+        let (events, tokens) = mpsc::unbounded_channel();
+        let job = Job {
+            prompt: checked.prompt.clone(),
+            max_tokens: checked.max_tokens,
+            sampling: checked.sampling.clone(),
+            seed: checked.seed.wrapping_add(i as u64),
+            logprobs,
+            score_prompt: score_prompt && i == 0,
+            events,
+        };
+        if let Submit::Full = model.engine.submit(job) {
+            return Err(ApiError::busy(&model.id));
+        }
+        readers.push(Reader {
+            out: TextOut::new(model.tokenizer.clone(), checked.stops.clone()),
+            model: model.id.clone(),
+            app: app.clone(),
+            tokens,
+            arrived,
+            last: arrived,
+            done: false,
+            prompt_scores: Vec::new(),
+            scored: Vec::new(),
+        });
     }
     app.metrics
         .prompt_tokens
         .with_label_values(&[&model.id])
         .inc_by(prompt_tokens as u64);
-    let mut reader = Reader {
-        out: TextOut::new(model.tokenizer.clone(), checked.stops),
-        model: model.id.clone(),
-        app: app.clone(),
-        tokens,
-        arrived,
-        last: arrived,
-        done: false,
-        prompt_scores: Vec::new(),
-        scored: Vec::new(),
-    };
     let head = json!({
         "id": format!("cmpl-{:016x}", rand::random::<u64>()),
         "object": route.object(checked.stream),
@@ -499,61 +520,105 @@ async fn run(
         _ => None,
     };
     if !checked.stream {
-        let echoed = echo.as_deref().map_or(0, |e| e.chars().count());
-        let mut text = echo.unwrap_or_default();
-        let mut finish = "cancelled";
-        while let Some(piece) = reader.next().await {
-            text.push_str(&piece.text);
-            if let Some(reason) = piece.finish {
-                finish = reason;
+        // Every choice read at once, so that a stop string ends its row at once; should the
+        // client leave, dropping the set aborts the readers, which closes their channels.
+        let mut reading = tokio::task::JoinSet::new();
+        for (index, mut reader) in readers.into_iter().enumerate() {
+            reading.spawn(async move {
+                let (mut text, mut finish) = (String::new(), "cancelled");
+                while let Some(piece) = reader.next().await {
+                    text.push_str(&piece.text);
+                    if let Some(reason) = piece.finish {
+                        finish = reason;
+                    }
+                }
+                (index, text, finish, reader)
+            });
+        }
+        let mut read = Vec::with_capacity(checked.n);
+        while let Some(done) = reading.join_next().await {
+            read.push(done.map_err(|e| {
+                let message = format!("a choice's reader failed: {e}");
+                ApiError::status(StatusCode::INTERNAL_SERVER_ERROR, message)
+            })?);
+        }
+        read.sort_by_key(|r| r.0);
+        let (mut choices, mut completion_tokens) = (Vec::new(), 0);
+        let mut prompt_scores = Vec::new();
+        for (index, text, finish, mut reader) in read {
+            completion_tokens += reader.out.tokens();
+            let whole = format!("{}{text}", echo.as_deref().unwrap_or_default());
+            let mut choice = route.choice(index, &whole, Some(finish), false, true);
+            if logprobs.is_some() {
+                if index > 0 {
+                    reader.prompt_scores = prompt_scores.clone();
+                }
+                choice["logprobs"] = reader.logprobs(
+                    scored_prompt.as_deref(),
+                    prompt.chars().count(),
+                    (finish == "stop").then_some(text.chars().count()),
+                );
+                if index == 0 {
+                    prompt_scores = std::mem::take(&mut reader.prompt_scores);
+                }
             }
+            choices.push(choice);
         }
         let mut answer = head;
-        let mut choice = route.choice(&text, Some(finish), false, true);
-        if logprobs.is_some() {
-            let generated = text.chars().count() - echoed;
-            choice["logprobs"] = reader.logprobs(
-                scored_prompt.as_deref(),
-                prompt.chars().count(),
-                (finish == "stop").then_some(generated),
-            );
-        }
-        answer["choices"] = json!([choice]);
-        answer["usage"] = usage(reader.out.tokens());
+        answer["choices"] = json!(choices);
+        answer["usage"] = usage(completion_tokens);
         return Ok(Json(answer).into_response());
     }
     // Streamed: a small bounded channel to the connection, so a client that does not read
     // holds a few events here (and at most max_tokens tokens in the engine's channel); one
-    // that leaves closes it, which ends the task and takes the request out of the batch.
+    // that leaves closes it, which ends the tasks and takes the requests out of the batch.
+    // Each choice's pieces go out as they come, marked with its index.
     let (sender, events) = mpsc::channel::<Event>(16);
     let usage_in_stream = checked.usage_in_stream;
+    let route = Arc::new(route);
+    let tasks: Vec<_> = (readers.into_iter().enumerate())
+        .map(|(index, mut reader)| {
+            let (sender, head, route, echo) =
+                (sender.clone(), head.clone(), route.clone(), echo.clone());
+            tokio::spawn(async move {
+                let chunk = |text: &str, finish: Option<&str>, first: bool| {
+                    let mut chunk = head.clone();
+                    chunk["choices"] = json!([route.choice(index, text, finish, true, first)]);
+                    Event::default().data(chunk.to_string())
+                };
+                let mut first = true;
+                if let Some(prompt) = echo {
+                    if sender.send(chunk(&prompt, None, true)).await.is_err() {
+                        return None;
+                    }
+                    first = false;
+                }
+                while let Some(piece) = reader.next().await {
+                    if sender
+                        .send(chunk(&piece.text, piece.finish, first))
+                        .await
+                        .is_err()
+                    {
+                        return None;
+                    }
+                    first = false;
+                }
+                Some(reader.out.tokens())
+            })
+        })
+        .collect();
     tokio::spawn(async move {
-        let chunk = |text: &str, finish: Option<&str>, first: bool| {
-            let mut chunk = head.clone();
-            chunk["choices"] = json!([route.choice(text, finish, true, first)]);
-            Event::default().data(chunk.to_string())
-        };
-        let mut first = true;
-        if let Some(prompt) = echo {
-            if sender.send(chunk(&prompt, None, true)).await.is_err() {
-                return;
+        let mut completion_tokens = 0;
+        for task in tasks {
+            match task.await {
+                Ok(Some(tokens)) => completion_tokens += tokens,
+                _ => return, // the client has gone
             }
-            first = false;
-        }
-        while let Some(piece) = reader.next().await {
-            if sender
-                .send(chunk(&piece.text, piece.finish, first))
-                .await
-                .is_err()
-            {
-                return;
-            }
-            first = false;
         }
         if usage_in_stream {
             let mut last = head.clone();
             last["choices"] = json!([]);
-            last["usage"] = usage(reader.out.tokens());
+            last["usage"] = usage(completion_tokens);
             if sender
                 .send(Event::default().data(last.to_string()))
                 .await

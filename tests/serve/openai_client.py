@@ -64,6 +64,12 @@ text = penalised.choices[0].text
 check("the penalties discourage repeats", text != expected and len(set(text)) > len(set(expected)),
       repr((text, expected)))
 
+several = client.completions.create(model="lm", prompt="to be", max_tokens=30, temperature=1, seed=5, n=2)
+check("n choices are the request with seeds seed, seed + 1", [c.text for c in several.choices] == [
+    seeded[0],
+    client.completions.create(model="lm", prompt="to be", max_tokens=30, temperature=1, seed=6).choices[0].text,
+] and [c.index for c in several.choices] == [0, 1], several)
+
 chat = client.chat.completions.create(
     model="lm", messages=[{"role": "user", "content": "to be"}], max_tokens=20, temperature=0
 )

@@ -86,9 +86,15 @@ impl Server {
         answer["choices"][0]["text"].as_str().unwrap().to_string()
     }
 
-    /// A streamed completion's text, its events' pieces joined, and how many events came
-    /// (asserting that the last is `[DONE]`).
+    /// A streamed completion's text (its first choice's), and how many events came.
     fn stream_text(&self, request: Value) -> (String, usize) {
+        let (mut texts, events) = self.stream_texts(request);
+        (texts.swap_remove(0), events)
+    }
+
+    /// Each choice's text of a streamed completion, its events' pieces joined by the choice's
+    /// index, and how many events came (asserting that the last is `[DONE]`).
+    fn stream_texts(&self, request: Value) -> (Vec<String>, usize) {
         let mut response = agent()
             .post(format!("{}/v1/completions", self.url))
             .header("content-type", "application/json")
@@ -100,12 +106,16 @@ impl Server {
             .filter_map(|l| l.strip_prefix("data: "))
             .collect();
         assert_eq!(events.last(), Some(&"[DONE]"), "{body}");
-        let mut text = String::new();
+        let mut texts = Vec::new();
         for event in &events[..events.len() - 1] {
             let chunk: Value = serde_json::from_str(event).unwrap();
-            text.push_str(chunk["choices"][0]["text"].as_str().unwrap());
+            for choice in chunk["choices"].as_array().unwrap() {
+                let index = choice["index"].as_u64().unwrap() as usize;
+                texts.resize(texts.len().max(index + 1), String::new());
+                texts[index].push_str(choice["text"].as_str().unwrap());
+            }
         }
-        (text, events.len())
+        (texts, events.len())
     }
 
     /// A metric's value summed over its labels.
@@ -616,6 +626,72 @@ fn penalties_and_logit_bias_act_on_every_step_as_their_formulas_say() {
     }
 }
 
+/// `n` choices: choice `i` is the same request's text with seed `seed + i`, whole or
+/// streamed, chat too; usage counts every choice's tokens; with `echo` and `logprobs` each
+/// choice scores the prompt alike.
+#[test]
+fn several_choices_are_the_request_with_the_seeds_after_its_own() {
+    let dir = tempfile::tempdir().unwrap();
+    lm_artifact(dir.path(), TEXT);
+    let server = Server::start(dir.path(), &[]);
+    let request = |n: usize, seed: u64| {
+        json!({"model": "lm", "prompt": "to be", "max_tokens": 30, "temperature": 1.0,
+            "seed": seed, "n": n})
+    };
+    let alone: Vec<String> = (0..4)
+        .map(|i| server.complete(request(1, 20 + i)))
+        .collect();
+    let distinct: std::collections::HashSet<&String> = alone.iter().collect();
+    assert!(distinct.len() > 1, "four seeds gave one text: {alone:?}");
+    let (status, answer) = server.post("/v1/completions", &request(4, 20).to_string());
+    assert_eq!(status, 200, "{answer}");
+    let choices = answer["choices"].as_array().unwrap();
+    for (i, choice) in choices.iter().enumerate() {
+        assert_eq!(choice["index"], json!(i));
+        assert_eq!(choice["text"], alone[i].as_str(), "choice {i}");
+    }
+    assert_eq!(choices.len(), 4);
+    assert_eq!(answer["usage"]["prompt_tokens"], 5);
+    assert_eq!(answer["usage"]["completion_tokens"], 4 * 30);
+    // Streamed: the pieces, sorted by their choice's index, make the same texts; the usage
+    // chunk counts them all.
+    let mut streamed = request(4, 20);
+    streamed["stream"] = json!(true);
+    assert_eq!(server.stream_texts(streamed).0, alone);
+    // Chat.
+    let (status, chat) = server.post(
+        "/v1/chat/completions",
+        &json!({"model": "lm", "messages": [{"role": "user", "content": "to be"}],
+            "max_tokens": 30, "temperature": 1.0, "seed": 20, "n": 2})
+        .to_string(),
+    );
+    assert_eq!(status, 200, "{chat}");
+    for i in 0..2 {
+        assert_eq!(chat["choices"][i]["index"], json!(i));
+        assert_eq!(chat["choices"][i]["message"]["content"], alone[i].as_str());
+    }
+    // Scores: every choice carries the prompt's, as one choice alone does.
+    let scoring = |n: usize| {
+        let (status, answer) = server.post(
+            "/v1/completions",
+            &json!({"model": "lm", "prompt": "to be", "max_tokens": 5, "seed": 20, "n": n,
+                "echo": true, "logprobs": 2})
+            .to_string(),
+        );
+        assert_eq!(status, 200, "{answer}");
+        answer["choices"].as_array().unwrap().clone()
+    };
+    let one = scoring(1);
+    let three = scoring(3);
+    assert_eq!(three[0], one[0]);
+    for choice in &three[1..] {
+        for field in ["tokens", "token_logprobs", "top_logprobs", "text_offset"] {
+            let prompt = |c: &Value| c["logprobs"][field].as_array().unwrap()[..5].to_vec();
+            assert_eq!(prompt(choice), prompt(&one[0]), "{field}");
+        }
+    }
+}
+
 #[test]
 fn every_bad_request_gets_one_json_error_and_the_others_go_on() {
     let dir = tempfile::tempdir().unwrap();
@@ -679,10 +755,16 @@ fn every_bad_request_gets_one_json_error_and_the_others_go_on() {
             "temperature",
         ),
         (
-            "several choices",
-            json!({"model": "lm", "prompt": "to", "n": 2}).to_string(),
+            "too many choices",
+            json!({"model": "lm", "prompt": "to", "n": 17}).to_string(),
             400,
-            "n = 1",
+            "must be 1 to 16",
+        ),
+        (
+            "no choice",
+            json!({"model": "lm", "prompt": "to", "n": 0}).to_string(),
+            400,
+            "must be 1 to 16",
         ),
         (
             "a body too large",
@@ -743,7 +825,7 @@ fn every_bad_request_gets_one_json_error_and_the_others_go_on() {
     let (_, metrics) = server.get("/metrics");
     assert!(
         metrics
-            .contains("transformer_lab_requests_total{route=\"/v1/completions\",status=\"400\"} 6"),
+            .contains("transformer_lab_requests_total{route=\"/v1/completions\",status=\"400\"} 7"),
         "{metrics}"
     );
 }
