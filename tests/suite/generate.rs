@@ -442,15 +442,8 @@ fn generation_applies_the_penalties_at_every_step() {
     use burn::prelude::*;
     let device = Default::default();
     let config = LmConfig {
-        stack: StackConfig {
-            d_model: 16,
-            n_heads: 2,
-            ..LmConfig::default().stack
-        },
-        vocab_size: 12,
-        n_layers: 2,
         context: 64,
-        ..LmConfig::default()
+        ..crate::common::small_lm()
     };
     let model = config.init::<B>(&device);
     let prompt = [1usize, 2, 3, 1];

@@ -79,6 +79,14 @@ impl Server {
         (status, response.body_mut().read_to_string().unwrap())
     }
 
+    /// Asserts that a completion request is refused with a 400 whose message holds `needle`.
+    fn refuses(&self, request: Value, needle: &str) {
+        let (status, answer) = self.post("/v1/completions", &request.to_string());
+        assert_eq!(status, 400, "{answer}");
+        let message = answer["error"]["message"].as_str().unwrap();
+        assert!(message.contains(needle), "{needle:?} not in {message:?}");
+    }
+
     /// A completion's text (asserting a 200).
     fn complete(&self, request: Value) -> String {
         let (status, answer) = self.post("/v1/completions", &request.to_string());
@@ -504,10 +512,7 @@ fn logprobs_are_the_model_s_log_softmax_for_the_prompt_and_every_generated_token
             "without stream",
         ),
     ] {
-        let (status, answer) = server.post("/v1/completions", &body.to_string());
-        assert_eq!(status, 400, "{answer}");
-        let message = answer["error"]["message"].as_str().unwrap();
-        assert!(message.contains(needle), "{message}");
+        server.refuses(body, needle);
     }
 }
 
@@ -619,10 +624,7 @@ fn penalties_and_logit_bias_act_on_every_step_as_their_formulas_say() {
         let mut body = body;
         body["model"] = json!("lm");
         body["prompt"] = json!("to");
-        let (status, answer) = server.post("/v1/completions", &body.to_string());
-        assert_eq!(status, 400, "{answer}");
-        let message = answer["error"]["message"].as_str().unwrap();
-        assert!(message.contains(needle), "{needle:?} not in {message:?}");
+        server.refuses(body, needle);
     }
 }
 
