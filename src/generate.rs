@@ -80,7 +80,7 @@ impl Penalties {
 
     /// Applies them to `logits` after the tokens `seen`.
     pub fn apply(&self, logits: &mut [f32], seen: &Seen) {
-        for (&token, &(_, generated)) in &seen.counts {
+        for (&token, &generated) in &seen.generated {
             let l = &mut logits[token];
             if self.repetition != 1.0 {
                 *l = if *l > 0.0 {
@@ -99,26 +99,24 @@ impl Penalties {
     }
 }
 
-/// The tokens a sequence holds so far, for [`Penalties`]: per token, whether the prompt holds
-/// it and how many times it was generated.
+/// The tokens a sequence holds so far, for [`Penalties`]: every token of the prompt or
+/// generated, with the times it was generated (0: only in the prompt).
 #[derive(Clone, Debug, Default)]
 pub struct Seen {
-    counts: HashMap<usize, (bool, u32)>,
+    generated: HashMap<usize, u32>,
 }
 
 impl Seen {
     /// After `prompt`, nothing generated.
     pub fn new(prompt: &[usize]) -> Self {
-        let mut counts = HashMap::new();
-        for &token in prompt {
-            counts.insert(token, (true, 0));
+        Self {
+            generated: prompt.iter().map(|&token| (token, 0)).collect(),
         }
-        Self { counts }
     }
 
     /// Records a generated token.
     pub fn push(&mut self, token: usize) {
-        self.counts.entry(token).or_insert((false, 0)).1 += 1;
+        *self.generated.entry(token).or_insert(0) += 1;
     }
 }
 

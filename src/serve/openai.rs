@@ -423,7 +423,8 @@ fn penalties(settings: &Settings, vocab: usize) -> Result<Penalties, ApiError> {
                 return Err(ApiError::invalid(
                     "logit_bias",
                     format!(
-                        "logit_bias keys are token ids below the vocabulary's size ({vocab}),                          got {token:?}"
+                        "logit_bias keys are token ids below the vocabulary's size ({vocab}), \
+                         got {token:?}"
                     ),
                 ))
             }
