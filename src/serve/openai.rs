@@ -544,24 +544,20 @@ async fn run(
             })?);
         }
         read.sort_by_key(|r| r.0);
+        // The first choice's job scored the prompt for every choice.
+        let prompt_scores = std::mem::take(&mut read[0].3.prompt_scores);
+        let prompt_scored = scored_prompt.as_deref().map(|p| (p, &prompt_scores[..]));
         let (mut choices, mut completion_tokens) = (Vec::new(), 0);
-        let mut prompt_scores = Vec::new();
-        for (index, text, finish, mut reader) in read {
+        for (index, text, finish, reader) in read {
             completion_tokens += reader.out.tokens();
             let whole = format!("{}{text}", echo.as_deref().unwrap_or_default());
             let mut choice = route.choice(index, &whole, Some(finish), false, true);
             if logprobs.is_some() {
-                if index > 0 {
-                    reader.prompt_scores = prompt_scores.clone();
-                }
                 choice["logprobs"] = reader.logprobs(
-                    scored_prompt.as_deref(),
+                    prompt_scored,
                     prompt.chars().count(),
                     (finish == "stop").then_some(text.chars().count()),
                 );
-                if index == 0 {
-                    prompt_scores = std::mem::take(&mut reader.prompt_scores);
-                }
             }
             choices.push(choice);
         }
@@ -651,7 +647,7 @@ struct Reader {
     arrived: Instant,
     last: Instant,
     done: bool,
-    /// The prompt's scores, where asked.
+    /// The prompt's scores, where its job was asked for them (the first choice's).
     prompt_scores: Vec<Scored>,
     /// The generated tokens with their scores, where asked.
     scored: Vec<(usize, Scored)>,
@@ -716,12 +712,13 @@ impl Reader {
 
     /// The answer's `logprobs` (OpenAI's completions form): each token's text, log-probability
     /// and most likely alternatives, and where its text begins — the prompt's tokens first when
-    /// `prompt` (scored) is given, the first with no score (nothing precedes it); otherwise the
-    /// offsets begin after the prompt's `prompt_chars` characters. A stop string cut the text at
-    /// `stopped_at` characters of the completion: the tokens after the cut are left out.
+    /// `prompt` is given with the scores of its tokens after the first (which has none: nothing
+    /// precedes it); otherwise the offsets begin after the prompt's `prompt_chars` characters.
+    /// A stop string cut the text at `stopped_at` characters of the completion: the tokens
+    /// after the cut are left out.
     fn logprobs(
         &self,
-        prompt: Option<&[usize]>,
+        prompt: Option<(&[usize], &[Scored])>,
         prompt_chars: usize,
         stopped_at: Option<usize>,
     ) -> Value {
@@ -748,9 +745,9 @@ impl Reader {
         };
         let mut at = 0;
         match prompt {
-            Some(prompt) => {
+            Some((prompt, scores)) => {
                 for (i, &token) in prompt.iter().enumerate() {
-                    let scored = i.checked_sub(1).and_then(|i| self.prompt_scores.get(i));
+                    let scored = i.checked_sub(1).and_then(|i| scores.get(i));
                     at += push(token, scored, at);
                 }
             }
