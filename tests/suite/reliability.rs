@@ -446,8 +446,8 @@ fn assert_same_table(run: &Run, a: &str, b: &str) {
 }
 
 /// Runs `train` with a terminal (a pseudo-terminal of its own, so burn's dashboard is shown),
-/// types `keys` once its `metrics.csv` reaches step 30, and returns its exit code and what the
-/// terminal showed.
+/// types `keys` once its `metrics.csv` reaches step 30 and the dashboard is up, and returns its
+/// exit code and what the terminal showed.
 fn stopped_in_the_dashboard(run: &Run, art: &str, keys: &[&[u8]]) -> (Option<i32>, String) {
     use std::io::{Read, Write};
     use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
@@ -495,19 +495,39 @@ fn stopped_in_the_dashboard(run: &Run, art: &str, keys: &[&[u8]]) -> (Option<i32
     drop(command);
     drop(slave);
     let mut reader = std::fs::File::from(master.try_clone().unwrap());
-    let shown = std::thread::spawn(move || {
-        let mut all = Vec::new();
-        let mut buffer = [0u8; 4096];
-        // Ends with EIO once the child and its terminal are gone.
-        while let Ok(n) = reader.read(&mut buffer) {
-            if n == 0 {
-                break;
+    let shown = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let reading = {
+        let shown = shown.clone();
+        std::thread::spawn(move || {
+            let mut buffer = [0u8; 4096];
+            // Ends with EIO once the child and its terminal are gone.
+            while let Ok(n) = reader.read(&mut buffer) {
+                if n == 0 {
+                    break;
+                }
+                shown.lock().unwrap().extend_from_slice(&buffer[..n]);
             }
-            all.extend_from_slice(&buffer[..n]);
-        }
-        String::from_utf8_lossy(&all).into_owned()
-    });
+        })
+    };
+    let text = |shown: &std::sync::Mutex<Vec<u8>>| {
+        String::from_utf8_lossy(&shown.lock().unwrap()).into_owned()
+    };
     wait_for_step(&run.path(art), 30, &mut child);
+    // The dashboard's thread starts on its own time (late on a busy machine): keys typed before
+    // its raw mode is on, or before a step has turned the signal keys back on after it, would
+    // be read by a terminal in another mode than the one a user types into. So: a frame drawn
+    // (its raw mode came first), then two steps begun after it.
+    let start = Instant::now();
+    while !text(&shown).contains("Stop the training.") {
+        assert!(child.try_wait().unwrap().is_none(), "{art}: training ended");
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "{art}: no dashboard drawn in 60 s"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let drawn = logged_step(&run.path(art));
+    wait_for_step(&run.path(art), drawn + 2, &mut child);
     let mut writer = std::fs::File::from(master);
     for key in keys {
         writer.write_all(key).unwrap();
@@ -518,14 +538,23 @@ fn stopped_in_the_dashboard(run: &Run, art: &str, keys: &[&[u8]]) -> (Option<i32
         if let Some(status) = child.try_wait().unwrap() {
             break status;
         }
-        assert!(
-            start.elapsed() < Duration::from_secs(60),
-            "the dashboard did not stop"
-        );
+        if start.elapsed() > Duration::from_secs(60) {
+            let _ = child.kill();
+            let _ = child.wait();
+            let all = text(&shown);
+            let tail: String = all
+                .chars()
+                .skip(all.chars().count().saturating_sub(3000))
+                .collect();
+            panic!(
+                "{art}: the dashboard did not stop in 60 s; the terminal's last output: {tail:?}"
+            );
+        }
         std::thread::sleep(Duration::from_millis(10));
     };
     drop(writer);
-    (status.code(), shown.join().unwrap())
+    reading.join().unwrap();
+    (status.code(), text(&shown))
 }
 
 /// In burn's dashboard Ctrl-C (which its raw terminal mode turns into a key) and `q` then `s`
