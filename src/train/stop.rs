@@ -114,11 +114,57 @@ pub fn install() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Keeps the terminal's signal keys on while it lives, so that Ctrl-C stops the run inside
+/// burn's dashboard as it does outside. The dashboard turns raw mode on (where Ctrl-C is a key it
+/// ignores) from its own thread, whenever that thread starts: often during the first step, which
+/// on a large model or a GPU's first compilation lasts long enough for a user to press Ctrl-C in
+/// it. So a thread looks every 50 ms, not once a step. Dropping it stops the thread.
+pub struct SignalKeys {
+    done: Option<std::sync::mpsc::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl SignalKeys {
+    /// Starts watching when stdin is a terminal; otherwise does nothing.
+    pub fn watch() -> Self {
+        if !std::io::IsTerminal::is_terminal(&std::io::stdin()) {
+            return Self {
+                done: None,
+                thread: None,
+            };
+        }
+        let (done, stop) = std::sync::mpsc::channel::<()>();
+        let thread = std::thread::Builder::new()
+            .name("signal-keys".into())
+            .spawn(move || loop {
+                signal_keys_on();
+                match stop.recv_timeout(std::time::Duration::from_millis(50)) {
+                    Err(std::sync::mpsc::RecvTimeoutError::Timeout) => continue,
+                    _ => break,
+                }
+            })
+            .ok();
+        Self {
+            done: Some(done),
+            thread,
+        }
+    }
+}
+
+impl Drop for SignalKeys {
+    fn drop(&mut self) {
+        drop(self.done.take());
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
 /// Inside burn's dashboard the terminal is in raw mode, where Ctrl-C is a key the dashboard
 /// ignores; this turns the terminal's signal keys back on so that Ctrl-C stops the run as it
 /// does outside. Nothing when stdin is not a terminal (the call fails).
 #[cfg(unix)]
-pub fn signal_keys_on() {
+fn signal_keys_on() {
     // SAFETY: tcgetattr/tcsetattr on fd 0 with a zeroed termios they fill in.
     unsafe {
         let mut term: libc::termios = std::mem::zeroed();
@@ -131,4 +177,4 @@ pub fn signal_keys_on() {
 
 /// Signal keys are on elsewhere.
 #[cfg(not(unix))]
-pub fn signal_keys_on() {}
+fn signal_keys_on() {}

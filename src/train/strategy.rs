@@ -249,7 +249,8 @@ where
         loader_valid: ValidLoader<LC>,
         starting_epoch: usize,
     ) -> (TrainingModel<LC>, SupervisedTrainingEventProcessor<LC>) {
-        let terminal = std::io::IsTerminal::is_terminal(&std::io::stdin());
+        // Ctrl-C stays a signal inside the dashboard for as long as the run goes on.
+        let _signal_keys = super::stop::SignalKeys::watch();
         let mut processor = components.event_processor;
         let mut checkpointer = components.checkpointer;
         let mut early_stopping = components.early_stopping;
@@ -322,10 +323,6 @@ where
             let mut batch = std::mem::take(&mut skip);
             while let Some(item) = iterator.next() {
                 let began = Instant::now();
-                if terminal {
-                    // The dashboard turns raw mode on from its own thread, whenever it starts.
-                    super::stop::signal_keys_on();
-                }
                 batch += 1;
                 learner.lr_step();
                 let progress = iterator.progress();

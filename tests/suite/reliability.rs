@@ -445,10 +445,25 @@ fn assert_same_table(run: &Run, a: &str, b: &str) {
     );
 }
 
-/// Runs `train` with a terminal (a pseudo-terminal of its own, so burn's dashboard is shown),
-/// types `keys` once its `metrics.csv` reaches step 30 and the dashboard is up, and returns its
-/// exit code and what the terminal showed.
-fn stopped_in_the_dashboard(run: &Run, art: &str, keys: &[&[u8]]) -> (Option<i32>, String) {
+/// When [`stopped_in_the_dashboard`] types its keys.
+#[derive(Clone, Copy, PartialEq)]
+enum Typed {
+    /// Once `metrics.csv` reaches step 30, the dashboard is up, and two more steps began.
+    AfterStep30,
+    /// As soon as the dashboard is up, which must be before the first step ends.
+    InTheFirstStep,
+}
+
+/// Runs `train -e experiment` with a terminal (a pseudo-terminal of its own, so burn's
+/// dashboard is shown), types `keys` when `typed` says, and returns its exit code and what the
+/// terminal showed.
+fn stopped_in_the_dashboard(
+    run: &Run,
+    experiment: &str,
+    art: &str,
+    keys: &[&[u8]],
+    typed: Typed,
+) -> (Option<i32>, String) {
     use std::io::{Read, Write};
     use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
     use std::os::unix::process::CommandExt;
@@ -473,7 +488,7 @@ fn stopped_in_the_dashboard(run: &Run, art: &str, keys: &[&[u8]]) -> (Option<i32
     let (master, slave) = unsafe { (OwnedFd::from_raw_fd(master), OwnedFd::from_raw_fd(slave)) };
     let mut command = run.command(
         "ndarray",
-        &["train", "-e", "tiny.json", "--artifact-dir", art],
+        &["train", "-e", experiment, "--artifact-dir", art],
     );
     command
         .env("TERM", "xterm")
@@ -512,11 +527,13 @@ fn stopped_in_the_dashboard(run: &Run, art: &str, keys: &[&[u8]]) -> (Option<i32
     let text = |shown: &std::sync::Mutex<Vec<u8>>| {
         String::from_utf8_lossy(&shown.lock().unwrap()).into_owned()
     };
-    wait_for_step(&run.path(art), 30, &mut child);
+    if typed == Typed::AfterStep30 {
+        wait_for_step(&run.path(art), 30, &mut child);
+    }
     // The dashboard's thread starts on its own time (late on a busy machine): keys typed before
-    // its raw mode is on, or before a step has turned the signal keys back on after it, would
-    // be read by a terminal in another mode than the one a user types into. So: a frame drawn
-    // (its raw mode came first), then two steps begun after it.
+    // its raw mode is on would be read by a terminal in another mode than the one a user types
+    // into. So: a frame drawn (its raw mode came first), then, after step 30, two steps begun
+    // after it.
     let start = Instant::now();
     while !text(&shown).contains("Stop the training.") {
         assert!(child.try_wait().unwrap().is_none(), "{art}: training ended");
@@ -527,7 +544,13 @@ fn stopped_in_the_dashboard(run: &Run, art: &str, keys: &[&[u8]]) -> (Option<i32
         std::thread::sleep(Duration::from_millis(10));
     }
     let drawn = logged_step(&run.path(art));
-    wait_for_step(&run.path(art), drawn + 2, &mut child);
+    match typed {
+        Typed::AfterStep30 => wait_for_step(&run.path(art), drawn + 2, &mut child),
+        Typed::InTheFirstStep => assert_eq!(
+            drawn, 0,
+            "{art}: the first step ended before the dashboard was up: it must last longer"
+        ),
+    }
     let mut writer = std::fs::File::from(master);
     for key in keys {
         writer.write_all(key).unwrap();
@@ -572,7 +595,8 @@ fn the_dashboard_stops_on_ctrl_c_and_on_q_with_the_step_saved() {
         ("ctrl-c", vec![&b"\x03"[..]]),
         ("q", vec![&b"q"[..], &b"s"[..]]),
     ] {
-        let (code, shown) = stopped_in_the_dashboard(&run, art, &keys);
+        let (code, shown) =
+            stopped_in_the_dashboard(&run, "tiny.json", art, &keys, Typed::AfterStep30);
         let line = shown
             .lines()
             .find(|l| l.contains("stopped: step "))
@@ -1198,4 +1222,31 @@ fn empty_experiments_and_impossible_batches_are_refused() {
         !run.path("huge").exists(),
         "nothing written for a refused run"
     );
+}
+
+/// Ctrl-C pressed inside the dashboard during a long first step (a large model, a GPU's first
+/// compilation) stops the run after that step, with the step saved. The dashboard turns raw
+/// mode on from its own thread whenever that thread starts, often after the first step began,
+/// so turning the signal keys back on once a step is not enough.
+#[test]
+fn ctrl_c_in_the_dashboard_during_a_long_first_step_stops_after_it() {
+    let run = Run::new();
+    // Batches of 4096 windows: steps of a second or more in a debug build. A Ctrl-C lost
+    // leaves the run to its end, status 0.
+    let line = "the quick brown fox jumps over the lazy dog.\n";
+    std::fs::write(run.path("corpus.txt"), line.repeat(4000)).unwrap();
+    run.experiment(
+        "slow.json",
+        1,
+        r#"{"batch_size": 4096, "steps": 20, "steps_per_epoch": 10}"#,
+    );
+    let (code, shown) =
+        stopped_in_the_dashboard(&run, "slow.json", "slow", &[b"\x03"], Typed::InTheFirstStep);
+    let line = shown
+        .lines()
+        .find(|l| l.contains("stopped: step "))
+        .unwrap_or_else(|| panic!("exit {code:?}, no `stopped:` line"));
+    assert_eq!(code, Some(75), "{line}");
+    assert!(line.contains("stopped: step 1 of 20"), "{line}");
+    assert_eq!(step_markers(&run.path("slow")), [1]);
 }
