@@ -8,6 +8,9 @@ use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 use transformer_lab::artifact::ArtifactDir;
 
+/// The line [`Run`]'s corpus repeats.
+const CORPUS_LINE: &str = "the quick brown fox jumps over the lazy dog.\n";
+
 /// A temp dir with a corpus and `tiny.json`: a one-layer char LM with dropout (so resuming
 /// must also restore the random stream), 6 epochs of 20 steps.
 struct Run {
@@ -17,8 +20,7 @@ struct Run {
 impl Run {
     fn new() -> Self {
         let dir = tempfile::tempdir().unwrap();
-        let line = "the quick brown fox jumps over the lazy dog.\n";
-        std::fs::write(dir.path().join("corpus.txt"), line.repeat(60)).unwrap();
+        std::fs::write(dir.path().join("corpus.txt"), CORPUS_LINE.repeat(60)).unwrap();
         let run = Self { dir };
         run.experiment("tiny.json", 1, "{}");
         run
@@ -455,8 +457,8 @@ enum Typed {
 }
 
 /// Runs `train -e experiment` with a terminal (a pseudo-terminal of its own, so burn's
-/// dashboard is shown), types `keys` when `typed` says, and returns its exit code and what the
-/// terminal showed.
+/// dashboard is shown), types `keys` when `typed` says, and returns its exit code and the line
+/// the terminal showed that says where it stopped.
 fn stopped_in_the_dashboard(
     run: &Run,
     experiment: &str,
@@ -577,7 +579,13 @@ fn stopped_in_the_dashboard(
     };
     drop(writer);
     reading.join().unwrap();
-    (status.code(), text(&shown))
+    let code = status.code();
+    let line = text(&shown)
+        .lines()
+        .find(|l| l.contains("stopped: step "))
+        .unwrap_or_else(|| panic!("{art}: exit {code:?}, no `stopped:` line"))
+        .to_string();
+    (code, line)
 }
 
 /// In burn's dashboard Ctrl-C (which its raw terminal mode turns into a key) and `q` then `s`
@@ -595,12 +603,8 @@ fn the_dashboard_stops_on_ctrl_c_and_on_q_with_the_step_saved() {
         ("ctrl-c", vec![&b"\x03"[..]]),
         ("q", vec![&b"q"[..], &b"s"[..]]),
     ] {
-        let (code, shown) =
+        let (code, line) =
             stopped_in_the_dashboard(&run, "tiny.json", art, &keys, Typed::AfterStep30);
-        let line = shown
-            .lines()
-            .find(|l| l.contains("stopped: step "))
-            .unwrap_or_else(|| panic!("{art}: exit {code:?}, no `stopped:` line"));
         assert_eq!(code, Some(75), "{art}: {line}");
         let markers = step_markers(&run.path(art));
         assert_eq!(markers.len(), 1, "{art}: {markers:?}");
@@ -1233,19 +1237,14 @@ fn ctrl_c_in_the_dashboard_during_a_long_first_step_stops_after_it() {
     let run = Run::new();
     // Batches of 4096 windows: steps of a second or more in a debug build. A Ctrl-C lost
     // leaves the run to its end, status 0.
-    let line = "the quick brown fox jumps over the lazy dog.\n";
-    std::fs::write(run.path("corpus.txt"), line.repeat(4000)).unwrap();
+    std::fs::write(run.path("corpus.txt"), CORPUS_LINE.repeat(4000)).unwrap();
     run.experiment(
         "slow.json",
         1,
         r#"{"batch_size": 4096, "steps": 20, "steps_per_epoch": 10}"#,
     );
-    let (code, shown) =
+    let (code, line) =
         stopped_in_the_dashboard(&run, "slow.json", "slow", &[b"\x03"], Typed::InTheFirstStep);
-    let line = shown
-        .lines()
-        .find(|l| l.contains("stopped: step "))
-        .unwrap_or_else(|| panic!("exit {code:?}, no `stopped:` line"));
     assert_eq!(code, Some(75), "{line}");
     assert!(line.contains("stopped: step 1 of 20"), "{line}");
     assert_eq!(step_markers(&run.path("slow")), [1]);
