@@ -427,6 +427,55 @@ fn gpu_attention_equals_the_composed_form() {
 }
 
 #[test]
+fn gpu_attention_backward_with_rows_shared_among_units_equals_the_composed_form() {
+    let Some(_turn) = wgpu_turn() else {
+        return;
+    };
+    // The backward kernels share a row among 2, 4 or 8 units where a head is 32, 64 or 128
+    // wide (each unit every split-th column, the dot products added through plane shuffles);
+    // lavapipe takes minutes to compile those widths, so each split is forced here on 8-wide
+    // heads. The turn keeps the other GPU tests of this process from seeing the forced split.
+    struct Unforce;
+    impl Drop for Unforce {
+        fn drop(&mut self) {
+            cube::force_attention_row_split(None);
+        }
+    }
+    let _unforce = Unforce;
+    let device = Default::default();
+    let cases: &[([usize; 5], bool, &[usize], &str)] = &[
+        ([2, 3, 70, 70, 8], true, &[], "causal, three key tiles"),
+        (
+            [3, 2, 5, 131, 8],
+            false,
+            &[0, 7, 131],
+            "cross, a fully padded row",
+        ),
+        (
+            [2, 1, 6, 6, 8],
+            true,
+            &[6, 0],
+            "causal, every key of one row padded",
+        ),
+    ];
+    for split in [2, 4, 8] {
+        cube::force_attention_row_split(Some(split));
+        for dropout in [None, Some(DropoutMask::new(0.3, 77))] {
+            for &(shape, causal, padded, what) in cases {
+                let case = launching(3, || {
+                    attention_case::<Gpu>(shape, causal, padded, dropout, &device)
+                });
+                assert_close(
+                    &format!("{split} units a row: {what}, dropout {dropout:?}"),
+                    case,
+                    2e-5,
+                );
+            }
+        }
+    }
+}
+
+#[test]
 fn gpu_packed_self_attention_equals_the_composed_form() {
     let Some(_turn) = wgpu_turn() else {
         return;

@@ -67,6 +67,8 @@ struct Place {
     s: usize,
     /// The unit's row: a query row, or in the key kernel a key row.
     row: usize,
+    /// Which of the row's `split` units this is: it holds columns `lane, lane + split, …`.
+    lane: usize,
     /// Whether that row exists (the last cube's units may run past the end).
     live: bool,
     /// `1/√k`.
@@ -75,8 +77,8 @@ struct Place {
     pad_row: usize,
 }
 
-/// The [`Place`] of this unit: cube `(x, y)` takes rows `x·TILE..` of head `y`; its rows are
-/// keys when `keys` is set, queries otherwise.
+/// The [`Place`] of this unit: cube `(x, y)` takes rows `x·TILE..` of head `y`, `split`
+/// adjacent units a row; its rows are keys when `keys` is set, queries otherwise.
 #[cube]
 fn place<F: Float>(
     q: &Tensor<F>,
@@ -84,13 +86,14 @@ fn place<F: Float>(
     layout: &Layout,
     #[comptime] kd: usize,
     #[comptime] keys: bool,
+    #[comptime] split: usize,
 ) -> Place {
     let bh = CUBE_POS_Y as usize;
     let heads = layout.heads as usize;
     let b = bh / heads;
     let t = q.shape(2);
     let s = k.shape(2);
-    let row = CUBE_POS_X as usize * TILE as usize + UNIT_POS_X as usize;
+    let row = CUBE_POS_X as usize * TILE as usize + UNIT_POS_X as usize / split;
     let mut rows = t;
     if keys {
         rows = s;
@@ -102,6 +105,7 @@ fn place<F: Float>(
         t,
         s,
         row,
+        lane: UNIT_POS_X as usize % split,
         live: row < rows,
         scale: 1.0f32 / f32::sqrt(f32::cast_from(kd as u32)),
         pad_row: b * s,
@@ -180,7 +184,7 @@ fn multiplier(
 }
 
 /// Rows `r0..r0 + TILE` of head `(b, h)` of `x` into `tile` (`TILE × kd`, zeros past `n`), by
-/// all units of the cube.
+/// all `units` units of the cube.
 #[cube]
 fn load_tile<F: Float>(
     x: &Tensor<F>,
@@ -189,6 +193,7 @@ fn load_tile<F: Float>(
     h: usize,
     r0: usize,
     #[comptime] kd: usize,
+    #[comptime] units: usize,
 ) {
     let n = x.shape(2);
     let base = b * x.stride(0) + h * x.stride(1);
@@ -201,7 +206,7 @@ fn load_tile<F: Float>(
             value = f32::cast_from(x[base + r * x.stride(2) + c * x.stride(3)]);
         }
         tile[e] = value;
-        e += TILE as usize;
+        e += units;
     }
 }
 
@@ -223,7 +228,7 @@ pub fn attention_forward_kernel<F: Float>(
     #[comptime] has_dropout: bool,
     #[define(F)] _dtype: StorageType,
 ) {
-    let place = place::<F>(q, k, layout, kd, false);
+    let place = place::<F>(q, k, layout, kd, false, 1usize);
     let (bh, b, h, t, s, i) = (place.bh, place.b, place.h, place.t, place.s, place.row);
     let (live, scale, pad_row) = (place.live, place.scale, place.pad_row);
 
@@ -248,8 +253,8 @@ pub fn attention_forward_kernel<F: Float>(
     let end = keys_end(s, causal, has_pad);
     let mut j0 = 0usize;
     while j0 < end {
-        load_tile::<F>(k, &mut ks, b, h, j0, kd);
-        load_tile::<F>(v, &mut vs, b, h, j0, kd);
+        load_tile::<F>(k, &mut ks, b, h, j0, kd, TILE as usize);
+        load_tile::<F>(v, &mut vs, b, h, j0, kd, TILE as usize);
         sync_cube();
         // Past the diagonal a causal row's keys are all masked: nothing to add, unless every
         // key of the row is masked (then it attends uniformly to all of them).
@@ -323,8 +328,33 @@ fn weight(x: f32, lse: f32, s: usize) -> f32 {
     p
 }
 
+/// The sum of `x` over the `split` units of a row (adjacent units of one plane), the same bits in
+/// each: `x + x'` and `x' + x` are one addition. Every unit of the cube must come here together
+/// (a shuffle waits for its whole plane), so callers never call it inside a branch that differs
+/// between rows.
+#[cube]
+fn row_sum(x: f32, #[comptime] split: usize) -> f32 {
+    let mut sum = x;
+    if split >= 2 {
+        sum += plane_shuffle_xor(sum, 1u32);
+    }
+    if split >= 4 {
+        sum += plane_shuffle_xor(sum, 2u32);
+    }
+    if split >= 8 {
+        sum += plane_shuffle_xor(sum, 4u32);
+    }
+    sum
+}
+
 /// Attention's backward pass, query side: `dq` (at the layout's strides) and `delta`
 /// `[b, h, t]` = `rowsum(dO ⊙ O)`, which [`attention_backward_keys_kernel`] reads.
+///
+/// `split` units (1 or 2, adjacent in a plane) share a query row, each holding columns `lane,
+/// lane + split, …` of its Q, dO and dQ rows and adding its half of every dot product to the
+/// other's through a shuffle: with 2, a unit holds 3 × 32 numbers of a 64-wide head where it
+/// held 3 × 64, which a GPU's 255 registers a unit could not (the kernel spilled), and twice as
+/// many units share the work.
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
 pub fn attention_backward_queries_kernel<F: Float>(
@@ -342,15 +372,23 @@ pub fn attention_backward_queries_kernel<F: Float>(
     #[comptime] causal: bool,
     #[comptime] has_pad: bool,
     #[comptime] has_dropout: bool,
+    #[comptime] split: usize,
     #[define(F)] _dtype: StorageType,
 ) {
-    let place = place::<F>(q, k, layout, kd, false);
+    let place = place::<F>(q, k, layout, kd, false, split);
     let (bh, b, h, t, s, i) = (place.bh, place.b, place.h, place.t, place.s, place.row);
-    let (live, scale, pad_row) = (place.live, place.scale, place.pad_row);
+    let (live, scale, pad_row, lane) = (place.live, place.scale, place.pad_row, place.lane);
+    let cols = comptime!(kd / split);
 
-    let mut qr = Array::<f32>::new(kd);
-    let mut dor = Array::<f32>::new(kd);
-    let mut acc = Array::<f32>::new(kd);
+    let mut qr = Array::<f32>::new(cols);
+    let mut dor = Array::<f32>::new(cols);
+    let mut acc = Array::<f32>::new(cols);
+    #[unroll]
+    for cc in 0..cols {
+        qr[cc] = 0.0f32;
+        dor[cc] = 0.0f32;
+        acc[cc] = 0.0f32;
+    }
     let mut d = 0.0f32;
     let mut row_lse = 0.0f32;
     if live {
@@ -358,49 +396,48 @@ pub fn attention_backward_queries_kernel<F: Float>(
         let o_base = b * o.stride(0) + h * o.stride(1) + i * o.stride(2);
         let do_base = b * d_o.stride(0) + h * d_o.stride(1) + i * d_o.stride(2);
         #[unroll]
-        for c in 0..kd {
-            qr[c] = f32::cast_from(q[q_base + c * q.stride(3)]) * scale;
+        for cc in 0..cols {
+            let c = cc * split + lane;
+            qr[cc] = f32::cast_from(q[q_base + c * q.stride(3)]) * scale;
             let g = f32::cast_from(d_o[do_base + c * d_o.stride(3)]);
-            dor[c] = g;
+            dor[cc] = g;
             d += g * f32::cast_from(o[o_base + c * o.stride(3)]);
-            acc[c] = 0.0f32;
         }
         row_lse = f32::cast_from(lse[bh * t + i]);
     }
+    d = row_sum(d, split);
     let mut ks = SharedMemory::<f32>::new(TILE as usize * kd);
     let mut vs = SharedMemory::<f32>::new(TILE as usize * kd);
+    let units = comptime!(TILE as usize * split);
 
+    // Every unit walks every tile and key (the shuffles need the whole plane); a row's mask
+    // decides only what it adds.
     let end = keys_end(s, causal, has_pad);
     let mut j0 = 0usize;
     while j0 < end {
-        load_tile::<F>(k, &mut ks, b, h, j0, kd);
-        load_tile::<F>(v, &mut vs, b, h, j0, kd);
+        load_tile::<F>(k, &mut ks, b, h, j0, kd, units);
+        load_tile::<F>(v, &mut vs, b, h, j0, kd, units);
         sync_cube();
-        let mut skip = !live;
-        if causal {
-            skip = skip || j0 > i;
-        }
-        if !skip {
-            let mut jj = 0usize;
-            while jj < TILE as usize && j0 + jj < s {
-                let j = j0 + jj;
-                // A masked score is a constant: no gradient reaches q through it.
-                if !is_masked::<F>(i, j, pad, pad_row, causal, has_pad) {
-                    let mut x = 0.0f32;
-                    let mut dp = 0.0f32;
-                    #[unroll]
-                    for c in 0..kd {
-                        x += qr[c] * ks[jj * kd + c];
-                        dp += dor[c] * vs[jj * kd + c];
-                    }
-                    let p = weight(x, row_lse, s);
-                    let ds = p * (dp * multiplier(bh, i, j, t, s, layout, has_dropout) - d);
-                    #[unroll]
-                    for c in 0..kd {
-                        acc[c] += ds * ks[jj * kd + c];
-                    }
+        for jj in 0..TILE as usize {
+            let j = j0 + jj;
+            let mut x = 0.0f32;
+            let mut dp = 0.0f32;
+            #[unroll]
+            for cc in 0..cols {
+                let c = cc * split + lane;
+                x += qr[cc] * ks[jj * kd + c];
+                dp += dor[cc] * vs[jj * kd + c];
+            }
+            x = row_sum(x, split);
+            dp = row_sum(dp, split);
+            // A masked score is a constant: no gradient reaches q through it.
+            if live && j < s && !is_masked::<F>(i, j, pad, pad_row, causal, has_pad) {
+                let p = weight(x, row_lse, s);
+                let ds = p * (dp * multiplier(bh, i, j, t, s, layout, has_dropout) - d);
+                #[unroll]
+                for cc in 0..cols {
+                    acc[cc] += ds * ks[jj * kd + cc * split + lane];
                 }
-                jj += 1;
             }
         }
         sync_cube();
@@ -412,15 +449,19 @@ pub fn attention_backward_queries_kernel<F: Float>(
             + h * layout.out_head as usize
             + i * layout.out_row as usize;
         #[unroll]
-        for c in 0..kd {
-            dq[base + c] = F::cast_from(acc[c] * scale);
+        for cc in 0..cols {
+            dq[base + cc * split + lane] = F::cast_from(acc[cc] * scale);
         }
-        delta[bh * t + i] = d;
+        if lane == 0 {
+            delta[bh * t + i] = d;
+        }
     }
 }
 
 /// Attention's backward pass, key side: `dk` and `dv` (at the layout's strides, dV at the second
-/// offset) from the saved log-sum-exp and the query kernel's `delta`.
+/// offset) from the saved log-sum-exp and the query kernel's `delta`; `split` units a key row,
+/// as in [`attention_backward_queries_kernel`] (a unit holds 4 × 32 numbers of a 64-wide head,
+/// not 4 × 64).
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
 pub fn attention_backward_keys_kernel<F: Float>(
@@ -437,26 +478,34 @@ pub fn attention_backward_keys_kernel<F: Float>(
     #[comptime] causal: bool,
     #[comptime] has_pad: bool,
     #[comptime] has_dropout: bool,
+    #[comptime] split: usize,
     #[define(F)] _dtype: StorageType,
 ) {
-    let place = place::<F>(q, k, layout, kd, true);
+    let place = place::<F>(q, k, layout, kd, true, split);
     let (bh, b, h, t, s, j) = (place.bh, place.b, place.h, place.t, place.s, place.row);
-    let (live, scale, pad_row) = (place.live, place.scale, place.pad_row);
+    let (live, scale, pad_row, lane) = (place.live, place.scale, place.pad_row, place.lane);
+    let cols = comptime!(kd / split);
 
-    let mut kr = Array::<f32>::new(kd);
-    let mut vr = Array::<f32>::new(kd);
-    let mut dk = Array::<f32>::new(kd);
-    let mut dv = Array::<f32>::new(kd);
+    let mut kr = Array::<f32>::new(cols);
+    let mut vr = Array::<f32>::new(cols);
+    let mut dk = Array::<f32>::new(cols);
+    let mut dv = Array::<f32>::new(cols);
+    #[unroll]
+    for cc in 0..cols {
+        kr[cc] = 0.0f32;
+        vr[cc] = 0.0f32;
+        dk[cc] = 0.0f32;
+        dv[cc] = 0.0f32;
+    }
     let mut key_masked = false;
     if live {
         let k_base = b * k.stride(0) + h * k.stride(1) + j * k.stride(2);
         let v_base = b * v.stride(0) + h * v.stride(1) + j * v.stride(2);
         #[unroll]
-        for c in 0..kd {
-            kr[c] = f32::cast_from(k[k_base + c * k.stride(3)]) * scale;
-            vr[c] = f32::cast_from(v[v_base + c * v.stride(3)]);
-            dk[c] = 0.0f32;
-            dv[c] = 0.0f32;
+        for cc in 0..cols {
+            let c = cc * split + lane;
+            kr[cc] = f32::cast_from(k[k_base + c * k.stride(3)]) * scale;
+            vr[cc] = f32::cast_from(v[v_base + c * v.stride(3)]);
         }
         if has_pad {
             key_masked = f32::cast_from(pad[pad_row + j]) > 0.5f32;
@@ -466,59 +515,61 @@ pub fn attention_backward_keys_kernel<F: Float>(
     let mut dos = SharedMemory::<f32>::new(TILE as usize * kd);
     let mut lses = SharedMemory::<f32>::new(TILE as usize);
     let mut deltas = SharedMemory::<f32>::new(TILE as usize);
+    let units = comptime!(TILE as usize * split);
 
+    // As in the query kernel, every unit walks every query of every tile.
     let mut i0 = queries_start(causal, has_pad);
     while i0 < t {
-        load_tile::<F>(q, &mut qs, b, h, i0, kd);
-        load_tile::<F>(d_o, &mut dos, b, h, i0, kd);
+        load_tile::<F>(q, &mut qs, b, h, i0, kd, units);
+        load_tile::<F>(d_o, &mut dos, b, h, i0, kd, units);
         let u = UNIT_POS_X as usize;
-        let mut row_lse = 0.0f32;
-        let mut row_delta = 0.0f32;
-        if i0 + u < t {
-            row_lse = f32::cast_from(lse[bh * t + i0 + u]);
-            row_delta = delta[bh * t + i0 + u];
+        if u < TILE as usize {
+            let mut row_lse = 0.0f32;
+            let mut row_delta = 0.0f32;
+            if i0 + u < t {
+                row_lse = f32::cast_from(lse[bh * t + i0 + u]);
+                row_delta = delta[bh * t + i0 + u];
+            }
+            lses[u] = row_lse;
+            deltas[u] = row_delta;
         }
-        lses[u] = row_lse;
-        deltas[u] = row_delta;
         sync_cube();
-        if live {
-            let mut ii = 0usize;
-            while ii < TILE as usize && i0 + ii < t {
-                let i = i0 + ii;
-                let row_lse = lses[ii];
-                let mut masked = key_masked;
-                if causal {
-                    masked = masked || j > i;
+        for ii in 0..TILE as usize {
+            let i = i0 + ii;
+            let mut x = 0.0f32;
+            let mut dp = 0.0f32;
+            #[unroll]
+            for cc in 0..cols {
+                let c = cc * split + lane;
+                x += qs[ii * kd + c] * kr[cc];
+                dp += dos[ii * kd + c] * vr[cc];
+            }
+            x = row_sum(x, split);
+            dp = row_sum(dp, split);
+            let row_lse = lses[ii];
+            let mut masked = key_masked;
+            if causal {
+                masked = masked || j > i;
+            }
+            // A masked key has weight 0, except in a fully masked row (uniform weights).
+            if live && i < t && (!masked || row_lse <= REAL_SCORE) {
+                if masked {
+                    x = f32::new(MASKED_SCORE);
                 }
-                // A masked key has weight 0, except in a fully masked row (uniform weights).
-                if !masked || row_lse <= REAL_SCORE {
-                    let mut x = f32::new(MASKED_SCORE);
-                    if !masked {
-                        x = 0.0f32;
-                        #[unroll]
-                        for c in 0..kd {
-                            x += qs[ii * kd + c] * kr[c];
-                        }
-                    }
-                    let p = weight(x, row_lse, s);
-                    let mult = multiplier(bh, i, j, t, s, layout, has_dropout);
-                    let w = p * mult;
-                    let mut dp = 0.0f32;
+                let p = weight(x, row_lse, s);
+                let mult = multiplier(bh, i, j, t, s, layout, has_dropout);
+                let w = p * mult;
+                #[unroll]
+                for cc in 0..cols {
+                    dv[cc] += w * dos[ii * kd + cc * split + lane];
+                }
+                if !masked {
+                    let ds = p * (dp * mult - deltas[ii]);
                     #[unroll]
-                    for c in 0..kd {
-                        let g = dos[ii * kd + c];
-                        dv[c] += w * g;
-                        dp += g * vr[c];
-                    }
-                    if !masked {
-                        let ds = p * (dp * mult - deltas[ii]);
-                        #[unroll]
-                        for c in 0..kd {
-                            dk[c] += ds * qs[ii * kd + c];
-                        }
+                    for cc in 0..cols {
+                        dk[cc] += ds * qs[ii * kd + cc * split + lane];
                     }
                 }
-                ii += 1;
             }
         }
         sync_cube();
@@ -531,9 +582,10 @@ pub fn attention_backward_keys_kernel<F: Float>(
         let k_base = base + layout.out_offset as usize;
         let v_base = base + layout.out_offset_2 as usize;
         #[unroll]
-        for c in 0..kd {
-            dkv[k_base + c] = F::cast_from(dk[c] * scale);
-            dkv[v_base + c] = F::cast_from(dv[c]);
+        for cc in 0..cols {
+            let c = cc * split + lane;
+            dkv[k_base + c] = F::cast_from(dk[cc] * scale);
+            dkv[v_base + c] = F::cast_from(dv[cc]);
         }
     }
 }

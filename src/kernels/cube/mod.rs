@@ -6,7 +6,9 @@
 //! layer is burn's own (autotuned) matmul, its products in half precision when asked
 //! ([`linear`]).
 
-mod attention;
+pub(crate) mod attention;
+#[cfg(all(feature = "cuda-backend", feature = "wgpu-backend"))]
+pub mod cuda_source;
 mod linear;
 mod pointwise;
 mod rows;
@@ -25,7 +27,7 @@ use cubecl::server::{MemoryLayout, MemoryLayoutDescriptor};
 use cubecl::zspace::metadata::Metadata;
 pub use launches::{launches, on_behalf_of};
 use rows::{GRAD_CHUNK, ROW_UNITS};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 /// Counting launches, for the tests that check that the kernels ran (not a fallback to the
 /// composed form). Each count goes to the thread whose work the kernel does: the caller's, or —
@@ -1002,10 +1004,11 @@ fn attention_backward<R: CubeRuntime>(
     let [(dq, dq_strides), (dkv, dkv_strides)] = grads;
     launches::count();
 
+    let split = row_split(&client, kd);
     attention::attention_backward_queries_kernel::launch::<R>(
         &client,
         CubeCount::Static(t.div_ceil(TILE as usize) as u32, (b * h) as u32, 1),
-        CubeDim::new_1d(TILE),
+        CubeDim::new_1d(TILE * split as u32),
         q.clone().into_tensor_arg(),
         k.clone().into_tensor_arg(),
         v.clone().into_tensor_arg(),
@@ -1020,6 +1023,7 @@ fn attention_backward<R: CubeRuntime>(
         causal,
         has_pad,
         dropout.is_some(),
+        split,
         dtype.into(),
     );
     let dv_offset = dkv_strides[3] + dv_offset;
@@ -1028,7 +1032,7 @@ fn attention_backward<R: CubeRuntime>(
     attention::attention_backward_keys_kernel::launch::<R>(
         &client,
         CubeCount::Static(s.div_ceil(TILE as usize) as u32, (b * h) as u32, 1),
-        CubeDim::new_1d(TILE),
+        CubeDim::new_1d(TILE * split as u32),
         q.into_tensor_arg(),
         k.into_tensor_arg(),
         v.into_tensor_arg(),
@@ -1042,6 +1046,53 @@ fn attention_backward<R: CubeRuntime>(
         causal,
         has_pad,
         dropout.is_some(),
+        split,
         dtype.into(),
     );
+}
+
+/// A row split the tests force on the attention backward kernels (0: [`row_split`]'s own).
+static FORCED_ROW_SPLIT: AtomicUsize = AtomicUsize::new(0);
+
+/// Makes the attention backward kernels share each row among `split` units (1, 2, 4 or 8; it
+/// must divide the head width and fit in the device's plane), or with `None` choose as they do
+/// (see [`row_split`]): for tests, which check every split on small heads.
+#[doc(hidden)]
+pub fn force_attention_row_split(split: Option<usize>) {
+    FORCED_ROW_SPLIT.store(split.unwrap_or(0), Ordering::Relaxed);
+}
+
+/// How many units share a row in the attention backward kernels: one for every 16 columns of
+/// the head, at most 8 (a power of two dividing the head width; 4 for a 64-wide head), each
+/// holding every `split`-th column, their dot products added through plane shuffles — where the
+/// device's planes shuffle and hold that many units; else 1. cubecl marks shuffles on a GPU
+/// with subgroups, and its Vulkan path's subgroup support as plane synchronisation, which a CPU
+/// Vulkan driver such as lavapipe has too (the kernels run there and are tested); WGSL without
+/// subgroups has neither. Found by `bench/gpu/registers.sh`: with one unit a row both kernels
+/// reached a GPU's 255 registers a unit and spilled.
+fn row_split<R: CubeRuntime>(client: &ComputeClient<R>, kd: usize) -> usize {
+    use cubecl::features::Plane;
+    let properties = client.properties();
+    let plane = properties.features.plane;
+    let shuffles = plane.contains(Plane::Ops) || plane.contains(Plane::Sync);
+    let forced = FORCED_ROW_SPLIT.load(Ordering::Relaxed);
+    if forced > 0 {
+        let fits =
+            kd.is_multiple_of(forced) && forced <= properties.hardware.plane_size_min as usize;
+        assert!(
+            fits && (forced == 1 || shuffles),
+            "forced split {forced} does not fit"
+        );
+        return forced;
+    }
+    let mut split = 1;
+    while shuffles
+        && split < 8
+        && kd.is_multiple_of(2 * split)
+        && kd / (2 * split) >= 16
+        && 2 * split <= properties.hardware.plane_size_min as usize
+    {
+        split *= 2;
+    }
+    split
 }
