@@ -118,7 +118,10 @@ pub fn install() -> anyhow::Result<()> {
 /// burn's dashboard as it does outside. The dashboard turns raw mode on (where Ctrl-C is a key it
 /// ignores) from its own thread, whenever that thread starts: often during the first step, which
 /// on a large model or a GPU's first compilation lasts long enough for a user to press Ctrl-C in
-/// it. So a thread looks every 50 ms, not once a step. Dropping it stops the thread.
+/// it. So a thread looks every 5 ms, not once a step (a `tcgetattr`, and a `tcsetattr` only
+/// when the keys are off): a Ctrl-C within 5 ms of the dashboard's raw mode coming on is still
+/// its key (at 50 ms a test typing as soon as the first frame was drawn lost one in CI).
+/// Dropping it stops the thread.
 pub struct SignalKeys {
     done: Option<std::sync::mpsc::Sender<()>>,
     thread: Option<std::thread::JoinHandle<()>>,
@@ -138,7 +141,7 @@ impl SignalKeys {
             .name("signal-keys".into())
             .spawn(move || loop {
                 signal_keys_on();
-                match stop.recv_timeout(std::time::Duration::from_millis(50)) {
+                match stop.recv_timeout(std::time::Duration::from_millis(5)) {
                     Err(std::sync::mpsc::RecvTimeoutError::Timeout) => continue,
                     _ => break,
                 }

@@ -553,6 +553,9 @@ fn stopped_in_the_dashboard(
             "{art}: the first step ended before the dashboard was up: it must last longer"
         ),
     }
+    // The run turns the signal keys back on within 5 ms of the dashboard's raw mode (a
+    // watching thread's period); a person's first key comes later than a program's.
+    std::thread::sleep(Duration::from_millis(100));
     let mut writer = std::fs::File::from(master);
     for key in keys {
         writer.write_all(key).unwrap();
