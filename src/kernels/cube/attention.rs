@@ -328,8 +328,8 @@ fn weight(x: f32, lse: f32, s: usize) -> f32 {
     p
 }
 
-/// The sum of `x` over the `split` units of a row (adjacent units of one plane), the same bits in
-/// each: `x + x'` and `x' + x` are one addition. Every unit of the cube must come here together
+/// The sum of `x` over the `split` units of a row (1, 2, 4 or 8 adjacent units of one plane),
+/// the same bits in each: every stage adds two partial sums, and `a + b` is `b + a`. Every unit of the cube must come here together
 /// (a shuffle waits for its whole plane), so callers never call it inside a branch that differs
 /// between rows.
 #[cube]
@@ -350,11 +350,11 @@ fn row_sum(x: f32, #[comptime] split: usize) -> f32 {
 /// Attention's backward pass, query side: `dq` (at the layout's strides) and `delta`
 /// `[b, h, t]` = `rowsum(dO ⊙ O)`, which [`attention_backward_keys_kernel`] reads.
 ///
-/// `split` units (1 or 2, adjacent in a plane) share a query row, each holding columns `lane,
-/// lane + split, …` of its Q, dO and dQ rows and adding its half of every dot product to the
-/// other's through a shuffle: with 2, a unit holds 3 × 32 numbers of a 64-wide head where it
-/// held 3 × 64, which a GPU's 255 registers a unit could not (the kernel spilled), and twice as
-/// many units share the work.
+/// `split` units (1, 2, 4 or 8, adjacent in a plane) share a query row, each holding columns
+/// `lane, lane + split, …` of its Q, dO and dQ rows, its part of every dot product added to the
+/// others' through shuffles: with 4, a unit holds 3 × 16 numbers of a 64-wide head where one
+/// unit a row held 3 × 64, more than a GPU's 255 registers a unit (the kernel spilled), and four
+/// times as many units share the work.
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
 pub fn attention_backward_queries_kernel<F: Float>(
@@ -460,8 +460,8 @@ pub fn attention_backward_queries_kernel<F: Float>(
 
 /// Attention's backward pass, key side: `dk` and `dv` (at the layout's strides, dV at the second
 /// offset) from the saved log-sum-exp and the query kernel's `delta`; `split` units a key row,
-/// as in [`attention_backward_queries_kernel`] (a unit holds 4 × 32 numbers of a 64-wide head,
-/// not 4 × 64).
+/// as in [`attention_backward_queries_kernel`] (with 4, a unit holds 4 × 16 numbers of a
+/// 64-wide head, not 4 × 64).
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
 pub fn attention_backward_keys_kernel<F: Float>(
