@@ -371,6 +371,14 @@ fn gpu_attention_equals_the_composed_form() {
     let device = Default::default();
     let cases: &[([usize; 5], bool, &[usize], &str)] = &[
         ([2, 3, 70, 70, 8], true, &[], "causal, three key tiles"),
+        // Rows that see only padding attend to every key, past their diagonal too: the forward
+        // visits those tiles only for a cube holding such a row (here all of batch item 0).
+        (
+            [2, 2, 70, 70, 8],
+            true,
+            &[70, 5],
+            "causal over three tiles, one batch item all padding",
+        ),
         (
             [2, 2, 9, 9, 5],
             true,
@@ -427,12 +435,12 @@ fn gpu_attention_equals_the_composed_form() {
 }
 
 #[test]
-fn gpu_attention_backward_with_rows_shared_among_units_equals_the_composed_form() {
+fn gpu_attention_with_rows_shared_among_units_equals_the_composed_form() {
     let Some(_turn) = wgpu_turn() else {
         return;
     };
-    // The backward kernels share a row among 2, 4 or 8 units where a head is 32, 64 or 128
-    // wide (each unit every split-th column, the dot products added through plane shuffles);
+    // The tile kernels (forward and backward) share a row among 2, 4 or 8 units where a head
+    // is 32, 64 or 128 wide (each unit every split-th column, the dot products added through plane shuffles);
     // lavapipe takes minutes to compile those widths, so each split is forced here on 8-wide
     // heads. The turn keeps the other GPU tests of this process from seeing the forced split.
     struct Unforce;
@@ -445,6 +453,12 @@ fn gpu_attention_backward_with_rows_shared_among_units_equals_the_composed_form(
     let device = Default::default();
     let cases: &[([usize; 5], bool, &[usize], &str)] = &[
         ([2, 3, 70, 70, 8], true, &[], "causal, three key tiles"),
+        (
+            [2, 2, 70, 70, 8],
+            true,
+            &[70, 5],
+            "causal over three tiles, one batch item all padding",
+        ),
         (
             [3, 2, 5, 131, 8],
             false,

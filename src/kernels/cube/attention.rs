@@ -14,7 +14,7 @@
 //! score gets no gradient, and dropout multiplies element `((b·h + head)·t + i)·s + j` of the
 //! Philox mask into the weights.
 
-use super::pointwise::dropout_multiplier;
+use super::pointwise::{philox_block, philox_word, PhiloxBlock};
 use cubecl::prelude::*;
 
 /// Query rows per cube, and keys per shared-memory tile.
@@ -158,29 +158,51 @@ fn queries_start(#[comptime] causal: bool, #[comptime] has_pad: bool) -> usize {
     start
 }
 
-/// The dropout multiplier of weight `(i, j)` of head `bh` (1 without dropout).
+/// The dropout mask's keep bits for the [`TILE`] consecutive elements from `e0` (bit `n` for
+/// element `e0 + n`), drawn together by the `split` units of a row: unit `lane` draws the
+/// Philox blocks of its `TILE / split` elements — a block holds four elements' words, so that
+/// is at most `TILE / (4 · split) + 1` blocks — and shuffles gather the bits. Drawing a block
+/// for every weight in every unit of its row cost 4 × `split` times as many draws, each about a
+/// hundred instructions: more than the weight's own arithmetic. Every unit of the cube must come
+/// here together (as [`row_sum`]).
 #[cube]
-fn multiplier(
-    bh: usize,
-    i: usize,
-    j: usize,
-    t: usize,
-    s: usize,
-    layout: &Layout,
-    #[comptime] has_dropout: bool,
-) -> f32 {
-    let mut m = 1.0f32;
-    if has_dropout {
-        let e = ((bh * t + i) * s + j) as u32;
-        m = dropout_multiplier(
-            e,
-            layout.key_lo,
-            layout.key_hi,
-            layout.threshold,
-            layout.drop_scale,
-        );
+fn keep_bits(e0: u32, lane: usize, layout: &Layout, #[comptime] split: usize) -> u32 {
+    let n = comptime!((TILE as usize / split) as u32);
+    let first = lane as u32 * n;
+    let start = e0 + first;
+    let blocks = (start % 4u32 + n).div_ceil(4u32);
+    let mut bits = 0u32;
+    for k in 0..blocks {
+        let block = start / 4u32 + k;
+        let words = philox_block(block, layout.key_lo, layout.key_hi);
+        // The element of word `w` is `4·block + w`, bit `first + (that − start)` where it is one
+        // of this unit's (wrapping arithmetic: an element before `start` lands far past `n`).
+        let offset = block * 4u32 - start;
+        bits |= keep_bit(words, 0u32, offset, first, n, layout.threshold);
+        bits |= keep_bit(words, 1u32, offset, first, n, layout.threshold);
+        bits |= keep_bit(words, 2u32, offset, first, n, layout.threshold);
+        bits |= keep_bit(words, 3u32, offset, first, n, layout.threshold);
     }
-    m
+    row_or(bits, split)
+}
+
+/// Word `w` of `words` as a keep bit: element `offset + w` of a unit's `n` (wrapping), at bit
+/// `first` + that, set where the word is at least `threshold`.
+#[cube]
+fn keep_bit(words: PhiloxBlock, w: u32, offset: u32, first: u32, n: u32, threshold: u32) -> u32 {
+    let at = offset + w;
+    let word = philox_word(words, w);
+    let mut bit = 0u32;
+    if at < n && word >= threshold {
+        bit = 1u32 << (first + at);
+    }
+    bit
+}
+
+/// The dropout multiplier of bit `n` of a row's [`keep_bits`]: `1/(1−p)` or 0.
+#[cube]
+fn kept(bits: u32, n: usize, layout: &Layout) -> f32 {
+    select((bits >> n as u32) & 1u32 == 1u32, layout.drop_scale, 0.0f32)
 }
 
 /// Rows `r0..r0 + TILE` of head `(b, h)` of `x` into `tile` (`TILE × kd`, zeros past `n`), by
@@ -212,6 +234,11 @@ fn load_tile<F: Float>(
 
 /// Attention's forward pass: the output (at the layout's strides) and each row's log-sum-exp
 /// `lse` `[b, h, t]`.
+///
+/// `split` units share a query row as in [`attention_backward_queries_kernel`] (each holding
+/// every `split`-th column of Q and of the output). The softmax is online key by key: a score
+/// above the row's maximum so far rescales what the row has summed, so no tile of scores is kept
+/// (one unit a row kept 32 of them in slow local memory).
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
 pub fn attention_forward_kernel<F: Float>(
@@ -226,80 +253,96 @@ pub fn attention_forward_kernel<F: Float>(
     #[comptime] causal: bool,
     #[comptime] has_pad: bool,
     #[comptime] has_dropout: bool,
+    #[comptime] split: usize,
     #[define(F)] _dtype: StorageType,
 ) {
-    let place = place::<F>(q, k, layout, kd, false, 1usize);
+    let place = place::<F>(q, k, layout, kd, false, split);
     let (bh, b, h, t, s, i) = (place.bh, place.b, place.h, place.t, place.s, place.row);
-    let (live, scale, pad_row) = (place.live, place.scale, place.pad_row);
+    let (live, scale, pad_row, lane) = (place.live, place.scale, place.pad_row, place.lane);
+    let cols = comptime!(kd / split);
 
-    let mut qr = Array::<f32>::new(kd);
-    let mut acc = Array::<f32>::new(kd);
-    let q_base = b * q.stride(0) + h * q.stride(1) + i * q.stride(2);
+    let mut qr = Array::<f32>::new(cols);
+    let mut acc = Array::<f32>::new(cols);
     #[unroll]
-    for c in 0..kd {
-        let mut x = 0.0f32;
-        if live {
-            x = f32::cast_from(q[q_base + c * q.stride(3)]) * scale;
-        }
-        qr[c] = x;
-        acc[c] = 0.0f32;
+    for cc in 0..cols {
+        qr[cc] = 0.0f32;
+        acc[cc] = 0.0f32;
     }
-    let mut scores = Array::<f32>::new(TILE as usize);
+    if live {
+        let q_base = b * q.stride(0) + h * q.stride(1) + i * q.stride(2);
+        #[unroll]
+        for cc in 0..cols {
+            let c = cc * split + lane;
+            qr[cc] = f32::cast_from(q[q_base + c * q.stride(3)]) * scale;
+        }
+    }
     let mut ks = SharedMemory::<f32>::new(TILE as usize * kd);
     let mut vs = SharedMemory::<f32>::new(TILE as usize * kd);
+    // Whether some row of the cube has seen only masked keys up to its diagonal (causal with
+    // padding): only then do the tiles past the diagonal, all masked, change anything.
+    let mut blind = SharedMemory::<u32>::new(1usize);
+    if UNIT_POS_X == 0 {
+        blind[0] = 0u32;
+    }
+    let units = comptime!(TILE as usize * split);
+    let diagonal = CUBE_POS_X as usize * TILE as usize;
     let mut m = f32::new(NO_SCORE);
     let mut l = 0.0f32;
 
+    // Every unit walks every key of every tile it visits (the shuffles need the whole plane).
     let end = keys_end(s, causal, has_pad);
     let mut j0 = 0usize;
     while j0 < end {
-        load_tile::<F>(k, &mut ks, b, h, j0, kd, TILE as usize);
-        load_tile::<F>(v, &mut vs, b, h, j0, kd, TILE as usize);
+        load_tile::<F>(k, &mut ks, b, h, j0, kd, units);
+        load_tile::<F>(v, &mut vs, b, h, j0, kd, units);
         sync_cube();
-        // Past the diagonal a causal row's keys are all masked: nothing to add, unless every
-        // key of the row is masked (then it attends uniformly to all of them).
-        let mut skip = !live;
-        if causal {
-            skip = skip || (j0 > i && m > REAL_SCORE);
+        let mut visit = true;
+        if causal && has_pad {
+            visit = j0 <= diagonal || blind[0] == 1u32;
         }
-        if !skip {
-            let mut tile_max = m;
+        if visit {
+            let mut bits = 0u32;
+            if has_dropout {
+                bits = keep_bits(((bh * t + i) * s + j0) as u32, lane, layout, split);
+            }
             for jj in 0..TILE as usize {
                 let j = j0 + jj;
-                let mut x = f32::new(NO_SCORE);
+                let mut dot = 0.0f32;
+                #[unroll]
+                for cc in 0..cols {
+                    dot += qr[cc] * ks[jj * kd + cc * split + lane];
+                }
+                let mut x = row_sum(dot, split);
                 if j < s {
                     if is_masked::<F>(i, j, pad, pad_row, causal, has_pad) {
                         x = f32::new(MASKED_SCORE);
-                    } else {
-                        let mut dot = 0.0f32;
+                    }
+                    if x > m {
+                        let correction = f32::exp(m - x);
+                        l *= correction;
                         #[unroll]
-                        for c in 0..kd {
-                            dot += qr[c] * ks[jj * kd + c];
+                        for cc in 0..cols {
+                            acc[cc] *= correction;
                         }
-                        x = dot;
+                        m = x;
                     }
-                }
-                scores[jj] = x;
-                tile_max = f32::max(tile_max, x);
-            }
-            let correction = f32::exp(m - tile_max);
-            l *= correction;
-            #[unroll]
-            for c in 0..kd {
-                acc[c] *= correction;
-            }
-            for jj in 0..TILE as usize {
-                let p = f32::exp(scores[jj] - tile_max);
-                l += p;
-                let w = p * multiplier(bh, i, j0 + jj, t, s, layout, has_dropout);
-                if w != 0.0f32 {
-                    #[unroll]
-                    for c in 0..kd {
-                        acc[c] += w * vs[jj * kd + c];
+                    let p = f32::exp(x - m);
+                    l += p;
+                    let mut w = p;
+                    if has_dropout {
+                        w *= kept(bits, jj, layout);
+                    }
+                    if w != 0.0f32 {
+                        #[unroll]
+                        for cc in 0..cols {
+                            acc[cc] += w * vs[jj * kd + cc * split + lane];
+                        }
                     }
                 }
             }
-            m = tile_max;
+            if causal && has_pad && live && j0 == diagonal && m <= f32::new(REAL_SCORE) {
+                blind[0] = 1u32;
+            }
         }
         sync_cube();
         j0 += TILE as usize;
@@ -310,10 +353,12 @@ pub fn attention_forward_kernel<F: Float>(
             + h * layout.out_head as usize
             + i * layout.out_row as usize;
         #[unroll]
-        for c in 0..kd {
-            out[o_base + c] = F::cast_from(acc[c] / l);
+        for cc in 0..cols {
+            out[o_base + cc * split + lane] = F::cast_from(acc[cc] / l);
         }
-        lse[bh * t + i] = F::cast_from(m + f32::ln(l));
+        if lane == 0 {
+            lse[bh * t + i] = F::cast_from(m + f32::ln(l));
+        }
     }
 }
 
@@ -345,6 +390,22 @@ fn row_sum(x: f32, #[comptime] split: usize) -> f32 {
         sum += plane_shuffle_xor(sum, 4u32);
     }
     sum
+}
+
+/// The bitwise or of `x` over the `split` units of a row (as [`row_sum`]).
+#[cube]
+fn row_or(x: u32, #[comptime] split: usize) -> u32 {
+    let mut bits = x;
+    if split >= 2 {
+        bits |= plane_shuffle_xor(bits, 1u32);
+    }
+    if split >= 4 {
+        bits |= plane_shuffle_xor(bits, 2u32);
+    }
+    if split >= 8 {
+        bits |= plane_shuffle_xor(bits, 4u32);
+    }
+    bits
 }
 
 /// Attention's backward pass, query side: `dq` (at the layout's strides) and `delta`
@@ -411,13 +472,19 @@ pub fn attention_backward_queries_kernel<F: Float>(
     let units = comptime!(TILE as usize * split);
 
     // Every unit walks every tile and key (the shuffles need the whole plane); a row's mask
-    // decides only what it adds.
-    let end = keys_end(s, causal, has_pad);
+    // decides only what it adds. Past the diagonal a causal mask hides every key from the
+    // cube's rows, and a masked score passes no gradient to q, even in a fully masked row:
+    // those tiles are never visited, padding or not.
+    let end = keys_end(s, causal, false);
     let mut j0 = 0usize;
     while j0 < end {
         load_tile::<F>(k, &mut ks, b, h, j0, kd, units);
         load_tile::<F>(v, &mut vs, b, h, j0, kd, units);
         sync_cube();
+        let mut bits = 0u32;
+        if has_dropout {
+            bits = keep_bits(((bh * t + i) * s + j0) as u32, lane, layout, split);
+        }
         for jj in 0..TILE as usize {
             let j = j0 + jj;
             let mut x = 0.0f32;
@@ -433,7 +500,11 @@ pub fn attention_backward_queries_kernel<F: Float>(
             // A masked score is a constant: no gradient reaches q through it.
             if live && j < s && !is_masked::<F>(i, j, pad, pad_row, causal, has_pad) {
                 let p = weight(x, row_lse, s);
-                let ds = p * (dp * multiplier(bh, i, j, t, s, layout, has_dropout) - d);
+                let mut mult = 1.0f32;
+                if has_dropout {
+                    mult = kept(bits, jj, layout);
+                }
+                let ds = p * (dp * mult - d);
                 #[unroll]
                 for cc in 0..cols {
                     acc[cc] += ds * ks[jj * kd + cc * split + lane];
@@ -515,7 +586,11 @@ pub fn attention_backward_keys_kernel<F: Float>(
     let mut dos = SharedMemory::<f32>::new(TILE as usize * kd);
     let mut lses = SharedMemory::<f32>::new(TILE as usize);
     let mut deltas = SharedMemory::<f32>::new(TILE as usize);
+    // Each query row's keep bits for the cube's keys, drawn by the units of the cube's rows.
+    let mut keeps = SharedMemory::<u32>::new(TILE as usize);
     let units = comptime!(TILE as usize * split);
+    let first_key = CUBE_POS_X as usize * TILE as usize;
+    let key_bit = UNIT_POS_X as usize / split;
 
     // As in the query kernel, every unit walks every query of every tile.
     let mut i0 = queries_start(causal, has_pad);
@@ -532,6 +607,14 @@ pub fn attention_backward_keys_kernel<F: Float>(
             }
             lses[u] = row_lse;
             deltas[u] = row_delta;
+        }
+        if has_dropout {
+            // Units of the cube's row `key_bit` draw the bits of query row `i0 + key_bit`.
+            let e0 = ((bh * t + i0 + key_bit) * s + first_key) as u32;
+            let bits = keep_bits(e0, lane, layout, split);
+            if lane == 0 {
+                keeps[key_bit] = bits;
+            }
         }
         sync_cube();
         for ii in 0..TILE as usize {
@@ -557,7 +640,10 @@ pub fn attention_backward_keys_kernel<F: Float>(
                     x = f32::new(MASKED_SCORE);
                 }
                 let p = weight(x, row_lse, s);
-                let mult = multiplier(bh, i, j, t, s, layout, has_dropout);
+                let mut mult = 1.0f32;
+                if has_dropout {
+                    mult = kept(keeps[ii], key_bit, layout);
+                }
                 let w = p * mult;
                 #[unroll]
                 for cc in 0..cols {

@@ -13,7 +13,7 @@ use cubecl::CubeTask;
 
 /// `(name, CUDA C++ source)` of each attention kernel for `f32` heads `kd` wide, causal and
 /// without padding (the language model's training step) with and without dropout, the
-/// backward kernels at each split of a row among units; the name is the kernel's entry point
+/// tile kernels at each split of a row among units; the name is the kernel's entry point
 /// with what it was made for appended.
 pub fn attention_sources(kd: usize) -> Result<Vec<(String, String)>, String> {
     let client = WgpuRuntime::client(&WgpuDevice::default());
@@ -40,29 +40,30 @@ pub fn attention_sources(kd: usize) -> Result<Vec<(String, String)>, String> {
     let mut sources = Vec::new();
     for dropout in [false, true] {
         let tag = if dropout { "_dropout" } else { "" };
-        let kernel = attention_forward_kernel::AttentionForwardKernel::<WgpuRuntime>::new(
-            settings(TILE),
-            client.clone(),
-            tensor(),
-            tensor(),
-            tensor(),
-            tensor(),
-            tensor(),
-            tensor(),
-            layout(),
-            kd,
-            causal,
-            has_pad,
-            dropout,
-            f32_type,
-        );
-        sources.push(compile(kernel, tag)?);
         for split in [1, 2, 4, 8]
             .into_iter()
             .filter(|split| kd.is_multiple_of(*split))
         {
             let tag = format!("{tag}_split{split}");
             let units = TILE * split as u32;
+            let kernel = attention_forward_kernel::AttentionForwardKernel::<WgpuRuntime>::new(
+                settings(units),
+                client.clone(),
+                tensor(),
+                tensor(),
+                tensor(),
+                tensor(),
+                tensor(),
+                tensor(),
+                layout(),
+                kd,
+                causal,
+                has_pad,
+                dropout,
+                split,
+                f32_type,
+            );
+            sources.push(compile(kernel, &tag)?);
             let kernel = attention_backward_queries_kernel::AttentionBackwardQueriesKernel::<
                 WgpuRuntime,
             >::new(

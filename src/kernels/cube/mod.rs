@@ -946,10 +946,11 @@ fn attention_forward<R: CubeRuntime>(
         return lse;
     }
 
+    let split = row_split(&q.client, kd);
     attention::attention_forward_kernel::launch::<R>(
         &q.client,
         CubeCount::Static(t.div_ceil(TILE as usize) as u32, (b * h) as u32, 1),
-        CubeDim::new_1d(TILE),
+        CubeDim::new_1d(TILE * split as u32),
         q.clone().into_tensor_arg(),
         k.clone().into_tensor_arg(),
         v.clone().into_tensor_arg(),
@@ -961,6 +962,7 @@ fn attention_forward<R: CubeRuntime>(
         causal,
         has_pad,
         dropout.is_some(),
+        split,
         q.dtype.into(),
     );
     lse
@@ -1051,10 +1053,10 @@ fn attention_backward<R: CubeRuntime>(
     );
 }
 
-/// A row split the tests force on the attention backward kernels (0: [`row_split`]'s own).
+/// A row split the tests force on the attention tile kernels (0: [`row_split`]'s own).
 static FORCED_ROW_SPLIT: AtomicUsize = AtomicUsize::new(0);
 
-/// Makes the attention backward kernels share each row among `split` units (1, 2, 4 or 8; it
+/// Makes the attention tile kernels (forward and backward) share each row among `split` units (1, 2, 4 or 8; it
 /// must divide the head width and fit in the device's plane), or with `None` choose as they do
 /// (see [`row_split`]): for tests, which check every split on small heads.
 #[doc(hidden)]
@@ -1062,14 +1064,14 @@ pub fn force_attention_row_split(split: Option<usize>) {
     FORCED_ROW_SPLIT.store(split.unwrap_or(0), Ordering::Relaxed);
 }
 
-/// How many units share a row in the attention backward kernels: one for every 16 columns of
+/// How many units share a row in the attention tile kernels (forward, and both backward): one for every 16 columns of
 /// the head, at most 8 (a power of two dividing the head width; 4 for a 64-wide head), each
 /// holding every `split`-th column, their dot products added through plane shuffles — where the
 /// device's planes shuffle and hold that many units; else 1. cubecl marks shuffles on a GPU
 /// with subgroups, and its Vulkan path's subgroup support as plane synchronisation, which a CPU
 /// Vulkan driver such as lavapipe has too (the kernels run there and are tested); WGSL without
-/// subgroups has neither. Found by `bench/gpu/registers.sh`: with one unit a row both kernels
-/// reached a GPU's 255 registers a unit and spilled.
+/// subgroups has neither. Found by `bench/gpu/registers.sh`: with one unit a row both backward
+/// kernels reached a GPU's 255 registers a unit and spilled, and the forward held 168.
 fn row_split<R: CubeRuntime>(client: &ComputeClient<R>, kd: usize) -> usize {
     use cubecl::features::Plane;
     let properties = client.properties();

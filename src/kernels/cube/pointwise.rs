@@ -87,12 +87,24 @@ const M1: u32 = 0xCD9E_8D57;
 const W0: u32 = 0x9E37_79B9;
 const W1: u32 = 0xBB67_AE85;
 
-/// The dropout multiplier (`0` or `scale`) of element `e` of the mask keyed `(key_lo,
-/// key_hi)`: word `e % 4` of the Philox4x32-10 block `e / 4` (counter `[e/4, 0, 0, 0]`), kept
-/// where the word is at least `threshold` — the CPU stream's element `e`, bit for bit.
+/// The four words of the Philox4x32-10 block `n` (counter `[n, 0, 0, 0]`) keyed `(key_lo,
+/// key_hi)`: the mask's elements `4n .. 4n + 4`, as in the CPU stream.
+#[derive(CubeType, Clone, Copy)]
+pub struct PhiloxBlock {
+    /// Word 0: element `4n + 0`.
+    pub w0: u32,
+    /// Word 1: element `4n + 1`.
+    pub w1: u32,
+    /// Word 2: element `4n + 2`.
+    pub w2: u32,
+    /// Word 3: element `4n + 3`.
+    pub w3: u32,
+}
+
+/// Block `n` of the Philox stream keyed `(key_lo, key_hi)` (about a hundred instructions).
 #[cube]
-pub fn dropout_multiplier(e: u32, key_lo: u32, key_hi: u32, threshold: u32, scale: f32) -> f32 {
-    let mut c0 = e / 4u32;
+pub fn philox_block(n: u32, key_lo: u32, key_hi: u32) -> PhiloxBlock {
+    let mut c0 = n;
     let mut c1 = 0u32;
     let mut c2 = 0u32;
     let mut c3 = 0u32;
@@ -111,15 +123,34 @@ pub fn dropout_multiplier(e: u32, key_lo: u32, key_hi: u32, threshold: u32, scal
         k0 += W0;
         k1 += W1;
     }
-    let w = e % 4u32;
-    let mut word = c0;
-    if w == 1 {
-        word = c1;
-    } else if w == 2 {
-        word = c2;
-    } else if w == 3 {
-        word = c3;
+    PhiloxBlock {
+        w0: c0,
+        w1: c1,
+        w2: c2,
+        w3: c3,
     }
+}
+
+/// Word `w` (0 to 3) of `block`.
+#[cube]
+pub fn philox_word(block: PhiloxBlock, w: u32) -> u32 {
+    let mut word = block.w0;
+    if w == 1 {
+        word = block.w1;
+    } else if w == 2 {
+        word = block.w2;
+    } else if w == 3 {
+        word = block.w3;
+    }
+    word
+}
+
+/// The dropout multiplier (`0` or `scale`) of element `e` of the mask keyed `(key_lo,
+/// key_hi)`: word `e % 4` of the Philox4x32-10 block `e / 4`, kept where the word is at least
+/// `threshold` — the CPU stream's element `e`, bit for bit.
+#[cube]
+pub fn dropout_multiplier(e: u32, key_lo: u32, key_hi: u32, threshold: u32, scale: f32) -> f32 {
+    let word = philox_word(philox_block(e / 4u32, key_lo, key_hi), e % 4u32);
     select(word >= threshold, scale, 0.0f32)
 }
 
