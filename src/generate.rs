@@ -70,6 +70,24 @@ impl Default for Penalties {
 }
 
 impl Penalties {
+    /// The first penalty outside its range — OpenAI's for the frequency and presence penalties,
+    /// vLLM's for the repetition penalty — as `(name, range in words, value)`, with `name` one
+    /// of `repetition`, `frequency` and `presence` (the command line and the server spell the
+    /// parameter each their own way around it).
+    pub fn out_of_range(&self) -> Option<(&'static str, &'static str, f32)> {
+        if !(self.repetition > 0.0 && self.repetition.is_finite()) {
+            return Some((
+                "repetition",
+                "a finite number above 0 (1 = off)",
+                self.repetition,
+            ));
+        }
+        [("frequency", self.frequency), ("presence", self.presence)]
+            .into_iter()
+            .find(|(_, value)| !(-2.0..=2.0).contains(value))
+            .map(|(name, value)| (name, "between -2 and 2", value))
+    }
+
     /// Whether they change nothing.
     pub fn are_off(&self) -> bool {
         self.repetition == 1.0
@@ -173,20 +191,8 @@ impl Sampling {
                 bail!("--top-p must be in (0, 1], got {p}");
             }
         }
-        let penalties = &self.penalties;
-        if !(penalties.repetition > 0.0 && penalties.repetition.is_finite()) {
-            bail!(
-                "--repetition-penalty must be a finite number > 0 (1 = off), got {}",
-                penalties.repetition
-            );
-        }
-        for (name, value) in [
-            ("frequency", penalties.frequency),
-            ("presence", penalties.presence),
-        ] {
-            if !(-2.0..=2.0).contains(&value) {
-                bail!("--{name}-penalty must be between -2 and 2, got {value}");
-            }
+        if let Some((name, range, value)) = self.penalties.out_of_range() {
+            bail!("--{name}-penalty must be {range}, got {value}");
         }
         Ok(())
     }

@@ -384,37 +384,20 @@ fn check(
 /// The request's penalties and biases, checked against OpenAI's ranges (and vLLM's for
 /// `repetition_penalty`) and the vocabulary.
 fn penalties(settings: &Settings, vocab: usize) -> Result<Penalties, ApiError> {
-    let mut penalties = Penalties::default();
-    for (param, given, into) in [
-        (
-            "frequency_penalty",
-            settings.frequency_penalty,
-            &mut penalties.frequency,
-        ),
-        (
-            "presence_penalty",
-            settings.presence_penalty,
-            &mut penalties.presence,
-        ),
-    ] {
-        let value = given.unwrap_or(0.0);
-        if !(-2.0..=2.0).contains(&value) {
-            return Err(ApiError::invalid(
-                param,
-                format!("{param} must be between -2 and 2, got {value}"),
-            ));
-        }
-        *into = value;
-    }
-    penalties.repetition = settings.repetition_penalty.unwrap_or(1.0);
-    if !(penalties.repetition.is_finite() && penalties.repetition > 0.0) {
-        return Err(ApiError::invalid(
-            "repetition_penalty",
-            format!(
-                "repetition_penalty must be a finite number above 0 (1 = off), got {}",
-                penalties.repetition
-            ),
-        ));
+    let mut penalties = Penalties {
+        repetition: settings.repetition_penalty.unwrap_or(1.0),
+        frequency: settings.frequency_penalty.unwrap_or(0.0),
+        presence: settings.presence_penalty.unwrap_or(0.0),
+        bias: Vec::new(),
+    };
+    if let Some((name, range, value)) = penalties.out_of_range() {
+        let param = match name {
+            "repetition" => "repetition_penalty",
+            "frequency" => "frequency_penalty",
+            _ => "presence_penalty",
+        };
+        let message = format!("{param} must be {range}, got {value}");
+        return Err(ApiError::invalid(param, message));
     }
     for (token, &bias) in settings.logit_bias.iter().flatten() {
         let id = match token.parse::<usize>() {

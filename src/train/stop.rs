@@ -123,18 +123,15 @@ pub fn install() -> anyhow::Result<()> {
 /// its key (at 50 ms a test typing as soon as the first frame was drawn lost one in CI).
 /// Dropping it stops the thread.
 pub struct SignalKeys {
-    done: Option<std::sync::mpsc::Sender<()>>,
-    thread: Option<std::thread::JoinHandle<()>>,
+    /// The watching thread and the sender whose drop stops it.
+    watcher: Option<(std::sync::mpsc::Sender<()>, std::thread::JoinHandle<()>)>,
 }
 
 impl SignalKeys {
     /// Starts watching when stdin is a terminal; otherwise does nothing.
     pub fn watch() -> Self {
         if !std::io::IsTerminal::is_terminal(&std::io::stdin()) {
-            return Self {
-                done: None,
-                thread: None,
-            };
+            return Self { watcher: None };
         }
         let (done, stop) = std::sync::mpsc::channel::<()>();
         let thread = std::thread::Builder::new()
@@ -145,19 +142,17 @@ impl SignalKeys {
                     Err(std::sync::mpsc::RecvTimeoutError::Timeout) => continue,
                     _ => break,
                 }
-            })
-            .ok();
+            });
         Self {
-            done: Some(done),
-            thread,
+            watcher: thread.ok().map(|thread| (done, thread)),
         }
     }
 }
 
 impl Drop for SignalKeys {
     fn drop(&mut self) {
-        drop(self.done.take());
-        if let Some(thread) = self.thread.take() {
+        if let Some((done, thread)) = self.watcher.take() {
+            drop(done);
             let _ = thread.join();
         }
     }
