@@ -1,6 +1,8 @@
-//! Flash-style attention on the GPU: a cube of [`TILE`] units takes [`TILE`] consecutive query
-//! rows of one head, walks the keys [`TILE`] at a time through shared memory and keeps an online
-//! softmax per row, so memory is linear in the sequence length (the `t × s` scores never exist).
+//! Flash-style attention on the GPU: a cube takes [`TILE`] consecutive query rows of one head,
+//! `split` units a row (each holding every `split`-th column, their dot products added by plane
+//! shuffles; see `row_split`), walks the keys [`TILE`] at a time through shared memory and keeps
+//! an online softmax per row, so memory is linear in the sequence length (the `t × s` scores
+//! never exist).
 //! Under a causal mask without padding a cube walks only the tiles its rows can see: keys up to
 //! its last query row, queries from its first key row (about half the tiles of a long sequence).
 //! The backward pass recomputes the probabilities from the saved log-sum-exp: one kernel walks
@@ -12,7 +14,7 @@
 //! hold a row), the masks and dropout are compile-time switches. Scores are those of the CPU
 //! kernels: masked ones are [`MASKED_SCORE`], a fully masked row attends uniformly, a masked
 //! score gets no gradient, and dropout multiplies element `((b·h + head)·t + i)·s + j` of the
-//! Philox mask into the weights.
+//! Philox mask into the weights (drawn a row's tile at a time, see [`keep_bits`]).
 
 use super::pointwise::{philox_block, philox_word, PhiloxBlock};
 use cubecl::prelude::*;
