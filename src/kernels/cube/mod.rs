@@ -150,6 +150,13 @@ fn elementwise<R: CubeRuntime>(x: &CubeTensor<R>) -> (CubeCount, CubeDim) {
     (calculate_cube_count_elemwise(&x.client, n, dim), dim)
 }
 
+/// One unit per four elements of `x` (one Philox block of a dropout mask each).
+fn elementwise_blocks<R: CubeRuntime>(x: &CubeTensor<R>) -> (CubeCount, CubeDim) {
+    let n = x.meta.num_elements().div_ceil(4);
+    let dim = CubeDim::new(&x.client, n);
+    (calculate_cube_count_elemwise(&x.client, n, dim), dim)
+}
+
 /// One cube of [`ROW_UNITS`] per row, `n` rows over a 2-D grid (a grid dimension holds at most
 /// 65,535 cubes).
 fn row_grid(n: usize) -> (CubeCount, CubeDim) {
@@ -311,7 +318,7 @@ where
         }
         let x = into_contiguous(x);
         let (y, d) = (empty(&x, x.shape()), empty(&x, x.shape()));
-        let (count, dim) = elementwise(&x);
+        let (count, dim) = elementwise_blocks(&x);
         let dtype = x.dtype;
         let keys = mask.unwrap_or(DropoutMask::new(0.0, 0));
         launches::count();
@@ -826,7 +833,7 @@ fn dropout<R: CubeRuntime>(
     let has_residual = residual.is_some();
     let r = residual.map(into_contiguous).unwrap_or_else(|| x.clone());
     let y = empty(&x, x.shape());
-    let (count, dim) = elementwise(&x);
+    let (count, dim) = elementwise_blocks(&x);
     let dtype = x.dtype;
     launches::count();
 

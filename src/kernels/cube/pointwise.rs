@@ -32,7 +32,8 @@ pub fn gelu_kernel<F: Float>(x: &Tensor<F>, y: &mut Tensor<F>, #[define(F)] _dty
 }
 
 /// `y = x·Φ(x)` and `d = Φ(x) + x·φ(x)`; with `dropped`, both times the multiplier of the
-/// dropout mask keyed `(key_lo, key_hi)` (`y` rounded as GELU and then dropout round it).
+/// dropout mask keyed `(key_lo, key_hi)` (`y` rounded as GELU and then dropout round it). A
+/// unit takes the four elements of one Philox block (see [`dropout_kernel`]).
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
 pub fn gelu_forward_kernel<F: Float>(
@@ -46,21 +47,47 @@ pub fn gelu_forward_kernel<F: Float>(
     #[comptime] dropped: bool,
     #[define(F)] _dtype: StorageType,
 ) {
-    let i = ABSOLUTE_POS;
-    if i >= x.len() {
+    let block = ABSOLUTE_POS;
+    if block * 4 >= x.len() {
         terminate!();
     }
-    let v = f32::cast_from(x[i]);
-    let cdf = normal_cdf(v);
-    let gelu = F::cast_from(v * cdf);
-    let derivative = cdf + v * normal_pdf(v);
     if dropped {
-        let m = dropout_multiplier(i as u32, key_lo, key_hi, threshold, scale);
-        y[i] = F::cast_from(f32::cast_from(gelu) * m);
-        d[i] = F::cast_from(derivative * m);
+        let words = philox_block(block as u32, key_lo, key_hi);
+        #[unroll]
+        for w in 0..4u32 {
+            let m = select(philox_word(words, w) >= threshold, scale, 0.0f32);
+            gelu_one(x, y, d, block * 4 + w as usize, m, true);
+        }
     } else {
-        y[i] = gelu;
-        d[i] = F::cast_from(derivative);
+        #[unroll]
+        for w in 0..4u32 {
+            gelu_one(x, y, d, block * 4 + w as usize, 1.0f32, false);
+        }
+    }
+}
+
+/// [`gelu_forward_kernel`] at element `i` (nothing past the end), times `m` when `dropped`.
+#[cube]
+fn gelu_one<F: Float>(
+    x: &Tensor<F>,
+    y: &mut Tensor<F>,
+    d: &mut Tensor<F>,
+    i: usize,
+    m: f32,
+    #[comptime] dropped: bool,
+) {
+    if i < x.len() {
+        let v = f32::cast_from(x[i]);
+        let cdf = normal_cdf(v);
+        let gelu = F::cast_from(v * cdf);
+        let derivative = cdf + v * normal_pdf(v);
+        if dropped {
+            y[i] = F::cast_from(f32::cast_from(gelu) * m);
+            d[i] = F::cast_from(derivative * m);
+        } else {
+            y[i] = gelu;
+            d[i] = F::cast_from(derivative);
+        }
     }
 }
 
@@ -157,6 +184,9 @@ pub fn dropout_multiplier(e: u32, key_lo: u32, key_hi: u32, threshold: u32, scal
 /// `y = x ⊙ M` for the dropout mask `M` keyed `(key_lo, key_hi)`; with `residual`,
 /// `y = r + x ⊙ M` (a residual connection around a dropped-out sublayer; `r` is otherwise not
 /// read), `x ⊙ M` rounded to the storage type first as a dropout and then an addition round it.
+/// A unit takes the four elements `4n .. 4n + 4` whose words one Philox block `n` gives: one
+/// unit an element drew the same block four times, about a hundred instructions each, more
+/// than an element's bytes cost on a GPU.
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
 pub fn dropout_kernel<F: Float>(
@@ -170,16 +200,23 @@ pub fn dropout_kernel<F: Float>(
     #[comptime] residual: bool,
     #[define(F)] _dtype: StorageType,
 ) {
-    let i = ABSOLUTE_POS;
-    if i >= x.len() {
+    let block = ABSOLUTE_POS;
+    if block * 4 >= x.len() {
         terminate!();
     }
-    let m = dropout_multiplier(i as u32, key_lo, key_hi, threshold, scale);
-    let dropped = F::cast_from(f32::cast_from(x[i]) * m);
-    if residual {
-        y[i] = F::cast_from(f32::cast_from(r[i]) + f32::cast_from(dropped));
-    } else {
-        y[i] = dropped;
+    let words = philox_block(block as u32, key_lo, key_hi);
+    #[unroll]
+    for w in 0..4u32 {
+        let i = block * 4 + w as usize;
+        if i < x.len() {
+            let m = select(philox_word(words, w) >= threshold, scale, 0.0f32);
+            let dropped = F::cast_from(f32::cast_from(x[i]) * m);
+            if residual {
+                y[i] = F::cast_from(f32::cast_from(r[i]) + f32::cast_from(dropped));
+            } else {
+                y[i] = dropped;
+            }
+        }
     }
 }
 
