@@ -376,9 +376,9 @@ fn weight(x: f32, lse: f32, s: usize) -> f32 {
 }
 
 /// The sum of `x` over the `split` units of a row (1, 2, 4 or 8 adjacent units of one plane),
-/// the same bits in each: every stage adds two partial sums, and `a + b` is `b + a`. Every unit of the cube must come here together
-/// (a shuffle waits for its whole plane), so callers never call it inside a branch that differs
-/// between rows.
+/// the same bits in each: every stage adds two partial sums, and `a + b` is `b + a`. Every
+/// unit of the cube must come here together (a shuffle waits for its whole plane), so callers
+/// never call it inside a branch that differs between rows.
 #[cube]
 fn row_sum(x: f32, #[comptime] split: usize) -> f32 {
     let mut sum = x;

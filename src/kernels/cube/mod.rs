@@ -1063,18 +1063,18 @@ fn attention_backward<R: CubeRuntime>(
 /// A row split the tests force on the attention tile kernels (0: [`row_split`]'s own).
 static FORCED_ROW_SPLIT: AtomicUsize = AtomicUsize::new(0);
 
-/// Makes the attention tile kernels (forward and backward) share each row among `split` units (1, 2, 4 or 8; it
-/// must divide the head width and fit in the device's plane), or with `None` choose as they do
-/// (see [`row_split`]): for tests, which check every split on small heads.
+/// Makes the attention tile kernels (forward and backward) share each row among `split` units
+/// (1, 2, 4 or 8; it must divide the head width and fit in the device's plane), or with `None`
+/// choose as they do (see [`row_split`]): for tests, which check every split on small heads.
 #[doc(hidden)]
 pub fn force_attention_row_split(split: Option<usize>) {
     FORCED_ROW_SPLIT.store(split.unwrap_or(0), Ordering::Relaxed);
 }
 
-/// How many units share a row in the attention tile kernels (forward, and both backward): one for every 16 columns of
-/// the head, at most 8 (a power of two dividing the head width; 4 for a 64-wide head), each
-/// holding every `split`-th column, their dot products added through plane shuffles — where the
-/// device's planes shuffle and hold that many units; else 1. cubecl marks shuffles on a GPU
+/// How many units share a row in the attention tile kernels (forward, and both backward): one
+/// for every 16 columns of the head, at most 8 (a power of two dividing the head width; 4 for a
+/// 64-wide head), each holding every `split`-th column, their dot products added through plane
+/// shuffles — where the device's planes shuffle and hold that many units; else 1. cubecl marks shuffles on a GPU
 /// with subgroups, and its Vulkan path's subgroup support as plane synchronisation, which a CPU
 /// Vulkan driver such as lavapipe has too (the kernels run there and are tested); WGSL without
 /// subgroups has neither. Found by `bench/gpu/registers.sh`: with one unit a row both backward
