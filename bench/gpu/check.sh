@@ -30,8 +30,8 @@
 #     compiled bf16);
 #   - `bench generate` (cached) at batch 1 and 8 on cuda, and transformers' `generate`
 #     (bench/pytorch/generate_bench.py);
-#   - where a fused cuda step's and a generated token's time goes: launches and microseconds by
-#     kernel (bench/gpu/launches.sh at the experiment's full shape).
+#   - where a fused cuda step's (f32 and bf16) and a generated token's time goes: launches and
+#     microseconds by kernel (bench/gpu/launches.sh at the experiment's full shape).
 #
 # Every log goes to OUT_DIR (GPU_CHECK_PACK=1 packs them into one archive there); CI_EXPECT_CUDA=1
 # is set for anything that reads it. Where the raw fused path does not learn, it runs the learning
@@ -53,6 +53,9 @@ if [ ! -x "$BIN" ] && [ -f "$BIN.xz" ]; then
 fi
 [ -x "$BIN" ] || { echo "error: no binary at $BIN (build with --features wgpu,cuda, strip, xz)"; exit 2; }
 [ -f "$DATA/tinyshakespeare/input.txt" ] || { echo "error: no $DATA/tinyshakespeare/input.txt"; exit 2; }
+# Absolute: bench/gpu/launches.sh runs the binary from a scratch directory.
+DATA=$(realpath "$DATA")
+export TRANSFORMER_LAB_DATA="$DATA"
 
 ROWS=()
 row() { ROWS+=("$(printf '%-40s %-10s %s' "$1" "$2" "$3")"); }
@@ -260,6 +263,8 @@ kernels() {
 }
 kernels cuda-step "kernels per step (cuda, f32)" 100 \
   bench/gpu/launches.sh "$BIN" experiments/shakespeare-char-gpu.json cuda 3
+kernels cuda-step-bf16 "kernels per step (cuda, bf16)" 60 \
+  env PRECISION=bf16 bench/gpu/launches.sh "$BIN" experiments/shakespeare-char-gpu.json cuda 3
 kernels cuda-token "kernels per token (cuda, batch 1)" 60 \
   env GENERATE=1 bench/gpu/launches.sh "$BIN" experiments/shakespeare-char-gpu.json cuda 32
 

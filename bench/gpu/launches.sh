@@ -16,6 +16,8 @@
 # on the batch: the same kernels run, on less data; on lavapipe a full-size step takes
 # minutes), BACKEND to wgpu, STEPS to 10. The data directory comes from TRANSFORMER_LAB_DATA.
 #
+# PRECISION=bf16 (or f16) times a half-precision step (`bench train --precision`).
+#
 # GENERATE=B measures a generated token instead (cached greedy decoding at batch B, one prompt
 # token, random weights: `bench generate`, whose warm-up and timed run each generate N, then 2·N
 # tokens; the difference over 2·N).
@@ -38,6 +40,8 @@ json.dump(c, open(sys.argv[1], "w"), indent=1)
 EOF
 fi
 EXPERIMENT=$(realpath "$EXPERIMENT")
+# The binary runs from a scratch directory: a relative data directory would not be found.
+if [ -n "${TRANSFORMER_LAB_DATA:-}" ]; then export TRANSFORMER_LAB_DATA=$(realpath "$TRANSFORMER_LAB_DATA"); fi
 export TRANSFORMER_LAB_CACHE_DIR=${TRANSFORMER_LAB_CACHE_DIR:-$WORK/cache}
 export XDG_RUNTIME_DIR=${XDG_RUNTIME_DIR:-$WORK}
 
@@ -49,7 +53,8 @@ level = "basic"
 file = "$WORK/kernels-$steps.log"
 append = false
 EOF
-  local run=(bench train -e "$EXPERIMENT" --steps "$steps" --warmup 2 --runs 1)
+  local run=(bench train -e "$EXPERIMENT" --steps "$steps" --warmup 2 --runs 1
+    ${PRECISION:+--precision "$PRECISION"})
   [ -n "${GENERATE:-}" ] && run=(bench generate -e "$EXPERIMENT" --cached-only --batch "$GENERATE"
     --tokens "$steps" --runs 1)
   (cd "$WORK" && "$BIN" --backend "$BACKEND" "${run[@]}" >"$WORK/bench-$steps.txt" 2>&1) ||
