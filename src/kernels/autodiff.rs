@@ -256,6 +256,21 @@ impl<B: LabBackend> Backward<B, 1> for CrossEntropy {
     }
 }
 
+#[derive(Debug)]
+struct EmbeddingLookup;
+
+impl<B: LabBackend> Backward<B, 1> for EmbeddingLookup {
+    /// The table (its shape, device and type) and the ids.
+    type State = (FloatTensor<B>, IntTensor<B>);
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let (weight, ids) = ops.state;
+        unary::<B, _>(ops.parents, ops.node, grads, |grad| {
+            B::fused_embedding_backward(weight, grad, ids)
+        });
+    }
+}
+
 /// A bias (LayerNorm's, a linear layer's), the graph node its gradient goes to; without a bias,
 /// a constant stands in for it (it takes no gradient).
 fn bias<B: LabBackend, C: CheckpointStrategy>(
@@ -285,6 +300,20 @@ fn layer_norm_node<B: LabBackend, C: CheckpointStrategy>(
 }
 
 impl<B: LabBackend, C: CheckpointStrategy> LabBackend for Autodiff<B, C> {
+    /// burn's lookup node, its backward pass the inner backend's
+    /// [`LabBackend::fused_embedding_backward`].
+    fn fused_embedding(weight: FloatTensor<Self>, ids: IntTensor<Self>) -> FloatTensor<Self> {
+        let y = B::embedding(weight.primitive.clone(), ids.clone());
+        match EmbeddingLookup
+            .prepare::<C>([weight.node])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => prep.finish((weight.primitive, ids), y),
+            OpsKind::UnTracked(prep) => prep.finish(y),
+        }
+    }
+
     fn fused_cross_entropy(
         logits: FloatTensor<Self>,
         targets: IntTensor<Self>,

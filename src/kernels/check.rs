@@ -12,7 +12,9 @@
 //! smaller head is checked there).
 
 use super::sum_squares_all;
-use super::{adamw, attention, cross_entropy, dropout::DropoutMask, gelu, layer_norm, prim};
+use super::{
+    adamw, attention, cross_entropy, dropout::DropoutMask, embedding, gelu, layer_norm, prim,
+};
 use super::{packed_self_attention, product, softmax, with_fused, AdamWStep, LabAutodiff};
 use super::{with_precision, LabBackend, Op, Precision, LAYER_NORM_EPSILON};
 use crate::files::write_atomic;
@@ -86,6 +88,7 @@ pub fn check<B: LabAutodiff>(op: Op, device: &B::Device, head_dim: usize) -> OpC
         Op::CrossEntropy => cross_entropy_error::<B>(device),
         Op::AdamW => adamw_error::<B::InnerBackend>(device),
         Op::Linear => return linear_check::<B>(device),
+        Op::Embedding => embedding_error::<B>(device),
     };
     OpCheck {
         op,
@@ -512,6 +515,21 @@ fn cross_entropy_error<B: LabAutodiff>(device: &B::Device) -> f32 {
     compare::<B, 2, 1>([logits], |[x]| {
         cross_entropy(x, targets.clone(), 0.1, Some(3)).unsqueeze_dim(1)
     })
+}
+
+/// The token embedding's lookup and its table's gradient: 600 ids (three chunks of the GPU
+/// kernel's), most rows named several times, one row (the last) by the first id, into a table
+/// of 70 rows (two of the kernel's blocks of 64) 48 wide (one and a half blocks of columns).
+fn embedding_error<B: LabAutodiff>(device: &B::Device) -> f32 {
+    let (v, d, b, n) = (70, 48, 3, 200);
+    let table = random::<B, 2>([v, d], 80, 1.0, device);
+    let mut rng = StdRng::seed_from_u64(81);
+    let mut ids: Vec<i64> = (0..b * n)
+        .map(|_| rng.random_range(0..v as i64 - 1))
+        .collect();
+    ids[0] = v as i64 - 1;
+    let ids = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [b, n]), device);
+    compare::<B, 2, 1>([table], |[w]| embedding(w, ids.clone()).reshape([b * n, d]))
 }
 
 /// Two AdamW steps (the first, without moments, and a later one): parameter and moments, the

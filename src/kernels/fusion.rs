@@ -378,6 +378,21 @@ impl<B: FusionBackend + LabBackend> LabBackend for Fusion<B> {
         (loss, lse)
     }
 
+    fn fused_embedding_backward(weight: Tensor<B>, grad: Tensor<B>, ids: Tensor<B>) -> Tensor<B> {
+        let shape = weight.shape.clone();
+        let [dw] = custom::<B, 1>(
+            "embedding_backward",
+            vec![weight, grad],
+            vec![ids],
+            [shape],
+            |f, i| {
+                let ([weight, grad], [ids]) = (take(f), take(i));
+                vec![B::fused_embedding_backward(weight, grad, ids)]
+            },
+        );
+        dw
+    }
+
     fn fused_cross_entropy_backward(
         logits: Tensor<B>,
         targets: Tensor<B>,

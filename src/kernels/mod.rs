@@ -441,6 +441,25 @@ pub trait LabBackend: Backend {
     ) -> FloatTensor<Self> {
         composed::cross_entropy_backward::<Self>(logits, targets, lse, grad, smoothing, ignore)
     }
+
+    /// The rows of `weight` `[v, d]` that `ids` `[b, n]` name → `[b, n, d]`: a token
+    /// embedding's lookup, the differentiable entry point (its backward pass is
+    /// [`Self::fused_embedding_backward`]). burn's `embedding`.
+    fn fused_embedding(weight: FloatTensor<Self>, ids: IntTensor<Self>) -> FloatTensor<Self> {
+        Self::embedding(weight, ids)
+    }
+
+    /// The gradient `[v, d]` of the table `weight` of a lookup of `ids` `[b, n]` whose output
+    /// gradient is `grad` `[b, n, d]`: row `r` the sum of the rows of `grad` whose id is `r`.
+    /// burn's `embedding_backward` (on its CubeCL backends one unit per column adds every row
+    /// in turn: 16,384 dependent additions a unit at the GPU experiment's batch).
+    fn fused_embedding_backward(
+        weight: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        ids: IntTensor<Self>,
+    ) -> FloatTensor<Self> {
+        Self::embedding_backward(weight, grad, ids)
+    }
 }
 
 /// A training backend: autodiff over a [`LabBackend`], itself one.
@@ -520,11 +539,13 @@ pub enum Op {
     AdamW,
     /// [`product`], the linear layers (their products in the training precision).
     Linear,
+    /// [`embedding`], the token lookup's gradient.
+    Embedding,
 }
 
 impl Op {
     /// Every operation, in the order the check runs them.
-    pub const ALL: [Op; 9] = [
+    pub const ALL: [Op; 10] = [
         Op::Gelu,
         Op::LayerNorm,
         Op::Softmax,
@@ -534,6 +555,7 @@ impl Op {
         Op::CrossEntropy,
         Op::AdamW,
         Op::Linear,
+        Op::Embedding,
     ];
 
     /// Its name in tables, warnings and the check's cache.
@@ -548,6 +570,7 @@ impl Op {
             Op::CrossEntropy => "cross_entropy",
             Op::AdamW => "adamw",
             Op::Linear => "linear",
+            Op::Embedding => "embedding",
         }
     }
 
@@ -1148,4 +1171,19 @@ pub fn cross_entropy<B: LabBackend>(
         ignore,
     ));
     check::sabotage(Op::CrossEntropy, loss)
+}
+
+/// The rows of the embedding table `weight` `[v, d]` that `tokens` `[b, n]` name → `[b, n, d]`
+/// (burn's `Embedding::forward`; models pass `table.weight.val()`).
+///
+/// Fused, on a GPU the table's gradient is summed by a kernel that spreads the rows over the
+/// device (each cube a chunk of rows, a block of columns and up to 64 of the table's rows, then
+/// the chunks added in order: the same bits every run), where burn's gives each column one unit
+/// that adds every row in turn. The lookup itself is burn's.
+pub fn embedding<B: LabBackend>(weight: Tensor<B, 2>, tokens: Tensor<B, 2, Int>) -> Tensor<B, 3> {
+    if !uses(Op::Embedding) {
+        return burn::tensor::module::embedding(weight, tokens);
+    }
+    let x = tensor(B::fused_embedding(prim(weight), tokens.into_primitive()));
+    check::sabotage(Op::Embedding, x)
 }

@@ -159,7 +159,7 @@ impl<B: LabBackend> LanguageModel<B> {
 
     /// [`Self::embed`] of tokens at positions `start..`.
     fn embed_from(&self, tokens: Tensor<B, 2, Int>, start: usize) -> Tensor<B, 3> {
-        let x = self.token_embedding.forward(tokens); // [b, t, d]
+        let x = crate::kernels::embedding(self.token_embedding.weight.val(), tokens); // [b, t, d]
         crate::kernels::dropout(&self.dropout, self.position.forward_from(x, start))
     }
 
@@ -194,7 +194,8 @@ impl<B: LabBackend> LanguageModel<B> {
         cache: &mut RowsCache<B>,
     ) -> Tensor<B, 2> {
         let [b] = tokens.dims();
-        let x = self.token_embedding.forward(tokens.reshape([b, 1])); // [b, 1, d]
+        let x =
+            crate::kernels::embedding(self.token_embedding.weight.val(), tokens.reshape([b, 1])); // [b, 1, d]
         let x = self.position.forward_at(x, &cache.rows.next);
         let x = crate::kernels::dropout(&self.dropout, x);
         let x = self.decoder.forward_rows(x, cache); // [b, 1, d]

@@ -314,7 +314,7 @@ impl<B: LabBackend> Seq2Seq<B> {
         start: usize,
     ) -> Tensor<B, 3> {
         let scale = (self.d_model() as f64).sqrt();
-        let x = table.forward(tokens).mul_scalar(scale);
+        let x = crate::kernels::embedding(table.weight.val(), tokens).mul_scalar(scale);
         crate::kernels::dropout(&self.dropout, self.position.forward_from(x, start))
     }
 

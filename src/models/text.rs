@@ -103,7 +103,7 @@ pub(crate) fn embed_tokens<B: LabBackend>(
     tokens: Tensor<B, 2, Int>,
 ) -> Tensor<B, 3> {
     let (table, position, norm) = parts;
-    let x = position.forward(table.forward(tokens));
+    let x = position.forward(kernels::embedding(table.weight.val(), tokens));
     let x = match norm {
         Some(norm) => kernels::layer_norm(norm, epsilon, x),
         None => x,

@@ -654,3 +654,59 @@ fn gpu_a_tiny_model_trains_in_f16_as_in_f32() {
         "f16 losses {half:?}, not below the unigram {unigram:.2} − 1"
     );
 }
+
+/// The gradient of an embedding table, summed by hand: row `r` is the sum of the output
+/// gradient's rows whose id is `r`, zero where no id names it.
+fn embedding_gradient_by_hand(ids: &[i64], grad: &[f32], v: usize, d: usize) -> Vec<f32> {
+    let mut out = vec![0.0f32; v * d];
+    for (i, &id) in ids.iter().enumerate() {
+        for c in 0..d {
+            out[id as usize * d + c] += grad[i * d + c];
+        }
+    }
+    out
+}
+
+#[test]
+fn gpu_embedding_gradient_equals_the_sum_by_hand_and_is_the_same_every_run() {
+    let Some(_turn) = wgpu_turn() else {
+        return;
+    };
+    let device = Default::default();
+    // 70 rows: two of the kernel's blocks of 64 table rows; 48 wide: a block and a half of 32
+    // columns; 600 ids: three chunks; the last row named once, by the first id, and row 5 never
+    // (its gradient must be written as zero). Then a table of 4,096 × 1,025, too large for
+    // more than one chunk of partial sums: the first stage sums every id in one.
+    for (v, d, b, n) in [(70, 48, 3, 200), (4096, 1025, 2, 300)] {
+        let mut rng = <rand::rngs::StdRng as rand::SeedableRng>::seed_from_u64(v as u64);
+        let mut ids: Vec<i64> = (0..b * n)
+            .map(|_| rand::RngExt::random_range(&mut rng, 0..v.min(90) as i64 - 1))
+            .map(|id| if id == 5 { 6 } else { id })
+            .collect();
+        ids[0] = v as i64 - 1;
+        let table = random::<Gpu, 2>([v, d], 20, &device).require_grad();
+        let tokens =
+            Tensor::<Gpu, 2, Int>::from_data(TensorData::new(ids.clone(), [b, n]), &device);
+        let g = random::<Gpu, 3>([b, n, d], 21, &device);
+        let run = || {
+            launching(2, || {
+                let y = kernels::embedding(table.clone(), tokens.clone());
+                let grads = (y * g.clone()).sum().backward();
+                table.grad(&grads).unwrap()
+            })
+        };
+        let (first, second) = (run(), run());
+        let grad: Vec<f32> = g.inner().into_data().to_vec().unwrap();
+        let expected = Tensor::<Inner, 2>::from_data(
+            TensorData::new(embedding_gradient_by_hand(&ids, &grad, v, d), [v, d]),
+            &device,
+        );
+        let diff = rel_diff(first.clone(), expected);
+        assert!(diff < 1e-5, "table {v} × {d}: gradient differs by {diff}");
+        assert_eq!(
+            first.into_data().to_vec::<f32>().unwrap(),
+            second.into_data().to_vec::<f32>().unwrap(),
+            "table {v} × {d}: two runs' gradients differ"
+        );
+    }
+}

@@ -346,7 +346,7 @@ fn doctor_prints_every_operation_and_fails_on_a_broken_one() {
         assert_eq!(result, "pass", "{stdout}");
         assert!(error.parse::<f32>().unwrap() < 1e-5, "{stdout}");
     }
-    assert!(stdout.contains("9 of 9 operations agree"), "{stdout}");
+    assert!(stdout.contains("10 of 10 operations agree"), "{stdout}");
     // The form of the CPU kernels this processor runs is named (and part of the cache's key).
     let form = transformer_lab::kernels::cpu::isa().label();
     assert!(stdout.contains(&format!("{form} kernels")), "{stdout}");

@@ -26,7 +26,7 @@ use cubecl::prelude::*;
 use cubecl::server::{MemoryLayout, MemoryLayoutDescriptor};
 use cubecl::zspace::metadata::Metadata;
 pub use launches::{launches, on_behalf_of};
-use rows::{GRAD_CHUNK, ROW_UNITS};
+use rows::{EMBED_COLUMNS, EMBED_ROWS, GRAD_CHUNK, ROW_UNITS};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 /// Counting launches, for the tests that check that the kernels ran (not a fallback to the
@@ -643,6 +643,59 @@ where
         (dx, dgamma, dbeta)
     }
 
+    fn fused_embedding_backward(
+        weight: CubeTensor<R>,
+        grad: CubeTensor<R>,
+        ids: CubeTensor<R>,
+    ) -> CubeTensor<R> {
+        let [v, d] = weight.shape().dims();
+        let n = ids.meta.num_elements();
+        if v > MAX_EMBED_ROWS || n == 0 || d == 0 || !fits(n * d) || !fits(v * d) {
+            return <Self as burn::tensor::ops::ModuleOps<Self>>::embedding_backward(
+                weight, grad, ids,
+            );
+        }
+        let grad = into_contiguous(reshape(grad, Shape::new([n, d])));
+        let ids = into_contiguous(reshape(ids, Shape::new([n])));
+        // Chunks of about EMBED_CHUNK rows, as many as the partial sums' room allows.
+        let chunks = n
+            .div_ceil(EMBED_CHUNK)
+            .min(EMBED_PARTIALS / (v * d))
+            .clamp(1, 65_535);
+        let chunk = n.div_ceil(chunks);
+        let partial = empty_f32(&grad, [chunks, v, d]);
+        let dtypes = [grad.dtype.into(), ids.dtype.into()];
+        launches::count();
+
+        rows::embedding_grad_partial_kernel::launch::<R>(
+            &grad.client,
+            CubeCount::Static(
+                d.div_ceil(EMBED_COLUMNS as usize) as u32,
+                chunks as u32,
+                v.div_ceil(EMBED_ROWS as usize) as u32,
+            ),
+            CubeDim::new_1d(EMBED_COLUMNS),
+            ids.into_tensor_arg(),
+            grad.clone().into_tensor_arg(),
+            partial.clone().into_tensor_arg(),
+            chunk as u32,
+            dtypes,
+        );
+        let out = empty(&grad, [v, d]);
+        let (count, dim) = elementwise(&out);
+        launches::count();
+
+        rows::embedding_grad_reduce_kernel::launch::<R>(
+            &grad.client,
+            count,
+            dim,
+            partial.into_tensor_arg(),
+            out.clone().into_tensor_arg(),
+            grad.dtype.into(),
+        );
+        out
+    }
+
     fn fused_cross_entropy_forward(
         logits: CubeTensor<R>,
         targets: CubeTensor<R>,
@@ -853,6 +906,18 @@ fn dropout<R: CubeRuntime>(
     );
     y
 }
+
+/// The largest embedding table whose gradient our kernels sum: each cube of the first stage
+/// reads every id of its chunk, once for each block of [`EMBED_ROWS`] table rows, so past a few
+/// thousand rows (GPT-2's 50,257) burn's sum, one unit a column, reads less.
+pub const MAX_EMBED_ROWS: usize = 4096;
+
+/// Rows of the output gradient in one chunk of the embedding gradient's first stage.
+const EMBED_CHUNK: usize = 256;
+
+/// The most partial sums the embedding gradient's first stage keeps (16 MB of `f32`): a table
+/// of `v × d` gets at most this over `v · d` chunks.
+const EMBED_PARTIALS: usize = 1 << 22;
 
 /// The target that marks a row as ignored (`-1`, which no class is, when none is).
 fn ignore_index(ignore: Option<usize>) -> i32 {

@@ -1,6 +1,7 @@
 //! Row kernels: LayerNorm forward and backward, the cross-entropy and its gradient. One cube of
 //! [`ROW_UNITS`] units per row, each unit striding over the row and the cube reducing through
-//! shared memory (a fixed tree, so the sums are the same run to run).
+//! shared memory (a fixed tree, so the sums are the same run to run). Also the gradient of an
+//! embedding table, which sums rows of the output gradient into the rows their ids name.
 
 use super::pointwise::dropout_multiplier;
 use cubecl::prelude::*;
@@ -319,6 +320,83 @@ pub fn layer_norm_grad_reduce_kernel<F: Float>(
     }
     dgamma[col] = F::cast_from(sg);
     dbeta[col] = F::cast_from(sb);
+}
+
+/// Columns of an embedding gradient one cube of [`embedding_grad_partial_kernel`] sums (one
+/// unit each).
+pub const EMBED_COLUMNS: u32 = 32;
+
+/// Table rows one cube of [`embedding_grad_partial_kernel`] sums into: its shared memory holds
+/// `EMBED_ROWS × EMBED_COLUMNS` sums (8 KB).
+pub const EMBED_ROWS: u32 = 64;
+
+/// An embedding table's gradient, first stage: cube `(x, y, z)` sums, for the columns
+/// `32x .. 32x + 32` and the table rows `64z .. 64z + 64`, the rows of `grad` `[n, d]` in chunk
+/// `y` (`chunk` rows from `y · chunk`) whose ids name one of those table rows, in row order,
+/// into `partial[y]` `[v, d]` (every row of its block written, zero where no id named it). Each
+/// unit owns one column of the block's sums, so no unit reads another's and no barrier is
+/// needed.
+#[cube(launch)]
+pub fn embedding_grad_partial_kernel<F: Float, I: Int>(
+    ids: &Tensor<I>,
+    grad: &Tensor<F>,
+    partial: &mut Tensor<f32>,
+    chunk: u32,
+    #[define(F, I)] _dtypes: [StorageType; 2],
+) {
+    let d = grad.shape(1);
+    let n = grad.shape(0);
+    let v = partial.shape(1);
+    let col = ABSOLUTE_POS_X as usize;
+    if col >= d {
+        terminate!();
+    }
+    let unit = UNIT_POS_X as usize;
+    let width = EMBED_COLUMNS as usize;
+    let first = CUBE_POS_Z * EMBED_ROWS;
+    let mut sums = SharedMemory::<f32>::new((EMBED_ROWS * EMBED_COLUMNS) as usize);
+    for r in 0..EMBED_ROWS as usize {
+        sums[r * width + unit] = 0.0f32;
+    }
+    let start = CUBE_POS_Y as usize * chunk as usize;
+    let mut end = start + chunk as usize;
+    if end > n {
+        end = n;
+    }
+    for row in start..end {
+        let id = u32::cast_from(ids[row]);
+        if id >= first && id < first + EMBED_ROWS {
+            sums[(id - first) as usize * width + unit] += f32::cast_from(grad[row * d + col]);
+        }
+    }
+    let base = CUBE_POS_Y as usize * v;
+    for r in 0..EMBED_ROWS as usize {
+        let table_row = first as usize + r;
+        if table_row < v {
+            partial[(base + table_row) * d + col] = sums[r * width + unit];
+        }
+    }
+}
+
+/// Second stage: each element of the gradient `[v, d]` is its chunks' partial sums added in
+/// chunk order.
+#[cube(launch)]
+pub fn embedding_grad_reduce_kernel<F: Float>(
+    partial: &Tensor<f32>,
+    out: &mut Tensor<F>,
+    #[define(F)] _dtype: StorageType,
+) {
+    let i = ABSOLUTE_POS;
+    let size = out.len();
+    if i >= size {
+        terminate!();
+    }
+    let chunks = partial.shape(0);
+    let mut sum = 0.0f32;
+    for c in 0..chunks {
+        sum += partial[c * size + i];
+    }
+    out[i] = F::cast_from(sum);
 }
 
 /// The label-smoothed cross-entropy of each row of `logits` `[n, v]`:
