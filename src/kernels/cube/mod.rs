@@ -145,14 +145,16 @@ fn empty_f32<R: CubeRuntime>(like: &CubeTensor<R>, shape: impl Into<Shape>) -> C
 
 /// One unit per element of `x`.
 fn elementwise<R: CubeRuntime>(x: &CubeTensor<R>) -> (CubeCount, CubeDim) {
-    let n = x.meta.num_elements();
-    let dim = CubeDim::new(&x.client, n);
-    (calculate_cube_count_elemwise(&x.client, n, dim), dim)
+    units(x, x.meta.num_elements())
 }
 
 /// One unit per four elements of `x` (one Philox block of a dropout mask each).
 fn elementwise_blocks<R: CubeRuntime>(x: &CubeTensor<R>) -> (CubeCount, CubeDim) {
-    let n = x.meta.num_elements().div_ceil(4);
+    units(x, x.meta.num_elements().div_ceil(4))
+}
+
+/// `n` units in cubes of the size the device of `x` prefers.
+fn units<R: CubeRuntime>(x: &CubeTensor<R>, n: usize) -> (CubeCount, CubeDim) {
     let dim = CubeDim::new(&x.client, n);
     (calculate_cube_count_elemwise(&x.client, n, dim), dim)
 }

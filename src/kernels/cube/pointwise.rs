@@ -55,7 +55,7 @@ pub fn gelu_forward_kernel<F: Float>(
         let words = philox_block(block as u32, key_lo, key_hi);
         #[unroll]
         for w in 0..4u32 {
-            let m = select(philox_word(words, w) >= threshold, scale, 0.0f32);
+            let m = block_multiplier(words, w, threshold, scale);
             gelu_one(x, y, d, block * 4 + w as usize, m, true);
         }
     } else {
@@ -177,8 +177,19 @@ pub fn philox_word(block: PhiloxBlock, w: u32) -> u32 {
 /// `threshold` — the CPU stream's element `e`, bit for bit.
 #[cube]
 pub fn dropout_multiplier(e: u32, key_lo: u32, key_hi: u32, threshold: u32, scale: f32) -> f32 {
-    let word = philox_word(philox_block(e / 4u32, key_lo, key_hi), e % 4u32);
-    select(word >= threshold, scale, 0.0f32)
+    block_multiplier(
+        philox_block(e / 4u32, key_lo, key_hi),
+        e % 4u32,
+        threshold,
+        scale,
+    )
+}
+
+/// The dropout multiplier (`0` or `scale`) that word `w` of the Philox block `words` gives:
+/// kept where the word is at least `threshold`.
+#[cube]
+pub fn block_multiplier(words: PhiloxBlock, w: u32, threshold: u32, scale: f32) -> f32 {
+    select(philox_word(words, w) >= threshold, scale, 0.0f32)
 }
 
 /// `y = x ⊙ M` for the dropout mask `M` keyed `(key_lo, key_hi)`; with `residual`,
@@ -209,7 +220,7 @@ pub fn dropout_kernel<F: Float>(
     for w in 0..4u32 {
         let i = block * 4 + w as usize;
         if i < x.len() {
-            let m = select(philox_word(words, w) >= threshold, scale, 0.0f32);
+            let m = block_multiplier(words, w, threshold, scale);
             let dropped = F::cast_from(f32::cast_from(x[i]) * m);
             if residual {
                 y[i] = F::cast_from(f32::cast_from(r[i]) + f32::cast_from(dropped));
