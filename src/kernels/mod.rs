@@ -2,12 +2,12 @@
 //!
 //! [`LabBackend`] extends burn's `Backend` with the operations that dominate a transformer's
 //! training step when they are composed from small tensor ops ([`Op`]: attention and packed
-//! self-attention, LayerNorm, GELU, the softmax, dropout, cross-entropy, AdamW's update, the
-//! linear layer). Every method has a default written with burn's own tensor ops (so any backend
-//! works — ndarray uses the defaults), a backend may override it with a kernel (flex does, in
-//! [`cpu`]; wgpu and CUDA in [`cube`]), and `Autodiff<B>` overrides the differentiable entry
-//! points with one graph node each whose backward pass calls the inner backend's fused
-//! backward ([`autodiff`]), instead of a dozen recorded element-wise ops.
+//! self-attention, LayerNorm, GELU, the softmax, dropout, cross-entropy, AdamW's update, the linear
+//! layer, the embedding table's gradient). Every method has a default written with burn's own
+//! tensor ops (so any backend works — ndarray uses the defaults), a backend may override it with a
+//! kernel (flex does, in [`cpu`]; wgpu and CUDA in [`cube`]), and `Autodiff<B>` overrides the
+//! differentiable entry points with one graph node each whose backward pass calls the inner
+//! backend's fused backward ([`autodiff`]), instead of a dozen recorded element-wise ops.
 //!
 //! The model code calls the free functions of this module ([`gelu`], [`layer_norm`],
 //! [`softmax`], [`attention`], …); each falls back to the composed reference ([`reference`])
