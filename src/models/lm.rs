@@ -194,8 +194,8 @@ impl<B: LabBackend> LanguageModel<B> {
         cache: &mut RowsCache<B>,
     ) -> Tensor<B, 2> {
         let [b] = tokens.dims();
-        let x =
-            crate::kernels::embedding(self.token_embedding.weight.val(), tokens.reshape([b, 1])); // [b, 1, d]
+        let table = self.token_embedding.weight.val();
+        let x = crate::kernels::embedding(table, tokens.reshape([b, 1])); // [b, 1, d]
         let x = self.position.forward_at(x, &cache.rows.next);
         let x = crate::kernels::dropout(&self.dropout, x);
         let x = self.decoder.forward_rows(x, cache); // [b, 1, d]

@@ -440,9 +440,9 @@ fn gpu_attention_with_rows_shared_among_units_equals_the_composed_form() {
         return;
     };
     // The tile kernels (forward and backward) share a row among 2, 4 or 8 units where a head
-    // is 32, 64 or 128 wide (each unit every split-th column, the dot products added through plane shuffles);
-    // lavapipe takes minutes to compile those widths, so each split is forced here on 8-wide
-    // heads. The turn keeps the other GPU tests of this process from seeing the forced split.
+    // is 32, 64 or 128 wide (each unit every split-th column, the dot products added through
+    // plane shuffles); lavapipe takes minutes to compile those widths, so each split is forced
+    // here on 8-wide heads. The turn keeps the other GPU tests of this process from seeing the forced split.
     struct Unforce;
     impl Drop for Unforce {
         fn drop(&mut self) {

@@ -1141,11 +1141,12 @@ pub fn force_attention_row_split(split: Option<usize>) {
 /// How many units share a row in the attention tile kernels (forward, and both backward): one
 /// for every 16 columns of the head, at most 8 (a power of two dividing the head width; 4 for a
 /// 64-wide head), each holding every `split`-th column, their dot products added through plane
-/// shuffles — where the device's planes shuffle and hold that many units; else 1. cubecl marks shuffles on a GPU
-/// with subgroups, and its Vulkan path's subgroup support as plane synchronisation, which a CPU
-/// Vulkan driver such as lavapipe has too (the kernels run there and are tested); WGSL without
-/// subgroups has neither. Found by `bench/gpu/registers.sh`: with one unit a row both backward
-/// kernels reached a GPU's 255 registers a unit and spilled, and the forward held 168.
+/// shuffles — where the device's planes shuffle and hold that many units; else 1. cubecl marks
+/// shuffles on a GPU with subgroups, and its Vulkan path's subgroup support as plane
+/// synchronisation, which a CPU Vulkan driver such as lavapipe has too (the kernels run there
+/// and are tested); WGSL without subgroups has neither. Found by `bench/gpu/registers.sh`: with
+/// one unit a row both backward kernels reached a GPU's 255 registers a unit and spilled, and
+/// the forward held 168.
 fn row_split<R: CubeRuntime>(client: &ComputeClient<R>, kd: usize) -> usize {
     use cubecl::features::Plane;
     let properties = client.properties();
