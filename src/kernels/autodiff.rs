@@ -191,7 +191,7 @@ impl<B: LabBackend> Backward<B, 1> for PackedAttention {
 struct Linear;
 
 impl<B: LabBackend> Backward<B, 3> for Linear {
-    /// `(x, w, whether there is a bias)`.
+    /// `(x, w, whether there is a bias)`, as [`LabBackend::fused_linear_keeping`] kept them.
     type State = (FloatTensor<B>, FloatTensor<B>, bool);
 
     fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
@@ -211,7 +211,7 @@ struct GeluLinear;
 
 impl<B: LabBackend> Backward<B, 3> for GeluLinear {
     /// `(x = GELU(h) [n, i], w, whether there is a bias, GELU'(h))`, dropout's multipliers in
-    /// both where there was a mask.
+    /// both where there was a mask; `x` and `w` as [`LabBackend::fused_linear_keeping`] kept them.
     type State = (FloatTensor<B>, FloatTensor<B>, bool, FloatTensor<B>);
 
     fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
@@ -358,15 +358,15 @@ impl<B: LabBackend, C: CheckpointStrategy> LabBackend for Autodiff<B, C> {
         w: FloatTensor<Self>,
         b: Option<FloatTensor<Self>>,
     ) -> FloatTensor<Self> {
-        let y = B::fused_linear(
-            x.primitive.clone(),
-            w.primitive.clone(),
+        let (y, x_kept, w_kept) = B::fused_linear_keeping(
+            x.primitive,
+            w.primitive,
             b.as_ref().map(|b| b.primitive.clone()),
         );
         let (bias, b) = (b.is_some(), bias::<B, C>(b, &y));
         let nodes = [x.node, w.node, b.node];
         match Linear.prepare::<C>(nodes).compute_bound().stateful() {
-            OpsKind::Tracked(prep) => prep.finish((x.primitive, w.primitive, bias), y),
+            OpsKind::Tracked(prep) => prep.finish((x_kept, w_kept, bias), y),
             OpsKind::UnTracked(prep) => prep.finish(y),
         }
     }
@@ -378,15 +378,12 @@ impl<B: LabBackend, C: CheckpointStrategy> LabBackend for Autodiff<B, C> {
         mask: Option<DropoutMask>,
     ) -> FloatTensor<Self> {
         let (x, derivative) = B::fused_gelu_forward(h.primitive, mask);
-        let y = B::fused_linear(
-            x.clone(),
-            w.primitive.clone(),
-            b.as_ref().map(|b| b.primitive.clone()),
-        );
+        let (y, x_kept, w_kept) =
+            B::fused_linear_keeping(x, w.primitive, b.as_ref().map(|b| b.primitive.clone()));
         let (bias, b) = (b.is_some(), bias::<B, C>(b, &y));
         let nodes = [h.node, w.node, b.node];
         match GeluLinear.prepare::<C>(nodes).compute_bound().stateful() {
-            OpsKind::Tracked(prep) => prep.finish((x, w.primitive, bias, derivative), y),
+            OpsKind::Tracked(prep) => prep.finish((x_kept, w_kept, bias, derivative), y),
             OpsKind::UnTracked(prep) => prep.finish(y),
         }
     }

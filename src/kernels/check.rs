@@ -22,7 +22,8 @@ use crate::user_cache::cache_dir;
 use burn::module::Param;
 use burn::nn::LayerNormConfig;
 use burn::prelude::*;
-use burn::tensor::{Bool, TensorPrimitive};
+use burn::tensor::ops::FloatTensor;
+use burn::tensor::{Bool, TensorMetadata, TensorPrimitive};
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
 use serde::{Deserialize, Serialize};
@@ -155,14 +156,25 @@ pub(crate) fn broken_label() -> Option<String> {
 
 /// `x` scaled by 1.1 where [`BREAK_ENV`] names `op` (at `x`'s size), else `x`.
 pub(crate) fn sabotage<B: Backend, const D: usize>(op: Op, x: Tensor<B, D>) -> Tensor<B, D> {
-    let elements = x.shape().num_elements();
-    match broken()
-        .iter()
-        .any(|&(o, above)| o == op && elements > above)
-    {
+    match broken_at(op, x.shape().num_elements()) {
         true => x.mul_scalar(1.1),
         false => x,
     }
+}
+
+/// [`sabotage`] of a tensor of any rank.
+pub(crate) fn sabotage_float<B: Backend>(op: Op, x: FloatTensor<B>) -> FloatTensor<B> {
+    match broken_at(op, x.shape().num_elements()) {
+        true => B::float_mul_scalar(x, 1.1f32.into()),
+        false => x,
+    }
+}
+
+/// Whether [`BREAK_ENV`] names `op` at a result of `elements` elements.
+fn broken_at(op: Op, elements: usize) -> bool {
+    broken()
+        .iter()
+        .any(|&(o, above)| o == op && elements > above)
 }
 
 /// One operation's result as the cache keeps it.

@@ -314,8 +314,12 @@ pub fn adamw<B: Backend>(
     step: AdamWStep,
     clip: Option<FloatTensor<B>>,
 ) -> (FloatTensor<B>, FloatTensor<B>, FloatTensor<B>) {
-    let n = grad.shape().num_elements();
-    let grad = B::float_reshape(grad, Shape::new([n]));
+    // Element by element in the parameter's row-major order, flattened (a gradient that is a
+    // strided view is copied by its reshape); the results in the parameter's shape.
+    let shape = param.shape();
+    let flat = |x: FloatTensor<B>| B::float_reshape(x, Shape::new([shape.num_elements()]));
+    let back = |x: Tensor<B, 1>| B::float_reshape(prim(x), shape.clone());
+    let grad = flat(grad);
     let grad = match clip {
         Some(clip) => scale::<B>(grad, clip),
         None => grad,
@@ -331,8 +335,8 @@ pub fn adamw<B: Backend>(
     let grad = tensor::<B, 1>(grad);
     let (m, v) = match moments {
         Some((m, v)) => (
-            tensor::<B, 1>(m).mul_scalar(beta_1) + grad.clone().mul_scalar(1.0 - beta_1),
-            tensor::<B, 1>(v).mul_scalar(beta_2) + grad.square().mul_scalar(1.0 - beta_2),
+            tensor::<B, 1>(flat(m)).mul_scalar(beta_1) + grad.clone().mul_scalar(1.0 - beta_1),
+            tensor::<B, 1>(flat(v)).mul_scalar(beta_2) + grad.square().mul_scalar(1.0 - beta_2),
         ),
         None => (
             grad.clone().mul_scalar(1.0 - beta_1),
@@ -342,8 +346,9 @@ pub fn adamw<B: Backend>(
     let m_hat = m.clone().div_scalar(1.0 - beta_1.powi(time));
     let v_hat = v.clone().div_scalar(1.0 - beta_2.powi(time));
     let delta = m_hat / v_hat.sqrt().add_scalar(epsilon);
-    let param = tensor::<B, 1>(param).mul_scalar(1.0 - lr * weight_decay) - delta.mul_scalar(lr);
-    (prim(param), prim(m), prim(v))
+    let param =
+        tensor::<B, 1>(flat(param)).mul_scalar(1.0 - lr * weight_decay) - delta.mul_scalar(lr);
+    (back(param), back(m), back(v))
 }
 
 /// See [`super::LabBackend::fused_cross_entropy_forward`].

@@ -539,13 +539,13 @@ impl LabBackend for Flex {
         let mut held: Vec<_> = items
             .into_iter()
             .map(|item| {
-                let n = item.param.shape().num_elements();
+                let shape = item.param.shape();
                 let grad = readable(item.grad);
                 let first = item.moments.is_none();
                 let (m, v) = match item.moments {
                     Some((m, v)) => (owned(m), owned(v)),
                     None => {
-                        let zeros = || from_vec(vec![0.0; n], Shape::new([n]));
+                        let zeros = || from_vec(vec![0.0; shape.num_elements()], shape.clone());
                         (zeros(), zeros())
                     }
                 };

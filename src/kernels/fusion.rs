@@ -3,6 +3,7 @@
 //! inner backend's kernel ([`super::cube`] on wgpu and CUDA) on the inner tensors. burn's own
 //! fusion goes on fusing the element-wise operations around them.
 
+use super::composed::{prim, tensor};
 use super::{composed, AdamWItem, DropoutMask, LabBackend};
 use burn::tensor::ops::{FloatTensor, IntTensor};
 use burn::tensor::{DType, FloatDType, Shape};
@@ -78,12 +79,24 @@ fn custom_many<B: FusionBackend>(
     shapes: Vec<Shape>,
     run: impl Fn(Vec<FloatTensor<B>>, Vec<IntTensor<B>>) -> Vec<FloatTensor<B>> + Send + Sync + 'static,
 ) -> Vec<Tensor<B>> {
-    let client = floats[0].client.clone();
     let dtype: DType = floats[0].dtype;
+    let outputs = shapes.into_iter().map(|shape| (shape, dtype)).collect();
+    custom_typed::<B>(name, floats, ints, outputs, run)
+}
+
+/// [`custom_many`] with each output's dtype given (`outputs`: shape and dtype of each).
+fn custom_typed<B: FusionBackend>(
+    name: &'static str,
+    floats: Vec<Tensor<B>>,
+    ints: Vec<Tensor<B>>,
+    outputs: Vec<(Shape, DType)>,
+    run: impl Fn(Vec<FloatTensor<B>>, Vec<IntTensor<B>>) -> Vec<FloatTensor<B>> + Send + Sync + 'static,
+) -> Vec<Tensor<B>> {
+    let client = floats[0].client.clone();
     let streams = OperationStreams::with_inputs(floats.iter().chain(&ints));
-    let outputs: Vec<TensorIr> = shapes
+    let outputs: Vec<TensorIr> = outputs
         .into_iter()
-        .map(|shape| TensorIr::uninit(client.create_empty_handle(), shape, dtype))
+        .map(|(shape, dtype)| TensorIr::uninit(client.create_empty_handle(), shape, dtype))
         .collect();
     let count = floats.len();
     let inputs: Vec<TensorIr> = floats
@@ -136,6 +149,35 @@ impl<B: FusionBackend + LabBackend> LabBackend for Fusion<B> {
         y
     }
 
+    /// In half precision, the operands cast by fusion's own operations (which it may merge
+    /// with what made them), then the product as in [`Self::fused_linear`] on the half copies,
+    /// which are kept for the backward pass.
+    fn fused_linear_keeping(
+        x: Tensor<B>,
+        w: Tensor<B>,
+        b: Option<Tensor<B>>,
+    ) -> (Tensor<B>, Tensor<B>, Tensor<B>) {
+        let precision = super::precision();
+        let Some(half) = precision.half() else {
+            return (composed::linear::<Self>(x.clone(), w.clone(), b), x, w);
+        };
+        let out = x.dtype;
+        let cast = |t: Tensor<B>| prim(tensor::<Self, 2>(t).cast(half));
+        let (x, w) = (cast(x), cast(w));
+        let shape = Shape::new([x.shape[0], w.shape[1]]);
+        let mut inputs = vec![x.clone(), w.clone()];
+        inputs.extend(b);
+        let outputs = vec![(shape, out)];
+        let run = move |f: Vec<FloatTensor<B>>, _| {
+            let mut f = f.into_iter();
+            let (x, w) = (f.next().unwrap(), f.next().unwrap());
+            let y = super::with_precision(precision, || B::fused_linear(x, w, f.next()));
+            vec![y]
+        };
+        let [y] = take(custom_typed::<B>("linear", inputs, vec![], outputs, run));
+        (y, x, w)
+    }
+
     fn fused_linear_backward(
         x: Tensor<B>,
         w: Tensor<B>,
@@ -143,32 +185,24 @@ impl<B: FusionBackend + LabBackend> LabBackend for Fusion<B> {
         bias: bool,
     ) -> (Tensor<B>, Tensor<B>, Option<Tensor<B>>) {
         let precision = super::precision();
-        if precision.is_f32() {
+        if precision.is_f32() && x.dtype == dy.dtype && w.dtype == dy.dtype {
             return composed::linear_backward::<Self>(x, w, dy, bias);
         }
+        let out = dy.dtype;
         let (dx, dw) = (x.shape.clone(), w.shape.clone());
+        let mut outputs = vec![(dx, out), (dw.clone(), out)];
+        outputs.extend(bias.then(|| (Shape::new([dw[1]]), out)));
         let inputs = vec![x, w, dy];
-        let run = move |f: Vec<FloatTensor<B>>| {
+        let run = move |f: Vec<FloatTensor<B>>, _| {
             let [x, w, dy] = take(f);
             let (dx, dw, db) =
                 super::with_precision(precision, || B::fused_linear_backward(x, w, dy, bias));
             [dx, dw].into_iter().chain(db).collect()
         };
-        if bias {
-            let db = Shape::new([dw[1]]);
-            let shapes = [dx, dw, db];
-            let [dx, dw, db] =
-                custom::<B, 3>("linear_backward", inputs, vec![], shapes, move |f, _| {
-                    run(f)
-                });
-            (dx, dw, Some(db))
-        } else {
-            let [dx, dw] =
-                custom::<B, 2>("linear_backward", inputs, vec![], [dx, dw], move |f, _| {
-                    run(f)
-                });
-            (dx, dw, None)
-        }
+        let mut grads =
+            custom_typed::<B>("linear_backward", inputs, vec![], outputs, run).into_iter();
+        let (dx, dw) = (grads.next().unwrap(), grads.next().unwrap());
+        (dx, dw, grads.next())
     }
 
     fn fused_gelu(x: Tensor<B>) -> Tensor<B> {

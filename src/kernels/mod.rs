@@ -323,12 +323,13 @@ pub trait LabBackend: Backend {
         composed::scale::<Self>(x, s)
     }
 
-    /// One AdamW step of each parameter of `items` ([`AdamWItem`]: the parameter `[n]` (any
-    /// shape, flattened), its gradient in the parameter's shape, possibly a strided view, and its
-    /// moments before the step, `None` at its first), all with the same `clip` `[1]`, which
-    /// where given multiplies each gradient first (global-norm clipping's factor,
-    /// [`Self::fused_scale`]): `(parameter, first moment, second moment)` after it, in `items`'
-    /// order. The default: the composed step of each; on a GPU several parameters a launch.
+    /// One AdamW step of each parameter of `items` ([`AdamWItem`]: the parameter, its gradient
+    /// (possibly a strided view) and its moments before the step (`None` at its first), all of
+    /// the parameter's shape, element by element in its row-major order), all with the same
+    /// `clip` `[1]`, which where given multiplies each gradient first (global-norm clipping's
+    /// factor, [`Self::fused_scale`]): `(parameter, first moment, second moment)` after it, in
+    /// the parameter's shape, in `items`' order. The default: the composed step of each; on a
+    /// GPU several parameters a launch.
     fn fused_adamw_all(
         items: Vec<AdamWItem<Self>>,
         clip: Option<FloatTensor<Self>>,
@@ -361,8 +362,22 @@ pub trait LabBackend: Backend {
         composed::linear::<Self>(x, w, b)
     }
 
+    /// [`Self::fused_linear`], and the operands its backward pass reads
+    /// ([`Self::fused_linear_backward`]'s `x` and `w`): `x` and `w` themselves, or under a half
+    /// [`Precision`] the half copies the product read, so the backward pass does not cast them
+    /// again (two casts of a transposed operand fewer a layer, and the kept input takes half the
+    /// bytes). The default: `x` and `w`.
+    fn fused_linear_keeping(
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        b: Option<FloatTensor<Self>>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        (Self::fused_linear(x.clone(), w.clone(), b), x, w)
+    }
+
     /// The gradients `(dx [n, i], dw [i, o], db [o])` of [`Self::fused_linear`] for the output
-    /// gradient `dy` (`db` only with a bias).
+    /// gradient `dy` (`db` only with a bias), in `dy`'s type; `x` and `w` as
+    /// [`Self::fused_linear_keeping`] kept them (in half precision, possibly already half).
     fn fused_linear_backward(
         x: FloatTensor<Self>,
         w: FloatTensor<Self>,
@@ -1066,15 +1081,16 @@ pub struct AdamWStep {
     pub time: i32,
 }
 
-/// One parameter's share of an AdamW step over many ([`adamw_all`]): the parameter flattened
-/// `[n]`, its gradient in the parameter's shape (possibly a strided view), its moments `[n]`
-/// before the step (`None` at its first) and the step's settings.
+/// One parameter's share of an AdamW step over many ([`adamw_all`]): the parameter, its gradient
+/// (possibly a strided view) and its moments before the step (`None` at its first), all of the
+/// parameter's shape — none is reshaped on the way (each reshape would be one more operation in
+/// a GPU backend's fusion stream, six a matrix a step) — and the step's settings.
 pub struct AdamWItem<B: Backend> {
-    /// The parameter, flattened.
+    /// The parameter.
     pub param: FloatTensor<B>,
-    /// Its gradient, unflattened.
+    /// Its gradient.
     pub grad: FloatTensor<B>,
-    /// The first and second moments, flattened.
+    /// The first and second moments.
     pub moments: Option<(FloatTensor<B>, FloatTensor<B>)>,
     /// The step.
     pub step: AdamWStep,
@@ -1115,24 +1131,22 @@ pub fn adamw<B: LabBackend, const D: usize>(
     step: AdamWStep,
     clip: Option<Tensor<B, 1>>,
 ) -> (Tensor<B, D>, Tensor<B, D>, Tensor<B, D>) {
-    let shape = param.shape();
-    let flat = |x: Tensor<B, D>| prim(x.reshape([-1]));
     let item = AdamWItem {
-        param: flat(param),
+        param: prim(param),
         grad: prim(grad),
-        moments: moments.map(|(m, v)| (flat(m), flat(v))),
+        moments: moments.map(|(m, v)| (prim(m), prim(v))),
         step,
     };
     let (p, m, v) = adamw_all(vec![item], clip)
         .pop()
         .unwrap_or_else(|| unreachable!("one result per parameter"));
-    let back = |x| tensor::<B, 1>(x).reshape(shape.clone());
-    (back(p), back(m), back(v))
+    (tensor(p), tensor(m), tensor(v))
 }
 
-/// [`adamw`] of every parameter of `items` in one call, the same `clip` for all: each result
-/// flattened `[n]`, in `items`' order, the values those of [`adamw`] on each. Fused on a GPU,
-/// several parameters a launch (an optimizer step's launches are otherwise one per parameter).
+/// [`adamw`] of every parameter of `items` in one call, the same `clip` for all: each result in
+/// its parameter's shape, in `items`' order, the values those of [`adamw`] on each. Fused on a
+/// GPU, several parameters a launch (an optimizer step's launches are otherwise one per
+/// parameter).
 pub fn adamw_all<B: LabBackend>(
     items: Vec<AdamWItem<B>>,
     clip: Option<Tensor<B, 1>>,
@@ -1143,7 +1157,7 @@ pub fn adamw_all<B: LabBackend>(
     }
     B::fused_adamw_all(items, clip)
         .into_iter()
-        .map(|(p, m, v)| (prim(check::sabotage(Op::AdamW, tensor::<B, 1>(p))), m, v))
+        .map(|(p, m, v)| (check::sabotage_float::<B>(Op::AdamW, p), m, v))
         .collect()
 }
 

@@ -144,6 +144,7 @@ where
             grads,
             items: Vec::new(),
             taken: Vec::new(),
+            placeholders: HashMap::new(),
         };
         let module = module.map(&mut gather);
         let Gather { items, taken, .. } = gather;
@@ -199,17 +200,19 @@ type Updated<B> = (
 );
 
 /// A parameter [`Gather`] took out of the module (leaving a one-element placeholder): its id,
-/// shape, whether it requires a gradient, and the number of the step being taken.
+/// whether it requires a gradient, and the number of the step being taken.
 struct Taken {
     id: ParamId,
-    shape: Shape,
     require_grad: bool,
     time: usize,
 }
 
 /// Takes every parameter that has a gradient out of the module, with its gradient and
 /// moments, as [`kernels::adamw_all`] takes them (the module keeps a placeholder until
-/// [`Scatter`] puts the update back).
+/// [`Scatter`] puts the update back). Nothing is reshaped or copied on the way, and the
+/// placeholders are one tensor per rank: on a GPU backend each of those would be one more
+/// operation through its fusion stream, several a parameter, for a step whose work is one
+/// launch for every 32 parameters.
 struct Gather<'a, B: AutodiffBackend<InnerBackend: LabBackend>> {
     adamw: &'a LabAdamW,
     lr: LearningRate,
@@ -217,6 +220,8 @@ struct Gather<'a, B: AutodiffBackend<InnerBackend: LabBackend>> {
     grads: GradAdaptor,
     items: Vec<AdamWItem<B::InnerBackend>>,
     taken: Vec<Taken>,
+    /// The one-element placeholder of each rank (a `Tensor<B, D>`), made at its first use.
+    placeholders: HashMap<usize, Box<dyn Any>>,
 }
 
 impl<B: AutodiffBackend<InnerBackend: LabBackend>> ModuleMapper<B> for Gather<'_, B> {
@@ -225,24 +230,29 @@ impl<B: AutodiffBackend<InnerBackend: LabBackend>> ModuleMapper<B> for Gather<'_
         let Some((grad, device)) = self.grads.remove::<B::InnerBackend, D>(id) else {
             return Param::from_mapped_value(id, value, mapper);
         };
-        let (shape, require_grad) = (value.shape(), value.is_require_grad());
-        let placeholder = Tensor::<B, D>::empty([1; D], &value.device());
+        let require_grad = value.is_require_grad();
+        let placeholder = self
+            .placeholders
+            .entry(D)
+            .or_insert_with(|| Box::new(Tensor::<B, D>::empty([1; D], &value.device())))
+            .downcast_ref::<Tensor<B, D>>()
+            .expect("a placeholder of rank D")
+            .clone();
         let tensor = value.inner().to_device(&device);
         let state = self.records.remove(&id).map(|record| {
             let state: AdamWState<B::InnerBackend, D> = record.into_state();
             LabAdamW::to_device(state, &device).momentum
         });
         let time = state.as_ref().map_or(1, |s| s.time + 1);
-        let flat = |x: Tensor<B::InnerBackend, D>| x.reshape([-1]).into_primitive().tensor();
+        let float = |x: Tensor<B::InnerBackend, D>| x.into_primitive().tensor();
         self.items.push(AdamWItem {
-            param: flat(tensor),
-            grad: grad.into_primitive().tensor(),
-            moments: state.map(|s| (flat(s.moment_1), flat(s.moment_2))),
+            param: float(tensor),
+            grad: float(grad),
+            moments: state.map(|s| (float(s.moment_1), float(s.moment_2))),
             step: self.adamw.settings::<D>(self.lr, time),
         });
         self.taken.push(Taken {
             id,
-            shape,
             require_grad,
             time,
         });
@@ -263,10 +273,8 @@ impl<B: AutodiffBackend<InnerBackend: LabBackend>> ModuleMapper<B> for Scatter<'
         let Some((p, m, v, taken)) = self.results.remove(&id) else {
             return Param::from_mapped_value(id, tensor, mapper);
         };
-        let back = |x| {
-            Tensor::<B::InnerBackend, 1>::from_primitive(TensorPrimitive::Float(x))
-                .reshape(taken.shape.clone())
-        };
+        // In the parameter's shape already.
+        let back = |x| Tensor::<B::InnerBackend, D>::from_primitive(TensorPrimitive::Float(x));
         let momentum = AdaptiveMomentumState {
             time: taken.time,
             moment_1: back(m),

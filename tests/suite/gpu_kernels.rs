@@ -621,6 +621,62 @@ fn gpu_half_precision_linear_is_f32_out_and_keeps_small_gradients() {
     }
 }
 
+/// Under a half precision the layer keeps the half copies its product read for the backward
+/// pass (which then casts neither operand again): the kept operands are the inputs rounded to
+/// f16, the output is f32 and the same as without keeping, and the gradients from the kept
+/// operands equal those from the f32 ones (the backward pass rounds them the same way).
+#[test]
+fn gpu_half_precision_linear_keeps_the_half_operands_for_the_backward_pass() {
+    let Some(_turn) = wgpu_turn() else {
+        return;
+    };
+    let device = Default::default();
+    let float = |t: Tensor<Inner, 2>| t.into_primitive().tensor();
+    let back = |x| Tensor::<Inner, 2>::from_primitive(TensorPrimitive::Float(x));
+    let x = random::<Inner, 2>([70, 48], 21, &device);
+    // The weight a transposed view, as a tied output layer's is.
+    let w = random::<Inner, 2>([33, 48], 22, &device)
+        .mul_scalar(0.2)
+        .transpose();
+    let b = random::<Inner, 1>([33], 23, &device);
+    let dy = random::<Inner, 2>([70, 33], 24, &device).mul_scalar(1e-3);
+    with_precision(Precision::F16, || {
+        let (y, x_kept, w_kept) = Inner::fused_linear_keeping(
+            float(x.clone()),
+            float(w.clone()),
+            Some(b.clone().into_primitive().tensor()),
+        );
+        let (x_kept, w_kept) = (back(x_kept), back(w_kept));
+        let y = back(y);
+        assert_eq!(y.dtype(), DType::F32, "the output's type");
+        for (name, kept, exact) in [("x", &x_kept, &x), ("w", &w_kept, &w)] {
+            assert_eq!(kept.dtype(), DType::F16, "{name} kept in f16");
+            let rounded = exact.clone().cast(FloatDType::F16).cast(FloatDType::F32);
+            let kept = kept.clone().cast(FloatDType::F32);
+            assert_eq!(kept.dims(), exact.dims(), "{name}'s shape");
+            assert_eq!(rel_diff(kept, rounded), 0.0, "{name} kept is {name} in f16");
+        }
+        let alone = Inner::fused_linear(
+            float(x.clone()),
+            float(w.clone()),
+            Some(b.clone().into_primitive().tensor()),
+        );
+        assert_eq!(rel_diff(y, back(alone)), 0.0, "y with and without keeping");
+        let grads = |x, w| Inner::fused_linear_backward(x, w, float(dy.clone()), true);
+        let (dx, dw, db) = grads(float(x_kept), float(w_kept));
+        let (dx2, dw2, db2) = grads(float(x.clone()), float(w.clone()));
+        for (name, a, b) in [("dx", dx, dx2), ("dw", dw, dw2)] {
+            let diff = relative(back(a), back(b));
+            assert!(
+                diff < 1e-6,
+                "{name} from the kept operands differs by {diff}"
+            );
+        }
+        let to_2d = |x| back(x).reshape([1, -1]);
+        assert_eq!(rel_diff(to_2d(db.unwrap()), to_2d(db2.unwrap())), 0.0, "db");
+    });
+}
+
 #[test]
 fn gpu_a_tiny_model_trains_in_f16_as_in_f32() {
     let Some(_turn) = wgpu_turn() else {

@@ -442,11 +442,12 @@ fn large_inputs_split_across_cores_and_still_agree() {
 /// [`kernels::adamw`]'s composed form on each alone: vectors and matrices (decayed or not),
 /// sizes from 1 to 5,000, some at their first step (no moments), some at step 7, every third
 /// gradient a transposed view and every third the columns of a wider matrix (each read at its
-/// strides), clipping's factor on all. Returns the parameters' count.
+/// strides), clipping's factor on all; each result in its parameter's shape. Returns the
+/// parameters' count.
 pub(crate) fn adamw_all_case<B: kernels::LabBackend>(device: &B::Device) -> usize {
     use burn::tensor::TensorPrimitive;
-    let flat = |t: Tensor<B, 2>| t.reshape([-1]).into_primitive().tensor();
-    let back = |x| Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(x));
+    let float = |t: Tensor<B, 2>| t.into_primitive().tensor();
+    let back = |x| Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(x));
     let clip = Tensor::<B, 1>::from_floats([0.37], device);
     let mut items = Vec::new();
     let mut alone = Vec::new();
@@ -493,9 +494,9 @@ pub(crate) fn adamw_all_case<B: kernels::LabBackend>(device: &B::Device) -> usiz
         });
         alone.push(composed);
         items.push(kernels::AdamWItem {
-            param: flat(param),
-            grad: grad.into_primitive().tensor(),
-            moments: moments.map(|(m, v)| (flat(m), flat(v))),
+            param: float(param),
+            grad: float(grad),
+            moments: moments.map(|(m, v)| (float(m), float(v))),
             step,
         });
     }
@@ -503,7 +504,9 @@ pub(crate) fn adamw_all_case<B: kernels::LabBackend>(device: &B::Device) -> usiz
     assert_eq!(together.len(), alone.len());
     for (i, ((p, m, v), (p2, m2, v2))) in together.into_iter().zip(alone).enumerate() {
         for (what, a, b) in [("parameter", p, p2), ("m", m, m2), ("v", v, v2)] {
-            let diff = rel_diff(back(a), b.reshape([-1]));
+            let (a, b) = (back(a), b);
+            assert_eq!(a.shape(), b.shape(), "parameter {i}: {what}'s shape");
+            let diff = rel_diff(a.reshape([-1]), b.reshape([-1]));
             assert!(diff < 1e-6, "parameter {i}: {what} differs by {diff}");
         }
     }
@@ -576,23 +579,21 @@ fn gradient_views_give_the_bits_of_their_contiguous_copies() {
             .into_iter()
             .enumerate()
             .map(|(i, g)| {
-                let n = g.shape().num_elements();
-                let flat = |seed: u64| {
-                    random::<Flex, 1>([n], seed + i as u64, &device)
-                        .into_primitive()
-                        .tensor()
-                };
+                let like = |seed: u64| random::<Flex, 2>(g.dims(), seed + i as u64, &device);
+                let float = |t: Tensor<Flex, 2>| t.into_primitive().tensor();
                 kernels::AdamWItem {
-                    param: flat(20),
-                    grad: g.into_primitive().tensor(),
-                    moments: Some((flat(30), back(flat(40)).abs().into_primitive().tensor())),
+                    param: float(like(20)),
+                    grad: float(g.clone()),
+                    moments: Some((float(like(30)), float(like(40).abs()))),
                     step,
                 }
             })
             .collect();
         let out = with_fused(true, || kernels::adamw_all(items, Some(clip.clone())));
+        let bits =
+            |x| bits(Tensor::<Flex, 2>::from_primitive(TensorPrimitive::Float(x)).reshape([-1]));
         out.into_iter()
-            .flat_map(|(p, m, v)| [bits(back(p)), bits(back(m)), bits(back(v))])
+            .flat_map(|(p, m, v)| [bits(p), bits(m), bits(v)])
             .collect::<Vec<_>>()
     };
     assert!(

@@ -21,30 +21,34 @@ fn product<R: CubeRuntime>(a: CubeTensor<R>, b: CubeTensor<R>, out: DType) -> Cu
         .unwrap_or_else(|err| panic!("no matmul kernel for half-precision inputs: {err:?}"))
 }
 
-/// `x·w + b` with the product in `half`.
+/// `x·w + b` with the product in `half`, returned in `out` (`x` and `w` may be `half` already),
+/// and the half copies of `x` and `w` it read (kept for the backward pass).
 pub(super) fn forward<B, R>(
     x: CubeTensor<R>,
     w: CubeTensor<R>,
     b: Option<CubeTensor<R>>,
     half: FloatDType,
-) -> CubeTensor<R>
+    out: DType,
+) -> (CubeTensor<R>, CubeTensor<R>, CubeTensor<R>)
 where
     R: CubeRuntime,
     B: Backend<FloatTensorPrimitive = CubeTensor<R>>,
 {
-    let out = x.dtype;
-    let x = tensor::<B, 2>(x).cast(half);
-    let w = tensor::<B, 2>(w).cast(half);
-    let y = tensor::<B, 2>(product(prim(x), prim(w), out));
-    match b {
+    let x = prim(tensor::<B, 2>(x).cast(half));
+    let w = prim(tensor::<B, 2>(w).cast(half));
+    let y = tensor::<B, 2>(product(x.clone(), w.clone(), out));
+    let y = match b {
         Some(b) => prim(y + tensor::<B, 1>(b).unsqueeze()),
         None => prim(y),
-    }
+    };
+    (y, x, w)
 }
 
-/// The gradients `(dx = dy·wᵀ, dw = xᵀ·dy, db = Σ_rows dy)` with both products in `half`; under
-/// `f16`, `dy` scaled before its cast so its largest magnitude is [`F16_GRADIENT_TOP`], the
-/// products unscaled after (the scale stays on the device: no synchronisation).
+/// The gradients `(dx = dy·wᵀ, dw = xᵀ·dy, db = Σ_rows dy)` with both products in `half`, in
+/// `dy`'s type; under `f16`, `dy` scaled before its cast so its largest magnitude is
+/// [`F16_GRADIENT_TOP`], the products unscaled after (the scale stays on the device: no
+/// synchronisation). `x` and `w` kept in `half` by [`forward`] are read as they are (the
+/// products take their transposes as views), others are cast.
 pub(super) fn backward<B, R>(
     x: CubeTensor<R>,
     w: CubeTensor<R>,

@@ -275,9 +275,19 @@ where
     }
 
     fn fused_linear(x: CubeTensor<R>, w: CubeTensor<R>, b: Option<CubeTensor<R>>) -> CubeTensor<R> {
+        Self::fused_linear_keeping(x, w, b).0
+    }
+
+    fn fused_linear_keeping(
+        x: CubeTensor<R>,
+        w: CubeTensor<R>,
+        b: Option<CubeTensor<R>>,
+    ) -> (CubeTensor<R>, CubeTensor<R>, CubeTensor<R>) {
         match super::precision().half() {
-            Some(half) => linear::forward::<Self, R>(x, w, b, half),
-            None => composed::linear::<Self>(x, w, b),
+            // The layer's output in the model's type, whatever its operands' (half when the
+            // fusion backend cast them).
+            Some(half) => linear::forward::<Self, R>(x, w, b, half, F::dtype()),
+            None => (composed::linear::<Self>(x.clone(), w.clone(), b), x, w),
         }
     }
 
@@ -287,7 +297,9 @@ where
         dy: CubeTensor<R>,
         bias: bool,
     ) -> (CubeTensor<R>, CubeTensor<R>, Option<CubeTensor<R>>) {
-        match super::precision().half() {
+        // Operands kept in half precision are read in it, whatever the precision now.
+        let kept = (x.dtype != dy.dtype).then(|| FloatDType::from(x.dtype));
+        match super::precision().half().or(kept) {
             Some(half) => linear::backward::<Self, R>(x, w, dy, bias, half),
             None => composed::linear_backward::<Self>(x, w, dy, bias),
         }
