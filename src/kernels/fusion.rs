@@ -3,7 +3,6 @@
 //! inner backend's kernel ([`super::cube`] on wgpu and CUDA) on the inner tensors. burn's own
 //! fusion goes on fusing the element-wise operations around them.
 
-use super::composed::{prim, tensor};
 use super::{composed, AdamWItem, DropoutMask, LabBackend};
 use burn::tensor::ops::{FloatTensor, IntTensor};
 use burn::tensor::{DType, FloatDType, Shape};
@@ -149,9 +148,8 @@ impl<B: FusionBackend + LabBackend> LabBackend for Fusion<B> {
         y
     }
 
-    /// In half precision, the operands cast by fusion's own operations (which it may merge
-    /// with what made them), then the product as in [`Self::fused_linear`] on the half copies,
-    /// which are kept for the backward pass.
+    /// In half precision, one custom operation as [`Self::fused_linear`], which also gives the
+    /// half copies of the operands the product read.
     fn fused_linear_keeping(
         x: Tensor<B>,
         w: Tensor<B>,
@@ -161,20 +159,27 @@ impl<B: FusionBackend + LabBackend> LabBackend for Fusion<B> {
         let Some(half) = precision.half() else {
             return (composed::linear::<Self>(x.clone(), w.clone(), b), x, w);
         };
-        let out = x.dtype;
-        let cast = |t: Tensor<B>| prim(tensor::<Self, 2>(t).cast(half));
-        let (x, w) = (cast(x), cast(w));
-        let shape = Shape::new([x.shape[0], w.shape[1]]);
-        let mut inputs = vec![x.clone(), w.clone()];
+        let outputs = vec![
+            (Shape::new([x.shape[0], w.shape[1]]), x.dtype),
+            (x.shape.clone(), DType::from(half)),
+            (w.shape.clone(), DType::from(half)),
+        ];
+        let mut inputs = vec![x, w];
         inputs.extend(b);
-        let outputs = vec![(shape, out)];
         let run = move |f: Vec<FloatTensor<B>>, _| {
             let mut f = f.into_iter();
             let (x, w) = (f.next().unwrap(), f.next().unwrap());
-            let y = super::with_precision(precision, || B::fused_linear(x, w, f.next()));
-            vec![y]
+            let (y, x, w) =
+                super::with_precision(precision, || B::fused_linear_keeping(x, w, f.next()));
+            vec![y, x, w]
         };
-        let [y] = take(custom_typed::<B>("linear", inputs, vec![], outputs, run));
+        let [y, x, w] = take(custom_typed::<B>(
+            "linear_keeping",
+            inputs,
+            vec![],
+            outputs,
+            run,
+        ));
         (y, x, w)
     }
 

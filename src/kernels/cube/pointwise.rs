@@ -56,38 +56,28 @@ pub fn gelu_forward_kernel<F: Float>(
         #[unroll]
         for w in 0..4u32 {
             let m = block_multiplier(words, w, threshold, scale);
-            gelu_one(x, y, d, block * 4 + w as usize, m, true);
+            gelu_one(x, y, d, block * 4 + w as usize, m);
         }
     } else {
         #[unroll]
         for w in 0..4u32 {
-            gelu_one(x, y, d, block * 4 + w as usize, 1.0f32, false);
+            gelu_one(x, y, d, block * 4 + w as usize, 1.0f32);
         }
     }
 }
 
-/// [`gelu_forward_kernel`] at element `i` (nothing past the end), times `m` when `dropped`.
+/// [`gelu_forward_kernel`] at element `i` (nothing past the end), times the dropout multiplier
+/// `m` (1 without dropout: `x · 1` is exact, so the same bits as no multiplication).
 #[cube]
-fn gelu_one<F: Float>(
-    x: &Tensor<F>,
-    y: &mut Tensor<F>,
-    d: &mut Tensor<F>,
-    i: usize,
-    m: f32,
-    #[comptime] dropped: bool,
-) {
+fn gelu_one<F: Float>(x: &Tensor<F>, y: &mut Tensor<F>, d: &mut Tensor<F>, i: usize, m: f32) {
     if i < x.len() {
         let v = f32::cast_from(x[i]);
         let cdf = normal_cdf(v);
-        let gelu = F::cast_from(v * cdf);
+        // GELU rounded to F first, as the layer's output without dropout is.
+        let gelu = f32::cast_from(F::cast_from(v * cdf));
         let derivative = cdf + v * normal_pdf(v);
-        if dropped {
-            y[i] = F::cast_from(f32::cast_from(gelu) * m);
-            d[i] = F::cast_from(derivative * m);
-        } else {
-            y[i] = gelu;
-            d[i] = F::cast_from(derivative);
-        }
+        y[i] = F::cast_from(gelu * m);
+        d[i] = F::cast_from(derivative * m);
     }
 }
 
