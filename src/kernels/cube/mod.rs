@@ -284,8 +284,7 @@ where
         b: Option<CubeTensor<R>>,
     ) -> (CubeTensor<R>, CubeTensor<R>, CubeTensor<R>) {
         match super::precision().half() {
-            // The layer's output in the model's type, whatever its operands' (half when the
-            // fusion backend cast them).
+            // The layer's output in the model's float type, whatever its operands' type.
             Some(half) => linear::forward::<Self, R>(x, w, b, half, F::dtype()),
             None => (composed::linear::<Self>(x.clone(), w.clone(), b), x, w),
         }
