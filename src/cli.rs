@@ -807,6 +807,11 @@ pub struct BenchTrainArgs {
     /// `train.precision` says (f32; f16 or bf16 on a GPU backend).
     #[arg(long, value_enum)]
     pub precision: Option<Precision>,
+    /// Also time every fused kernel call of the timed steps and print where each phase's
+    /// time goes: each operation's calls and ms per step, and the time outside them
+    /// (flex backend only).
+    #[arg(long)]
+    pub profile: bool,
     #[command(flatten)]
     pub data: DataArgs,
     #[command(flatten)]

@@ -38,10 +38,18 @@ pub(super) fn run_bench<B: LabBackend>(args: BenchArgs, device: B::Device) -> Re
         crate::kernels::Precision::F32 => config.name.clone(),
         precision => format!("{} ({})", config.name, precision.name()),
     };
+    if args.profile && !B::TIMED_KERNELS {
+        bail!(
+            "--profile times each kernel call on the CPU, where a call returns when its work is \
+             done; on {} the kernels run asynchronously: use --backend flex",
+            B::name(&device)
+        );
+    }
     let plan = crate::bench::BenchPlan {
         steps: args.steps,
         warmup: args.warmup,
         runs: args.runs,
+        profile: args.profile,
     };
     let data_dir = data_dir(args.data.data_dir.as_deref());
     let report = crate::kinds::bench::<Autodiff<B>>(config, &data_dir, plan, &device)?;

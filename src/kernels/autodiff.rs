@@ -300,6 +300,8 @@ fn layer_norm_node<B: LabBackend, C: CheckpointStrategy>(
 }
 
 impl<B: LabBackend, C: CheckpointStrategy> LabBackend for Autodiff<B, C> {
+    const TIMED_KERNELS: bool = B::TIMED_KERNELS;
+
     /// burn's lookup node, its backward pass the inner backend's
     /// [`LabBackend::fused_embedding_backward`].
     fn fused_embedding(weight: FloatTensor<Self>, ids: IntTensor<Self>) -> FloatTensor<Self> {

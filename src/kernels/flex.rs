@@ -3,7 +3,7 @@
 //! path.
 
 use super::cpu::{self, AttentionShape, Heads, Matrix};
-use super::{composed, AdamWItem, DropoutMask, LabBackend};
+use super::{composed, profile, AdamWItem, DropoutMask, LabBackend};
 use burn::backend::flex::{FlexTensor, Layout};
 use burn::backend::Flex;
 use burn::prelude::*;
@@ -246,6 +246,8 @@ fn owned(x: FlexTensor) -> FlexTensor {
 }
 
 impl LabBackend for Flex {
+    const TIMED_KERNELS: bool = true;
+
     fn write_columns(buffer: FlexTensor, at: usize, value: FlexTensor) -> FlexTensor {
         let [b, h, s, k] = buffer.shape().dims();
         let n = value.shape()[2];
@@ -270,6 +272,7 @@ impl LabBackend for Flex {
         smoothing: f32,
         ignore: Option<usize>,
     ) -> (FlexTensor, FlexTensor) {
+        let _timer = profile::Timer::new("cross-entropy");
         if !is_f32(&logits) {
             return composed::cross_entropy_forward::<Flex>(logits, targets, smoothing, ignore);
         }
@@ -291,6 +294,7 @@ impl LabBackend for Flex {
         smoothing: f32,
         ignore: Option<usize>,
     ) -> FlexTensor {
+        let _timer = profile::Timer::new("cross-entropy");
         if !is_f32(&logits) {
             return composed::cross_entropy_backward::<Flex>(
                 logits, targets, lse, grad, smoothing, ignore,
@@ -313,6 +317,7 @@ impl LabBackend for Flex {
     }
 
     fn fused_gelu(x: FlexTensor) -> FlexTensor {
+        let _timer = profile::Timer::new("GELU");
         if !is_f32(&x) {
             return composed::gelu::<Flex>(x);
         }
@@ -321,6 +326,7 @@ impl LabBackend for Flex {
     }
 
     fn fused_mul(a: FlexTensor, b: FlexTensor) -> FlexTensor {
+        let _timer = profile::Timer::new("GELU (its derivative)");
         if !is_f32(&a) || !is_f32(&b) || a.shape() != b.shape() {
             return <Flex as burn::tensor::ops::FloatTensorOps<Flex>>::float_mul(a, b);
         }
@@ -336,6 +342,7 @@ impl LabBackend for Flex {
     }
 
     fn fused_gelu_forward(x: FlexTensor, mask: Option<DropoutMask>) -> (FlexTensor, FlexTensor) {
+        let _timer = profile::Timer::new("GELU");
         if !is_f32(&x) {
             return composed::gelu_forward::<Flex>(x, mask);
         }
@@ -350,6 +357,7 @@ impl LabBackend for Flex {
         beta: Option<FlexTensor>,
         epsilon: f64,
     ) -> (FlexTensor, FlexTensor, FlexTensor) {
+        let _timer = profile::Timer::new("LayerNorm");
         if !is_f32(&x) {
             return composed::layer_norm_forward::<Flex>(x, gamma, beta, epsilon);
         }
@@ -378,6 +386,7 @@ impl LabBackend for Flex {
         beta: Option<FlexTensor>,
         epsilon: f64,
     ) -> (FlexTensor, FlexTensor, FlexTensor, FlexTensor) {
+        let _timer = profile::Timer::new("residual + LayerNorm");
         if !is_f32(&x) {
             return composed::add_layer_norm_forward::<Flex>(x, h, mask, gamma, beta, epsilon);
         }
@@ -410,6 +419,7 @@ impl LabBackend for Flex {
         dy: FlexTensor,
         residual: Option<FlexTensor>,
     ) -> (FlexTensor, FlexTensor, FlexTensor) {
+        let _timer = profile::Timer::new("LayerNorm");
         if !is_f32(&x) {
             return composed::layer_norm_backward::<Flex>(x, gamma, mean, rstd, dy, residual);
         }
@@ -434,6 +444,7 @@ impl LabBackend for Flex {
     }
 
     fn fused_softmax(x: FlexTensor) -> FlexTensor {
+        let _timer = profile::Timer::new("softmax");
         if !is_f32(&x) {
             return composed::softmax::<Flex>(x);
         }
@@ -443,6 +454,7 @@ impl LabBackend for Flex {
     }
 
     fn fused_softmax_backward(p: FlexTensor, dp: FlexTensor) -> FlexTensor {
+        let _timer = profile::Timer::new("softmax");
         if !is_f32(&p) {
             return composed::softmax_backward::<Flex>(p, dp);
         }
@@ -462,6 +474,7 @@ impl LabBackend for Flex {
         pad: Option<FlexTensor>,
         dropout: Option<DropoutMask>,
     ) -> (FlexTensor, FlexTensor) {
+        let _timer = profile::Timer::new("attention");
         if !is_f32(&q) {
             return composed::attention_forward::<Flex>(q, k, v, causal, pad, dropout);
         }
@@ -485,6 +498,7 @@ impl LabBackend for Flex {
     }
 
     fn fused_dropout(x: FlexTensor, mask: DropoutMask) -> FlexTensor {
+        let _timer = profile::Timer::new("dropout");
         if !is_f32(&x) {
             return composed::dropout::<Flex>(x, mask);
         }
@@ -502,6 +516,7 @@ impl LabBackend for Flex {
     }
 
     fn fused_sum_squares_all(xs: Vec<FlexTensor>) -> FlexTensor {
+        let _timer = profile::Timer::new("clipping (sum of squares)");
         if !xs.iter().all(is_f32) {
             return composed::sum_squares_each::<Flex>(xs, Self::fused_sum_squares);
         }
@@ -511,6 +526,7 @@ impl LabBackend for Flex {
     }
 
     fn fused_scale(x: FlexTensor, s: FlexTensor) -> FlexTensor {
+        let _timer = profile::Timer::new("clipping (rescale)");
         if !is_f32(&x) || !is_f32(&s) {
             return composed::scale::<Flex>(x, s);
         }
@@ -528,6 +544,7 @@ impl LabBackend for Flex {
         items: Vec<AdamWItem<Self>>,
         clip: Option<FlexTensor>,
     ) -> Vec<(FlexTensor, FlexTensor, FlexTensor)> {
+        let _timer = profile::Timer::new("AdamW");
         let f32s = items
             .iter()
             .all(|item| is_f32(&item.param) && is_f32(&item.grad));
@@ -571,6 +588,7 @@ impl LabBackend for Flex {
     }
 
     fn fused_linear(x: FlexTensor, w: FlexTensor, b: Option<FlexTensor>) -> FlexTensor {
+        let _timer = profile::Timer::new("linear");
         if !is_f32(&x) {
             return composed::linear::<Flex>(x, w, b);
         }
@@ -587,6 +605,7 @@ impl LabBackend for Flex {
         dy: FlexTensor,
         bias: bool,
     ) -> (FlexTensor, FlexTensor, Option<FlexTensor>) {
+        let _timer = profile::Timer::new("linear");
         if !is_f32(&x) {
             return composed::linear_backward::<Flex>(x, w, dy, bias);
         }
@@ -600,6 +619,7 @@ impl LabBackend for Flex {
         bias: bool,
         derivative: FlexTensor,
     ) -> (FlexTensor, FlexTensor, Option<FlexTensor>) {
+        let _timer = profile::Timer::new("linear (GELU derivative merged)");
         if !is_f32(&x) || !is_f32(&derivative) || derivative.shape() != x.shape() {
             return composed::gelu_linear_backward::<Flex>(x, w, dy, bias, derivative);
         }
@@ -616,6 +636,7 @@ impl LabBackend for Flex {
         pad: Option<FlexTensor>,
         dropout: Option<DropoutMask>,
     ) -> FlexTensor {
+        let _timer = profile::Timer::new("attention");
         if !is_f32(&qkv) {
             return composed::packed_attention_backward::<Flex>(
                 qkv, o, lse, d_o, heads, causal, pad, dropout,
@@ -656,6 +677,7 @@ impl LabBackend for Flex {
         pad: Option<FlexTensor>,
         dropout: Option<DropoutMask>,
     ) -> (FlexTensor, FlexTensor, FlexTensor) {
+        let _timer = profile::Timer::new("attention");
         if !is_f32(&q) {
             return composed::attention_backward::<Flex>(
                 q, k, v, o, lse, d_o, causal, pad, dropout,

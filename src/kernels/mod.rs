@@ -33,6 +33,7 @@ pub mod dropout;
 mod flex;
 #[cfg(feature = "fusion")]
 mod fusion;
+pub mod profile;
 pub mod reference;
 pub mod step_check;
 
@@ -52,6 +53,11 @@ use std::thread::LocalKey;
 /// Shapes are those of the free functions below; `pad` is a `[b, s]` float tensor, `1` where the
 /// key is padding (masked out), `0` elsewhere.
 pub trait LabBackend: Backend {
+    /// Whether each fused kernel runs to completion on the calling thread, so that its wall
+    /// time is what it cost and `bench train --profile` can time it call by call ([`profile`]):
+    /// flex's CPU kernels; not a GPU backend's, whose calls return before the device runs them.
+    const TIMED_KERNELS: bool = false;
+
     /// `buffer` `[b, h, s, k]` with `value` `[b, h, n, k]` written into its positions
     /// `at..at + n` (dimension 2), in place where the buffer is held once: how a key–value
     /// cache appends a token's column. burn's `slice_assign` writes in place on the CubeCL

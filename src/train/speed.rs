@@ -3,6 +3,7 @@
 //! padding that variable-length batches carry.
 
 use crate::config::ExperimentConfig;
+use crate::kernels::profile::{self, OpTime, Phase};
 use crate::kernels::{LabAutodiff, LabBackend};
 use crate::train::{mix, padding_fraction, reference_adamw, replacement_batches};
 use anyhow::{anyhow, Result};
@@ -21,6 +22,8 @@ pub struct BenchPlan {
     pub warmup: usize,
     /// Independent runs, each from a freshly initialised model.
     pub runs: usize,
+    /// Also time every fused kernel call of the timed steps ([`crate::kernels::profile`]).
+    pub profile: bool,
 }
 
 /// Seconds per phase of every timed step of one run.
@@ -60,6 +63,8 @@ pub struct BenchReport {
     pub notes: Vec<String>,
     /// The model's parameters (what a data-parallel step all-reduces, one f32 gradient each).
     pub parameters: usize,
+    /// Each fused kernel's calls over every timed step of every run, when profiled.
+    pub profile: Vec<OpTime>,
 }
 
 /// The median of `values` (the mean of the middle two for an even count).
@@ -127,9 +132,67 @@ impl BenchReport {
                 self.parameters as f64 * 4.0 / 1e6,
             ));
         }
+        text.push_str(&self.render_profile());
         for note in &self.notes {
             text.push_str(note);
             text.push('\n');
+        }
+        text
+    }
+
+    /// Where a step's time goes, when profiled: each phase's fused kernels (calls and ms per
+    /// step, share of the phase, means over every timed step) and the rest of the phase.
+    fn render_profile(&self) -> String {
+        let steps: usize = self.runs.iter().map(|r| r.forward.len()).sum();
+        if self.profile.is_empty() || steps == 0 {
+            return String::new();
+        }
+        let per_step = |seconds: f64| seconds * 1e3 / steps as f64;
+        let mut text = format!(
+            "where a step's time goes (means over {} runs × {} steps; each fused kernel timed \
+             call by call):\n{:<10} {:<32} {:>9} {:>9} {:>7}\n",
+            self.runs.len(),
+            steps / self.runs.len().max(1),
+            "phase",
+            "operation",
+            "calls",
+            "ms/step",
+            "share",
+        );
+        for phase in Phase::ALL {
+            let phase_ms = per_step(
+                self.runs
+                    .iter()
+                    .map(|r| match phase {
+                        Phase::Forward => r.forward.iter().sum::<f64>(),
+                        Phase::Backward => r.backward.iter().sum(),
+                        Phase::Optimizer => r.optimizer.iter().sum(),
+                    })
+                    .sum(),
+            );
+            let share = |ms: f64| 100.0 * ms / phase_ms.max(f64::MIN_POSITIVE);
+            let mut kernels = 0.0;
+            for op in self.profile.iter().filter(|op| op.phase == phase) {
+                let ms = per_step(op.seconds);
+                kernels += ms;
+                text.push_str(&format!(
+                    "{:<10} {:<32} {:>9.1} {:>9.2} {:>6.1}%\n",
+                    phase.name(),
+                    op.name,
+                    op.calls as f64 / steps as f64,
+                    ms,
+                    share(ms),
+                ));
+            }
+            let rest = phase_ms - kernels;
+            text.push_str(&format!(
+                "{:<10} {:<32} {:>9} {:>9.2} {:>6.1}%\n",
+                phase.name(),
+                "outside the fused kernels",
+                "",
+                rest,
+                share(rest),
+            ));
         }
         text
     }
@@ -182,17 +245,23 @@ where
         let mut optimizer = reference_adamw::<B, M>(train);
         let mut times = RunTimes::default();
         for (step, batch) in batches.iter().enumerate() {
+            let profiled = plan.profile && step >= plan.warmup;
+            profile::enable(profiled);
+            profile::set_phase(Phase::Forward);
             let began = Instant::now();
             let loss = loss(&model, batch.clone());
             sync::<B>(device)?;
             let forward = began.elapsed().as_secs_f64();
+            profile::set_phase(Phase::Backward);
             let grads = loss.backward();
             sync::<B>(device)?;
             let backward = began.elapsed().as_secs_f64() - forward;
+            profile::set_phase(Phase::Optimizer);
             let grads = GradientsParams::from_grads(grads, &model);
             model = optimizer.step(train.lr, model, grads);
             sync::<B>(device)?;
             let optimizer_time = began.elapsed().as_secs_f64() - forward - backward;
+            profile::enable(false);
             if step >= plan.warmup {
                 times.forward.push(forward);
                 times.backward.push(backward);
@@ -218,6 +287,11 @@ where
         runs,
         notes: Vec::new(),
         parameters,
+        profile: if plan.profile {
+            profile::take()
+        } else {
+            Vec::new()
+        },
     })
 }
 

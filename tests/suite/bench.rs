@@ -283,3 +283,72 @@ fn bench_train_measures_a_translator_in_target_tokens_with_its_padding() {
         "expected on or off",
     );
 }
+
+#[test]
+fn bench_train_profile_counts_each_kernel_call_of_each_phase() {
+    // Two layers: a pre-norm block calls per step, forward, the linear layer 4 times (Q/K/V
+    // packed, the output projection, the feed-forward pair) plus once for the tied output
+    // head, attention and GELU once, LayerNorm twice (each after the residual addition,
+    // merged into it) plus the final norm once; backward, the linear layer's gradients 3
+    // times plus the head's and once more merged with GELU's derivative, attention once,
+    // LayerNorm 2 × 2 + 1 times; the optimizer AdamW and clipping's sum of squares once. A
+    // call counted twice, or in the wrong phase, changes these counts.
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(
+        dir.path().join("corpus.txt"),
+        "the quick brown fox. ".repeat(200),
+    )
+    .unwrap();
+    std::fs::write(
+        dir.path().join("two.json"),
+        r#"{"name": "two", "model": {"d_model": 16, "n_layers": 2, "n_heads": 2, "context": 16},
+            "data": {"text_file": "corpus.txt"}, "train": {"batch_size": 4}}"#,
+    )
+    .unwrap();
+    let args: Vec<&str> = "bench train -e two.json --steps 3 --warmup 1 --runs 2 --profile"
+        .split(' ')
+        .collect();
+    let out = std::process::Command::new(crate::common::BIN)
+        .args(["--backend", "flex"])
+        .args(&args)
+        .current_dir(dir.path())
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("means over 2 runs × 3 steps"), "{text}");
+    let calls = |phase: &str, op: &str| -> f64 {
+        let row = text
+            .lines()
+            .find(|line| {
+                line.starts_with(phase)
+                    && line[10..].trim_start().starts_with(op)
+                    && line[10..].trim_start()[op.len()..].starts_with("  ")
+            })
+            .unwrap_or_else(|| panic!("no {phase} {op} row in {text}"));
+        row[10 + 33..]
+            .split_whitespace()
+            .next()
+            .unwrap()
+            .parse()
+            .unwrap()
+    };
+    let expected = "forward: linear 9, attention 2, GELU 2, residual + LayerNorm 4, LayerNorm 1, \
+                    cross-entropy 1\n\
+                    backward: linear 7, linear (GELU derivative merged) 2, attention 2, \
+                    LayerNorm 5, cross-entropy 1\n\
+                    optimizer: AdamW 1, clipping (sum of squares) 1";
+    for line in expected.lines() {
+        let (phase, ops) = line.split_once(": ").unwrap();
+        for op in ops.split(", ") {
+            let (op, count) = op.rsplit_once(' ').unwrap();
+            let count: f64 = count.parse().unwrap();
+            assert_eq!(calls(phase, op), count, "{phase} {op} in {text}");
+        }
+        let rest = format!("{phase:<10} outside the fused kernels");
+        assert!(text.contains(&rest), "{rest:?} not in {text}");
+    }
+    // Timed call by call only where a call returns when its work is done.
+    let refused = run(dir.path(), &args);
+    assert_clean_error(&refused, "use --backend flex");
+}
