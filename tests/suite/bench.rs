@@ -286,13 +286,14 @@ fn bench_train_measures_a_translator_in_target_tokens_with_its_padding() {
 
 #[test]
 fn bench_train_profile_counts_each_kernel_call_of_each_phase() {
-    // Two layers: a pre-norm block calls per step, forward, the linear layer 4 times (Q/K/V
-    // packed, the output projection, the feed-forward pair) plus once for the tied output
-    // head, attention and GELU once, LayerNorm twice (each after the residual addition,
-    // merged into it) plus the final norm once; backward, the linear layer's gradients 3
-    // times plus the head's and once more merged with GELU's derivative, attention once,
-    // LayerNorm 2 × 2 + 1 times; the optimizer AdamW and clipping's sum of squares once. A
-    // call counted twice, or in the wrong phase, changes these counts.
+    // Two pre-norm layers. Forward, per layer: the linear layer 4 times (Q/K/V packed, the
+    // output projection, the feed-forward pair), attention and GELU once; then the tied output
+    // head once more, and LayerNorm 2 × 2 + 1 times: the first block's first norm on its own,
+    // every other one merged with the residual addition before it (the final norm with the
+    // last block's). Backward, per layer: the linear layer's gradients 3 times plus once merged
+    // with GELU's derivative, attention once; the head's once more, LayerNorm 2 × 2 + 1 times.
+    // The optimizer: AdamW and clipping's sum of squares once. A call counted twice, or in the
+    // wrong phase, changes these counts.
     let dir = tempfile::tempdir().unwrap();
     std::fs::write(
         dir.path().join("corpus.txt"),
