@@ -11,7 +11,8 @@
 
 /// Implements burn-train's `TrainStep` and `InferenceStep` for a kind's model from the kind's
 /// one loss (`ModelKind::loss`, which maps a batch to `(loss, logits, targets)`): training
-/// backpropagates the loss, validation only reports it.
+/// backpropagates the loss, validation only reports it (without attention weights: see
+/// [`crate::nn::without_weights`]).
 macro_rules! supervised_steps {
     ($model:ident, $kind:ty) => {
         impl<B: $crate::kernels::LabAutodiff> burn::train::TrainStep for $model<B> {
@@ -35,9 +36,12 @@ macro_rules! supervised_steps {
             type Input = <$kind as $crate::kinds::ModelKind>::Batch<B>;
             type Output = burn::train::ClassificationOutput<B>;
 
+            /// The loss and logits only, so attention runs as the fused kernel (as in `eval`)
+            /// instead of building every head's weights: training's validation.
             fn step(&self, batch: Self::Input) -> Self::Output {
-                let (loss, output, targets) =
-                    <$kind as $crate::kinds::ModelKind>::loss(self, batch);
+                let (loss, output, targets) = $crate::nn::without_weights(|| {
+                    <$kind as $crate::kinds::ModelKind>::loss(self, batch)
+                });
                 burn::train::ClassificationOutput {
                     loss,
                     output,

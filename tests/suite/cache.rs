@@ -185,6 +185,58 @@ fn inference_without_weights_runs_the_fused_kernel_and_gives_the_same_logits() {
     }
 }
 
+/// Training's validation step (burn's `InferenceStep`, every kind's through one macro) reads
+/// the loss and logits only, so it must run attention as the fused kernel, as `eval` does: its
+/// logits are, bit for bit, those of the weight-free pass and not those of the pass that builds
+/// every head's weights (which two sessions' validation ran, at twice the cost).
+#[cfg(feature = "flex")]
+#[test]
+fn the_validation_step_runs_attention_as_the_fused_kernel() {
+    use burn::backend::Flex;
+    use burn::train::InferenceStep;
+    use transformer_lab::config::LmConfig;
+    use transformer_lab::data::text::LmBatch;
+    use transformer_lab::kinds::ModelKind;
+    use transformer_lab::nn::without_weights;
+    let device = Default::default();
+    let config = LmConfig {
+        stack: transformer_lab::nn::StackConfig {
+            d_model: 16,
+            n_heads: 2,
+            ..LmConfig::default().stack
+        },
+        vocab_size: 11,
+        n_layers: 2,
+        context: 12,
+        ..LmConfig::default()
+    };
+    let model = config.init::<Flex>(&device);
+    let ids = |shift: i64| -> Tensor<Flex, 2, Int> {
+        let ids: Vec<i64> = (0..36).map(|i| ((i + shift) * 7 % 11) as i64).collect();
+        Tensor::from_data(TensorData::new(ids, [3, 12]), &device)
+    };
+    let batch = LmBatch {
+        inputs: ids(0),
+        targets: ids(1),
+    };
+    let bits = |logits: Tensor<Flex, 2>| -> Vec<u32> {
+        let values = logits.into_data().to_vec::<f32>().unwrap();
+        values.into_iter().map(f32::to_bits).collect()
+    };
+    let composed = bits(<LmConfig as ModelKind>::loss(&model, batch.clone()).1);
+    let fused = bits(without_weights(|| <LmConfig as ModelKind>::loss(&model, batch.clone())).1);
+    assert_ne!(
+        composed, fused,
+        "the two attention paths give the same bits here: this test could not tell them apart"
+    );
+    let validation = bits(model.step(batch).output);
+    assert!(
+        validation == fused,
+        "validation's logits are not the fused kernel's (are they the composed pass's? {})",
+        validation == composed
+    );
+}
+
 /// The largest difference, over every mixer that keeps keys and values and every position
 /// encoding, between the logits a batch of sequences at different positions gives each row
 /// (`forward_rows`: continuous batching, sequences joining and leaving between steps) and the
