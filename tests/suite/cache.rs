@@ -212,7 +212,7 @@ fn the_validation_step_runs_attention_as_the_fused_kernel() {
     };
     let model = config.init::<Flex>(&device);
     let ids = |shift: i64| -> Tensor<Flex, 2, Int> {
-        let ids: Vec<i64> = (0..36).map(|i| ((i + shift) * 7 % 11) as i64).collect();
+        let ids: Vec<i64> = (0..36).map(|i| (i + shift) * 7 % 11).collect();
         Tensor::from_data(TensorData::new(ids, [3, 12]), &device)
     };
     let batch = LmBatch {
