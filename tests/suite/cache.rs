@@ -188,7 +188,7 @@ fn inference_without_weights_runs_the_fused_kernel_and_gives_the_same_logits() {
 /// Training's validation step (burn's `InferenceStep`, every kind's through one macro) reads
 /// the loss and logits only, so it must run attention as the fused kernel, as `eval` does: its
 /// logits are, bit for bit, those of the weight-free pass and not those of the pass that builds
-/// every head's weights (which two sessions' validation ran, at twice the cost).
+/// every head's weights (what validation ran before, at twice the cost).
 #[cfg(feature = "flex")]
 #[test]
 fn the_validation_step_runs_attention_as_the_fused_kernel() {
@@ -199,21 +199,14 @@ fn the_validation_step_runs_attention_as_the_fused_kernel() {
     use transformer_lab::kinds::ModelKind;
     use transformer_lab::nn::without_weights;
     let device = Default::default();
-    let config = LmConfig {
-        stack: transformer_lab::nn::StackConfig {
-            d_model: 16,
-            n_heads: 2,
-            ..LmConfig::default().stack
-        },
-        vocab_size: 11,
-        n_layers: 2,
-        context: 12,
-        ..LmConfig::default()
-    };
+    let config = crate::common::small_lm();
     let model = config.init::<Flex>(&device);
+    let (vocab, context) = (config.vocab_size as i64, config.context);
     let ids = |shift: i64| -> Tensor<Flex, 2, Int> {
-        let ids: Vec<i64> = (0..36).map(|i| (i + shift) * 7 % 11).collect();
-        Tensor::from_data(TensorData::new(ids, [3, 12]), &device)
+        let ids: Vec<i64> = (0..3 * context as i64)
+            .map(|i| (i + shift) * 7 % vocab)
+            .collect();
+        Tensor::from_data(TensorData::new(ids, [3, context]), &device)
     };
     let batch = LmBatch {
         inputs: ids(0),
