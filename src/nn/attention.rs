@@ -26,7 +26,8 @@ thread_local! {
 /// Runs `f` on this thread with inference passes free not to return attention weights: full
 /// attention then runs as the fused kernel (as in training), and the models' outputs carry
 /// no weights. For work that reads only logits or states — `eval`, `generate`, `translate`,
-/// `classify`, `predict`; inspection keeps the default, where the weights come with the pass.
+/// `classify`, `predict`, training's validation step; inspection keeps the default, where the
+/// weights come with the pass.
 pub fn without_weights<R>(f: impl FnOnce() -> R) -> R {
     let before = WEIGHTS_WANTED.with(|c| c.replace(false));
     struct Restore(bool);
