@@ -566,15 +566,28 @@ impl LabBackend for Flex {
                         (zeros(), zeros())
                     }
                 };
-                (owned(item.param), grad, m, v, first, item.step)
+                // A parameter whose buffer someone else holds too (burn's `Learner` keeps the
+                // module it hands the optimizer a clone of) is read where it lies and its new
+                // values written to a buffer of their own, in the same pass: updating it in
+                // place would first copy it whole, on one core.
+                let param = owned(item.param);
+                let new = (!param.is_unique()).then(|| cpu::uninit(shape.num_elements()));
+                (param, new, grad, m, v, first, item.step)
             })
             .collect();
         let slices = held
             .iter_mut()
-            .map(|(p, grad, m, v, first, step)| {
+            .map(|(p, new, grad, m, v, first, step)| {
                 let n = grad.shape().num_elements();
+                let param = match new {
+                    Some(new) => cpu::AdamWParam::Into {
+                        from: &p.storage::<f32>()[..n],
+                        to: &mut new.spare_capacity_mut()[..n],
+                    },
+                    None => cpu::AdamWParam::InPlace(&mut p.storage_mut::<f32>()[..n]),
+                };
                 cpu::AdamWSlices {
-                    param: &mut p.storage_mut::<f32>()[..n],
+                    param,
                     grad: strided(grad).expect("readable"),
                     m: &mut m.storage_mut::<f32>()[..n],
                     v: &mut v.storage_mut::<f32>()[..n],
@@ -584,7 +597,19 @@ impl LabBackend for Flex {
             })
             .collect();
         cpu::adamw_all(slices, factor);
-        held.into_iter().map(|(p, _, m, v, ..)| (p, m, v)).collect()
+        held.into_iter()
+            .map(|(p, new, _, m, v, ..)| {
+                let p = match new {
+                    // SAFETY: `adamw_all` wrote every element of the new buffer.
+                    Some(new) => from_vec(
+                        unsafe { cpu::written(new, p.shape().num_elements()) },
+                        p.shape(),
+                    ),
+                    None => p,
+                };
+                (p, m, v)
+            })
+            .collect()
     }
 
     fn fused_linear(x: FlexTensor, w: FlexTensor, b: Option<FlexTensor>) -> FlexTensor {

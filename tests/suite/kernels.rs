@@ -1014,6 +1014,78 @@ fn the_optimizer_updates_each_parameter_in_its_own_buffer() {
     });
 }
 
+#[test]
+fn a_parameter_held_elsewhere_is_updated_into_a_new_buffer_with_the_same_bits() {
+    // burn's `Learner` hands the optimizer a clone of its module and keeps the original until
+    // the step returns, so each parameter's buffer has two holders there: the update reads it
+    // where it lies and writes a new buffer (no copy first). The other holder must keep the old
+    // values, and the new ones must be the bits an unshared parameter's update gives. Sizes of
+    // one element, one chunk and three chunks (16,384 elements a chunk), moments and not.
+    use burn::tensor::TensorPrimitive;
+    let device = Default::default();
+    let float = |t: Tensor<Flex, 1>| t.into_primitive().tensor();
+    let back = |x| Tensor::<Flex, 1>::from_primitive(TensorPrimitive::Float(x));
+    let bits = |t: Tensor<Flex, 1>| -> Vec<u32> {
+        let v = t.into_data().to_vec::<f32>().unwrap();
+        v.iter().map(|x| x.to_bits()).collect()
+    };
+    let sizes = [1, 5_000, 40_000];
+    let params: Vec<Tensor<Flex, 1>> = sizes
+        .iter()
+        .map(|&n| random::<Flex, 1>([n], n as u64, &device))
+        .collect();
+    let items = |params: Vec<Tensor<Flex, 1>>| -> Vec<kernels::AdamWItem<Flex>> {
+        params
+            .into_iter()
+            .zip(sizes)
+            .enumerate()
+            .map(|(i, (param, n))| {
+                let grad = random::<Flex, 1>([n], 7 + n as u64, &device).mul_scalar(0.1);
+                let moments = (i != 1).then(|| {
+                    let m = random::<Flex, 1>([n], 9 + n as u64, &device).mul_scalar(0.01);
+                    let v = random::<Flex, 1>([n], 11 + n as u64, &device).abs();
+                    (float(m), float(v.mul_scalar(0.001)))
+                });
+                kernels::AdamWItem {
+                    param: float(param),
+                    grad: float(grad),
+                    step: AdamWStep {
+                        lr: 3e-3,
+                        beta_1: 0.9,
+                        beta_2: 0.99,
+                        epsilon: 1e-8,
+                        weight_decay: 0.1,
+                        time: if moments.is_some() { 4 } else { 1 },
+                    },
+                    moments,
+                }
+            })
+            .collect()
+    };
+    let clip = || Some(Tensor::<Flex, 1>::from_floats([0.5], &device));
+    let before: Vec<Vec<u32>> = params.iter().map(|p| bits(p.clone())).collect();
+    // Unshared: copies of the values in buffers of their own.
+    let copies = params
+        .iter()
+        .map(|p| Tensor::from_data(p.to_data(), &device))
+        .collect();
+    let alone = with_fused(true, || kernels::adamw_all(items(copies), clip()));
+    // Shared: `params` keeps holding the buffers handed over.
+    let shared = with_fused(true, || kernels::adamw_all(items(params.clone()), clip()));
+    for (i, (((p, m, v), (p2, m2, v2)), held)) in
+        shared.into_iter().zip(alone).zip(&params).enumerate()
+    {
+        assert_eq!(
+            bits(held.clone()),
+            before[i],
+            "parameter {i}: the other holder's values changed"
+        );
+        for (what, a, b) in [("parameter", p, p2), ("m", m, m2), ("v", v, v2)] {
+            assert_eq!(bits(back(a)), bits(back(b)), "parameter {i}: {what}'s bits");
+        }
+    }
+}
+
 /// Targets `[n]` in `0..v` from a seeded generator, with every third row set to `ignore`.
 pub(crate) fn targets<B: Backend>(
     n: usize,

@@ -30,7 +30,7 @@ pub use attention::{
 pub use linear::{linear, linear_backward, Matrix};
 pub use pointwise::{
     adamw_all, dropout, gelu, gelu_with_derivative, mul, scale, sum_squares, sum_squares_all,
-    AdamWSlices, Strided,
+    AdamWParam, AdamWSlices, Strided,
 };
 pub use rows::{
     add_layer_norm, cross_entropy, cross_entropy_backward, layer_norm, layer_norm_backward,

@@ -118,7 +118,7 @@ pub fn dropout(x: &[f32], mask: DropoutMask) -> Vec<f32> {
 
 multiversion! {
     fn adamw_chunk(
-        param: &mut [f32],
+        param: ParamChunk,
         grad: &[f32],
         m: &mut [f32],
         v: &mut [f32],
@@ -130,14 +130,38 @@ multiversion! {
         let (c1, c2) = (1.0 - beta_1.powi(time), 1.0 - beta_2.powi(time));
         let (b1, b2) = if first { (0.0, 0.0) } else { (beta_1, beta_2) };
         let keep = 1.0 - lr * weight_decay;
-        for (((p, &g), m), v) in param.iter_mut().zip(grad).zip(m.iter_mut()).zip(v.iter_mut()) {
+        let update = |p: f32, g: f32, m: &mut f32, v: &mut f32| {
             let g = g * scale;
             *m = *m * b1 + g * (1.0 - beta_1);
             *v = *v * b2 + g * g * (1.0 - beta_2);
             let delta = (*m / c1) / ((*v / c2).sqrt() + epsilon);
-            *p = *p * keep - delta * lr;
+            p * keep - delta * lr
+        };
+        let moments = m.iter_mut().zip(v.iter_mut());
+        match param {
+            ParamChunk::InPlace(param) => {
+                for ((p, &g), (m, v)) in param.iter_mut().zip(grad).zip(moments) {
+                    *p = update(*p, g, m, v);
+                }
+            }
+            ParamChunk::Into { from, to } => {
+                for (((p, &old), &g), (m, v)) in to.iter_mut().zip(from).zip(grad).zip(moments) {
+                    p.write(update(old, g, m, v));
+                }
+            }
         }
     }
+}
+
+/// Where one task's part of a parameter's update goes.
+enum ParamChunk<'a> {
+    /// Written over the values it is computed from.
+    InPlace(&'a mut [f32]),
+    /// Read from `from`, written to `to` (as many elements).
+    Into {
+        from: &'a [f32],
+        to: &'a mut [MaybeUninit<f32>],
+    },
 }
 
 /// A read-only tensor's elements in row-major order, stored as rows of `width` elements that
@@ -207,7 +231,7 @@ impl<'a> Strided<'a> {
 /// (`first`: the moments hold zeros and this is step 1's initialisation), and its gradient.
 pub struct AdamWSlices<'a> {
     /// The parameter.
-    pub param: &'a mut [f32],
+    pub param: AdamWParam<'a>,
     /// Its gradient, as many elements as the parameter.
     pub grad: Strided<'a>,
     /// The first moment.
@@ -218,6 +242,45 @@ pub struct AdamWSlices<'a> {
     pub first: bool,
     /// The step's settings.
     pub step: AdamWStep,
+}
+
+/// Where [`adamw_all`] writes a parameter's new values.
+pub enum AdamWParam<'a> {
+    /// Over the old ones, in their buffer.
+    InPlace(&'a mut [f32]),
+    /// Into a buffer of their own, the old values read from `from` (a buffer someone else
+    /// still holds, such as the training loop's copy of the module: updating a copy of it in
+    /// place would read and write it twice), as many elements as `from`.
+    Into {
+        /// The old values.
+        from: &'a [f32],
+        /// The new values' buffer; every element is written.
+        to: &'a mut [MaybeUninit<f32>],
+    },
+}
+
+impl<'a> AdamWParam<'a> {
+    fn len(&self) -> usize {
+        match self {
+            AdamWParam::InPlace(p) => p.len(),
+            AdamWParam::Into { from, to } => {
+                assert_eq!(from.len(), to.len(), "a new value per parameter element");
+                from.len()
+            }
+        }
+    }
+
+    /// Its chunks of [`CHUNK`] elements in order.
+    fn chunks(self) -> Box<dyn Iterator<Item = ParamChunk<'a>> + 'a> {
+        match self {
+            AdamWParam::InPlace(p) => Box::new(p.chunks_mut(CHUNK).map(ParamChunk::InPlace)),
+            AdamWParam::Into { from, to } => Box::new(
+                from.chunks(CHUNK)
+                    .zip(to.chunks_mut(CHUNK))
+                    .map(|(from, to)| ParamChunk::Into { from, to }),
+            ),
+        }
+    }
 }
 
 /// One AdamW step (see [`AdamWStep`]) of every parameter of `items`, each gradient multiplied
@@ -236,7 +299,7 @@ pub fn adamw_all(items: Vec<AdamWSlices<'_>>, scale: f32) {
         );
         let chunks = item
             .param
-            .chunks_mut(CHUNK)
+            .chunks()
             .zip(item.grad.chunks())
             .zip(item.m.chunks_mut(CHUNK).zip(item.v.chunks_mut(CHUNK)));
         tasks.extend(chunks.map(|((p, g), (m, v))| (p, g, m, v, item.first, item.step)));
