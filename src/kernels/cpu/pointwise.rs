@@ -227,8 +227,9 @@ impl<'a> Strided<'a> {
     }
 }
 
-/// One parameter's share of [`adamw_all`]: the parameter and its moments, updated in place
-/// (`first`: the moments hold zeros and this is step 1's initialisation), and its gradient.
+/// One parameter's share of [`adamw_all`]: the parameter (updated where [`AdamWParam`] says),
+/// its moments, updated in place (`first`: they hold zeros and this is step 1's
+/// initialisation), and its gradient.
 pub struct AdamWSlices<'a> {
     /// The parameter.
     pub param: AdamWParam<'a>,
