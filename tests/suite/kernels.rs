@@ -528,10 +528,6 @@ fn gradient_views_give_the_bits_of_their_contiguous_copies() {
     use burn::tensor::TensorPrimitive;
     let device = Default::default();
     let back = |x| Tensor::<Flex, 1>::from_primitive(TensorPrimitive::Float(x));
-    let bits = |t: Tensor<Flex, 1>| -> Vec<u32> {
-        let v = t.into_data().to_vec::<f32>().unwrap();
-        v.iter().map(|x| x.to_bits()).collect()
-    };
     // 150 × 200 of a 150 × 300 matrix: 30,000 elements, more than one chunk of 16,384 (whose
     // edge falls inside row 81).
     let wide = random::<Flex, 2>([150, 300], 11, &device);
@@ -1020,15 +1016,11 @@ fn a_parameter_held_elsewhere_is_updated_into_a_new_buffer_with_the_same_bits() 
     // the step returns, so each parameter's buffer has two holders there: the update reads it
     // where it lies and writes a new buffer (no copy first). The other holder must keep the old
     // values, and the new ones must be the bits an unshared parameter's update gives. Sizes of
-    // one element, one chunk and three chunks (16,384 elements a chunk), moments and not.
+    // 1, 5,000 and 40,000 elements (one and three chunks of 16,384), moments and not.
     use burn::tensor::TensorPrimitive;
     let device = Default::default();
     let float = |t: Tensor<Flex, 1>| t.into_primitive().tensor();
     let back = |x| Tensor::<Flex, 1>::from_primitive(TensorPrimitive::Float(x));
-    let bits = |t: Tensor<Flex, 1>| -> Vec<u32> {
-        let v = t.into_data().to_vec::<f32>().unwrap();
-        v.iter().map(|x| x.to_bits()).collect()
-    };
     let sizes = [1, 5_000, 40_000];
     let params: Vec<Tensor<Flex, 1>> = sizes
         .iter()
@@ -1084,6 +1076,12 @@ fn a_parameter_held_elsewhere_is_updated_into_a_new_buffer_with_the_same_bits() 
             assert_eq!(bits(back(a)), bits(back(b)), "parameter {i}: {what}'s bits");
         }
     }
+}
+
+/// The bits of each element of a flex tensor, for comparisons that must be exact.
+fn bits(t: Tensor<Flex, 1>) -> Vec<u32> {
+    let v = t.into_data().to_vec::<f32>().unwrap();
+    v.iter().map(|x| x.to_bits()).collect()
 }
 
 /// Targets `[n]` in `0..v` from a seeded generator, with every third row set to `ignore`.

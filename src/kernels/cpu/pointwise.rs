@@ -118,7 +118,7 @@ pub fn dropout(x: &[f32], mask: DropoutMask) -> Vec<f32> {
 
 multiversion! {
     fn adamw_chunk(
-        param: ParamChunk,
+        param: AdamWParam,
         grad: &[f32],
         m: &mut [f32],
         v: &mut [f32],
@@ -139,29 +139,18 @@ multiversion! {
         };
         let moments = m.iter_mut().zip(v.iter_mut());
         match param {
-            ParamChunk::InPlace(param) => {
+            AdamWParam::InPlace(param) => {
                 for ((p, &g), (m, v)) in param.iter_mut().zip(grad).zip(moments) {
                     *p = update(*p, g, m, v);
                 }
             }
-            ParamChunk::Into { from, to } => {
+            AdamWParam::Into { from, to } => {
                 for (((p, &old), &g), (m, v)) in to.iter_mut().zip(from).zip(grad).zip(moments) {
                     p.write(update(old, g, m, v));
                 }
             }
         }
     }
-}
-
-/// Where one task's part of a parameter's update goes.
-enum ParamChunk<'a> {
-    /// Written over the values it is computed from.
-    InPlace(&'a mut [f32]),
-    /// Read from `from`, written to `to` (as many elements).
-    Into {
-        from: &'a [f32],
-        to: &'a mut [MaybeUninit<f32>],
-    },
 }
 
 /// A read-only tensor's elements in row-major order, stored as rows of `width` elements that
@@ -271,14 +260,14 @@ impl<'a> AdamWParam<'a> {
         }
     }
 
-    /// Its chunks of [`CHUNK`] elements in order.
-    fn chunks(self) -> Box<dyn Iterator<Item = ParamChunk<'a>> + 'a> {
+    /// Its chunks of [`CHUNK`] elements in order, each written where this one is.
+    fn chunks(self) -> Box<dyn Iterator<Item = AdamWParam<'a>> + 'a> {
         match self {
-            AdamWParam::InPlace(p) => Box::new(p.chunks_mut(CHUNK).map(ParamChunk::InPlace)),
+            AdamWParam::InPlace(p) => Box::new(p.chunks_mut(CHUNK).map(AdamWParam::InPlace)),
             AdamWParam::Into { from, to } => Box::new(
                 from.chunks(CHUNK)
                     .zip(to.chunks_mut(CHUNK))
-                    .map(|(from, to)| ParamChunk::Into { from, to }),
+                    .map(|(from, to)| AdamWParam::Into { from, to }),
             ),
         }
     }
