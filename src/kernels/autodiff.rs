@@ -207,18 +207,36 @@ impl<B: LabBackend> Backward<B, 3> for Linear {
 }
 
 #[derive(Debug)]
-struct GeluLinear;
+struct FeedForward;
 
-impl<B: LabBackend> Backward<B, 3> for GeluLinear {
-    /// `(x = GELU(h) [n, i], w, whether there is a bias, GELU'(h))`, dropout's multipliers in
-    /// both where there was a mask; `x` and `w` as [`LabBackend::fused_linear_keeping`] kept them.
-    type State = (FloatTensor<B>, FloatTensor<B>, bool, FloatTensor<B>);
+/// What [`FeedForward`]'s backward needs: each product's input and weight as
+/// [`LabBackend::fused_linear_keeping`] kept them (the second's input is the activation's
+/// output), whether each has a bias, and GELU's derivative (dropout's multipliers in it).
+#[derive(Clone, Debug)]
+struct FeedForwardState<B: LabBackend> {
+    x: [FloatTensor<B>; 2],
+    w: [FloatTensor<B>; 2],
+    bias: [bool; 2],
+    derivative: FloatTensor<B>,
+}
 
-    fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
-        let (x, w, bias, derivative) = ops.state;
+impl<B: LabBackend> Backward<B, 5> for FeedForward {
+    type State = FeedForwardState<B>;
+
+    /// The second product's backward (its input gradient times GELU's derivative on the core
+    /// that made it, [`LabBackend::fused_gelu_linear_backward`]), then the first's.
+    fn backward(self, ops: Ops<Self::State, 5>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let FeedForwardState {
+            x: [x1, x2],
+            w: [w1, w2],
+            bias: [bias1, bias2],
+            derivative,
+        } = ops.state;
         let dy = grads.consume::<B>(&ops.node);
-        let (dh, dw, db) = B::fused_gelu_linear_backward(x, w, dy, bias, derivative);
-        for (parent, grad) in ops.parents.into_iter().zip([Some(dh), Some(dw), db]) {
+        let (dh, dw2, db2) = B::fused_gelu_linear_backward(x2, w2, dy, bias2, derivative);
+        let (dx, dw1, db1) = B::fused_linear_backward(x1, w1, dh, bias1);
+        let all = [Some(dx), Some(dw1), db1, Some(dw2), db2];
+        for (parent, grad) in ops.parents.into_iter().zip(all) {
             if let (Some(node), Some(grad)) = (parent, grad) {
                 grads.register::<B>(node.id, grad);
             }
@@ -373,19 +391,29 @@ impl<B: LabBackend, C: CheckpointStrategy> LabBackend for Autodiff<B, C> {
         }
     }
 
-    fn fused_gelu_linear(
-        h: FloatTensor<Self>,
-        w: FloatTensor<Self>,
-        b: Option<FloatTensor<Self>>,
+    fn fused_feed_forward(
+        x: FloatTensor<Self>,
+        [w1, w2]: [FloatTensor<Self>; 2],
+        [b1, b2]: [Option<FloatTensor<Self>>; 2],
         mask: Option<DropoutMask>,
     ) -> FloatTensor<Self> {
-        let (x, derivative) = B::fused_gelu_forward(h.primitive, mask);
-        let (y, x_kept, w_kept) =
-            B::fused_linear_keeping(x, w.primitive, b.as_ref().map(|b| b.primitive.clone()));
-        let (bias, b) = (b.is_some(), bias::<B, C>(b, &y));
-        let nodes = [h.node, w.node, b.node];
-        match GeluLinear.prepare::<C>(nodes).compute_bound().stateful() {
-            OpsKind::Tracked(prep) => prep.finish((x_kept, w_kept, bias, derivative), y),
+        let primitive = |b: &Option<FloatTensor<Self>>| b.as_ref().map(|b| b.primitive.clone());
+        let [h, derivative, x1, w1_kept] =
+            B::fused_linear_gelu_keeping(x.primitive, w1.primitive, primitive(&b1), mask);
+        let (y, x2, w2_kept) = B::fused_linear_keeping(h, w2.primitive, primitive(&b2));
+        let biased = [b1.is_some(), b2.is_some()];
+        let (b1, b2) = (bias::<B, C>(b1, &y), bias::<B, C>(b2, &y));
+        let nodes = [x.node, w1.node, b1.node, w2.node, b2.node];
+        match FeedForward.prepare::<C>(nodes).compute_bound().stateful() {
+            OpsKind::Tracked(prep) => {
+                let state = FeedForwardState {
+                    x: [x1, x2],
+                    w: [w1_kept, w2_kept],
+                    bias: biased,
+                    derivative,
+                };
+                prep.finish(state, y)
+            }
             OpsKind::UnTracked(prep) => prep.finish(y),
         }
     }

@@ -80,7 +80,7 @@ pub fn check<B: LabAutodiff>(op: Op, device: &B::Device, head_dim: usize) -> OpC
     #[cfg(feature = "cube-kernels")]
     let _poisoned = super::cube::poisoned();
     let error = match op {
-        Op::Gelu => gelu_error::<B>(device),
+        Op::Gelu => gelu_error::<B>(device).max(feed_forward_error::<B>(device)),
         Op::LayerNorm => layer_norm_error::<B>(device),
         Op::Softmax => compare::<B, 3, 1>([random([2, 67, 70], 2, 3.0, device)], |[x]| softmax(x)),
         Op::Attention => attention_error::<B>(device, head_dim),
@@ -347,6 +347,48 @@ fn gelu_error<B: LabAutodiff>(device: &B::Device) -> f32 {
         (y.inner(), [x.grad(&grads)])
     };
     plain.max(worst::<B, 1>(run(true), run(false)))
+}
+
+/// A feed-forward network with GELU and dropout in one graph node (on a processor GELU is the
+/// first product's epilogue) against the products, GELU and the mask's multipliers composed:
+/// the output and the gradients of the input and of both layers' weights and biases.
+fn feed_forward_error<B: LabAutodiff>(device: &B::Device) -> f32 {
+    let [n, d, hidden] = [67, 48, 40];
+    let x = random::<B, 2>([n, d], 21, 1.0, device);
+    let weights = [([d, hidden], 22), ([hidden, d], 24)]
+        .map(|(shape, seed)| random::<B, 2>(shape, seed, 0.2, device));
+    let biases = [(hidden, 23), (d, 25)].map(|(o, seed)| random::<B, 1>([o], seed, 1.0, device));
+    let drop = DropoutMask::new(0.25, 4545);
+    let multipliers = TensorData::new(drop.multipliers(n * hidden), [n, hidden]);
+    let multipliers = Tensor::<B, 2>::from_data(multipliers, device);
+    let run = |fused: bool| {
+        let x = x.clone().require_grad();
+        let [w1, w2] = weights.clone().map(|w| w.require_grad());
+        let [b1, b2] = biases.clone().map(|b| b.require_grad());
+        let y = if fused {
+            let y = B::fused_feed_forward(
+                prim(x.clone()),
+                [prim(w1.clone()), prim(w2.clone())],
+                [Some(prim(b1.clone())), Some(prim(b2.clone()))],
+                Some(drop),
+            );
+            sabotage(
+                Op::Gelu,
+                Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(y)),
+            )
+        } else {
+            let h = super::reference::linear_forward(x.clone(), w1.clone(), Some(b1.clone()));
+            let h = super::reference::gelu(h) * multipliers.clone();
+            super::reference::linear_forward(h, w2.clone(), Some(b2.clone()))
+        };
+        let w = random::<B, 2>(y.dims(), 96, 1.0, device);
+        let grads = (y.clone() * w).sum().backward();
+        let flat = |t: Tensor<B, 2>| t.grad(&grads).map(|g| g.reshape([-1]));
+        let [dx, dw1, dw2] = [x, w1, w2].map(flat);
+        let [db1, db2] = [b1, b2].map(|b| b.grad(&grads));
+        (y.inner(), [dx, dw1, db1, dw2, db2])
+    };
+    worst::<B, 2>(run(true), run(false))
 }
 
 /// LayerNorm with random γ and β: outputs and the gradients of the input, γ and β.

@@ -624,6 +624,29 @@ impl LabBackend for Flex {
         from_vec(y, Shape::new([n, o]))
     }
 
+    fn fused_linear_gelu_keeping(
+        x: FlexTensor,
+        w: FlexTensor,
+        b: Option<FlexTensor>,
+        mask: Option<DropoutMask>,
+    ) -> [FlexTensor; 4] {
+        let _timer = profile::Timer::new("linear (GELU merged)");
+        if !is_f32(&x) {
+            let (h, x, w) = Self::fused_linear_keeping(x, w, b);
+            let (y, derivative) = Self::fused_gelu_forward(h, mask);
+            return [y, derivative, x, w];
+        }
+        let (x, w, b) = (positive(x), positive(w), b.map(contiguous));
+        let shape = Shape::new([x.shape()[0], w.shape()[1]]);
+        let (y, derivative) = cpu::linear_gelu(matrix(&x), matrix(&w), b.as_ref().map(slice), mask);
+        [
+            from_vec(y, shape.clone()),
+            from_vec(derivative, shape),
+            x,
+            w,
+        ]
+    }
+
     fn fused_linear_backward(
         x: FlexTensor,
         w: FlexTensor,

@@ -397,20 +397,39 @@ pub trait LabBackend: Backend {
         composed::linear_backward::<Self>(x, w, dy, bias)
     }
 
-    /// `dropout(GELU(h))·w + b` for `h` `[n, i]` (a feed-forward network's activation and the
-    /// product after it), with the mask's multipliers where given: [`Self::fused_gelu_forward`]
-    /// then [`Self::fused_linear`], the values of the two apart. Under autodiff one graph node,
-    /// whose backward pass is [`Self::fused_gelu_linear_backward`].
-    fn fused_gelu_linear(
-        h: FloatTensor<Self>,
+    /// `GELU(x·w + b)` and GELU's derivative there (`[n, o]` each), both times the dropout
+    /// mask's multipliers where given — [`Self::fused_linear`] then [`Self::fused_gelu_forward`],
+    /// the values of the two apart — and the operands the product's backward pass reads, as
+    /// [`Self::fused_linear_keeping`] keeps them. The default runs the two apart; on a
+    /// processor GELU is the product's epilogue (each core's rows while they are in its cache).
+    fn fused_linear_gelu_keeping(
+        x: FloatTensor<Self>,
         w: FloatTensor<Self>,
         b: Option<FloatTensor<Self>>,
         mask: Option<DropoutMask>,
-    ) -> FloatTensor<Self> {
-        Self::fused_linear(Self::fused_gelu_forward(h, mask).0, w, b)
+    ) -> [FloatTensor<Self>; 4] {
+        let (h, x, w) = Self::fused_linear_keeping(x, w, b);
+        let (y, derivative) = Self::fused_gelu_forward(h, mask);
+        [y, derivative, x, w]
     }
 
-    /// The gradients `(dh, dw, db)` of [`Self::fused_gelu_linear`] from the layer's input `x`
+    /// A feed-forward network with GELU, `dropout(GELU(x·w₁ + b₁))·w₂ + b₂` for `x` `[n, d]`:
+    /// [`Self::fused_linear_gelu_keeping`] then [`Self::fused_linear`], the values of the two
+    /// apart.
+    /// Under autodiff one graph node: its forward pass is [`Self::fused_linear_gelu_keeping`]
+    /// then the second product, its backward pass [`Self::fused_gelu_linear_backward`] then
+    /// [`Self::fused_linear_backward`].
+    fn fused_feed_forward(
+        x: FloatTensor<Self>,
+        [w1, w2]: [FloatTensor<Self>; 2],
+        [b1, b2]: [Option<FloatTensor<Self>>; 2],
+        mask: Option<DropoutMask>,
+    ) -> FloatTensor<Self> {
+        let [h, ..] = Self::fused_linear_gelu_keeping(x, w1, b1, mask);
+        Self::fused_linear(h, w2, b2)
+    }
+
+    /// The gradients `(dh, dw, db)` of `dropout(GELU(h))·w + b` from the layer's input `x`
     /// (the activation's output) and the `derivative` its forward pass kept: those of
     /// [`Self::fused_linear_backward`], with `dh = dx ⊙ derivative`. The default runs the two
     /// apart; on a processor the product by the derivative runs on the core that made `dx`
@@ -881,27 +900,29 @@ pub fn gelu_dropout<B: LabBackend, const D: usize>(
     check::sabotage(Op::Gelu, y)
 }
 
-/// `layer(dropout(GELU(h)))`: a feed-forward network's activation, its dropout and the linear
-/// layer after them, the values of [`gelu_dropout`] then [`linear`] (the same mask). While
-/// training with the three fused, one graph node: its backward pass multiplies the layer's
-/// input gradient by the kept derivative on the core that made it, while the other core
-/// finishes the weight's gradient (one pass fewer over the activations).
-pub fn gelu_linear<B: LabBackend, const D: usize>(
+/// `outer(dropout(GELU(inner(x))))`: a feed-forward network with GELU, the values of
+/// [`linear`], [`gelu_dropout`] and [`linear`] (the same mask). While training with the three
+/// fused, one graph node ([`LabBackend::fused_feed_forward`]): on a processor GELU runs as the
+/// first product's epilogue, on each core's rows while they are in its cache, and the backward
+/// pass multiplies the second product's input gradient by the kept derivative on the core that
+/// made it, while the other core finishes that product's weight gradient.
+pub fn feed_forward<B: LabBackend, const D: usize>(
     module: &burn::nn::Dropout,
-    layer: &Linear<B>,
-    h: Tensor<B, D>,
+    [inner, outer]: [&Linear<B>; 2],
+    x: Tensor<B, D>,
 ) -> Tensor<B, D> {
-    let training = B::ad_enabled(&h.device());
+    let training = B::ad_enabled(&x.device());
     let masked = training && module.prob != 0.0;
     let fused = uses(Op::Gelu) && uses(Op::Linear) && (!masked || uses(Op::Dropout));
     if !training || !fused || !check::broken().is_empty() {
-        return linear(layer, gelu_dropout(module, h));
+        return linear(outer, gelu_dropout(module, linear(inner, x)));
     }
     let mask = masked.then(|| dropout::next_mask(module.prob));
-    let mut shape = h.dims();
-    let h = h.reshape([-1, shape[D - 1] as i32]);
-    let (w, b) = (layer.weight.val(), layer.bias.as_ref().map(|b| b.val()));
-    let y = tensor::<B, 2>(B::fused_gelu_linear(prim(h), prim(w), b.map(prim), mask));
+    let mut shape = x.dims();
+    let x = x.reshape([-1, shape[D - 1] as i32]);
+    let parts = |l: &Linear<B>| (prim(l.weight.val()), l.bias.as_ref().map(|b| prim(b.val())));
+    let ((w1, b1), (w2, b2)) = (parts(inner), parts(outer));
+    let y = tensor::<B, 2>(B::fused_feed_forward(prim(x), [w1, w2], [b1, b2], mask));
     shape[D - 1] = y.dims()[1];
     y.reshape(shape)
 }

@@ -1,7 +1,7 @@
 //! The position-wise feed-forward network `FFN(x) = act(x·W₁ + b₁)·W₂ + b₂` (§3.3).
 
 use super::linear;
-use crate::kernels::{gelu, gelu_linear, LabBackend};
+use crate::kernels::{feed_forward, gelu, LabBackend};
 use burn::module::Module;
 use burn::nn::{Dropout, DropoutConfig, Initializer, Linear, LinearConfig};
 use burn::prelude::*;
@@ -96,11 +96,12 @@ impl<B: LabBackend> FeedForward<B> {
     /// # Shapes
     /// `x`: `[b, t, d]` → `[b, t, d]`.
     pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
+        if let Activation::Gelu = self.activation {
+            let layers = [&self.linear_inner, &self.linear_outer];
+            return feed_forward(&self.dropout, layers, x);
+        }
         let h = linear(&self.linear_inner, x); // [b, t, d_ff]
-        let h = match self.activation {
-            Activation::Gelu => return gelu_linear(&self.dropout, &self.linear_outer, h),
-            activation => crate::kernels::dropout(&self.dropout, activation.apply(h)),
-        };
+        let h = crate::kernels::dropout(&self.dropout, self.activation.apply(h));
         linear(&self.linear_outer, h)
     }
 }

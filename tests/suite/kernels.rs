@@ -164,47 +164,68 @@ pub(crate) fn gelu_dropout_case<B: LabAutodiff>(
 }
 
 #[test]
-fn gelu_then_linear_in_one_node_equals_them_apart() {
-    // Small (one core), and large enough that the products split and the product by the
-    // derivative runs in tasks; the default composition on ndarray.
-    for shape in [[3, 37, 29], [4, 128, 512]] {
-        gelu_linear_case::<Ad>(shape, &Default::default());
+fn feed_forward_in_one_node_equals_its_layers_apart() {
+    // One core (GELU after the whole product, in tasks); products that split across the cores
+    // with GELU as each block's epilogue: blocks of 256 rows × 200 columns, 3⅛ tasks of elements
+    // each, so a block's mask starts inside a task's span; blocks of 240 rows × 1,000 columns in
+    // parts of 65, 65, 65 and 45 rows; the default composition on ndarray.
+    let shapes = [([3, 37, 29], 31), ([4, 128, 48], 200), ([4, 120, 16], 1000)];
+    for (shape, hidden) in shapes {
+        feed_forward_case::<Ad>(shape, hidden, &Default::default());
     }
-    gelu_linear_case::<Autodiff<NdArray>>([3, 37, 29], &Default::default());
+    feed_forward_case::<Autodiff<NdArray>>([3, 37, 29], 31, &Default::default());
 }
 
-/// [`kernels::gelu_linear`] of `h` `[b, t, d]` against [`kernels::gelu_dropout`] then
-/// [`kernels::linear`] from the same point of the mask stream, with and without dropout and a
-/// bias: the output and the gradients of `h`, the weight and the bias, bit for bit (the same
-/// products and the same multiplication by the kept derivative, in another place).
-fn gelu_linear_case<B: LabAutodiff>([b, t, d]: [usize; 3], device: &B::Device) {
-    let h = random::<B, 3>([b, t, d], 51, device).mul_scalar(2.0);
-    for (prob, bias) in [(0.0, true), (0.0, false), (0.3, true), (0.3, false)] {
-        let dropout = DropoutConfig::new(prob).init();
-        let mut layer = LinearConfig::new(d, 23).with_bias(bias).init::<B>(device);
-        layer.weight = Param::from_tensor(random([d, 23], 52, device));
+/// [`kernels::feed_forward`] of `x` `[b, t, d]` through `hidden` units against
+/// [`kernels::linear`], [`kernels::gelu_dropout`] and [`kernels::linear`] from the same point of
+/// the mask stream, with and without dropout and biases: the output and the gradients of `x` and
+/// of both layers' weights and biases, bit for bit (the same products, GELU and multiplications,
+/// in other places).
+fn feed_forward_case<B: LabAutodiff>([b, t, d]: [usize; 3], hidden: usize, device: &B::Device) {
+    let x = random::<B, 3>([b, t, d], 61, device).mul_scalar(2.0);
+    let layer = |[i, o]: [usize; 2], bias: bool, seed: u64| {
+        let mut layer = LinearConfig::new(i, o).with_bias(bias).init::<B>(device);
+        layer.weight = Param::from_tensor(random([i, o], seed, device).mul_scalar(0.3));
         layer.bias = layer
             .bias
-            .map(|_| Param::from_tensor(random([23], 53, device)));
+            .map(|_| Param::from_tensor(random([o], seed + 1, device)));
+        layer
+    };
+    for (prob, bias) in [(0.0, true), (0.0, false), (0.3, true), (0.3, false)] {
+        let dropout = DropoutConfig::new(prob).init();
+        let (inner, outer) = (layer([d, hidden], bias, 62), layer([hidden, d], bias, 64));
         let run = |together: bool| {
-            reseed(23);
-            let h = h.clone().require_grad();
+            reseed(29);
+            let x = x.clone().require_grad();
             let y = match together {
-                true => kernels::gelu_linear(&dropout, &layer, h.clone()),
-                false => kernels::linear(&layer, kernels::gelu_dropout(&dropout, h.clone())),
+                true => kernels::feed_forward(&dropout, [&inner, &outer], x.clone()),
+                false => {
+                    let h = kernels::gelu_dropout(&dropout, kernels::linear(&inner, x.clone()));
+                    kernels::linear(&outer, h)
+                }
             };
-            let g = (y.clone() * random(y.dims(), 54, device)).sum().backward();
-            let dw = layer.weight.val().grad(&g).unwrap();
-            let db = layer.bias.as_ref().map(|b| b.val().grad(&g).unwrap());
-            (y.inner(), h.grad(&g).unwrap(), dw, db)
+            let g = (y.clone() * random(y.dims(), 66, device)).sum().backward();
+            let flat = |t: Option<Tensor<B::InnerBackend, 2>>| t.map(|t| t.reshape([-1]));
+            let grads = [&inner, &outer].map(|l| {
+                let dw = flat(l.weight.val().grad(&g));
+                let db = l.bias.as_ref().map(|b| b.val().grad(&g).unwrap());
+                [dw, db]
+            });
+            (y.inner(), x.grad(&g).unwrap(), grads)
         };
-        let ((y1, dh1, dw1, db1), (y2, dh2, dw2, db2)) = (run(true), run(false));
-        let what = format!("[{b}, {t}, {d}], dropout {prob}, bias {bias}");
+        let ((y1, dx1, grads1), (y2, dx2, grads2)) = (run(true), run(false));
+        let what = format!("[{b}, {t}, {d}] through {hidden}, dropout {prob}, bias {bias}");
         assert_eq!(rel_diff(y1, y2), 0.0, "{what}: outputs differ");
-        assert_eq!(rel_diff(dh1, dh2), 0.0, "{what}: dh differs");
-        assert_eq!(rel_diff(dw1, dw2), 0.0, "{what}: dW differs");
-        if let (Some(db1), Some(db2)) = (db1, db2) {
-            assert_eq!(rel_diff(db1, db2), 0.0, "{what}: db differs");
+        assert_eq!(rel_diff(dx1, dx2), 0.0, "{what}: dx differs");
+        let names = [["dW₁", "db₁"], ["dW₂", "db₂"]];
+        for ((g1, g2), names) in grads1.into_iter().zip(grads2).zip(names) {
+            for ((a, b), name) in g1.into_iter().zip(g2).zip(names) {
+                match (a, b) {
+                    (Some(a), Some(b)) => assert_eq!(rel_diff(a, b), 0.0, "{what}: {name} differs"),
+                    (None, None) => assert!(!bias && name.starts_with("db"), "{what}: no {name}"),
+                    _ => panic!("{what}: {name} in one run only"),
+                }
+            }
         }
     }
 }

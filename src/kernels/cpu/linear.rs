@@ -1,7 +1,9 @@
 //! The products of linear layers on `64`-row blocks through the `gemm` crate, split across the
 //! cores by rows when large enough.
 
+use super::pointwise::{gelu_in_place, Derivative};
 use super::{multiversion, uninit, written};
+use crate::kernels::DropoutMask;
 use rayon::prelude::*;
 
 /// A matrix operand: `(pointer, row stride, column stride)` in elements.
@@ -89,6 +91,10 @@ const PARALLEL_PRODUCT: usize = 1 << 21;
 /// Fewest rows of one block of a split product.
 const PRODUCT_ROWS: usize = 64;
 
+/// Output elements of one part of a block of rows that has an epilogue (`256 KiB`: in the
+/// core's second-level cache when the epilogue reads them).
+const EPILOGUE_ELEMENTS: usize = 1 << 16;
+
 /// What a product's destination starts from.
 #[derive(Clone, Copy)]
 enum Start<'a> {
@@ -99,13 +105,26 @@ enum Start<'a> {
     Bias(&'a [f32]),
 }
 
+/// What runs on a part of a product's rows as soon as they are made, on the core that made
+/// them (while they are in its cache): `(first row, rows, whether the product ran unsplit)`.
+type Epilogue<'a> = &'a (dyn Fn(usize, usize, bool) + Sync);
+
 /// `dst (m × n, row-major) = start + A·B` on one core or, when `parallel` and the product is
-/// large enough, on every core by blocks of rows.
+/// large enough, on every core by blocks of rows; with an `epilogue`, each block in parts of
+/// `EPILOGUE_ELEMENTS / n` rows (at least [`PRODUCT_ROWS`]), each part's epilogue run on it as
+/// soon as its product is made.
 ///
 /// # Safety
 /// `dst` must be valid for `m × n` writes and alias neither operand; it may be
 /// uninitialised.
-unsafe fn product(dst: *mut f32, start: Start, a: Matrix, b: Matrix, parallel: bool) {
+unsafe fn product(
+    dst: *mut f32,
+    start: Start,
+    a: Matrix,
+    b: Matrix,
+    parallel: bool,
+    epilogue: Option<Epilogue>,
+) {
     let ([m, k], n) = (a.shape, b.shape[1]);
     assert_eq!(k, b.shape[0], "inner dimensions differ");
     if let Start::Bias(bias) = start {
@@ -123,23 +142,35 @@ unsafe fn product(dst: *mut f32, start: Start, a: Matrix, b: Matrix, parallel: b
     let block = |block: usize| {
         let first = block * rows;
         let count = rows.min(m - first);
-        // SAFETY: the blocks are disjoint rows of `dst` and of A, all in bounds (the operands
-        // were checked; `dst` is the caller's promise).
-        unsafe {
-            let dst = dst.get().add(first * n);
-            if let Start::Bias(bias) = start {
-                for r in 0..count {
-                    std::ptr::copy_nonoverlapping(bias.as_ptr(), dst.add(r * n), n);
+        // With an epilogue, the block's rows go in parts whose output is still in the core's
+        // cache when the epilogue reads it.
+        let part = match epilogue {
+            Some(_) => (EPILOGUE_ELEMENTS / n.max(1)).max(PRODUCT_ROWS),
+            None => count.max(1),
+        };
+        for first in (first..first + count).step_by(part) {
+            let count = part.min(m - first).min(rows * (block + 1) - first);
+            // SAFETY: the parts are disjoint rows of `dst` and of A, all in bounds (the
+            // operands were checked; `dst` is the caller's promise).
+            unsafe {
+                let dst = dst.get().add(first * n);
+                if let Start::Bias(bias) = start {
+                    for r in 0..count {
+                        std::ptr::copy_nonoverlapping(bias.as_ptr(), dst.add(r * n), n);
+                    }
                 }
+                matmul(
+                    [count, n, k],
+                    dst,
+                    n,
+                    matches!(start, Start::Bias(_)),
+                    (a_rows.get().add(first * a.1).cast_const(), a.1, a.2),
+                    (b_ptr.get().cast_const(), b.1, b.2),
+                )
             }
-            matmul(
-                [count, n, k],
-                dst,
-                n,
-                matches!(start, Start::Bias(_)),
-                (a_rows.get().add(first * a.1).cast_const(), a.1, a.2),
-                (b_ptr.get().cast_const(), b.1, b.2),
-            )
+            if let Some(epilogue) = epilogue {
+                epilogue(first, count, blocks <= 1);
+            }
         }
     };
     if blocks <= 1 {
@@ -172,8 +203,58 @@ pub fn linear(x: Matrix, w: Matrix, bias: Option<&[f32]>) -> Vec<f32> {
     // SAFETY: `y` has room for `n × o`; the product (and the bias) write them all before any
     // is read.
     unsafe {
-        product(y.as_mut_ptr(), start, x, w, true);
+        product(y.as_mut_ptr(), start, x, w, true, None);
         written(y, n * o)
+    }
+}
+
+/// `(GELU(x·w + b), GELU'(x·w + b))` for `x` `n × i`, `w` `i × o`, both times the dropout
+/// mask's multipliers where given: [`linear`] then [`super::gelu_with_derivative`], the same
+/// values, with GELU as the product's epilogue. Each core's rows go through GELU in parts of
+/// about [`EPILOGUE_ELEMENTS`], each as soon as its product is made, in place, while it is in
+/// that core's cache: the pre-activation is not read back from memory, and GELU's output is not
+/// a third buffer.
+pub fn linear_gelu(
+    x: Matrix,
+    w: Matrix,
+    bias: Option<&[f32]>,
+    mask: Option<DropoutMask>,
+) -> (Vec<f32>, Vec<f32>) {
+    let (n, o) = (x.shape[0], w.shape[1]);
+    let mut y = uninit(n * o);
+    // The masked kernel multiplies the multipliers drawn into the buffer: it must be initialised.
+    let mut derivative = match mask {
+        Some(_) => vec![0.0; n * o],
+        None => uninit(n * o),
+    };
+    let (y_ptr, d_ptr) = (SendPtr(y.as_mut_ptr()), SendPtr(derivative.as_mut_ptr()));
+    let epilogue = |first: usize, rows: usize, unsplit: bool| {
+        let (start, len) = (first * o, rows * o);
+        // SAFETY: the product wrote these rows of `y`; only this block's epilogue touches them
+        // and the same rows of the derivative, which has room for all `n × o` (zeroed where
+        // masked, so initialised where read as `f32`s).
+        let (xy, d) = unsafe {
+            (
+                std::slice::from_raw_parts_mut(y_ptr.get().add(start), len),
+                d_ptr.get().add(start),
+            )
+        };
+        let derivative = match mask {
+            None => Derivative::Plain(unsafe { std::slice::from_raw_parts_mut(d.cast(), len) }),
+            Some(mask) => Derivative::Masked {
+                out: unsafe { std::slice::from_raw_parts_mut(d, len) },
+                mask,
+                first: start as u64,
+            },
+        };
+        gelu_in_place(xy, derivative, unsplit);
+    };
+    let start = bias.map_or(Start::Empty, Start::Bias);
+    // SAFETY: `y` has room for `n × o`; the product (and the bias) write them all, then each
+    // block's epilogue writes the same rows of the derivative.
+    unsafe {
+        product(y_ptr.get(), start, x, w, true, Some(&epilogue));
+        (written(y, n * o), written(derivative, n * o))
     }
 }
 
@@ -221,7 +302,7 @@ pub fn linear_backward(
     let db = rayon::join(
         || {
             // SAFETY: the destination has room for the product, written without reading.
-            unsafe { product(dx_ptr.get(), Start::Empty, dy, w.t(), split) };
+            unsafe { product(dx_ptr.get(), Start::Empty, dy, w.t(), split, None) };
             if let Some(derivative) = derivative {
                 // SAFETY: the product wrote all `n × i` elements, and no one else holds them.
                 let dx = unsafe { std::slice::from_raw_parts_mut(dx_ptr.get(), n * i) };
@@ -230,7 +311,7 @@ pub fn linear_backward(
         },
         || {
             // SAFETY: as dx's.
-            unsafe { product(dw_ptr.get(), Start::Empty, x.t(), dy, split) };
+            unsafe { product(dw_ptr.get(), Start::Empty, x.t(), dy, split, None) };
             bias.then(|| {
                 let mut db = vec![0.0; o];
                 column_sums(dy, &mut db);

@@ -19,6 +19,14 @@ multiversion! {
     }
 }
 
+/// `(GELU(x), GELU'(x))`: the arithmetic every training GELU kernel here shares.
+#[inline(always)]
+fn gelu_and_derivative(x: f32) -> (f32, f32) {
+    let cdf = 0.5 * (1.0 + erf(x * FRAC_1_SQRT_2));
+    let pdf = FRAC_1_SQRT_2PI * exp(-0.5 * x * x);
+    (x * cdf, cdf + x * pdf)
+}
+
 multiversion! {
     fn gelu_with_derivative_chunk(
         x: &[f32],
@@ -26,10 +34,9 @@ multiversion! {
         derivative: &mut [MaybeUninit<f32>],
     ) {
         for ((y, d), &x) in y.iter_mut().zip(derivative.iter_mut()).zip(x) {
-            let cdf = 0.5 * (1.0 + erf(x * FRAC_1_SQRT_2));
-            let pdf = FRAC_1_SQRT_2PI * exp(-0.5 * x * x);
-            y.write(x * cdf);
-            d.write(cdf + x * pdf);
+            let (gelu, slope) = gelu_and_derivative(x);
+            y.write(gelu);
+            d.write(slope);
         }
     }
 }
@@ -42,12 +49,76 @@ multiversion! {
         derivative: &mut [f32],
     ) {
         for ((y, d), &x) in y.iter_mut().zip(derivative.iter_mut()).zip(x) {
-            let m = *d;
-            let cdf = 0.5 * (1.0 + erf(x * FRAC_1_SQRT_2));
-            let pdf = FRAC_1_SQRT_2PI * exp(-0.5 * x * x);
-            let gelu = x * cdf;
-            y.write(gelu * m);
-            *d = (cdf + x * pdf) * m;
+            let (gelu, slope) = gelu_and_derivative(x);
+            y.write(gelu * *d);
+            *d *= slope;
+        }
+    }
+}
+
+multiversion! {
+    /// [`gelu_with_derivative_chunk`] with GELU written over its input.
+    fn gelu_in_place_chunk(xy: &mut [f32], derivative: &mut [MaybeUninit<f32>]) {
+        for (x, d) in xy.iter_mut().zip(derivative.iter_mut()) {
+            let (gelu, slope) = gelu_and_derivative(*x);
+            *x = gelu;
+            d.write(slope);
+        }
+    }
+}
+
+multiversion! {
+    /// [`gelu_dropout_with_derivative_chunk`] with the output written over its input.
+    fn gelu_dropout_in_place_chunk(xy: &mut [f32], derivative: &mut [f32]) {
+        for (x, d) in xy.iter_mut().zip(derivative.iter_mut()) {
+            let (gelu, slope) = gelu_and_derivative(*x);
+            *x = gelu * *d;
+            *d *= slope;
+        }
+    }
+}
+
+/// Where [`gelu_in_place`] writes GELU's derivative.
+pub enum Derivative<'a> {
+    /// Into this (uninitialised) buffer.
+    Plain(&'a mut [MaybeUninit<f32>]),
+    /// Into this buffer, times the dropout mask's multipliers of elements `first..` (the
+    /// elements' place in the whole tensor whose part this is).
+    Masked {
+        /// The buffer (its values on entry are not read).
+        out: &'a mut [f32],
+        /// The mask.
+        mask: DropoutMask,
+        /// The mask's element of the buffer's first element.
+        first: u64,
+    },
+}
+
+/// GELU of every element of `xy` written over it and its derivative into `derivative`, both
+/// times the mask's multipliers where [`Derivative::Masked`]: the values of
+/// [`gelu_with_derivative`] bit for bit, for a product's output that is read nowhere else
+/// (GELU as the product's epilogue). In parallel chunks when `parallel`, else on this thread.
+pub fn gelu_in_place(xy: &mut [f32], derivative: Derivative, parallel: bool) {
+    let n = xy.len();
+    let min_len = if parallel { min_tasks(n) } else { usize::MAX };
+    match derivative {
+        Derivative::Plain(d) => {
+            assert_eq!(d.len(), n, "a derivative for each element");
+            xy.par_chunks_mut(CHUNK)
+                .zip(d.par_chunks_mut(CHUNK))
+                .with_min_len(min_len)
+                .for_each(|(xy, d)| gelu_in_place_chunk(xy, d));
+        }
+        Derivative::Masked { out, mask, first } => {
+            assert_eq!(out.len(), n, "a derivative for each element");
+            xy.par_chunks_mut(CHUNK)
+                .zip(out.par_chunks_mut(CHUNK))
+                .enumerate()
+                .with_min_len(min_len)
+                .for_each(|(c, (xy, d))| {
+                    mask.fill(first + (c * CHUNK) as u64, d);
+                    gelu_dropout_in_place_chunk(xy, d);
+                });
         }
     }
 }
