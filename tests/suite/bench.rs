@@ -334,8 +334,9 @@ fn bench_train_profile_counts_each_kernel_call_of_each_phase() {
             .parse()
             .unwrap()
     };
-    let expected = "forward: linear 9, attention 2, GELU 2, residual + LayerNorm 4, LayerNorm 1, \
-                    cross-entropy 1\n\
+    let expected =
+        "forward: linear 7, linear (GELU merged) 2, attention 2, residual + LayerNorm 4, \
+                    LayerNorm 1, cross-entropy 1\n\
                     backward: linear 7, linear (GELU derivative merged) 2, attention 2, \
                     LayerNorm 5, cross-entropy 1\n\
                     optimizer: AdamW 1, clipping (sum of squares) 1";
