@@ -286,14 +286,14 @@ fn bench_train_measures_a_translator_in_target_tokens_with_its_padding() {
 
 #[test]
 fn bench_train_profile_counts_each_kernel_call_of_each_phase() {
-    // Two pre-norm layers. Forward, per layer: the linear layer 4 times (Q/K/V packed, the
-    // output projection, the feed-forward pair), attention and GELU once; then the tied output
-    // head once more, and LayerNorm 2 × 2 + 1 times: the first block's first norm on its own,
-    // every other one merged with the residual addition before it (the final norm with the
-    // last block's). Backward, per layer: the linear layer's gradients 3 times plus once merged
-    // with GELU's derivative, attention once; the head's once more, LayerNorm 2 × 2 + 1 times.
-    // The optimizer: AdamW and clipping's sum of squares once. A call counted twice, or in the
-    // wrong phase, changes these counts.
+    // Two pre-norm layers. Forward, per layer: the linear layer 3 times (Q/K/V packed, the
+    // output projection, the feed-forward's second), its first with GELU as the epilogue once,
+    // attention once; then the tied output head once more, and LayerNorm 2 × 2 + 1 times: the
+    // first block's first norm on its own, every other one merged with the residual addition
+    // before it (the final norm with the last block's). Backward, per layer: the linear layer's
+    // gradients 3 times plus once merged with GELU's derivative, attention once; the head's once
+    // more, LayerNorm 2 × 2 + 1 times. The optimizer: AdamW and clipping's sum of squares once. A
+    // call counted twice, or in the wrong phase, changes these counts.
     let dir = tempfile::tempdir().unwrap();
     std::fs::write(
         dir.path().join("corpus.txt"),
