@@ -415,10 +415,8 @@ pub trait LabBackend: Backend {
 
     /// A feed-forward network with GELU, `dropout(GELU(x·w₁ + b₁))·w₂ + b₂` for `x` `[n, d]`:
     /// [`Self::fused_linear_gelu_keeping`] then [`Self::fused_linear`], the values of the two
-    /// apart.
-    /// Under autodiff one graph node: its forward pass is [`Self::fused_linear_gelu_keeping`]
-    /// then the second product, its backward pass [`Self::fused_gelu_linear_backward`] then
-    /// [`Self::fused_linear_backward`].
+    /// apart. Under autodiff one graph node: its forward pass is those two, its backward pass
+    /// [`Self::fused_gelu_linear_backward`] then [`Self::fused_linear_backward`].
     fn fused_feed_forward(
         x: FloatTensor<Self>,
         [w1, w2]: [FloatTensor<Self>; 2],
