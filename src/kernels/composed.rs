@@ -215,6 +215,19 @@ pub fn gelu_linear_backward<B: LabBackend>(
     (B::fused_mul(dx, derivative), dw, db)
 }
 
+/// See [`super::LabBackend::fused_linear_gelu_keeping`]: the backend's linear layer keeping its
+/// operands, then its GELU (with the mask): `[y, derivative, x kept, w kept]`.
+pub fn linear_gelu_keeping<B: LabBackend>(
+    x: FloatTensor<B>,
+    w: FloatTensor<B>,
+    b: Option<FloatTensor<B>>,
+    mask: Option<DropoutMask>,
+) -> [FloatTensor<B>; 4] {
+    let (h, x, w) = B::fused_linear_keeping(x, w, b);
+    let (y, derivative) = B::fused_gelu_forward(h, mask);
+    [y, derivative, x, w]
+}
+
 /// See [`super::LabBackend::fused_packed_attention_forward`]: the backend's attention on views
 /// of the packed projections.
 pub fn packed_attention_forward<B: LabBackend>(

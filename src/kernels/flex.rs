@@ -632,9 +632,7 @@ impl LabBackend for Flex {
     ) -> [FlexTensor; 4] {
         let _timer = profile::Timer::new("linear (GELU merged)");
         if !is_f32(&x) {
-            let (h, x, w) = Self::fused_linear_keeping(x, w, b);
-            let (y, derivative) = Self::fused_gelu_forward(h, mask);
-            return [y, derivative, x, w];
+            return composed::linear_gelu_keeping::<Flex>(x, w, b, mask);
         }
         let (x, w, b) = (positive(x), positive(w), b.map(contiguous));
         let shape = Shape::new([x.shape()[0], w.shape()[1]]);

@@ -408,9 +408,7 @@ pub trait LabBackend: Backend {
         b: Option<FloatTensor<Self>>,
         mask: Option<DropoutMask>,
     ) -> [FloatTensor<Self>; 4] {
-        let (h, x, w) = Self::fused_linear_keeping(x, w, b);
-        let (y, derivative) = Self::fused_gelu_forward(h, mask);
-        [y, derivative, x, w]
+        composed::linear_gelu_keeping::<Self>(x, w, b, mask)
     }
 
     /// A feed-forward network with GELU, `dropout(GELU(x·w₁ + b₁))·w₂ + b₂` for `x` `[n, d]`:

@@ -140,16 +140,15 @@ unsafe fn product(
     let (dst, a_rows) = (SendPtr(dst), SendPtr(a.0.cast_mut()));
     let b_ptr = SendPtr(b.0.cast_mut());
     let block = |block: usize| {
-        let first = block * rows;
-        let count = rows.min(m - first);
+        let (begin, end) = (block * rows, (block * rows + rows).min(m));
         // With an epilogue, the block's rows go in parts whose output is still in the core's
         // cache when the epilogue reads it.
         let part = match epilogue {
             Some(_) => (EPILOGUE_ELEMENTS / n.max(1)).max(PRODUCT_ROWS),
-            None => count.max(1),
+            None => (end - begin).max(1),
         };
-        for first in (first..first + count).step_by(part) {
-            let count = part.min(m - first).min(rows * (block + 1) - first);
+        for first in (begin..end).step_by(part) {
+            let count = part.min(end - first);
             // SAFETY: the parts are disjoint rows of `dst` and of A, all in bounds (the
             // operands were checked; `dst` is the caller's promise).
             unsafe {
@@ -230,7 +229,7 @@ pub fn linear_gelu(
     let (y_ptr, d_ptr) = (SendPtr(y.as_mut_ptr()), SendPtr(derivative.as_mut_ptr()));
     let epilogue = |first: usize, rows: usize, unsplit: bool| {
         let (start, len) = (first * o, rows * o);
-        // SAFETY: the product wrote these rows of `y`; only this block's epilogue touches them
+        // SAFETY: the product wrote these rows of `y`; only this part's epilogue touches them
         // and the same rows of the derivative, which has room for all `n × o` (zeroed where
         // masked, so initialised where read as `f32`s).
         let (xy, d) = unsafe {
@@ -251,7 +250,7 @@ pub fn linear_gelu(
     };
     let start = bias.map_or(Start::Empty, Start::Bias);
     // SAFETY: `y` has room for `n × o`; the product (and the bias) write them all, then each
-    // block's epilogue writes the same rows of the derivative.
+    // part's epilogue writes the same rows of the derivative.
     unsafe {
         product(y_ptr.get(), start, x, w, true, Some(&epilogue));
         (written(y, n * o), written(derivative, n * o))
