@@ -225,6 +225,13 @@ fn limits(causal: bool, pad: Option<&[f32]>, i0: usize, j0: usize) -> Option<isi
     (causal && pad.is_none()).then_some(i0 as isize - j0 as isize)
 }
 
+/// How many of a tile row's `n` keys the causal mask leaves visible to row `ii` of the tile
+/// whose [`limits`] are `limit` (all `n` where nothing is skipped).
+#[inline(always)]
+fn visible(limit: Option<isize>, ii: usize, n: usize) -> usize {
+    limit.map_or(n, |o| (o + ii as isize + 1).clamp(0, n as isize) as usize)
+}
+
 multiversion! {
     fn attention_head(
         shape: AttentionShape,
@@ -294,9 +301,12 @@ multiversion! {
                         denom[ii] *= rescale;
                         acc[ii * kwp..(ii + 1) * kwp].iter_mut().for_each(|x| *x *= rescale);
                     }
-                    for x in row.iter_mut() {
+                    // Past the causal limit every score is masked and its weight exactly 0.
+                    let (seen, hidden) = row.split_at_mut(visible(limit, ii, n));
+                    for x in seen.iter_mut() {
                         *x = exp(*x - new_max);
                     }
+                    hidden.fill(0.0);
                     denom[ii] += sum(row);
                     max[ii] = new_max;
                     // Dropout after the softmax's sum: the normaliser counts every weight.
@@ -431,7 +441,10 @@ multiversion! {
                 for (ii, &l) in lse.iter().enumerate() {
                     let row = &mut p[ii * TILE..ii * TILE + n];
                     if l > REAL_SCORE {
-                        row.iter_mut().for_each(|x| *x = exp(*x - l));
+                        // Past the causal limit every score is masked and its weight exactly 0.
+                        let (seen, hidden) = row.split_at_mut(visible(limit, ii, n));
+                        seen.iter_mut().for_each(|x| *x = exp(*x - l));
+                        hidden.fill(0.0);
                     } else {
                         // Every key masked: uniform weights (lse = −10⁹ + ln s rounds to −10⁹).
                         row.fill(1.0 / s as f32);
@@ -467,7 +480,8 @@ multiversion! {
                 // dS = P ⊙ (dP − D)·scale; a masked score is a constant: no gradient.
                 for ii in 0..m {
                     let d = delta[i0 + ii];
-                    let at = ii * TILE..ii * TILE + n;
+                    // The masked part is zeroed below.
+                    let at = ii * TILE..ii * TILE + visible(limit, ii, n);
                     for (x, &pj) in ds[at.clone()].iter_mut().zip(&p[at]) {
                         *x = pj * (*x - d) * scale;
                     }

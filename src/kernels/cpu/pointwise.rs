@@ -22,9 +22,9 @@ multiversion! {
 /// `(GELU(x), GELU'(x))`: the arithmetic every training GELU kernel here shares.
 #[inline(always)]
 fn gelu_and_derivative(x: f32) -> (f32, f32) {
-    let cdf = 0.5 * (1.0 + erf(x * FRAC_1_SQRT_2));
+    let cdf = erf(x * FRAC_1_SQRT_2).mul_add(0.5, 0.5);
     let pdf = FRAC_1_SQRT_2PI * exp(-0.5 * x * x);
-    (x * cdf, cdf + x * pdf)
+    (x * cdf, x.mul_add(pdf, cdf))
 }
 
 multiversion! {

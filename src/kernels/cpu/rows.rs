@@ -163,17 +163,22 @@ multiversion! {
             let (mut mean_g, mut mean_gx) = (0.0f32, 0.0f32);
             let mut acc_g = [0.0f32; LANES];
             let mut acc_gx = [0.0f32; LANES];
-            // Element i goes to lane i mod LANES: whole chunks, then the tail.
-            let (xh_c, dy_c, g_c) = (dx.chunks_exact(LANES), dy.chunks_exact(LANES), gamma.chunks_exact(LANES));
-            let tail = (xh_c.remainder(), dy_c.remainder(), g_c.remainder());
-            for ((xh, dy), g) in xh_c.zip(dy_c).zip(g_c) {
+            // Element i goes to lane i mod LANES: whole chunks, then the tail. Each sum in a
+            // pass of its own: in one loop the compiler vectorised across the two sums (pairs
+            // of lanes) and did the sixteen lanes one by one.
+            let ((xh_c, xh_t), (dy_c, dy_t), (g_c, g_t)) =
+                (dx.as_chunks::<LANES>(), dy.as_chunks::<LANES>(), gamma.as_chunks::<LANES>());
+            for (dy, g) in dy_c.iter().zip(g_c) {
                 for l in 0..LANES {
-                    let gi = dy[l] * g[l];
-                    acc_g[l] += gi;
-                    acc_gx[l] += gi * xh[l];
+                    acc_g[l] += dy[l] * g[l];
                 }
             }
-            for (l, ((&xh, &dy), &g)) in tail.0.iter().zip(tail.1).zip(tail.2).enumerate() {
+            for ((xh, dy), g) in xh_c.iter().zip(dy_c).zip(g_c) {
+                for l in 0..LANES {
+                    acc_gx[l] += dy[l] * g[l] * xh[l];
+                }
+            }
+            for (l, ((&xh, &dy), &g)) in xh_t.iter().zip(dy_t).zip(g_t).enumerate() {
                 let gi = dy * g;
                 acc_g[l] += gi;
                 acc_gx[l] += gi * xh;
