@@ -226,8 +226,9 @@ pub(super) use multiversion;
 /// `e^x` to within 2 ulp, branch-free so it vectorises; exactly 0 below −87.3.
 ///
 /// Each step of the reduction and the polynomial is a fused multiply-add (`f32::mul_add`, one
-/// rounding): one instruction in the AVX2 and AVX-512 forms, the C library's `fmaf` in the
-/// baseline form (slow, the same bits), where separate products and sums took two.
+/// rounding), where separate products and sums took two instructions: one instruction in the
+/// AVX2 and AVX-512 forms (and on processors whose baseline has it, such as AArch64), a call of
+/// the C library's `fmaf` in the x86-64 baseline form (slow, the same bits).
 #[inline(always)]
 pub fn exp(x: f32) -> f32 {
     const LOG2E: f32 = std::f32::consts::LOG2_E;
