@@ -289,20 +289,27 @@ multiversion! {
                     }
                     .run();
                 }
-                mask_tile(scores, [TILE, m, n], i0, j0, causal, pad, MASKED_SCORE);
+                // Without padding a causal mask hides only what `visible` leaves out, which the
+                // loop below reads nowhere and zeroes; otherwise the masked scores are written.
+                if limit.is_none() {
+                    mask_tile(scores, [TILE, m, n], i0, j0, causal, pad, MASKED_SCORE);
+                }
                 if let Some(mask) = dropout {
                     mask_multipliers(mask, first, [i0, j0, n, s], &mut keep[..m * n]);
                 }
                 for ii in 0..m {
                     let row = &mut scores[ii * TILE..ii * TILE + n];
-                    let new_max = max[ii].max(super::max(row));
-                    let rescale = exp(max[ii] - new_max);
-                    if rescale != 1.0 {
-                        denom[ii] *= rescale;
-                        acc[ii * kwp..(ii + 1) * kwp].iter_mut().for_each(|x| *x *= rescale);
-                    }
                     // Past the causal limit every score is masked and its weight exactly 0.
                     let (seen, hidden) = row.split_at_mut(visible(limit, ii, n));
+                    let new_max = max[ii].max(super::max(seen));
+                    // A row's first tile has nothing to rescale (its sum and output are zero).
+                    if max[ii] != f32::NEG_INFINITY {
+                        let rescale = exp(max[ii] - new_max);
+                        if rescale != 1.0 {
+                            denom[ii] *= rescale;
+                            acc[ii * kwp..(ii + 1) * kwp].iter_mut().for_each(|x| *x *= rescale);
+                        }
+                    }
                     for x in seen.iter_mut() {
                         *x = exp(*x - new_max);
                     }
@@ -437,7 +444,11 @@ multiversion! {
                 };
                 let columns = limit.map_or(Limit::All, Limit::Columns);
                 product(q.rows(b, h, i0), [m, n, kw], kt[j0..].as_ptr(), lds, p.as_mut_ptr(), TILE, false, scale, columns);
-                mask_tile(p, [TILE, m, n], i0, j0, causal, pad, MASKED_SCORE);
+                // As in the forward pass: with `limit` every row sees a key (its own), and the
+                // weights past it are zeroed below without reading the scores.
+                if limit.is_none() {
+                    mask_tile(p, [TILE, m, n], i0, j0, causal, pad, MASKED_SCORE);
+                }
                 for (ii, &l) in lse.iter().enumerate() {
                     let row = &mut p[ii * TILE..ii * TILE + n];
                     if l > REAL_SCORE {
