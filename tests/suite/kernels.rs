@@ -911,6 +911,116 @@ fn fused_linear_equals_the_composed_product() {
 }
 
 #[test]
+fn each_form_of_the_linear_gradients_gives_the_products_and_the_same_bits() {
+    // `linear_backward` runs `dx = dy·wᵀ` and `dw = xᵀ·dy` each in one of two forms (as is, or
+    // through a transposed copy), chosen per shape by timing them. Every combination must give
+    // the products (against sums in f64 here) and the same bits, so the choice changes no run.
+    let values = |n: usize, seed: u64| -> Vec<f32> {
+        (0..n)
+            .map(|j| {
+                let h =
+                    (j as u64 ^ seed.wrapping_mul(0x9e37_79b9)).wrapping_mul(0x2545_f491_4f6c_dd1d);
+                ((h >> 40) as f32 / (1u64 << 24) as f32) - 0.5
+            })
+            .collect()
+    };
+    let forms = [cpu::Form::AsIs, cpu::Form::Transposed];
+    // Ragged against every block size; one split across the cores by rows; a wide one.
+    for (n, i, o) in [(37, 29, 23), (301, 130, 70), (70, 17, 200)] {
+        let (x, w, dy, derivative) = (
+            values(n * i, 1),
+            values(i * o, 2),
+            values(n * o, 3),
+            values(n * i, 4),
+        );
+        let xt: Vec<f32> = (0..i * n).map(|j| x[(j % n) * i + j / n]).collect();
+        fn matrix(data: &[f32], shape: [usize; 2]) -> cpu::Matrix<'_> {
+            cpu::Matrix {
+                data,
+                offset: 0,
+                shape,
+                strides: [shape[1], 1],
+            }
+        }
+        // `x` both row-major and as the transposed view of its transpose.
+        let inputs = [
+            matrix(&x, [n, i]),
+            cpu::Matrix {
+                data: &xt,
+                offset: 0,
+                shape: [n, i],
+                strides: [1, n],
+            },
+        ];
+        let sum = |len: usize, f: &dyn Fn(usize) -> f64| (0..len).map(f).sum::<f64>();
+        let expected_dx: Vec<f64> = (0..n * i)
+            .map(|e| {
+                let (r, c) = (e / i, e % i);
+                let s = sum(o, &|p| dy[r * o + p] as f64 * w[c * o + p] as f64);
+                s * derivative[e] as f64
+            })
+            .collect();
+        let expected_dw: Vec<f64> = (0..i * o)
+            .map(|e| sum(n, &|r| x[r * i + e / o] as f64 * dy[r * o + e % o] as f64))
+            .collect();
+        let expected_db: Vec<f64> = (0..o).map(|c| sum(n, &|r| dy[r * o + c] as f64)).collect();
+        let close = |what: &str, got: &[f32], expected: &[f64]| {
+            let scale = expected.iter().fold(1.0f64, |m, x| m.max(x.abs()));
+            let worst = got
+                .iter()
+                .zip(expected)
+                .fold(0.0f64, |m, (&g, &e)| m.max((g as f64 - e).abs()));
+            assert!(
+                got.len() == expected.len() && worst / scale < 1e-5,
+                "{what} ({n} × {i} → {o}): off by {worst:e}"
+            );
+        };
+        let mut first: Option<(Vec<f32>, Vec<f32>)> = None;
+        for (input, x) in inputs.into_iter().enumerate() {
+            for fx in forms {
+                for fw in forms {
+                    let (dx, dw, db) = cpu::linear_backward_in(
+                        Some([fx, fw]),
+                        x,
+                        matrix(&w, [i, o]),
+                        matrix(&dy, [n, o]),
+                        true,
+                        Some(&derivative),
+                    );
+                    let what = format!("input {input}, dx {fx:?}, dw {fw:?}");
+                    close(&format!("dx, {what}"), &dx, &expected_dx);
+                    close(&format!("dw, {what}"), &dw, &expected_dw);
+                    close(&format!("db, {what}"), &db.unwrap(), &expected_db);
+                    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    match &first {
+                        None => first = Some((dx, dw)),
+                        Some((dx0, dw0)) => {
+                            assert!(bits(&dx) == bits(dx0), "dx's bits, {what}");
+                            assert!(bits(&dw) == bits(dw0), "dw's bits, {what}");
+                        }
+                    }
+                }
+            }
+        }
+        // The forms as chosen: the first call compares them, the next ones time them in turn.
+        let (dx0, dw0) = first.unwrap();
+        for call in 0..8 {
+            let (dx, dw, _) = cpu::linear_backward(
+                matrix(&x, [n, i]),
+                matrix(&w, [i, o]),
+                matrix(&dy, [n, o]),
+                false,
+                Some(&derivative),
+            );
+            assert!(
+                dx == dx0 && dw == dw0,
+                "call {call} of the chosen forms differs"
+            );
+        }
+    }
+}
+
+#[test]
 fn training_with_fused_kernels_follows_the_composed_loss_curve() {
     let device = Default::default();
     // One initial model for both (the backend's seed is shared with tests running beside).

@@ -271,7 +271,8 @@ multiversion! {
 
 /// The gradients `(dx = dy·wᵀ, dw = xᵀ·dy, db = Σ_rows dy)` of [`linear`]. The two products
 /// are independent and of equal size: each runs on its own core (two single-core products are
-/// faster than two split ones at these sizes). `dy` must have unit column stride.
+/// faster than two split ones at these sizes), in the [`Form`] measured fastest for its shape.
+/// `dy` must have unit column stride.
 ///
 /// With `derivative` (`x` an element-wise function's output, e.g. GELU's, whose derivative the
 /// forward pass kept), `dx` comes out multiplied by it, element by element — the gradient of
@@ -285,8 +286,23 @@ pub fn linear_backward(
     bias: bool,
     derivative: Option<&[f32]>,
 ) -> (Vec<f32>, Vec<f32>, Option<Vec<f32>>) {
+    linear_backward_in(None, x, w, dy, bias, derivative)
+}
+
+/// [`linear_backward`] with `dx`'s and `dw`'s products in the given forms, or (`None`) in the
+/// forms chosen for their shapes. Every choice gives the same bits: for the tests of that.
+pub fn linear_backward_in(
+    forms: Option<[Form; 2]>,
+    x: Matrix,
+    w: Matrix,
+    dy: Matrix,
+    bias: bool,
+    derivative: Option<&[f32]>,
+) -> (Vec<f32>, Vec<f32>, Option<Vec<f32>>) {
     let ([n, i], o) = (x.shape, w.shape[1]);
     assert_eq!(dy.strides[1], 1, "dy rows must be contiguous");
+    assert_eq!([i, o], w.shape, "weight shape");
+    assert_eq!([n, o], dy.shape, "dy shape");
     if let Some(derivative) = derivative {
         assert_eq!(
             derivative.len(),
@@ -298,10 +314,19 @@ pub fn linear_backward(
     let (dx_ptr, dw_ptr) = (SendPtr(dx.as_mut_ptr()), SendPtr(dw.as_mut_ptr()));
     // With more than two cores each product may split further.
     let split = rayon::current_num_threads() > 2;
+    let key = |gradient| Key {
+        gradient,
+        shape: [n, i, o],
+        strides: [x.strides, w.strides],
+    };
     let db = rayon::join(
         || {
-            // SAFETY: the destination has room for the product, written without reading.
-            unsafe { product(dx_ptr.get(), Start::Empty, dy, w.t(), split, None) };
+            let run = |form, dst| input_gradient(form, dst, dy, w, split);
+            match forms {
+                Some([form, _]) => run(form, dx_ptr.get()),
+                // SAFETY: the destination has room for `dx`, which each form writes whole.
+                None => unsafe { tuned(key(Gradient::Input), dx_ptr.get(), n * i, run) },
+            }
             if let Some(derivative) = derivative {
                 // SAFETY: the product wrote all `n × i` elements, and no one else holds them.
                 let dx = unsafe { std::slice::from_raw_parts_mut(dx_ptr.get(), n * i) };
@@ -309,8 +334,12 @@ pub fn linear_backward(
             }
         },
         || {
-            // SAFETY: as dx's.
-            unsafe { product(dw_ptr.get(), Start::Empty, x.t(), dy, split, None) };
+            let run = |form, dst| weight_gradient(form, dst, x, dy, split);
+            match forms {
+                Some([_, form]) => run(form, dw_ptr.get()),
+                // SAFETY: as dx's.
+                None => unsafe { tuned(key(Gradient::Weight), dw_ptr.get(), i * o, run) },
+            }
             bias.then(|| {
                 let mut db = vec![0.0; o];
                 column_sums(dy, &mut db);
@@ -321,4 +350,172 @@ pub fn linear_backward(
     .1;
     // SAFETY: each product wrote all of its destination's elements.
     unsafe { (written(dx, n * i), written(dw, i * o), db) }
+}
+
+/// Two ways to run one of [`linear_backward`]'s products. They give the same bits (the `gemm`
+/// crate sums each element's products in the same order either way; checked on each shape's
+/// first call, and [`Form::AsIs`] kept for good where they differ) but not the same speed:
+/// `gemm` makes the destination column-major, transposing the whole product when it is not,
+/// so the operand its kernel's rows run along, and whether it must repack the other, depends
+/// on which matrix is transposed. Which is faster depends on the shape and on the kernel
+/// `gemm` picks for the processor. Measured on a 2-core Zen 4 (AVX-512), `768 × 128 → 512`:
+/// `dx` 1000 µs as is, 880 + 36 transposing `w`; `dw` 950–990 µs as is, 890 + 48 as `dwᵀ`.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Form {
+    /// `dx = dy·wᵀ` reading `w` through transposed strides; `dw = xᵀ·dy` likewise.
+    AsIs,
+    /// `dx = dy·(a transposed copy of w)`; `dw` transposed from the product `dyᵀ·x`.
+    Transposed,
+}
+
+/// Which of [`linear_backward`]'s products.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+enum Gradient {
+    /// `dx`.
+    Input,
+    /// `dw`.
+    Weight,
+}
+
+/// What a product's best form is chosen for: which product, `[rows, inputs, outputs]`, and
+/// the strides of `x` and `w`.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+struct Key {
+    gradient: Gradient,
+    shape: [usize; 3],
+    strides: [[usize; 2]; 2],
+}
+
+/// Calls timed in each form before a shape's form is chosen (alternating, after the first
+/// call, which compares their bits).
+const TRIALS: usize = 3;
+
+/// Where a shape's choice stands.
+enum Tuning {
+    /// The forms gave the same bits; these are the times of the calls so far, by form.
+    Trying([Vec<f64>; 2]),
+    /// Chosen, for the rest of the process.
+    Chosen(Form),
+}
+
+/// Every shape's choice.
+static TUNING: std::sync::LazyLock<std::sync::Mutex<std::collections::HashMap<Key, Tuning>>> =
+    std::sync::LazyLock::new(Default::default);
+
+/// Runs `run(form, dst)` for a product of `len` elements into `dst` in the form chosen for
+/// `key`: on its first call both forms (the second into a buffer), to compare their bits;
+/// then each form in turn, timed, [`TRIALS`] times; then the faster one (by median).
+///
+/// # Safety
+/// `dst` must be writable for `len` elements, and `run` must write all of them.
+unsafe fn tuned(key: Key, dst: *mut f32, len: usize, run: impl Fn(Form, *mut f32)) {
+    /// What this call does.
+    enum Call {
+        /// Run this form, untimed: chosen, or the only one (`dx` of a `w` whose columns are
+        /// strided).
+        Run(Form),
+        /// Run both and compare their bits.
+        Compare,
+        /// Run this form and time it.
+        Time(Form),
+    }
+    let call = if key.gradient == Gradient::Input && key.strides[1][1] != 1 {
+        Call::Run(Form::AsIs)
+    } else {
+        let mut tuning = TUNING.lock().unwrap_or_else(|e| e.into_inner());
+        match tuning.get(&key) {
+            None => {
+                tuning.insert(key, Tuning::Trying([Vec::new(), Vec::new()]));
+                Call::Compare
+            }
+            Some(Tuning::Trying([as_is, transposed])) => Call::Time(match as_is.len() {
+                n if n < transposed.len() => Form::AsIs,
+                _ => Form::Transposed,
+            }),
+            Some(Tuning::Chosen(form)) => Call::Run(*form),
+        }
+    };
+    match call {
+        Call::Run(form) => run(form, dst),
+        Call::Compare => {
+            run(Form::AsIs, dst);
+            let mut other = uninit(len);
+            run(Form::Transposed, other.as_mut_ptr());
+            let other = written(other, len);
+            let same = std::slice::from_raw_parts(dst, len)
+                .iter()
+                .zip(&other)
+                .all(|(a, b)| a.to_bits() == b.to_bits());
+            if !same {
+                let mut tuning = TUNING.lock().unwrap_or_else(|e| e.into_inner());
+                tuning.insert(key, Tuning::Chosen(Form::AsIs));
+            }
+        }
+        Call::Time(form) => {
+            let began = std::time::Instant::now();
+            run(form, dst);
+            let seconds = began.elapsed().as_secs_f64();
+            let mut tuning = TUNING.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(Tuning::Trying(times)) = tuning.get_mut(&key) {
+                times[form as usize].push(seconds);
+                if times.iter().all(|t| t.len() >= TRIALS) {
+                    let median = |mut t: Vec<f64>| {
+                        t.sort_by(f64::total_cmp);
+                        t[t.len() / 2]
+                    };
+                    let [as_is, transposed] = std::mem::take(times).map(median);
+                    let form = match transposed < as_is {
+                        true => Form::Transposed,
+                        false => Form::AsIs,
+                    };
+                    tuning.insert(key, Tuning::Chosen(form));
+                }
+            }
+        }
+    }
+}
+
+/// `dx = dy·wᵀ` into `dst` (`n × i`, row-major) in `form` ([`Form::Transposed`] needs `w`'s
+/// columns contiguous).
+fn input_gradient(form: Form, dst: *mut f32, dy: Matrix, w: Matrix, split: bool) {
+    let [i, o] = w.shape;
+    match form {
+        // SAFETY: the caller's `dst` has room for `n × i`.
+        Form::AsIs => unsafe { product(dst, Start::Empty, dy, w.t(), split, None) },
+        Form::Transposed => {
+            let (w_ptr, rs, _) = w.operand();
+            assert_eq!(w.strides[1], 1, "w's columns must be contiguous");
+            let mut wt = uninit(i * o);
+            // SAFETY: `w` was checked to lie in its storage; `wt` has room for `o` rows of `i`.
+            let wt = unsafe {
+                super::tile::transpose_into(w_ptr, rs, [i, o], wt.as_mut_ptr(), i);
+                written(wt, i * o)
+            };
+            let wt = Matrix {
+                data: &wt,
+                offset: 0,
+                shape: [o, i],
+                strides: [i, 1],
+            };
+            // SAFETY: as above.
+            unsafe { product(dst, Start::Empty, dy, wt, split, None) }
+        }
+    }
+}
+
+/// `dw = xᵀ·dy` into `dst` (`i × o`, row-major) in `form`.
+fn weight_gradient(form: Form, dst: *mut f32, x: Matrix, dy: Matrix, split: bool) {
+    let (i, o) = (x.shape[1], dy.shape[1]);
+    match form {
+        // SAFETY: the caller's `dst` has room for `i × o`.
+        Form::AsIs => unsafe { product(dst, Start::Empty, x.t(), dy, split, None) },
+        Form::Transposed => {
+            let mut t = uninit(o * i);
+            // SAFETY: `t` has room for `o × i`; `dst` for `i` rows of `o`, each written once.
+            unsafe {
+                product(t.as_mut_ptr(), Start::Empty, dy.t(), x, split, None);
+                super::tile::transpose_into(t.as_ptr(), i, [o, i], dst, o);
+            }
+        }
+    }
 }

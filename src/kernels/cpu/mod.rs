@@ -27,7 +27,7 @@ mod tile;
 pub use attention::{
     attention_backward, attention_forward, packed_attention_backward, AttentionShape, Heads,
 };
-pub use linear::{linear, linear_backward, linear_gelu, Matrix};
+pub use linear::{linear, linear_backward, linear_backward_in, linear_gelu, Form, Matrix};
 pub use pointwise::{
     adamw_all, dropout, gelu, gelu_with_derivative, mul, scale, sum_squares, sum_squares_all,
     AdamWParam, AdamWSlices, Strided,

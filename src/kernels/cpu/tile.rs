@@ -98,17 +98,31 @@ pub(super) unsafe fn transpose(
     ld: usize,
 ) {
     assert!(rows <= ld && (cols == 0 || dst.len() >= (cols - 1) * ld + rows));
+    transpose_into(src, rs, [rows, cols], dst.as_mut_ptr(), ld)
+}
+
+/// [`transpose`] into a destination that may be uninitialised.
+///
+/// # Safety
+/// As [`transpose`], with `dst` writable for `cols` rows of `ld ≥ rows`.
+pub(super) unsafe fn transpose_into(
+    src: *const f32,
+    rs: usize,
+    [rows, cols]: [usize; 2],
+    dst: *mut f32,
+    ld: usize,
+) {
     let (mut r0, mut c0) = (0, 0);
     #[cfg(target_arch = "x86_64")]
     if isa() != Isa::Baseline {
-        x86::transpose_blocks(src, rs, [rows, cols], dst.as_mut_ptr(), ld);
+        x86::transpose_blocks(src, rs, [rows, cols], dst, ld);
         (r0, c0) = (rows / 8 * 8, cols / 8 * 8);
     }
     // What the blocks left: the last rows (all columns) and the last columns (the others).
     for r in 0..rows {
         let first = if r < r0 { c0 } else { 0 };
         for c in first..cols {
-            dst[c * ld + r] = *src.add(r * rs + c);
+            *dst.add(c * ld + r) = *src.add(r * rs + c);
         }
     }
 }
@@ -279,6 +293,9 @@ mod x86 {
         }
     }
 
+    /// Rows and columns of a tile of [`transpose_blocks`].
+    const TILE: usize = 32;
+
     /// Transposes the whole 8 × 8 blocks of a `rows × cols` matrix (see `super::transpose`).
     #[target_feature(enable = "avx2,fma")]
     pub(super) unsafe fn transpose_blocks(
@@ -288,8 +305,17 @@ mod x86 {
         dst: *mut f32,
         ld: usize,
     ) {
-        for r in (0..rows / 8 * 8).step_by(8) {
-            for c in (0..cols / 8 * 8).step_by(8) {
+        // In tiles of 32 × 32, each's blocks a column of blocks at a time: measured on the Zen
+        // 4, `512 × 128` in 13 µs, against 23–29 µs a row of blocks at a time.
+        let (rows, cols) = (rows / 8 * 8, cols / 8 * 8);
+        for (r0, c0) in (0..rows)
+            .step_by(TILE)
+            .flat_map(|r0| (0..cols).step_by(TILE).map(move |c0| (r0, c0)))
+        {
+            for (c, r) in (c0..(c0 + TILE).min(cols))
+                .step_by(8)
+                .flat_map(|c| (r0..(r0 + TILE).min(rows)).step_by(8).map(move |r| (c, r)))
+            {
                 let at = |i: usize| _mm256_loadu_ps(src.add((r + i) * rs + c));
                 let [a0, a1, a2, a3, a4, a5, a6, a7] =
                     [at(0), at(1), at(2), at(3), at(4), at(5), at(6), at(7)];
