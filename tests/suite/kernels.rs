@@ -925,7 +925,9 @@ fn each_form_of_the_linear_gradients_gives_the_products_and_the_same_bits() {
             .collect()
     };
     let forms = [cpu::Form::AsIs, cpu::Form::Transposed];
-    // Ragged against every block size; one split across the cores by rows; a wide one.
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    // Ragged against every block size; one large enough to split by rows (where the pool has
+    // more than two threads); a wide one.
     for (n, i, o) in [(37, 29, 23), (301, 130, 70), (70, 17, 200)] {
         let (x, w, dy, derivative) = (
             values(n * i, 1),
@@ -991,7 +993,6 @@ fn each_form_of_the_linear_gradients_gives_the_products_and_the_same_bits() {
                     close(&format!("dx, {what}"), &dx, &expected_dx);
                     close(&format!("dw, {what}"), &dw, &expected_dw);
                     close(&format!("db, {what}"), &db.unwrap(), &expected_db);
-                    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
                     match &first {
                         None => first = Some((dx, dw)),
                         Some((dx0, dw0)) => {
@@ -1013,7 +1014,7 @@ fn each_form_of_the_linear_gradients_gives_the_products_and_the_same_bits() {
                 Some(&derivative),
             );
             assert!(
-                dx == dx0 && dw == dw0,
+                bits(&dx) == bits(&dx0) && bits(&dw) == bits(&dw0),
                 "call {call} of the chosen forms differs"
             );
         }

@@ -358,8 +358,9 @@ pub fn linear_backward_in(
 /// `gemm` makes the destination column-major, transposing the whole product when it is not,
 /// so the operand its kernel's rows run along, and whether it must repack the other, depends
 /// on which matrix is transposed. Which is faster depends on the shape and on the kernel
-/// `gemm` picks for the processor. Measured on a 2-core Zen 4 (AVX-512), `768 × 128 → 512`:
-/// `dx` 1000 µs as is, 880 + 36 transposing `w`; `dw` 950–990 µs as is, 890 + 48 as `dwᵀ`.
+/// `gemm` picks for the processor. Timed here on a 2-core Zen 4 (AVX-512), copies included:
+/// `dx` of `768 × 128 → 512` 991–994 µs as is, 897–900 through the copy of `w`; `dw` of
+/// `768 × 128 → 384` 777–789 µs as is, 671–674 as `dwᵀ`.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub enum Form {
     /// `dx = dy·wᵀ` reading `w` through transposed strides; `dw = xᵀ·dy` likewise.
@@ -392,7 +393,8 @@ const TRIALS: usize = 3;
 
 /// Where a shape's choice stands.
 enum Tuning {
-    /// The forms gave the same bits; these are the times of the calls so far, by form.
+    /// Being tried (unless the first call, comparing the forms' bits, finds they differ):
+    /// the times of the timed calls so far, by form.
     Trying([Vec<f64>; 2]),
     /// Chosen, for the rest of the process.
     Chosen(Form),
@@ -428,10 +430,14 @@ unsafe fn tuned(key: Key, dst: *mut f32, len: usize, run: impl Fn(Form, *mut f32
                 tuning.insert(key, Tuning::Trying([Vec::new(), Vec::new()]));
                 Call::Compare
             }
-            Some(Tuning::Trying([as_is, transposed])) => Call::Time(match as_is.len() {
-                n if n < transposed.len() => Form::AsIs,
-                _ => Form::Transposed,
-            }),
+            // Each form in turn, the transposed one first.
+            Some(Tuning::Trying([as_is, transposed])) => {
+                Call::Time(if as_is.len() < transposed.len() {
+                    Form::AsIs
+                } else {
+                    Form::Transposed
+                })
+            }
             Some(Tuning::Chosen(form)) => Call::Run(*form),
         }
     };
@@ -464,9 +470,10 @@ unsafe fn tuned(key: Key, dst: *mut f32, len: usize, run: impl Fn(Form, *mut f32
                         t[t.len() / 2]
                     };
                     let [as_is, transposed] = std::mem::take(times).map(median);
-                    let form = match transposed < as_is {
-                        true => Form::Transposed,
-                        false => Form::AsIs,
+                    let form = if transposed < as_is {
+                        Form::Transposed
+                    } else {
+                        Form::AsIs
                     };
                     tuning.insert(key, Tuning::Chosen(form));
                 }

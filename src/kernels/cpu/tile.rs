@@ -305,8 +305,8 @@ mod x86 {
         dst: *mut f32,
         ld: usize,
     ) {
-        // In tiles of 32 × 32, each's blocks a column of blocks at a time: measured on the Zen
-        // 4, `512 × 128` in 13 µs, against 23–29 µs a row of blocks at a time.
+        // In 32 × 32 tiles, each tile's blocks a column of blocks at a time: measured on the
+        // Zen 4, `512 × 128` in 13 µs, against 23–29 µs a row of blocks at a time.
         let (rows, cols) = (rows / 8 * 8, cols / 8 * 8);
         for (r0, c0) in (0..rows)
             .step_by(TILE)
