@@ -808,8 +808,9 @@ pub struct BenchTrainArgs {
     #[arg(long, value_enum)]
     pub precision: Option<Precision>,
     /// Also time every fused kernel call of the timed steps and print where each phase's
-    /// time goes: each operation's calls and ms per step, and the time outside them
-    /// (flex backend only).
+    /// time goes: each operation's calls and ms per step, the linear layers' product work
+    /// (MFLOP a step) and rate (GFLOP/s) against this machine's multiply-add peak, and the
+    /// time outside the kernels (flex backend only).
     #[arg(long)]
     pub profile: bool,
     #[command(flatten)]

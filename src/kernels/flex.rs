@@ -142,6 +142,13 @@ fn class_indices(x: FlexTensor, classes: usize, ignore: Option<usize>) -> Vec<us
         .collect()
 }
 
+/// The floating-point operations of `products` products the size of `x·w` (`x` `[n, i]`, `w`
+/// `[i, o]`): `2·n·i·o` each, for the profile's rate.
+fn product_flops(x: &FlexTensor, w: &FlexTensor, products: usize) -> f64 {
+    let (x, w) = (x.shape(), w.shape());
+    (2 * products * x[0] * x[1] * w[1]) as f64
+}
+
 fn is_f32(x: &FlexTensor) -> bool {
     x.dtype() == DType::F32
 }
@@ -613,7 +620,7 @@ impl LabBackend for Flex {
     }
 
     fn fused_linear(x: FlexTensor, w: FlexTensor, b: Option<FlexTensor>) -> FlexTensor {
-        let _timer = profile::Timer::new("linear");
+        let _timer = profile::Timer::with_flops("linear", product_flops(&x, &w, 1));
         if !is_f32(&x) {
             return composed::linear::<Flex>(x, w, b);
         }
@@ -630,7 +637,7 @@ impl LabBackend for Flex {
         b: Option<FlexTensor>,
         mask: Option<DropoutMask>,
     ) -> [FlexTensor; 4] {
-        let _timer = profile::Timer::new("linear (GELU merged)");
+        let _timer = profile::Timer::with_flops("linear (GELU merged)", product_flops(&x, &w, 1));
         if !is_f32(&x) {
             return composed::linear_gelu_keeping::<Flex>(x, w, b, mask);
         }
@@ -651,7 +658,7 @@ impl LabBackend for Flex {
         dy: FlexTensor,
         bias: bool,
     ) -> (FlexTensor, FlexTensor, Option<FlexTensor>) {
-        let _timer = profile::Timer::new("linear");
+        let _timer = profile::Timer::with_flops("linear", product_flops(&x, &w, 2));
         if !is_f32(&x) {
             return composed::linear_backward::<Flex>(x, w, dy, bias);
         }
@@ -665,7 +672,8 @@ impl LabBackend for Flex {
         bias: bool,
         derivative: FlexTensor,
     ) -> (FlexTensor, FlexTensor, Option<FlexTensor>) {
-        let _timer = profile::Timer::new("linear (GELU derivative merged)");
+        let _timer =
+            profile::Timer::with_flops("linear (GELU derivative merged)", product_flops(&x, &w, 2));
         if !is_f32(&x) || !is_f32(&derivative) || derivative.shape() != x.shape() {
             return composed::gelu_linear_backward::<Flex>(x, w, dy, bias, derivative);
         }

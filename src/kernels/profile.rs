@@ -49,6 +49,9 @@ pub struct OpTime {
     pub calls: u64,
     /// Their wall time, summed.
     pub seconds: f64,
+    /// The floating-point operations of their matrix products (a multiply-add counts two),
+    /// summed; 0 for an operation whose work is not counted.
+    pub flops: f64,
 }
 
 static ON: AtomicBool = AtomicBool::new(false);
@@ -80,7 +83,7 @@ fn lock() -> std::sync::MutexGuard<'static, Vec<OpTime>> {
         .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
-fn record(name: &'static str, elapsed: Duration) {
+fn record(name: &'static str, elapsed: Duration, flops: f64) {
     let phase = Phase::ALL[usize::from(PHASE.load(Ordering::Relaxed)).min(2)];
     let mut times = lock();
     match times
@@ -90,12 +93,14 @@ fn record(name: &'static str, elapsed: Duration) {
         Some(t) => {
             t.calls += 1;
             t.seconds += elapsed.as_secs_f64();
+            t.flops += flops;
         }
         None => times.push(OpTime {
             phase,
             name,
             calls: 1,
             seconds: elapsed.as_secs_f64(),
+            flops,
         }),
     }
 }
@@ -111,6 +116,8 @@ thread_local! {
 #[must_use = "the timer counts until it is dropped"]
 pub struct Timer {
     name: &'static str,
+    /// The call's product work, in floating-point operations.
+    flops: f64,
     /// `None` when counting was off; `Some(None)` inside another timer.
     began: Option<Option<Instant>>,
 }
@@ -119,6 +126,13 @@ impl Timer {
     /// Starts timing `name` (nothing when counting is off).
     #[inline]
     pub fn new(name: &'static str) -> Self {
+        Self::with_flops(name, 0.0)
+    }
+
+    /// Starts timing `name`, a call whose matrix products do `flops` floating-point
+    /// operations (what the report's rate is computed from).
+    #[inline]
+    pub fn with_flops(name: &'static str, flops: f64) -> Self {
         let began = ON.load(Ordering::Relaxed).then(|| {
             let open = OPEN.with(|open| {
                 open.set(open.get() + 1);
@@ -126,7 +140,7 @@ impl Timer {
             });
             (open == 1).then(Instant::now)
         });
-        Self { name, began }
+        Self { name, flops, began }
     }
 }
 
@@ -135,7 +149,7 @@ impl Drop for Timer {
         if let Some(began) = self.began {
             OPEN.with(|open| open.set(open.get() - 1));
             if let Some(began) = began {
-                record(self.name, began.elapsed());
+                record(self.name, began.elapsed(), self.flops);
             }
         }
     }

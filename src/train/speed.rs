@@ -65,6 +65,10 @@ pub struct BenchReport {
     pub parameters: usize,
     /// Each fused kernel's calls over every timed step of every run, when profiled.
     pub profile: Vec<OpTime>,
+    /// The `f32` multiply-add rate the CPU's threads reach together on a loop that does
+    /// nothing else, in FLOP/s ([`crate::kernels::cpu::fma_peak`]), measured after the runs
+    /// when profiled on a CPU backend: the ceiling the products' rates are set against.
+    pub peak: Option<f64>,
 }
 
 /// The median of `values` (the mean of the middle two for an even count).
@@ -150,7 +154,8 @@ impl BenchReport {
         let per_step = |seconds: f64| seconds * 1e3 / steps as f64;
         let mut text = format!(
             "where a step's time goes (means over {} runs × {} steps; each fused kernel timed \
-             call by call):\n{:<10} {:<32} {:>9} {:>9} {:>7}\n",
+             call by call; its matrix products' work a step, and that work over its time):\n\
+             {:<10} {:<32} {:>9} {:>9} {:>7} {:>11} {:>9}\n",
             self.runs.len(),
             steps / self.runs.len().max(1),
             "phase",
@@ -158,6 +163,8 @@ impl BenchReport {
             "calls",
             "ms/step",
             "share",
+            "MFLOP/step",
+            "GFLOP/s",
         );
         for phase in Phase::ALL {
             let phase_ms = per_step(
@@ -175,14 +182,26 @@ impl BenchReport {
             for op in self.profile.iter().filter(|op| op.phase == phase) {
                 let ms = per_step(op.seconds);
                 kernels += ms;
-                text.push_str(&format!(
-                    "{:<10} {:<32} {:>9.1} {:>9.2} {:>6.1}%\n",
+                let [work, rate] = if op.flops > 0.0 {
+                    [
+                        format!("{:.1}", op.flops / steps as f64 / 1e6),
+                        format!("{:.1}", op.flops / op.seconds.max(f64::MIN_POSITIVE) / 1e9),
+                    ]
+                } else {
+                    Default::default()
+                };
+                let row = format!(
+                    "{:<10} {:<32} {:>9.1} {:>9.2} {:>6.1}% {:>11} {:>9}",
                     phase.name(),
                     op.name,
                     op.calls as f64 / steps as f64,
                     ms,
                     share(ms),
-                ));
+                    work,
+                    rate,
+                );
+                text.push_str(row.trim_end());
+                text.push('\n');
             }
             let rest = phase_ms - kernels;
             text.push_str(&format!(
@@ -192,6 +211,23 @@ impl BenchReport {
                 "",
                 rest,
                 share(rest),
+            ));
+        }
+        let (flops, seconds) = self
+            .profile
+            .iter()
+            .filter(|op| op.flops > 0.0)
+            .fold((0.0, 0.0), |(f, t), op| (f + op.flops, t + op.seconds));
+        if let Some(peak) = self.peak.filter(|_| flops > 0.0) {
+            let rate = flops / seconds.max(f64::MIN_POSITIVE);
+            text.push_str(&format!(
+                "the linear layers ran at {:.1} GFLOP/s over their calls: {:.0}% of the {:.1} \
+                 GFLOP/s this machine's {} threads reach on f32 multiply-adds alone (measured \
+                 now)\n",
+                rate / 1e9,
+                100.0 * rate / peak,
+                peak / 1e9,
+                rayon::current_num_threads(),
             ));
         }
         text
@@ -292,6 +328,7 @@ where
         } else {
             Vec::new()
         },
+        peak: (plan.profile && B::TIMED_KERNELS).then(crate::kernels::cpu::fma_peak),
     })
 }
 

@@ -1,7 +1,8 @@
 //! `bench train`: tokens/s from timed steps of the real training step, and the median.
 
 use crate::common::{assert_clean_error, run, stderr, tiny_text_experiment};
-use transformer_lab::bench::median;
+use transformer_lab::bench::{median, BenchReport, RunTimes};
+use transformer_lab::kernels::profile::{OpTime, Phase};
 
 #[test]
 fn median_of_odd_and_even_counts() {
@@ -281,6 +282,122 @@ fn bench_train_measures_a_translator_in_target_tokens_with_its_padding() {
             &["bench", "train", "-e", "copy.json", "--by-length", "maybe"],
         ),
         "expected on or off",
+    );
+}
+
+#[test]
+fn the_profile_sets_each_products_rate_and_all_of_them_beside_the_peak() {
+    // Two steps; the forward linear calls did 0.8 GFLOP of products in 4 ms (200 GFLOP/s,
+    // 400 MFLOP a step), the backward ones 1.6 GFLOP in 6 ms (266.7 GFLOP/s); attention's work
+    // is not counted, so it has no rate. Together 2.4 GFLOP in 10 ms: 240 GFLOP/s, 48% of a
+    // 500 GFLOP/s peak.
+    let op = |phase, name, calls, seconds, flops| OpTime {
+        phase,
+        name,
+        calls,
+        seconds,
+        flops,
+    };
+    let report = BenchReport {
+        unit: "tokens",
+        units_per_run: 128,
+        runs: vec![RunTimes {
+            forward: vec![0.01, 0.01],
+            backward: vec![0.02, 0.02],
+            optimizer: vec![0.001, 0.001],
+            warmup: Vec::new(),
+        }],
+        notes: Vec::new(),
+        parameters: 0,
+        profile: vec![
+            op(Phase::Forward, "linear", 6, 0.004, 8e8),
+            op(Phase::Forward, "attention", 2, 0.002, 0.0),
+            op(Phase::Backward, "linear", 6, 0.006, 1.6e9),
+        ],
+        peak: Some(5e11),
+    };
+    let text = report.render("flex");
+    let row = |phase: &str, name: &str| {
+        let row = text
+            .lines()
+            .find(|l| l.starts_with(phase) && l[10..].trim_start().starts_with(name))
+            .unwrap_or_else(|| panic!("no {phase} {name} row in {text}"));
+        row[43..].split_whitespace().collect::<Vec<_>>().join(" ")
+    };
+    assert_eq!(row("forward", "linear"), "3.0 2.00 20.0% 400.0 200.0");
+    assert_eq!(row("backward", "linear"), "3.0 3.00 15.0% 800.0 266.7");
+    assert_eq!(row("forward", "attention"), "1.0 1.00 10.0%");
+    let threads = rayon::current_num_threads();
+    let last = format!(
+        "the linear layers ran at 240.0 GFLOP/s over their calls: 48% of the 500.0 GFLOP/s \
+         this machine's {threads} threads reach on f32 multiply-adds alone (measured now)"
+    );
+    assert!(text.contains(&last), "{last:?} not in {text}");
+    // No peak measured (a GPU backend is not profiled call by call): no such line.
+    let text = BenchReport {
+        peak: None,
+        ..report
+    }
+    .render("flex");
+    assert!(!text.contains("the linear layers ran at"), "{text}");
+}
+
+#[test]
+fn bench_train_profile_counts_each_products_work() {
+    // A step of 8 × 32 tokens through 2 layers 64 wide (feed-forward 256): the feed-forward's
+    // first product, GELU merged, does 2·256·64·256 multiply-add FLOPs a layer forward and
+    // twice that backward (its two gradients); every other linear call's gradients, the tied
+    // head's included, twice its forward work too.
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(
+        dir.path().join("corpus.txt"),
+        "the quick brown fox. ".repeat(400),
+    )
+    .unwrap();
+    std::fs::write(
+        dir.path().join("wide.json"),
+        r#"{"name": "wide", "model": {"d_model": 64, "n_layers": 2, "n_heads": 2, "context": 32},
+            "data": {"text_file": "corpus.txt"}, "train": {"batch_size": 8}}"#,
+    )
+    .unwrap();
+    let out = std::process::Command::new(crate::common::BIN)
+        .args(["--backend", "flex", "bench", "train", "-e", "wide.json"])
+        .args(["--steps", "2", "--warmup", "1", "--runs", "1", "--profile"])
+        .current_dir(dir.path())
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = String::from_utf8_lossy(&out.stdout);
+    let work = |phase: &str, op: &str| -> f64 {
+        let row = text
+            .lines()
+            .find(|l| {
+                l.starts_with(phase)
+                    && l[10..]
+                        .trim_start()
+                        .strip_prefix(op)
+                        .is_some_and(|r| r.starts_with("  "))
+            })
+            .unwrap_or_else(|| panic!("no {phase} {op} row in {text}"));
+        let fields: Vec<&str> = row[43..].split_whitespace().collect();
+        assert_eq!(fields.len(), 5, "{row}");
+        fields[3].parse().unwrap()
+    };
+    let gelu: f64 = 2.0 * 2.0 * 256.0 * 64.0 * 256.0 / 1e6;
+    assert_eq!(
+        work("forward", "linear (GELU merged)"),
+        (gelu * 10.0).round() / 10.0
+    );
+    let backward = work("backward", "linear (GELU derivative merged)");
+    assert_eq!(backward, (2.0 * gelu * 10.0).round() / 10.0);
+    let (forward, backward) = (work("forward", "linear"), work("backward", "linear"));
+    assert!(
+        (backward - 2.0 * forward).abs() <= 0.15,
+        "{forward} → {backward} in {text}"
+    );
+    assert!(
+        text.contains("threads reach on f32 multiply-adds alone"),
+        "{text}"
     );
 }
 

@@ -12,7 +12,8 @@
 //! The kernels come in families, one file each: [`pointwise`] (GELU, dropout, AdamW and
 //! clipping's passes), [`rows`] (LayerNorm, softmax, cross-entropy), [`linear`] (the tiled
 //! products of linear layers), [`attention`] (flash-style forward and backward) and [`tile`]
-//! (the products inside attention's tiles). This file holds what they share: the run-time
+//! (the products inside attention's tiles), and [`peak`] measures the ceiling the products run
+//! against. This file holds what they share: the run-time
 //! dispatch, the vectorising reductions, when a pass splits across cores (`min_tasks`) and the
 //! uninitialised-buffer helpers.
 
@@ -20,6 +21,7 @@ use std::mem::MaybeUninit;
 
 mod attention;
 mod linear;
+mod peak;
 mod pointwise;
 mod rows;
 mod tile;
@@ -28,6 +30,7 @@ pub use attention::{
     attention_backward, attention_forward, packed_attention_backward, AttentionShape, Heads,
 };
 pub use linear::{linear, linear_backward, linear_backward_in, linear_gelu, Form, Matrix};
+pub use peak::fma_peak;
 pub use pointwise::{
     adamw_all, dropout, gelu, gelu_with_derivative, mul, scale, sum_squares, sum_squares_all,
     AdamWParam, AdamWSlices, Strided,
