@@ -317,13 +317,7 @@ fn the_profile_sets_each_products_rate_and_all_of_them_beside_the_peak() {
         peak: Some(5e11),
     };
     let text = report.render("flex");
-    let row = |phase: &str, name: &str| {
-        let row = text
-            .lines()
-            .find(|l| l.starts_with(phase) && l[10..].trim_start().starts_with(name))
-            .unwrap_or_else(|| panic!("no {phase} {name} row in {text}"));
-        row[43..].split_whitespace().collect::<Vec<_>>().join(" ")
-    };
+    let row = |phase, op| profile_row(&text, phase, op).join(" ");
     assert_eq!(row("forward", "linear"), "3.0 2.00 20.0% 400.0 200.0");
     assert_eq!(row("backward", "linear"), "3.0 3.00 15.0% 800.0 266.7");
     assert_eq!(row("forward", "attention"), "1.0 1.00 10.0%");
@@ -349,38 +343,15 @@ fn bench_train_profile_counts_each_products_work() {
     // twice that backward (its two gradients); every other linear call's gradients, the tied
     // head's included, twice its forward work too.
     let dir = tempfile::tempdir().unwrap();
-    std::fs::write(
-        dir.path().join("corpus.txt"),
-        "the quick brown fox. ".repeat(400),
-    )
-    .unwrap();
-    std::fs::write(
-        dir.path().join("wide.json"),
-        r#"{"name": "wide", "model": {"d_model": 64, "n_layers": 2, "n_heads": 2, "context": 32},
-            "data": {"text_file": "corpus.txt"}, "train": {"batch_size": 8}}"#,
-    )
-    .unwrap();
-    let out = std::process::Command::new(crate::common::BIN)
-        .args(["--backend", "flex", "bench", "train", "-e", "wide.json"])
-        .args(["--steps", "2", "--warmup", "1", "--runs", "1", "--profile"])
-        .current_dir(dir.path())
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}", stderr(&out));
-    let text = String::from_utf8_lossy(&out.stdout);
-    let work = |phase: &str, op: &str| -> f64 {
-        let row = text
-            .lines()
-            .find(|l| {
-                l.starts_with(phase)
-                    && l[10..]
-                        .trim_start()
-                        .strip_prefix(op)
-                        .is_some_and(|r| r.starts_with("  "))
-            })
-            .unwrap_or_else(|| panic!("no {phase} {op} row in {text}"));
-        let fields: Vec<&str> = row[43..].split_whitespace().collect();
-        assert_eq!(fields.len(), 5, "{row}");
+    let text = profile_lm(
+        dir.path(),
+        r#"{"d_model": 64, "n_layers": 2, "n_heads": 2, "context": 32}"#,
+        8,
+        &["--steps", "2", "--warmup", "1", "--runs", "1"],
+    );
+    let work = |phase, op| -> f64 {
+        let fields = profile_row(&text, phase, op);
+        assert_eq!(fields.len(), 5, "{phase} {op}: {fields:?}");
         fields[3].parse().unwrap()
     };
     let gelu: f64 = 2.0 * 2.0 * 256.0 * 64.0 * 256.0 / 1e6;
@@ -412,45 +383,15 @@ fn bench_train_profile_counts_each_kernel_call_of_each_phase() {
     // more, LayerNorm 2 × 2 + 1 times. The optimizer: AdamW and clipping's sum of squares once. A
     // call counted twice, or in the wrong phase, changes these counts.
     let dir = tempfile::tempdir().unwrap();
-    std::fs::write(
-        dir.path().join("corpus.txt"),
-        "the quick brown fox. ".repeat(200),
-    )
-    .unwrap();
-    std::fs::write(
-        dir.path().join("two.json"),
-        r#"{"name": "two", "model": {"d_model": 16, "n_layers": 2, "n_heads": 2, "context": 16},
-            "data": {"text_file": "corpus.txt"}, "train": {"batch_size": 4}}"#,
-    )
-    .unwrap();
-    let args: Vec<&str> = "bench train -e two.json --steps 3 --warmup 1 --runs 2 --profile"
-        .split(' ')
-        .collect();
-    let out = std::process::Command::new(crate::common::BIN)
-        .args(["--backend", "flex"])
-        .args(&args)
-        .current_dir(dir.path())
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}", stderr(&out));
-    let text = String::from_utf8_lossy(&out.stdout);
+    let steps = ["--steps", "3", "--warmup", "1", "--runs", "2"];
+    let text = profile_lm(
+        dir.path(),
+        r#"{"d_model": 16, "n_layers": 2, "n_heads": 2, "context": 16}"#,
+        4,
+        &steps,
+    );
     assert!(text.contains("means over 2 runs × 3 steps"), "{text}");
-    let calls = |phase: &str, op: &str| -> f64 {
-        let row = text
-            .lines()
-            .find(|line| {
-                line.starts_with(phase)
-                    && line[10..].trim_start().starts_with(op)
-                    && line[10..].trim_start()[op.len()..].starts_with("  ")
-            })
-            .unwrap_or_else(|| panic!("no {phase} {op} row in {text}"));
-        row[10 + 33..]
-            .split_whitespace()
-            .next()
-            .unwrap()
-            .parse()
-            .unwrap()
-    };
+    let calls = |phase, op| -> f64 { profile_row(&text, phase, op)[0].parse().unwrap() };
     let expected =
         "forward: linear 7, linear (GELU merged) 2, attention 2, residual + LayerNorm 4, \
                     LayerNorm 1, cross-entropy 1\n\
@@ -468,6 +409,60 @@ fn bench_train_profile_counts_each_kernel_call_of_each_phase() {
         assert!(text.contains(&rest), "{rest:?} not in {text}");
     }
     // Timed call by call only where a call returns when its work is done.
+    let args = [
+        &["bench", "train", "-e", "lm.json"],
+        &steps[..],
+        &["--profile"],
+    ]
+    .concat();
     let refused = run(dir.path(), &args);
     assert_clean_error(&refused, "use --backend flex");
+}
+
+/// `bench train --profile` on flex (with `args`) of a language model whose `model` settings
+/// are given, trained at `batch`, on a small corpus; the experiment is `lm.json` in `dir`.
+/// What it printed.
+fn profile_lm(dir: &std::path::Path, model: &str, batch: usize, args: &[&str]) -> String {
+    std::fs::write(dir.join("corpus.txt"), "the quick brown fox. ".repeat(400)).unwrap();
+    std::fs::write(
+        dir.join("lm.json"),
+        format!(
+            r#"{{"name": "lm", "model": {model}, "data": {{"text_file": "corpus.txt"}},
+                "train": {{"batch_size": {batch}}}}}"#
+        ),
+    )
+    .unwrap();
+    let out = std::process::Command::new(crate::common::BIN)
+        .args([
+            "--backend",
+            "flex",
+            "bench",
+            "train",
+            "-e",
+            "lm.json",
+            "--profile",
+        ])
+        .args(args)
+        .current_dir(dir)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", stderr(&out));
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// The fields after the operation of the profile's row for exactly `op` (not an operation whose
+/// name it begins) in `phase`: calls, ms/step, share and, for the linear layers, MFLOP/step and
+/// GFLOP/s.
+fn profile_row<'a>(text: &'a str, phase: &str, op: &str) -> Vec<&'a str> {
+    let row = text
+        .lines()
+        .find(|line| {
+            line.starts_with(phase)
+                && line[10..]
+                    .trim_start()
+                    .strip_prefix(op)
+                    .is_some_and(|rest| rest.starts_with("  "))
+        })
+        .unwrap_or_else(|| panic!("no {phase} {op} row in {text}"));
+    row[10 + 33..].split_whitespace().collect()
 }
