@@ -1798,8 +1798,11 @@ fn idle_workers_stay_awake_between_a_steps_parallel_passes() {
     // 200 parallel passes, each after 100 µs of serial work. On a quiet machine the published
     // rayon-core sleeps in nearly every gap (186–200 sleeps measured); ours stays awake through
     // them (0). On a busy machine each round's `yield_now` can hand the core away for a whole
-    // time slice, so even the published one rarely sleeps there: this test tells the two
-    // apart only where the machine is quiet, and must pass everywhere.
+    // time slice, so even the published one rarely sleeps there, while ours sleeps now and then
+    // (51 times, measured with the other test thread and lavapipe's compiler running beside
+    // it): this test tells the two apart only where the machine is quiet, and must pass
+    // everywhere. So it passes when one of three tries stays under half the published one's
+    // least (93).
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(2)
         .build()
@@ -1810,18 +1813,22 @@ fn idle_workers_stay_awake_between_a_steps_parallel_passes() {
             std::hint::spin_loop();
         }
     };
-    // Start both threads, then count from a quiet moment.
-    pool.install(|| rayon::join(|| spin(50), || spin(50)));
-    let before = sleeps(&pool);
-    pool.install(|| {
-        for _ in 0..200 {
-            spin(100);
-            rayon::join(|| spin(5), || spin(5));
+    let mut counts = Vec::new();
+    for _ in 0..3 {
+        // Start both threads, then count from a quiet moment.
+        pool.install(|| rayon::join(|| spin(50), || spin(50)));
+        let before = sleeps(&pool);
+        pool.install(|| {
+            for _ in 0..200 {
+                spin(100);
+                rayon::join(|| spin(5), || spin(5));
+            }
+        });
+        let slept = sleeps(&pool) - before;
+        if slept < 93 {
+            return;
         }
-    });
-    let slept = sleeps(&pool) - before;
-    assert!(
-        slept < 50,
-        "the pool's workers slept {slept} times in 200 gaps of 100 µs"
-    );
+        counts.push(slept);
+    }
+    panic!("the pool's workers slept {counts:?} times in three tries of 200 gaps of 100 µs");
 }
