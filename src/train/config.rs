@@ -21,6 +21,16 @@ pub enum ScheduleKind {
 pub struct TrainConfig {
     /// Sequences per batch.
     pub batch_size: usize,
+    /// Batches whose gradients make one optimizer step, their mean (nanoGPT's
+    /// `gradient_accumulation_steps`): a step learns from `batch_size · grad_accumulation`
+    /// items while only one batch's activations are held at a time. The data of a step are
+    /// those of one batch of the product's size, so at an equal product the steps are the same
+    /// up to rounding (where the loss is a mean over equal shares: fixed-length items).
+    /// `steps`, `steps_per_epoch`, checkpoints and the learning-rate schedule count optimizer
+    /// steps; a step's logged loss is the mean of its batches' losses, its accuracy and
+    /// perplexity its last batch's.
+    #[serde(skip_serializing_if = "is_one")]
+    pub grad_accumulation: usize,
     /// Total optimizer steps.
     pub steps: usize,
     /// Steps between validations and checkpoints (one Learner "epoch"); must divide `steps`.
@@ -106,6 +116,7 @@ impl Default for TrainConfig {
     fn default() -> Self {
         Self {
             batch_size: 12,
+            grad_accumulation: 1,
             steps: 2000,
             steps_per_epoch: 250,
             eval_batches: 20,
@@ -131,7 +142,17 @@ impl Default for TrainConfig {
     }
 }
 
+fn is_one(n: &usize) -> bool {
+    *n == 1
+}
+
 impl TrainConfig {
+    /// The training batches of an epoch: `steps_per_epoch` optimizer steps of
+    /// `grad_accumulation` batches each.
+    pub fn batches_per_epoch(&self) -> usize {
+        self.steps_per_epoch * self.grad_accumulation
+    }
+
     /// How many devices the run trains on.
     pub fn device_count(&self) -> usize {
         self.devices.as_ref().map_or(1, Vec::len)
@@ -155,6 +176,9 @@ impl TrainConfig {
     pub fn validate(&self) -> Result<()> {
         if self.batch_size == 0 || self.steps == 0 || self.steps_per_epoch == 0 {
             bail!("train: batch_size, steps and steps_per_epoch must all be at least 1");
+        }
+        if self.grad_accumulation == 0 {
+            bail!("train: grad_accumulation must be at least 1 (1: a step of one batch)");
         }
         if !self.steps.is_multiple_of(self.steps_per_epoch) {
             bail!(

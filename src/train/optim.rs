@@ -42,6 +42,10 @@ pub struct ReferenceOptimizer<O> {
     /// Where the inner optimizer takes clipping's factor itself ([`LabAdamW`]): the gradients
     /// are then not rescaled first, the factor is multiplied in as the update reads them.
     clip: Option<ClipFactor>,
+    /// What the gradients handed to a step are multiplied by before anything reads them:
+    /// `1/n` where they are the sum of `n` batches' gradients (`train.grad_accumulation`), so
+    /// the step takes their mean; 1 otherwise.
+    grad_scale: f32,
     /// Steps taken by this process (for [`NAN_ENV`]).
     steps: usize,
 }
@@ -86,7 +90,16 @@ impl<O> ReferenceOptimizer<O> {
             weight_decay,
             max_grad_norm,
             clip: None,
+            grad_scale: 1.0,
             steps: 0,
+        }
+    }
+
+    /// Steps on the mean of gradients summed over `batches` batches (1: as handed over).
+    pub fn averaging(self, batches: usize) -> Self {
+        Self {
+            grad_scale: 1.0 / batches.max(1) as f32,
+            ..self
         }
     }
 }
@@ -298,7 +311,7 @@ pub fn reference_adamw<B: LabAutodiff, M: AutodiffModule<B>>(
 ) -> ReferenceOptimizer<impl Optimizer<M, B>> {
     let adamw = LabAdamW::new(train.beta1, train.beta2, train.epsilon, train.weight_decay);
     // The decay is the optimizer's own (fused into its update): none in the wrapper.
-    ReferenceOptimizer::lab_adamw(adamw, train.grad_clip)
+    ReferenceOptimizer::lab_adamw(adamw, train.grad_clip).averaging(train.grad_accumulation)
 }
 
 /// AdamW as PyTorch and nanoGPT run it, one fused pass over each parameter: moments, bias
@@ -403,14 +416,26 @@ where
             true => poison::<B, M>(&module, grads),
             false => grads,
         };
-        let grads = match (self.max_grad_norm > 0.0, &self.clip) {
-            (false, _) => grads,
+        let (max_norm, scale) = (self.max_grad_norm, self.grad_scale);
+        let grads = match (max_norm > 0.0, &self.clip) {
+            (false, _) if scale == 1.0 => grads,
             // The inner optimizer multiplies the factor in as it reads each gradient.
-            (true, Some(clip)) => {
-                clip.set(clip_factor::<B, M>(&module, &grads, self.max_grad_norm));
+            (false, Some(clip)) => {
+                clip.set(scale_factor::<B, M>(&module, scale));
                 grads
             }
-            (true, None) => clip_global_norm::<B, M>(&module, grads, self.max_grad_norm),
+            (false, None) => match scale_factor::<B, M>(&module, scale) {
+                Some(factor) => rescale::<B, M>(&module, grads, factor),
+                None => grads,
+            },
+            (true, Some(clip)) => {
+                clip.set(clip_factor::<B, M>(&module, &grads, max_norm, scale));
+                grads
+            }
+            (true, None) => match clip_factor::<B, M>(&module, &grads, max_norm, scale) {
+                Some(factor) => rescale::<B, M>(&module, grads, factor),
+                None => grads,
+            },
         };
         let module = if self.weight_decay > 0.0 {
             module.map(&mut ScaleMatrices {
@@ -450,20 +475,34 @@ pub fn clip_global_norm<B: AutodiffBackend<InnerBackend: LabBackend>, M: Autodif
     grads: GradientsParams,
     max_norm: f32,
 ) -> GradientsParams {
-    let Some(scale) = clip_factor::<B, M>(module, &grads, max_norm) else {
-        return grads;
+    match clip_factor::<B, M>(module, &grads, max_norm, 1.0) {
+        Some(factor) => rescale::<B, M>(module, grads, factor),
+        None => grads,
+    }
+}
+
+/// Every gradient of `module` multiplied by `factor` `[1]`.
+fn rescale<B: AutodiffBackend<InnerBackend: LabBackend>, M: AutodiffModule<B>>(
+    module: &M,
+    grads: GradientsParams,
+    factor: Tensor<B::InnerBackend, 1>,
+) -> GradientsParams {
+    let mut rescale = Rescale::<B> {
+        grads,
+        scale: factor,
     };
-    let mut rescale = Rescale::<B> { grads, scale };
     module.visit(&mut rescale);
     rescale.grads
 }
 
-/// Clipping's factor `min(1, max_norm / (‖g‖₂ + 1e-6))` `[1]`, on the device (`None` where
-/// `module` has no gradient).
+/// The factor of gradients `g` that clips `scale · g` to a global norm of `max_norm`:
+/// `scale · min(1, max_norm / (scale · ‖g‖₂ + 1e-6))` `[1]`, on the device (`None` where
+/// `module` has no gradient). With `scale` 1, clipping's own factor, bit for bit.
 fn clip_factor<B: AutodiffBackend<InnerBackend: LabBackend>, M: AutodiffModule<B>>(
     module: &M,
     grads: &GradientsParams,
     max_norm: f32,
+    scale: f32,
 ) -> Option<Tensor<B::InnerBackend, 1>> {
     let mut all = AllGradients::<B> {
         grads,
@@ -473,13 +512,29 @@ fn clip_factor<B: AutodiffBackend<InnerBackend: LabBackend>, M: AutodiffModule<B
     if all.found.is_empty() {
         return None;
     }
-    let norm = kernels::sum_squares_all(all.found).sqrt(); // [1]
-    Some(
-        norm.add_scalar(1e-6)
-            .recip()
-            .mul_scalar(max_norm)
-            .clamp_max(1.0),
-    )
+    let mut norm = kernels::sum_squares_all(all.found).sqrt(); // [1]
+    if scale != 1.0 {
+        norm = norm.mul_scalar(scale);
+    }
+    let factor = norm
+        .add_scalar(1e-6)
+        .recip()
+        .mul_scalar(max_norm)
+        .clamp_max(1.0);
+    Some(if scale == 1.0 {
+        factor
+    } else {
+        factor.mul_scalar(scale)
+    })
+}
+
+/// `scale` as a `[1]` factor on `module`'s device (`None` where it has no parameter).
+fn scale_factor<B: AutodiffBackend<InnerBackend: LabBackend>, M: AutodiffModule<B>>(
+    module: &M,
+    scale: f32,
+) -> Option<Tensor<B::InnerBackend, 1>> {
+    let device = module.devices().into_iter().next()?;
+    Some(Tensor::from_floats([scale], &device))
 }
 
 /// Every gradient of `module` made NaN.
@@ -487,13 +542,10 @@ fn poison<B: AutodiffBackend<InnerBackend: LabBackend>, M: AutodiffModule<B>>(
     module: &M,
     grads: GradientsParams,
 ) -> GradientsParams {
-    let Some(device) = module.devices().into_iter().next() else {
-        return grads;
-    };
-    let scale = Tensor::<B::InnerBackend, 1>::from_floats([f32::NAN], &device);
-    let mut rescale = Rescale::<B> { grads, scale };
-    module.visit(&mut rescale);
-    rescale.grads
+    match scale_factor::<B, M>(module, f32::NAN) {
+        Some(nan) => rescale::<B, M>(module, grads, nan),
+        None => grads,
+    }
 }
 
 /// Every gradient of a module, in the order its parameters are visited.

@@ -367,7 +367,8 @@ impl<M: Send + 'static> PeerThreads<M> {
         failure.map_or(Ok(()), Err)
     }
 
-    /// Counts a step of `step` wall time, `reduce` of it in the all-reduce.
+    /// Counts a batch (a step, or one of a step's accumulated batches) of `step` wall time,
+    /// `reduce` of it in the all-reduce.
     pub fn timed(&self, step: Duration, reduce: Duration) {
         let (steps, total, reduced) = self.timing.get();
         self.timing.set((steps + 1, total + step, reduced + reduce));
@@ -398,7 +399,7 @@ impl<M: Send + 'static> PeerThreads<M> {
         let (steps, total, reduced) = self.timing.get();
         if steps > 0 {
             println!(
-                "data-parallel on {}{}: {:.1} ms a step, of which {:.1} ms ({:.0}%) in \
+                "data-parallel on {}{}: {:.1} ms a batch, of which {:.1} ms ({:.0}%) in \
                  the gradients' all-reduce (waiting for the slowest device included)",
                 crate::stdio::count(self.jobs.len() + 1, "device"),
                 self.group()

@@ -148,11 +148,13 @@ pub(super) fn check_memory(config: &ExperimentConfig, per_example: f64) -> Resul
     let bytes = 4.0 * per_example * config.train.batch_size as f64;
     if bytes > available as f64 {
         bail!(
-            "train: batch_size {} needs at least {} of memory for one step's activations; this \
-             machine has {} available: lower batch_size",
+            "train: batch_size {} needs at least {} of memory for one batch's activations; this \
+             machine has {} available: lower batch_size, and raise grad_accumulation to keep \
+             the items a step learns from ({} now)",
             config.train.batch_size,
             human_bytes(bytes),
-            human_bytes(available as f64)
+            human_bytes(available as f64),
+            config.train.batch_size * config.train.grad_accumulation
         );
     }
     Ok(())

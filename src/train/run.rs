@@ -147,8 +147,8 @@ impl Session {
         Ok(())
     }
 
-    /// The training loader (`steps_per_epoch` batches drawn with replacement, fresh every
-    /// epoch) and the validation loader (the same `eval_batches` batches every epoch), both
+    /// The training loader (`steps_per_epoch · grad_accumulation` batches drawn with
+    /// replacement, fresh every epoch) and the validation loader (the same `eval_batches` batches every epoch), both
     /// reproducible from the seed and the epoch alone.
     #[allow(clippy::too_many_arguments)]
     pub fn loaders<B, I, O, IV, OV>(
@@ -421,9 +421,11 @@ where
     let LaunchOptions {
         pad,
         perplexity,
-        throughput,
+        mut throughput,
     } = options;
     let train = &config.train;
+    // A kind counts one batch's items; an optimizer step learns from several batches.
+    throughput.per_step *= train.grad_accumulation;
     let artifact = &session.artifact;
     let optimizer = reference_adamw::<B, M>(train);
     let schedule = WarmupSchedule::from_config(train);
@@ -527,6 +529,7 @@ where
     let strategy = StepStrategy {
         artifact: artifact.clone(),
         steps_per_epoch: spe,
+        accumulation: train.grad_accumulation,
         resume: match resumed {
             Start::Step(marker) => Some(marker.point),
             _ => None,
@@ -588,10 +591,17 @@ where
         ));
     }
     println!(
-        "training {} ({} parameters) for {} steps{}; artifacts in {}",
+        "training {} ({} parameters) for {} steps{}{}; artifacts in {}",
         config.name,
         model.num_params(),
         train.steps,
+        match train.grad_accumulation {
+            1 => String::new(),
+            n => format!(
+                " of {n} batches of {} each (gradients accumulated)",
+                train.batch_size
+            ),
+        },
         if point.step > 0 {
             format!(", resuming after step {}", point.step)
         } else {
@@ -770,8 +780,8 @@ fn write_model<B: crate::kernels::LabBackend, M: burn::module::Module<B>>(
         .with_context(|| format!("cannot write {}", artifact.model_file().display()))
 }
 
-/// The training loader of `config`: `steps_per_epoch` batches drawn with replacement, fresh
-/// every epoch, grouped by length when the config asks and `lengths` are given, the backend's
+/// The training loader of `config`: `steps_per_epoch · grad_accumulation` batches drawn with
+/// replacement, fresh every epoch, grouped by length when the config asks and `lengths` are given, the backend's
 /// generator and the dropout stream reseeded before each batch. `epoch` counts the epochs begun.
 pub fn train_loader<B, I, O>(
     config: &ExperimentConfig,
@@ -792,7 +802,7 @@ where
         train_batch,
         device.clone(),
         Draw::Replacement {
-            batches: train.steps_per_epoch,
+            batches: train.batches_per_epoch(),
         },
         train.batch_size,
         train.num_workers,

@@ -22,11 +22,14 @@ use crate::artifact::{write_atomic, ArtifactDir, ArtifactRecorder, CheckpointWat
 use anyhow::{Context, Result};
 use burn::data::dataloader::Progress;
 use burn::module::{AutodiffModule, Module};
+use burn::optim::{GradientsAccumulator, GradientsParams};
 use burn::record::FileRecorder;
+use burn::tensor::Tensor;
 use burn::train::checkpoint::{
     AsyncCheckpointer, CheckpointingAction, CheckpointingStrategy, FileCheckpointer,
 };
 use burn::train::metric::store::EventStoreClient;
+use burn::train::ClassificationOutput;
 use burn::train::{
     EventProcessorTraining, InferenceStep, Interrupter, Learner, LearnerEvent,
     LearningCheckpointer, LearningComponentsTypes, SupervisedLearningStrategy,
@@ -99,6 +102,9 @@ pub const PAUSE_STEP_SAVE_ENV: &str = "TRANSFORMER_LAB_PAUSE_STEP_SAVE";
 pub struct StepStrategy {
     pub(super) artifact: ArtifactDir,
     pub(super) steps_per_epoch: usize,
+    /// Batches a step (`train.grad_accumulation`): their gradients are summed and the
+    /// optimizer takes their mean ([`super::optim::ReferenceOptimizer`] scales by `1/n`).
+    pub(super) accumulation: usize,
     /// A mid-epoch checkpoint to start from (its records are loaded here); `None` starts where
     /// burn's learner starts (a fresh run, or after the epoch checkpoint it loaded).
     pub(super) resume: Option<StepPoint>,
@@ -239,6 +245,7 @@ pub fn remove_superseded_steps(artifact: &ArtifactDir, steps_per_epoch: usize) -
 impl<LC> SupervisedLearningStrategy<LC> for StepStrategy
 where
     LC: LearningComponentsTypes,
+    LC::TrainingModel: TrainStep<Output = ClassificationOutput<LC::Backend>>,
     ArtifactRecorder: FileRecorder<LC::Backend>,
 {
     fn fit(
@@ -280,6 +287,10 @@ where
             super::parallel::quiet_collective_panics();
         }
         let spe = self.steps_per_epoch;
+        let n = self.accumulation;
+        let mut accumulated = GradientsAccumulator::<LC::TrainingModel>::new();
+        // The losses of the step's batches before its last (`[1]` each).
+        let mut losses = Vec::with_capacity(n);
         let mut last_save = Instant::now();
         let mut warned = false;
         let mut steps_run = 0usize;
@@ -312,25 +323,33 @@ where
                 items_processed: epoch,
                 items_total: components.num_epochs,
             };
-            self.skip.store(skip, Ordering::SeqCst);
+            // The loader counts batches: `n` a step.
+            self.skip.store(skip * n, Ordering::SeqCst);
             let mut iterator = loader_train.iter();
             if let Err(err) = remove_superseded_steps(&self.artifact, spe) {
                 eprintln!("warning: {err:#}");
             }
             if let Some(peers) = &peers {
-                peers.begin_epoch(epoch, skip);
+                peers.begin_epoch(epoch, skip * n);
             }
+            // `batch` counts this epoch's optimizer steps, `part` the batches of the step under
+            // way; a stop, a checkpoint or a metric comes only between steps.
             let mut batch = std::mem::take(&mut skip);
+            let mut part = 0usize;
+            let mut began = Instant::now();
             while let Some(item) = iterator.next() {
-                let began = Instant::now();
-                batch += 1;
-                learner.lr_step();
+                if part == 0 {
+                    began = Instant::now();
+                    learner.lr_step();
+                }
+                part += 1;
+                let last = part == n;
+                let step = (epoch - 1) * spe + batch + 1;
                 let progress = iterator.progress();
-                let item = match &peers {
+                let (mut item, grads) = match &peers {
                     None => {
                         let output = learner.train_step(item);
-                        learner.optimizer_step(output.grads);
-                        output.item
+                        (output.item, output.grads)
                     }
                     Some(peers) => {
                         let user = asked(&interrupter);
@@ -338,11 +357,11 @@ where
                             f32::from(user),
                             f32::from(interrupter.should_stop() && !user),
                         ];
-                        let step = (epoch - 1) * spe + batch;
-                        match parallel_step(&mut learner, peers, item, steps_run == 0, step, wish) {
-                            Ok((item, [user, other])) => {
+                        let first = steps_run == 0 && part == 1;
+                        match parallel_grads(&mut learner, peers, item, first, step, wish) {
+                            Ok((item, grads, [user, other])) => {
                                 agreed.set((user > 0.0, other > 0.0));
-                                item
+                                (item, grads)
                             }
                             Err(err) => {
                                 self.fail(err, &interrupter);
@@ -351,6 +370,22 @@ where
                         }
                     }
                 };
+                if n > 1 {
+                    accumulated.accumulate(&learner.model(), grads);
+                    if !last {
+                        losses.push(item.loss.detach());
+                        continue;
+                    }
+                    learner.optimizer_step(accumulated.grads());
+                    // The step's loss is its batches' mean (a batch that diverged makes it
+                    // NaN); its other metrics are its last batch's.
+                    losses.push(item.loss.detach());
+                    item.loss = Tensor::cat(std::mem::take(&mut losses), 0).mean();
+                } else {
+                    learner.optimizer_step(grads);
+                }
+                part = 0;
+                batch += 1;
                 processor.process_train(LearnerEvent::ProcessedItem(TrainingItem::new(
                     item,
                     progress,
@@ -448,19 +483,19 @@ impl StepStrategy {
     }
 }
 
-/// One data-parallel step: the other peers start from the learner's weights, every peer
-/// computes the gradients of its share, their mean updates the learner's weights. The first
-/// step hands the weights over only after peer 0's forward pass, which initialises the
-/// parameters burn creates lazily (as a one-device run's first step does, so both start from
-/// the same weights).
-fn parallel_step<LC: LearningComponentsTypes>(
+/// One data-parallel batch: the other peers start from the learner's weights, every peer
+/// computes the gradients of its share, and their mean comes back for the optimizer (which
+/// steps after a step's last batch). The run's first batch hands the weights over only after
+/// peer 0's forward pass, which initialises the parameters burn creates lazily (as a
+/// one-device run's first step does, so both start from the same weights).
+fn parallel_grads<LC: LearningComponentsTypes>(
     learner: &mut Learner<LC>,
     peers: &PeerThreads<LC::TrainingModel>,
     item: <LC::TrainingModel as TrainStep>::Input,
     first: bool,
     step: usize,
     wish: [f32; 2],
-) -> Result<(<LC::TrainingModel as TrainStep>::Output, [f32; 2]), String> {
+) -> Result<StepGrads<LC>, String> {
     let began = Instant::now();
     if !first {
         peers.step(&learner.model());
@@ -485,7 +520,14 @@ fn parallel_step<LC: LearningComponentsTypes>(
     peers.finish_step()?;
     let reduce = reducing.elapsed();
     let (grads, agreed) = mean;
-    learner.optimizer_step(grads);
     peers.timed(began.elapsed(), reduce);
-    Ok((output.item, agreed))
+    Ok((output.item, grads, agreed))
 }
+
+/// A data-parallel batch's output on this peer, the mean of every peer's gradients of its
+/// share, and what the peers agreed on stopping.
+type StepGrads<LC> = (
+    <<LC as LearningComponentsTypes>::TrainingModel as TrainStep>::Output,
+    GradientsParams,
+    [f32; 2],
+);

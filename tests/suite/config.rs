@@ -101,6 +101,10 @@ fn mistakes_are_clear_errors() {
         ),
         (r#"{"model": {"kind": "gan"}}"#, "unknown variant `gan`"),
         (
+            r#"{"train": {"grad_accumulation": 0}}"#,
+            "grad_accumulation must be at least 1",
+        ),
+        (
             r#"{"data": {"train_examples": 100}}"#,
             "train_examples is for datasets of examples",
         ),

@@ -1,5 +1,7 @@
-//! Data-parallel training (`train --devices`): each device's share of every batch, and the
-//! promise that splitting a batch across devices changes nothing but the order of sums.
+//! Data-parallel training (`train --devices`) and gradient accumulation
+//! (`train.grad_accumulation`): each device's share of every batch, and the promise that
+//! splitting a step's batch across devices, or across batches whose gradients are added up,
+//! changes nothing but the order of sums.
 
 use crate::common::{assert_clean_error, lm_weights as weights, run, stderr, tiny_text_experiment};
 use burn::backend::NdArray;
@@ -94,29 +96,40 @@ fn largest_difference(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
         .fold(0.0, f32::max)
 }
 
-#[test]
-fn two_devices_train_the_weights_one_device_trains() {
-    let dir = tempfile::tempdir().unwrap();
-    // No dropout: each share draws masks of its own, so only then is the step the same step.
+/// `train --artifact-dir ART --plain ARGS` in `dir`, which must succeed: its standard output.
+fn train_in(dir: &Path, art: &str, args: &[&str]) -> String {
+    let mut all = vec!["train", "--artifact-dir", art, "--plain"];
+    all.extend(args);
+    let out = run(dir, &all);
+    assert!(out.status.success(), "{}", stderr(&out));
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Writes `tiny.json` in `dir`, 40 steps of 8 windows without dropout (each device's share
+/// draws masks of its own, so only then is a split step the same step); returns its text.
+fn forty_steps_of_eight(dir: &Path) -> String {
     tiny_text_experiment(
-        dir.path(),
+        dir,
         r#"{"batch_size": 8, "steps": 40, "steps_per_epoch": 20, "eval_batches": 1,
             "warmup_steps": 4, "lr": 0.01}"#,
     );
+    std::fs::read_to_string(dir.join("tiny.json")).unwrap()
+}
+
+#[test]
+fn two_devices_train_the_weights_one_device_trains() {
+    let dir = tempfile::tempdir().unwrap();
+    let text = forty_steps_of_eight(dir.path());
     // The same run from another seed: how far apart two different trainings end.
-    let text = std::fs::read_to_string(dir.path().join("tiny.json")).unwrap();
     let other = text.replace(r#""name": "tiny","#, r#""name": "tiny", "seed": 7,"#);
     assert_ne!(text, other);
     std::fs::write(dir.path().join("other.json"), other).unwrap();
     let train = |art: &str, extra: &[&str]| {
-        let mut args = vec!["train", "--artifact-dir", art, "--plain"];
+        let mut args = Vec::from(extra);
         if !extra.contains(&"-e") {
             args.extend(["-e", "tiny.json"]);
         }
-        args.extend(extra);
-        let out = run(dir.path(), &args);
-        assert!(out.status.success(), "{}", stderr(&out));
-        String::from_utf8_lossy(&out.stdout).into_owned()
+        train_in(dir.path(), art, &args)
     };
     train("one", &[]);
     let log = train("two", &["--devices", "0,1"]);
@@ -147,6 +160,96 @@ fn two_devices_train_the_weights_one_device_trains() {
         let difference = largest_difference(&one, other);
         assert!(difference < 1e-5, "{name} devices: {difference}");
     }
+}
+
+#[test]
+fn accumulated_batches_train_the_weights_of_one_batch_of_their_sum() {
+    let dir = tempfile::tempdir().unwrap();
+    let text = forty_steps_of_eight(dir.path());
+    // Each experiment: `tiny.json` with `replace` made in it.
+    let experiment = |name: &str, replace: &[(&str, &str)]| {
+        let mut changed = text.clone();
+        for (from, to) in replace {
+            assert!(changed.contains(from), "{from}");
+            changed = changed.replace(from, to);
+        }
+        std::fs::write(dir.path().join(name), changed).unwrap();
+    };
+    let batches =
+        |size: usize, n: usize| format!(r#""batch_size": {size}, "grad_accumulation": {n}"#);
+    let unclipped = r#""lr": 0.01, "grad_clip": 0"#;
+    experiment("two.json", &[(r#""batch_size": 8"#, &batches(4, 2))]);
+    experiment("four.json", &[(r#""batch_size": 8"#, &batches(2, 4))]);
+    experiment("unclipped.json", &[(r#""lr": 0.01"#, unclipped)]);
+    experiment(
+        "two-unclipped.json",
+        &[
+            (r#""batch_size": 8"#, &batches(4, 2)),
+            (r#""lr": 0.01"#, unclipped),
+        ],
+    );
+    experiment(
+        "other.json",
+        &[(r#""name": "tiny","#, r#""name": "tiny", "seed": 7,"#)],
+    );
+    let train = |art: &str, args: &[&str]| train_in(dir.path(), art, args);
+    train("one", &["-e", "tiny.json"]);
+    let log = train("two", &["-e", "two.json"]);
+    assert!(
+        log.contains("for 40 steps of 2 batches of 4 each (gradients accumulated)"),
+        "{log}"
+    );
+    train("four", &["-e", "four.json"]);
+    train(
+        "two-on-two-devices",
+        &["-e", "two.json", "--devices", "0,1"],
+    );
+    train("unclipped", &["-e", "unclipped.json"]);
+    train("two-unclipped", &["-e", "two-unclipped.json"]);
+    train("other-seed", &["-e", "other.json"]);
+    // One training loss a step, the mean of its batches' losses: the big batch's loss.
+    let losses = |art: &str| -> Vec<f64> {
+        let table = std::fs::read_to_string(dir.path().join(art).join("metrics.csv")).unwrap();
+        table
+            .lines()
+            .filter(|l| l.contains(",train,loss,"))
+            .map(|l| l.rsplit(',').next().unwrap().parse().unwrap())
+            .collect()
+    };
+    let big = losses("one");
+    assert_eq!(big.len(), 40);
+    for art in ["two", "four"] {
+        let steps = losses(art);
+        assert_eq!(steps.len(), 40, "{art}: a loss a step");
+        for (step, (a, b)) in big.iter().zip(&steps).enumerate() {
+            assert!(
+                (a - b).abs() < 1e-4,
+                "{art}, step {}: {a} against {b}",
+                step + 1
+            );
+        }
+    }
+    // The loader draws a step's items in the same order whatever the batch, and the mean of the
+    // batches' mean gradients is the step's mean gradient: only the order of the sums differs,
+    // while another seed's batches and initial weights end far away. With clipping (the
+    // default 1.0) the norm is the mean's; without, the mean alone.
+    let one = weights(&dir.path().join("one"));
+    let apart = largest_difference(&one, &weights(&dir.path().join("other-seed")));
+    assert!(apart > 0.05, "{apart}");
+    for (name, base) in [
+        ("two", "one"),
+        ("four", "one"),
+        ("two-on-two-devices", "one"),
+        ("two-unclipped", "unclipped"),
+    ] {
+        let difference = largest_difference(
+            &weights(&dir.path().join(base)),
+            &weights(&dir.path().join(name)),
+        );
+        assert!(difference < 1e-5, "{name}: {difference}");
+    }
+    let clipped = largest_difference(&one, &weights(&dir.path().join("unclipped")));
+    assert!(clipped > 1e-3, "clipping changes this run: {clipped}");
 }
 
 #[test]

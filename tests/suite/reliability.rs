@@ -420,6 +420,22 @@ fn a_data_parallel_run_killed_and_stopped_then_resumed_equals_the_uninterrupted_
     );
 }
 
+/// Three batches a step (gradient accumulation), on two devices: a kill at an epoch's
+/// checkpoint, then a SIGTERM and a SIGINT mid-epoch, each resumed, end where the uninterrupted
+/// run ends, to the bit (a stop waits for the step's last batch, and a resumed epoch skips three
+/// batches for each step done).
+#[test]
+fn accumulated_steps_killed_and_stopped_then_resumed_equal_the_uninterrupted_run() {
+    stopped_and_resumed_equals_uninterrupted_with(
+        "ndarray",
+        1,
+        8,
+        Some(2),
+        &[libc::SIGTERM, libc::SIGINT],
+        r#""devices": [0, 1], "grad_accumulation": 3"#,
+    );
+}
+
 /// On the GPU backend as well: with burn's fusion, the checkpoint threads read tensors the
 /// training thread made, and a resumed run's weights are restored on those threads. One kill
 /// and one SIGTERM in one run: each process start compiles the kernels again on lavapipe (half

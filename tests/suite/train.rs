@@ -1,6 +1,6 @@
 //! Optimisation pieces: the warmup + cosine schedule (nanoGPT's `get_lr`), the Noam schedule,
-//! resuming a schedule, and
-//! clipping by the global gradient norm.
+//! resuming a schedule, clipping by the global gradient norm, and the mean of accumulated
+//! gradients.
 
 use burn::backend::{Autodiff, NdArray};
 use burn::module::{Module, ModuleVisitor, Param};
@@ -83,8 +83,8 @@ fn norm(model: &LanguageModel<AB>, grads: &GradientsParams) -> f64 {
     v.sum.sqrt()
 }
 
-#[test]
-fn clipping_rescales_all_gradients_together() {
+/// A one-layer language model of width 16 and a sequence of 8 tokens for it.
+fn tiny_lm() -> (LanguageModel<AB>, Tensor<AB, 2, Int>) {
     let device = Default::default();
     let config = LmConfig {
         stack: StackConfig {
@@ -97,8 +97,13 @@ fn clipping_rescales_all_gradients_together() {
         context: 8,
         ..LmConfig::default()
     };
-    let model: LanguageModel<AB> = config.init(&device);
     let inputs = Tensor::<AB, 2, Int>::from_data([[1, 2, 3, 4, 5, 6, 0, 1]], &device);
+    (config.init(&device), inputs)
+}
+
+#[test]
+fn clipping_rescales_all_gradients_together() {
+    let (model, inputs) = tiny_lm();
     let grads_of = || {
         let logits = model.forward(inputs.clone()).logits;
         GradientsParams::from_grads(logits.powi_scalar(2).sum().backward(), &model)
@@ -124,6 +129,82 @@ fn clipping_rescales_all_gradients_together() {
     // Below the threshold nothing changes.
     let untouched = clip_global_norm::<AB, _>(&model, grads_of(), 1e9);
     assert!((norm(&model, &untouched) - before).abs() < 1e-6 * before);
+}
+
+/// Every float parameter of `model`, in visiting order.
+fn parameters(model: &LanguageModel<AB>) -> Vec<f32> {
+    struct Values(Vec<f32>);
+    impl ModuleVisitor<AB> for Values {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<AB, D>>) {
+            self.0
+                .extend(param.val().inner().into_data().to_vec::<f32>().unwrap());
+        }
+    }
+    let mut values = Values(Vec::new());
+    model.visit(&mut values);
+    values.0
+}
+
+#[test]
+fn an_accumulating_optimizer_steps_on_the_mean_of_the_gradients_it_is_handed() {
+    use burn::optim::{Optimizer, SgdConfig};
+    use transformer_lab::config::TrainConfig;
+    use transformer_lab::train::{reference_adamw, ReferenceOptimizer};
+    let (model, inputs) = tiny_lm();
+    // The gradients of `times` batches alike, added up: `times · g`.
+    let grads = |times: f32| {
+        let logits = model.forward(inputs.clone()).logits;
+        let loss = logits.powi_scalar(2).sum().mul_scalar(times);
+        GradientsParams::from_grads(loss.backward(), &model)
+    };
+    let g_norm = norm(&model, &grads(1.0));
+    let largest = |a: &[f32], b: &[f32]| {
+        a.iter()
+            .zip(b)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0.0f32, f32::max)
+    };
+    let start = parameters(&model);
+    // SGD (whose step is as large as the gradient) and AdamW with an ε as large as the
+    // gradients (so that its step depends on their scale), each with clipping off, clipping
+    // that acts (below the norm of `g`) and clipping that acts only on `3 · g`.
+    for clip in [0.0, (g_norm / 2.0) as f32, (g_norm * 2.0) as f32] {
+        let sgd =
+            || ReferenceOptimizer::new(SgdConfig::new().init::<AB, LanguageModel<AB>>(), 0.0, clip);
+        let adamw = |n: usize| {
+            let train = TrainConfig {
+                epsilon: 1.0,
+                grad_clip: clip,
+                grad_accumulation: n,
+                ..TrainConfig::default()
+            };
+            reference_adamw::<AB, LanguageModel<AB>>(&train)
+        };
+        let one = parameters(&sgd().step(0.1, model.clone(), grads(1.0)));
+        let mean = parameters(&sgd().averaging(3).step(0.1, model.clone(), grads(3.0)));
+        let sum = parameters(&sgd().step(0.1, model.clone(), grads(3.0)));
+        let adamw_one = parameters(&adamw(1).step(0.1, model.clone(), grads(1.0)));
+        let adamw_mean = parameters(&adamw(3).step(0.1, model.clone(), grads(3.0)));
+        let adamw_sum = parameters(&adamw(1).step(0.1, model.clone(), grads(3.0)));
+        for (name, one, mean, sum) in [
+            ("sgd", one, mean, sum),
+            ("adamw", adamw_one, adamw_mean, adamw_sum),
+        ] {
+            let moved = largest(&start, &one);
+            assert!(moved > 1e-3, "{name}, clip {clip}: the step moved {moved}");
+            let off = largest(&one, &mean);
+            assert!(off < 1e-6 * moved.max(1.0), "{name}, clip {clip}: {off}");
+            // Where clipping to a norm below `g`'s makes `3 · g` and `g` the same step, the sum
+            // gives it too; otherwise the sum takes another.
+            if clip != (g_norm / 2.0) as f32 {
+                let apart = largest(&one, &sum);
+                assert!(
+                    apart > 1e-4 * moved,
+                    "{name}, clip {clip}: the sum's step {apart}"
+                );
+            }
+        }
+    }
 }
 
 #[test]
