@@ -30,8 +30,9 @@ use std::any::Any;
 use std::marker::PhantomData;
 use std::sync::{Arc, Mutex};
 
-/// Wraps an optimizer (AdamW without weight decay of its own) so every step first clips the
-/// gradients to a global norm of at most `max_grad_norm` (0 = no clipping), then applies
+/// Wraps an optimizer (AdamW without weight decay of its own) so every step first takes the
+/// mean of accumulated gradients ([`ReferenceOptimizer::averaging`]) and clips the gradients
+/// to a global norm of at most `max_grad_norm` (0 = no clipping), then applies
 /// decoupled weight decay `θ ← θ·(1 − lr·λ)` to parameters of rank ≥ 2 (0 = none), as
 /// PyTorch's AdamW does before its update.
 #[derive(Clone)]

@@ -148,8 +148,8 @@ impl Session {
     }
 
     /// The training loader (`steps_per_epoch · grad_accumulation` batches drawn with
-    /// replacement, fresh every epoch) and the validation loader (the same `eval_batches` batches every epoch), both
-    /// reproducible from the seed and the epoch alone.
+    /// replacement, fresh every epoch) and the validation loader (the same `eval_batches`
+    /// batches every epoch), both reproducible from the seed and the epoch alone.
     #[allow(clippy::too_many_arguments)]
     pub fn loaders<B, I, O, IV, OV>(
         &self,
