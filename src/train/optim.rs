@@ -417,26 +417,21 @@ where
             true => poison::<B, M>(&module, grads),
             false => grads,
         };
+        // What the gradients are multiplied by: the accumulation's mean and clipping, one factor.
         let (max_norm, scale) = (self.max_grad_norm, self.grad_scale);
-        let grads = match (max_norm > 0.0, &self.clip) {
-            (false, _) if scale == 1.0 => grads,
+        let factor = match (max_norm > 0.0, scale == 1.0) {
+            (true, _) => clip_factor::<B, M>(&module, &grads, max_norm, scale),
+            (false, false) => scale_factor::<B, M>(&module, scale),
+            (false, true) => None,
+        };
+        let grads = match (&self.clip, factor) {
             // The inner optimizer multiplies the factor in as it reads each gradient.
-            (false, Some(clip)) => {
-                clip.set(scale_factor::<B, M>(&module, scale));
+            (Some(clip), factor) => {
+                clip.set(factor);
                 grads
             }
-            (false, None) => match scale_factor::<B, M>(&module, scale) {
-                Some(factor) => rescale::<B, M>(&module, grads, factor),
-                None => grads,
-            },
-            (true, Some(clip)) => {
-                clip.set(clip_factor::<B, M>(&module, &grads, max_norm, scale));
-                grads
-            }
-            (true, None) => match clip_factor::<B, M>(&module, &grads, max_norm, scale) {
-                Some(factor) => rescale::<B, M>(&module, grads, factor),
-                None => grads,
-            },
+            (None, Some(factor)) => rescale::<B, M>(&module, grads, factor),
+            (None, None) => grads,
         };
         let module = if self.weight_decay > 0.0 {
             module.map(&mut ScaleMatrices {

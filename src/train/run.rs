@@ -781,8 +781,9 @@ fn write_model<B: crate::kernels::LabBackend, M: burn::module::Module<B>>(
 }
 
 /// The training loader of `config`: `steps_per_epoch · grad_accumulation` batches drawn with
-/// replacement, fresh every epoch, grouped by length when the config asks and `lengths` are given, the backend's
-/// generator and the dropout stream reseeded before each batch. `epoch` counts the epochs begun.
+/// replacement, fresh every epoch, grouped by length when the config asks and `lengths` are
+/// given, the backend's generator and the dropout stream reseeded before each batch. `epoch`
+/// counts the epochs begun.
 pub fn train_loader<B, I, O>(
     config: &ExperimentConfig,
     device: &B::Device,

@@ -289,7 +289,7 @@ where
         let spe = self.steps_per_epoch;
         let n = self.accumulation;
         let mut accumulated = GradientsAccumulator::<LC::TrainingModel>::new();
-        // The losses of the step's batches before its last (`[1]` each).
+        // The losses of the step's batches so far (`[1]` each).
         let mut losses = Vec::with_capacity(n);
         let mut last_save = Instant::now();
         let mut warned = false;
@@ -372,14 +372,13 @@ where
                 };
                 if n > 1 {
                     accumulated.accumulate(&learner.model(), grads);
+                    losses.push(item.loss.detach());
                     if !last {
-                        losses.push(item.loss.detach());
                         continue;
                     }
                     learner.optimizer_step(accumulated.grads());
                     // The step's loss is its batches' mean (a batch that diverged makes it
                     // NaN); its other metrics are its last batch's.
-                    losses.push(item.loss.detach());
                     item.loss = Tensor::cat(std::mem::take(&mut losses), 0).mean();
                 } else {
                     learner.optimizer_step(grads);
