@@ -43,9 +43,10 @@ pub struct ReferenceOptimizer<O> {
     /// Where the inner optimizer takes clipping's factor itself ([`LabAdamW`]): the gradients
     /// are then not rescaled first, the factor is multiplied in as the update reads them.
     clip: Option<ClipFactor>,
-    /// What the gradients handed to a step are multiplied by before anything reads them:
-    /// `1/n` where they are the sum of `n` batches' gradients (`train.grad_accumulation`), so
-    /// the step takes their mean; 1 otherwise.
+    /// What the gradients handed to a step are taken times: `1/n` where they are the sum of
+    /// `n` batches' gradients (`train.grad_accumulation`), so the step takes their mean (and
+    /// clips the mean's norm); 1 otherwise. Folded into the one factor the step multiplies the
+    /// gradients by.
     grad_scale: f32,
     /// Steps taken by this process (for [`NAN_ENV`]).
     steps: usize,
