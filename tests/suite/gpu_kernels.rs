@@ -435,6 +435,49 @@ fn gpu_attention_equals_the_composed_form() {
 }
 
 #[test]
+fn gpu_attention_in_tiles_equals_the_composed_form() {
+    let Some(_turn) = wgpu_turn() else {
+        return;
+    };
+    // Heads 16, 32 or 64 wide run the tiled forward kernel (products of tiles; see
+    // `attention_forward_tiles_kernel`); lavapipe compiles a 16-wide one soonest. Key counts not
+    // a multiple of 4 make a unit's four keys straddle two Philox blocks.
+    let device = Default::default();
+    assert!(cube::attention_in_tiles::<cubecl::wgpu::WgpuRuntime>(
+        &device, 16
+    ));
+    let cases: &[([usize; 5], bool, &[usize], &str)] = &[
+        ([2, 3, 70, 70, 16], true, &[], "causal, three key tiles"),
+        (
+            [2, 2, 70, 70, 16],
+            true,
+            &[70, 5],
+            "causal over three tiles, one batch item all padding",
+        ),
+        (
+            [3, 2, 37, 131, 16],
+            false,
+            &[0, 7, 131],
+            "cross over five key tiles, a fully padded batch item",
+        ),
+        (
+            [2, 1, 6, 6, 16],
+            true,
+            &[6, 0],
+            "causal, every key of one row padded",
+        ),
+    ];
+    for dropout in [None, Some(DropoutMask::new(0.3, 77))] {
+        for &(shape, causal, padded, what) in cases {
+            let case = launching(3, || {
+                attention_case::<Gpu>(shape, causal, padded, dropout, &device)
+            });
+            assert_close(&format!("{what}, dropout {dropout:?}"), case, 2e-5);
+        }
+    }
+}
+
+#[test]
 fn gpu_attention_with_rows_shared_among_units_equals_the_composed_form() {
     let Some(_turn) = wgpu_turn() else {
         return;

@@ -785,3 +785,280 @@ pub fn attention_decode_kernel<F: Float>(
         lse[bh] = F::cast_from(top + f32::ln(total));
     }
 }
+
+/// Units per cube of the tiled kernels ([`attention_forward_tiles_kernel`]).
+pub const TILES_UNITS: u32 = 128;
+
+/// Whether the tiled kernels are made for heads `kd` wide: 16, 32 or 64 (a unit's block of the
+/// output is 4 rows by `kd / 16` columns, and the shared tiles of a 64-wide head take 31 KB).
+pub fn tiles_take(kd: usize) -> bool {
+    matches!(kd, 16 | 32 | 64)
+}
+
+/// The row stride of the tiled kernels' shared tiles that are read across rows (Q and K stored
+/// a column at a time, and the weights): [`TILE`] + 4, so the coalesced loads' stores spread
+/// over 8 banks and a row's reads of 4 consecutive elements stay 16-byte aligned.
+const PADDED: usize = TILE as usize + 4;
+
+/// Rows `r0..r0 + TILE` of head `(b, h)` of `x`, times `scale`, into `tile` a column at a time
+/// (`tile[c · PADDED + r]`, zeros past the end), by the [`TILES_UNITS`] units of the cube: the
+/// reads walk each row's columns (coalesced), the stores a column's rows.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn load_columns<F: Float>(
+    x: &Tensor<F>,
+    tile: &mut SharedMemory<f32>,
+    b: usize,
+    h: usize,
+    r0: usize,
+    scale: f32,
+    #[comptime] kd: usize,
+) {
+    let n = x.shape(2);
+    let base = b * x.stride(0) + h * x.stride(1);
+    let mut e = UNIT_POS_X as usize;
+    while e < TILE as usize * kd {
+        let r = e / kd;
+        let c = e % kd;
+        let mut value = 0.0f32;
+        if r0 + r < n {
+            value = f32::cast_from(x[base + (r0 + r) * x.stride(2) + c * x.stride(3)]) * scale;
+        }
+        tile[c * PADDED + r] = value;
+        e += TILES_UNITS as usize;
+    }
+}
+
+/// The keep bits of the dropout mask's elements `e..e + 4` (bit `n` for element `e + n`): the
+/// one or two Philox blocks that hold them.
+#[cube]
+fn keep_four(e: u32, layout: &Layout) -> u32 {
+    let off = e % 4u32;
+    let first = philox_block(e / 4u32, layout.key_lo, layout.key_hi);
+    let mut bits = 0u32;
+    #[unroll]
+    for w in 0..4u32 {
+        if w >= off && philox_word(first, w) >= layout.threshold {
+            bits |= 1u32 << (w - off);
+        }
+    }
+    if off > 0u32 {
+        let next = philox_block(e / 4u32 + 1u32, layout.key_lo, layout.key_hi);
+        #[unroll]
+        for w in 0..4u32 {
+            if w < off && philox_word(next, w) >= layout.threshold {
+                bits |= 1u32 << (4u32 - off + w);
+            }
+        }
+    }
+    bits
+}
+
+/// The maximum of `x` over 8 adjacent units of a plane (the same in each).
+#[cube]
+fn max_of_eight(x: f32) -> f32 {
+    let mut top = x;
+    top = f32::max(top, plane_shuffle_xor(top, 1u32));
+    top = f32::max(top, plane_shuffle_xor(top, 2u32));
+    top = f32::max(top, plane_shuffle_xor(top, 4u32));
+    top
+}
+
+/// Attention's forward pass as products of tiles, for heads 16, 32 or 64 wide: what
+/// [`attention_forward_kernel`] computes (the same scores, masks, dropout mask, output and
+/// log-sum-exp), with the arithmetic laid out as a matrix product's.
+///
+/// A cube of [`TILES_UNITS`] units takes [`TILE`] query rows of one head and walks the keys a
+/// tile at a time, Q, K and V in shared memory. First each unit computes a 2 × 4 block of the
+/// tile's scores (2 query rows, 4 keys: every number read from shared memory feeds 2 or 4
+/// multiply-adds, where the row kernel's feed one), and the 8 units of a row (adjacent in a
+/// plane) take its online softmax: the tile's maximum and the weights' sum by shuffles, one
+/// exponential per score. The weights go to shared memory, and then each unit adds a 4 ×
+/// `kd / 16` block of the output tile, `P · V`, rescaled by its rows' corrections first.
+#[cube(launch)]
+#[allow(clippy::too_many_arguments)]
+pub fn attention_forward_tiles_kernel<F: Float>(
+    q: &Tensor<F>,
+    k: &Tensor<F>,
+    v: &Tensor<F>,
+    pad: &Tensor<F>,
+    out: &mut Tensor<F>,
+    lse: &mut Tensor<F>,
+    layout: &Layout,
+    #[comptime] kd: usize,
+    #[comptime] causal: bool,
+    #[comptime] has_pad: bool,
+    #[comptime] has_dropout: bool,
+    #[define(F)] _dtype: StorageType,
+) {
+    let bh = CUBE_POS_Y as usize;
+    let heads = layout.heads as usize;
+    let (b, h) = (bh / heads, bh % heads);
+    let t = q.shape(2);
+    let s = k.shape(2);
+    let u = UNIT_POS_X as usize;
+    let i0 = CUBE_POS_X as usize * TILE as usize;
+    let pad_row = b * s;
+    let scale = 1.0f32 / f32::sqrt(f32::cast_from(kd as u32));
+    // The scores' unit: rows i0 + 2·sr + {0, 1}, keys j0 + 4·sk + {0..3}.
+    let sr = u / 8;
+    let sk = u % 8;
+    // The output's unit: rows i0 + 4·vr + {0..3}, columns cw·vc + {0..cw}.
+    let vr = u / 16;
+    let vc = u % 16;
+    let cw = comptime!(kd / 16);
+
+    let mut qs = SharedMemory::<f32>::new_aligned(kd * PADDED, 16usize);
+    let mut ks = SharedMemory::<f32>::new_aligned(kd * PADDED, 16usize);
+    let mut vs = SharedMemory::<f32>::new_aligned(TILE as usize * kd, 16usize);
+    let mut ps = SharedMemory::<f32>::new_aligned(TILE as usize * PADDED, 16usize);
+    // A row's correction for the tile just weighed, and at the end its sum of weights.
+    let mut factors = SharedMemory::<f32>::new(TILE as usize);
+    let mut blind = SharedMemory::<u32>::new(1usize);
+    if u == 0 {
+        blind[0] = 0u32;
+    }
+    load_columns::<F>(q, &mut qs, b, h, i0, scale, kd);
+
+    let mut m = Array::<f32>::new(2usize);
+    let mut l = Array::<f32>::new(2usize);
+    #[unroll]
+    for ro in 0..2usize {
+        m[ro] = f32::new(NO_SCORE);
+        l[ro] = 0.0f32;
+    }
+    let mut acc = Array::<f32>::new(4 * cw);
+    #[unroll]
+    for e in 0..4 * cw {
+        acc[e] = 0.0f32;
+    }
+
+    let end = keys_end(s, causal, has_pad);
+    let mut j0 = 0usize;
+    while j0 < end {
+        load_columns::<F>(k, &mut ks, b, h, j0, 1.0f32, kd);
+        load_tile::<F>(v, &mut vs, b, h, j0, kd, TILES_UNITS as usize);
+        sync_cube();
+        let mut visit = true;
+        if causal && has_pad {
+            visit = j0 <= i0 || blind[0] == 1u32;
+        }
+        if visit {
+            let mut x = Array::<f32>::new(8usize);
+            #[unroll]
+            for e in 0..8usize {
+                x[e] = 0.0f32;
+            }
+            for c4 in 0..kd / 4 {
+                #[unroll]
+                for cc in 0..4usize {
+                    let c = c4 * 4 + cc;
+                    let q0 = qs[c * PADDED + 2 * sr];
+                    let q1 = qs[c * PADDED + 2 * sr + 1];
+                    #[unroll]
+                    for kk in 0..4usize {
+                        let key = ks[c * PADDED + 4 * sk + kk];
+                        x[kk] += q0 * key;
+                        x[4 + kk] += q1 * key;
+                    }
+                }
+            }
+            #[unroll]
+            for ro in 0..2usize {
+                let r = 2 * sr + ro;
+                let i = i0 + r;
+                let mut bits = 0u32;
+                if has_dropout {
+                    bits = keep_four(((bh * t + i) * s + j0 + 4 * sk) as u32, layout);
+                }
+                let mut top = f32::new(NO_SCORE);
+                #[unroll]
+                for kk in 0..4usize {
+                    let j = j0 + 4 * sk + kk;
+                    let mut score = x[4 * ro + kk];
+                    if j >= s {
+                        score = f32::new(NO_SCORE);
+                    } else if is_masked::<F>(i, j, pad, pad_row, causal, has_pad) {
+                        score = f32::new(MASKED_SCORE);
+                    }
+                    x[4 * ro + kk] = score;
+                    top = f32::max(top, score);
+                }
+                let m_new = f32::max(m[ro], max_of_eight(top));
+                let correction = f32::exp(m[ro] - m_new);
+                let mut sum = 0.0f32;
+                #[unroll]
+                for kk in 0..4usize {
+                    let p = f32::exp(x[4 * ro + kk] - m_new);
+                    sum += p;
+                    let mut w = p;
+                    if has_dropout {
+                        w *= kept(bits, kk, layout);
+                    }
+                    ps[r * PADDED + 4 * sk + kk] = w;
+                }
+                l[ro] = l[ro] * correction + row_sum(sum, 8usize);
+                m[ro] = m_new;
+                if sk == 0 {
+                    factors[r] = correction;
+                    if causal && has_pad && j0 == i0 && i < t && m_new <= f32::new(REAL_SCORE) {
+                        blind[0] = 1u32;
+                    }
+                }
+            }
+            sync_cube();
+            #[unroll]
+            for rr in 0..4usize {
+                let f = factors[4 * vr + rr];
+                #[unroll]
+                for cc in 0..cw {
+                    acc[rr * cw + cc] *= f;
+                }
+            }
+            for j4 in 0..TILE as usize / 4 {
+                #[unroll]
+                for jj in 0..4usize {
+                    let j = j4 * 4 + jj;
+                    #[unroll]
+                    for cc in 0..cw {
+                        let value = vs[j * kd + vc * cw + cc];
+                        #[unroll]
+                        for rr in 0..4usize {
+                            acc[rr * cw + cc] += ps[(4 * vr + rr) * PADDED + j] * value;
+                        }
+                    }
+                }
+            }
+        }
+        sync_cube();
+        j0 += TILE as usize;
+    }
+
+    // Each row's sum of weights to the units that hold its output (after the loop's last sync).
+    if sk == 0 {
+        #[unroll]
+        for ro in 0..2usize {
+            let i = i0 + 2 * sr + ro;
+            factors[2 * sr + ro] = l[ro];
+            if i < t {
+                lse[bh * t + i] = F::cast_from(m[ro] + f32::ln(l[ro]));
+            }
+        }
+    }
+    sync_cube();
+    #[unroll]
+    for rr in 0..4usize {
+        let i = i0 + 4 * vr + rr;
+        if i < t {
+            let sum = factors[4 * vr + rr];
+            let o_base = layout.out_offset as usize
+                + b * layout.out_batch as usize
+                + h * layout.out_head as usize
+                + i * layout.out_row as usize;
+            #[unroll]
+            for cc in 0..cw {
+                out[o_base + vc * cw + cc] = F::cast_from(acc[rr * cw + cc] / sum);
+            }
+        }
+    }
+}

@@ -109,6 +109,26 @@ pub fn attention_sources(kd: usize) -> Result<Vec<(String, String)>, String> {
                 );
             sources.push(compile(kernel, &tag)?);
         }
+        if tiles_take(kd) {
+            let kernel =
+                attention_forward_tiles_kernel::AttentionForwardTilesKernel::<WgpuRuntime>::new(
+                    settings(TILES_UNITS),
+                    client.clone(),
+                    tensor(),
+                    tensor(),
+                    tensor(),
+                    tensor(),
+                    tensor(),
+                    tensor(),
+                    layout(),
+                    kd,
+                    causal,
+                    has_pad,
+                    dropout,
+                    f32_type,
+                );
+            sources.push(compile(kernel, tag)?);
+        }
     }
     let kernel = attention_decode_kernel::AttentionDecodeKernel::<WgpuRuntime>::new(
         settings(DECODE_UNITS),

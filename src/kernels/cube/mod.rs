@@ -1031,6 +1031,26 @@ fn attention_forward<R: CubeRuntime>(
         return lse;
     }
 
+    if attention_tiles(&q.client, kd) {
+        attention::attention_forward_tiles_kernel::launch::<R>(
+            &q.client,
+            CubeCount::Static(t.div_ceil(TILE as usize) as u32, (b * h) as u32, 1),
+            CubeDim::new_1d(attention::TILES_UNITS),
+            q.clone().into_tensor_arg(),
+            k.clone().into_tensor_arg(),
+            v.clone().into_tensor_arg(),
+            pad.into_tensor_arg(),
+            out.clone().into_tensor_arg(),
+            lse.clone().into_tensor_arg(),
+            layout::<R>(h, strides, 0, dropout),
+            kd,
+            causal,
+            has_pad,
+            dropout.is_some(),
+            q.dtype.into(),
+        );
+        return lse;
+    }
     let split = row_split(&q.client, kd);
     attention::attention_forward_kernel::launch::<R>(
         &q.client,
@@ -1136,6 +1156,28 @@ fn attention_backward<R: CubeRuntime>(
         split,
         dtype.into(),
     );
+}
+
+/// Whether attention with heads `kd` wide runs the tiled forward kernel
+/// ([`attention::attention_forward_tiles_kernel`]) on this device: for heads 16, 32 or 64 wide
+/// where the device's planes shuffle and hold 8 units (a row's 8 units of the scores add up its
+/// weights by shuffles), unless a test forces a row split.
+fn attention_tiles<R: CubeRuntime>(client: &ComputeClient<R>, kd: usize) -> bool {
+    use cubecl::features::Plane;
+    let properties = client.properties();
+    let plane = properties.features.plane;
+    let shuffles = plane.contains(Plane::Ops) || plane.contains(Plane::Sync);
+    attention::tiles_take(kd)
+        && shuffles
+        && properties.hardware.plane_size_min >= 8
+        && FORCED_ROW_SPLIT.load(Ordering::Relaxed) == 0
+}
+
+/// Whether attention with heads `kd` wide runs the tiled forward kernel on `device` (for tests,
+/// which must know which kernel they check).
+#[doc(hidden)]
+pub fn attention_in_tiles<R: CubeRuntime>(device: &R::Device, kd: usize) -> bool {
+    attention_tiles(&R::client(device), kd)
 }
 
 /// A row split the tests force on the attention tile kernels (0: [`row_split`]'s own).
