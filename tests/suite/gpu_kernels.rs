@@ -543,6 +543,12 @@ fn gpu_packed_self_attention_equals_the_composed_form() {
     let cases: &[([usize; 4], bool, &[usize], &str)] = &[
         ([2, 70, 3, 8], true, &[], "causal, three key tiles"),
         (
+            [2, 37, 2, 16],
+            true,
+            &[0, 30],
+            "causal with padding, 16-wide heads (the tiled kernels)",
+        ),
+        (
             [2, 9, 2, 5],
             true,
             &[0, 3],

@@ -829,6 +829,90 @@ fn load_columns<F: Float>(
     }
 }
 
+/// A unit's 2 × 4 block of a tile's products of rows: `x[4·ro + kk] += Σ_c a[c·PADDED + 2·sr +
+/// ro] · b[c·PADDED + 4·sk + kk]`, `a` and `b` stored a column at a time (see [`load_columns`]):
+/// each step reads 2 and 4 consecutive numbers for 8 multiply-adds.
+#[cube]
+fn add_scores(
+    a: &SharedMemory<f32>,
+    b: &SharedMemory<f32>,
+    x: &mut Array<f32>,
+    sr: usize,
+    sk: usize,
+    #[comptime] kd: usize,
+) {
+    for c4 in 0..kd / 4 {
+        #[unroll]
+        for cc in 0..4usize {
+            let c = c4 * 4 + cc;
+            let a0 = a[c * PADDED + 2 * sr];
+            let a1 = a[c * PADDED + 2 * sr + 1];
+            #[unroll]
+            for kk in 0..4usize {
+                let bk = b[c * PADDED + 4 * sk + kk];
+                x[kk] += a0 * bk;
+                x[4 + kk] += a1 * bk;
+            }
+        }
+    }
+}
+
+/// A unit's 4 × `cw` block of `W · M` over a tile: `acc[rr·cw + cc] += Σ_j w[(4·vr + rr)·PADDED
+/// + j] · m[(cw·vc + cc)·PADDED + j]`, `w` a tile of weights a row at a time and `m` stored a
+/// column at a time: 4 consecutive `j` of each are read at once, 4 + `cw` reads for `16·cw`
+/// multiply-adds.
+#[cube]
+fn add_rows_times(
+    w: &SharedMemory<f32>,
+    m: &SharedMemory<f32>,
+    acc: &mut Array<f32>,
+    vr: usize,
+    vc: usize,
+    #[comptime] cw: usize,
+) {
+    for j4 in 0..TILE as usize / 4 {
+        #[unroll]
+        for jj in 0..4usize {
+            let j = j4 * 4 + jj;
+            #[unroll]
+            for cc in 0..cw {
+                let value = m[(cw * vc + cc) * PADDED + j];
+                #[unroll]
+                for rr in 0..4usize {
+                    acc[rr * cw + cc] += w[(4 * vr + rr) * PADDED + j] * value;
+                }
+            }
+        }
+    }
+}
+
+/// A unit's 4 × `cw` block of `Wᵀ · M` over a tile: `acc[rr·cw + cc] += Σ_i w[i·PADDED + 4·vr +
+/// rr] · m[(cw·vc + cc)·PADDED + i]` (the key kernel's products, its rows the weights' columns).
+#[cube]
+fn add_columns_times(
+    w: &SharedMemory<f32>,
+    m: &SharedMemory<f32>,
+    acc: &mut Array<f32>,
+    vr: usize,
+    vc: usize,
+    #[comptime] cw: usize,
+) {
+    for i4 in 0..TILE as usize / 4 {
+        #[unroll]
+        for ii in 0..4usize {
+            let i = i4 * 4 + ii;
+            #[unroll]
+            for cc in 0..cw {
+                let value = m[(cw * vc + cc) * PADDED + i];
+                #[unroll]
+                for rr in 0..4usize {
+                    acc[rr * cw + cc] += w[i * PADDED + 4 * vr + rr] * value;
+                }
+            }
+        }
+    }
+}
+
 /// The keep bits of the dropout mask's elements `e..e + 4` (bit `n` for element `e + n`): the
 /// one or two Philox blocks that hold them.
 #[cube]
@@ -910,7 +994,7 @@ pub fn attention_forward_tiles_kernel<F: Float>(
 
     let mut qs = SharedMemory::<f32>::new_aligned(kd * PADDED, 16usize);
     let mut ks = SharedMemory::<f32>::new_aligned(kd * PADDED, 16usize);
-    let mut vs = SharedMemory::<f32>::new_aligned(TILE as usize * kd, 16usize);
+    let mut vs = SharedMemory::<f32>::new_aligned(kd * PADDED, 16usize);
     let mut ps = SharedMemory::<f32>::new_aligned(TILE as usize * PADDED, 16usize);
     // A row's correction for the tile just weighed, and at the end its sum of weights.
     let mut factors = SharedMemory::<f32>::new(TILE as usize);
@@ -937,7 +1021,7 @@ pub fn attention_forward_tiles_kernel<F: Float>(
     let mut j0 = 0usize;
     while j0 < end {
         load_columns::<F>(k, &mut ks, b, h, j0, 1.0f32, kd);
-        load_tile::<F>(v, &mut vs, b, h, j0, kd, TILES_UNITS as usize);
+        load_columns::<F>(v, &mut vs, b, h, j0, 1.0f32, kd);
         sync_cube();
         let mut visit = true;
         if causal && has_pad {
@@ -949,20 +1033,7 @@ pub fn attention_forward_tiles_kernel<F: Float>(
             for e in 0..8usize {
                 x[e] = 0.0f32;
             }
-            for c4 in 0..kd / 4 {
-                #[unroll]
-                for cc in 0..4usize {
-                    let c = c4 * 4 + cc;
-                    let q0 = qs[c * PADDED + 2 * sr];
-                    let q1 = qs[c * PADDED + 2 * sr + 1];
-                    #[unroll]
-                    for kk in 0..4usize {
-                        let key = ks[c * PADDED + 4 * sk + kk];
-                        x[kk] += q0 * key;
-                        x[4 + kk] += q1 * key;
-                    }
-                }
-            }
+            add_scores(&qs, &ks, &mut x, sr, sk, kd);
             #[unroll]
             for ro in 0..2usize {
                 let r = 2 * sr + ro;
@@ -1015,20 +1086,7 @@ pub fn attention_forward_tiles_kernel<F: Float>(
                     acc[rr * cw + cc] *= f;
                 }
             }
-            for j4 in 0..TILE as usize / 4 {
-                #[unroll]
-                for jj in 0..4usize {
-                    let j = j4 * 4 + jj;
-                    #[unroll]
-                    for cc in 0..cw {
-                        let value = vs[j * kd + vc * cw + cc];
-                        #[unroll]
-                        for rr in 0..4usize {
-                            acc[rr * cw + cc] += ps[(4 * vr + rr) * PADDED + j] * value;
-                        }
-                    }
-                }
-            }
+            add_rows_times(&ps, &vs, &mut acc, vr, vc, cw);
         }
         sync_cube();
         j0 += TILE as usize;
@@ -1058,6 +1116,288 @@ pub fn attention_forward_tiles_kernel<F: Float>(
             #[unroll]
             for cc in 0..cw {
                 out[o_base + vc * cw + cc] = F::cast_from(acc[rr * cw + cc] / sum);
+            }
+        }
+    }
+}
+
+/// Attention's backward pass, query side, as products of tiles (heads 16, 32 or 64 wide): what
+/// [`attention_backward_queries_kernel`] computes, `dq` and `delta`, laid out as
+/// [`attention_forward_tiles_kernel`] lays out the forward.
+///
+/// The cube's Q and dO rows stay in shared memory; for each tile of keys each unit computes a
+/// 2 × 4 block of the scores and of `dP = dO · Vᵀ`, then its block's `dS = P ⊙ (dP − D)` from
+/// the saved log-sum-exp (no reduction across units), and after those are in shared memory a 4
+/// × `kd / 16` block of `dQ += dS · K`. `D = rowsum(dO ⊙ O)` is added up first, 4 units a row.
+#[cube(launch)]
+#[allow(clippy::too_many_arguments)]
+pub fn attention_backward_queries_tiles_kernel<F: Float>(
+    q: &Tensor<F>,
+    k: &Tensor<F>,
+    v: &Tensor<F>,
+    o: &Tensor<F>,
+    d_o: &Tensor<F>,
+    lse: &Tensor<F>,
+    pad: &Tensor<F>,
+    dq: &mut Tensor<F>,
+    delta: &mut Tensor<f32>,
+    layout: &Layout,
+    #[comptime] kd: usize,
+    #[comptime] causal: bool,
+    #[comptime] has_pad: bool,
+    #[comptime] has_dropout: bool,
+    #[define(F)] _dtype: StorageType,
+) {
+    let bh = CUBE_POS_Y as usize;
+    let heads = layout.heads as usize;
+    let (b, h) = (bh / heads, bh % heads);
+    let t = q.shape(2);
+    let s = k.shape(2);
+    let u = UNIT_POS_X as usize;
+    let i0 = CUBE_POS_X as usize * TILE as usize;
+    let pad_row = b * s;
+    let scale = 1.0f32 / f32::sqrt(f32::cast_from(kd as u32));
+    let (sr, sk) = (u / 8, u % 8);
+    let (vr, vc) = (u / 16, u % 16);
+    let cw = comptime!(kd / 16);
+
+    let mut qs = SharedMemory::<f32>::new_aligned(kd * PADDED, 16usize);
+    let mut dos = SharedMemory::<f32>::new_aligned(kd * PADDED, 16usize);
+    let mut ks = SharedMemory::<f32>::new_aligned(kd * PADDED, 16usize);
+    let mut vs = SharedMemory::<f32>::new_aligned(kd * PADDED, 16usize);
+    let mut dss = SharedMemory::<f32>::new_aligned(TILE as usize * PADDED, 16usize);
+    let mut lses = SharedMemory::<f32>::new(TILE as usize);
+    let mut deltas = SharedMemory::<f32>::new(TILE as usize);
+    load_columns::<F>(q, &mut qs, b, h, i0, scale, kd);
+    load_columns::<F>(d_o, &mut dos, b, h, i0, 1.0f32, kd);
+
+    // D of row u / 4, each of its 4 units adding a quarter of its columns.
+    let row = u / 4;
+    let part = u % 4;
+    let i = i0 + row;
+    let mut d = 0.0f32;
+    let mut row_lse = 0.0f32;
+    if i < t {
+        let o_base = b * o.stride(0) + h * o.stride(1) + i * o.stride(2);
+        let do_base = b * d_o.stride(0) + h * d_o.stride(1) + i * d_o.stride(2);
+        #[unroll]
+        for cc in 0..kd / 4 {
+            let c = part * (kd / 4) + cc;
+            d += f32::cast_from(d_o[do_base + c * d_o.stride(3)])
+                * f32::cast_from(o[o_base + c * o.stride(3)]);
+        }
+        row_lse = f32::cast_from(lse[bh * t + i]);
+    }
+    d = row_sum(d, 4usize);
+    if part == 0 {
+        deltas[row] = d;
+        lses[row] = row_lse;
+        if i < t {
+            delta[bh * t + i] = d;
+        }
+    }
+
+    let mut acc = Array::<f32>::new(4 * cw);
+    #[unroll]
+    for e in 0..4 * cw {
+        acc[e] = 0.0f32;
+    }
+    // Past the diagonal a causal mask hides every key from the cube's rows, and a masked score
+    // passes no gradient to q, even in a fully masked row: those tiles are never visited.
+    let end = keys_end(s, causal, false);
+    let mut j0 = 0usize;
+    while j0 < end {
+        load_columns::<F>(k, &mut ks, b, h, j0, 1.0f32, kd);
+        load_columns::<F>(v, &mut vs, b, h, j0, 1.0f32, kd);
+        sync_cube();
+        let mut x = Array::<f32>::new(8usize);
+        let mut dp = Array::<f32>::new(8usize);
+        #[unroll]
+        for e in 0..8usize {
+            x[e] = 0.0f32;
+            dp[e] = 0.0f32;
+        }
+        add_scores(&qs, &ks, &mut x, sr, sk, kd);
+        add_scores(&dos, &vs, &mut dp, sr, sk, kd);
+        #[unroll]
+        for ro in 0..2usize {
+            let r = 2 * sr + ro;
+            let i = i0 + r;
+            let mut bits = 0u32;
+            if has_dropout {
+                bits = keep_four(((bh * t + i) * s + j0 + 4 * sk) as u32, layout);
+            }
+            #[unroll]
+            for kk in 0..4usize {
+                let j = j0 + 4 * sk + kk;
+                let mut ds = 0.0f32;
+                // A masked score is a constant: no gradient reaches q through it.
+                if i < t && j < s && !is_masked::<F>(i, j, pad, pad_row, causal, has_pad) {
+                    let p = weight(x[4 * ro + kk], lses[r], s);
+                    let mut mult = 1.0f32;
+                    if has_dropout {
+                        mult = kept(bits, kk, layout);
+                    }
+                    ds = p * (dp[4 * ro + kk] * mult - deltas[r]);
+                }
+                dss[r * PADDED + 4 * sk + kk] = ds;
+            }
+        }
+        sync_cube();
+        add_rows_times(&dss, &ks, &mut acc, vr, vc, cw);
+        sync_cube();
+        j0 += TILE as usize;
+    }
+    #[unroll]
+    for rr in 0..4usize {
+        let i = i0 + 4 * vr + rr;
+        if i < t {
+            let base = layout.out_offset as usize
+                + b * layout.out_batch as usize
+                + h * layout.out_head as usize
+                + i * layout.out_row as usize;
+            #[unroll]
+            for cc in 0..cw {
+                dq[base + vc * cw + cc] = F::cast_from(acc[rr * cw + cc] * scale);
+            }
+        }
+    }
+}
+
+/// Attention's backward pass, key side, as products of tiles (heads 16, 32 or 64 wide): what
+/// [`attention_backward_keys_kernel`] computes, `dk` and `dv` (dV at the second offset).
+///
+/// A cube takes [`TILE`] keys (their K and V in shared memory) and walks the queries a tile at
+/// a time. Each unit computes the same 2 × 4 blocks as the query kernel (2 query rows, 4 of the
+/// cube's keys: a query row's keep bits for 4 consecutive keys come from one or two Philox
+/// blocks), writes its weights `P` (dropped) and `dS`, and then adds a 4 × `kd / 16` block of
+/// `dV += Pᵀ · dO` and of `dK += dSᵀ · Q`.
+#[cube(launch)]
+#[allow(clippy::too_many_arguments)]
+pub fn attention_backward_keys_tiles_kernel<F: Float>(
+    q: &Tensor<F>,
+    k: &Tensor<F>,
+    v: &Tensor<F>,
+    d_o: &Tensor<F>,
+    lse: &Tensor<F>,
+    delta: &Tensor<f32>,
+    pad: &Tensor<F>,
+    dkv: &mut Tensor<F>,
+    layout: &Layout,
+    #[comptime] kd: usize,
+    #[comptime] causal: bool,
+    #[comptime] has_pad: bool,
+    #[comptime] has_dropout: bool,
+    #[define(F)] _dtype: StorageType,
+) {
+    let bh = CUBE_POS_Y as usize;
+    let heads = layout.heads as usize;
+    let (b, h) = (bh / heads, bh % heads);
+    let t = q.shape(2);
+    let s = k.shape(2);
+    let u = UNIT_POS_X as usize;
+    let j0 = CUBE_POS_X as usize * TILE as usize;
+    let pad_row = b * s;
+    let scale = 1.0f32 / f32::sqrt(f32::cast_from(kd as u32));
+    let (sr, sk) = (u / 8, u % 8);
+    let (vr, vc) = (u / 16, u % 16);
+    let cw = comptime!(kd / 16);
+
+    let mut ks = SharedMemory::<f32>::new_aligned(kd * PADDED, 16usize);
+    let mut vs = SharedMemory::<f32>::new_aligned(kd * PADDED, 16usize);
+    let mut qs = SharedMemory::<f32>::new_aligned(kd * PADDED, 16usize);
+    let mut dos = SharedMemory::<f32>::new_aligned(kd * PADDED, 16usize);
+    let mut ws = SharedMemory::<f32>::new_aligned(TILE as usize * PADDED, 16usize);
+    let mut dss = SharedMemory::<f32>::new_aligned(TILE as usize * PADDED, 16usize);
+    let mut lses = SharedMemory::<f32>::new(TILE as usize);
+    let mut deltas = SharedMemory::<f32>::new(TILE as usize);
+    load_columns::<F>(k, &mut ks, b, h, j0, 1.0f32, kd);
+    load_columns::<F>(v, &mut vs, b, h, j0, 1.0f32, kd);
+
+    let mut dk = Array::<f32>::new(4 * cw);
+    let mut dv = Array::<f32>::new(4 * cw);
+    #[unroll]
+    for e in 0..4 * cw {
+        dk[e] = 0.0f32;
+        dv[e] = 0.0f32;
+    }
+    let mut i0 = queries_start(causal, has_pad);
+    while i0 < t {
+        load_columns::<F>(q, &mut qs, b, h, i0, scale, kd);
+        load_columns::<F>(d_o, &mut dos, b, h, i0, 1.0f32, kd);
+        if u < TILE as usize {
+            let mut row_lse = 0.0f32;
+            let mut row_delta = 0.0f32;
+            if i0 + u < t {
+                row_lse = f32::cast_from(lse[bh * t + i0 + u]);
+                row_delta = delta[bh * t + i0 + u];
+            }
+            lses[u] = row_lse;
+            deltas[u] = row_delta;
+        }
+        sync_cube();
+        let mut x = Array::<f32>::new(8usize);
+        let mut dp = Array::<f32>::new(8usize);
+        #[unroll]
+        for e in 0..8usize {
+            x[e] = 0.0f32;
+            dp[e] = 0.0f32;
+        }
+        add_scores(&qs, &ks, &mut x, sr, sk, kd);
+        add_scores(&dos, &vs, &mut dp, sr, sk, kd);
+        #[unroll]
+        for ro in 0..2usize {
+            let r = 2 * sr + ro;
+            let i = i0 + r;
+            let row_lse = lses[r];
+            let mut bits = 0u32;
+            if has_dropout {
+                bits = keep_four(((bh * t + i) * s + j0 + 4 * sk) as u32, layout);
+            }
+            #[unroll]
+            for kk in 0..4usize {
+                let j = j0 + 4 * sk + kk;
+                let mut w = 0.0f32;
+                let mut ds = 0.0f32;
+                let masked = is_masked::<F>(i, j, pad, pad_row, causal, has_pad);
+                // A masked key has weight 0, except in a fully masked row (uniform weights).
+                if i < t && j < s && (!masked || row_lse <= REAL_SCORE) {
+                    let mut score = x[4 * ro + kk];
+                    if masked {
+                        score = f32::new(MASKED_SCORE);
+                    }
+                    let p = weight(score, row_lse, s);
+                    let mut mult = 1.0f32;
+                    if has_dropout {
+                        mult = kept(bits, kk, layout);
+                    }
+                    w = p * mult;
+                    if !masked {
+                        ds = p * (dp[4 * ro + kk] * mult - deltas[r]);
+                    }
+                }
+                ws[r * PADDED + 4 * sk + kk] = w;
+                dss[r * PADDED + 4 * sk + kk] = ds;
+            }
+        }
+        sync_cube();
+        add_columns_times(&ws, &dos, &mut dv, vr, vc, cw);
+        add_columns_times(&dss, &qs, &mut dk, vr, vc, cw);
+        sync_cube();
+        i0 += TILE as usize;
+    }
+    #[unroll]
+    for rr in 0..4usize {
+        let j = j0 + 4 * vr + rr;
+        if j < s {
+            let base = b * layout.out_batch as usize
+                + h * layout.out_head as usize
+                + j * layout.out_row as usize;
+            #[unroll]
+            for cc in 0..cw {
+                let c = vc * cw + cc;
+                dkv[base + layout.out_offset as usize + c] = F::cast_from(dk[rr * cw + cc]);
+                dkv[base + layout.out_offset_2 as usize + c] = F::cast_from(dv[rr * cw + cc]);
             }
         }
     }

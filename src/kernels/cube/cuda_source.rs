@@ -128,6 +128,50 @@ pub fn attention_sources(kd: usize) -> Result<Vec<(String, String)>, String> {
                     f32_type,
                 );
             sources.push(compile(kernel, tag)?);
+            let kernel =
+                attention_backward_queries_tiles_kernel::AttentionBackwardQueriesTilesKernel::<
+                    WgpuRuntime,
+                >::new(
+                    settings(TILES_UNITS),
+                    client.clone(),
+                    tensor(),
+                    tensor(),
+                    tensor(),
+                    tensor(),
+                    tensor(),
+                    tensor(),
+                    tensor(),
+                    tensor(),
+                    tensor(),
+                    layout(),
+                    kd,
+                    causal,
+                    has_pad,
+                    dropout,
+                    f32_type,
+                );
+            sources.push(compile(kernel, tag)?);
+            let kernel = attention_backward_keys_tiles_kernel::AttentionBackwardKeysTilesKernel::<
+                WgpuRuntime,
+            >::new(
+                settings(TILES_UNITS),
+                client.clone(),
+                tensor(),
+                tensor(),
+                tensor(),
+                tensor(),
+                tensor(),
+                tensor(),
+                tensor(),
+                tensor(),
+                layout(),
+                kd,
+                causal,
+                has_pad,
+                dropout,
+                f32_type,
+            );
+            sources.push(compile(kernel, tag)?);
         }
     }
     let kernel = attention_decode_kernel::AttentionDecodeKernel::<WgpuRuntime>::new(

@@ -1111,6 +1111,50 @@ fn attention_backward<R: CubeRuntime>(
     let [(dq, dq_strides), (dkv, dkv_strides)] = grads;
     launches::count();
 
+    if attention_tiles(&client, kd) {
+        attention::attention_backward_queries_tiles_kernel::launch::<R>(
+            &client,
+            CubeCount::Static(t.div_ceil(TILE as usize) as u32, (b * h) as u32, 1),
+            CubeDim::new_1d(attention::TILES_UNITS),
+            q.clone().into_tensor_arg(),
+            k.clone().into_tensor_arg(),
+            v.clone().into_tensor_arg(),
+            o.into_tensor_arg(),
+            d_o.clone().into_tensor_arg(),
+            lse.clone().into_tensor_arg(),
+            pad.clone().into_tensor_arg(),
+            dq.clone().into_tensor_arg(),
+            delta.clone().into_tensor_arg(),
+            layout::<R>(h, dq_strides, 0, dropout),
+            kd,
+            causal,
+            has_pad,
+            dropout.is_some(),
+            dtype.into(),
+        );
+        let dv_offset = dkv_strides[3] + dv_offset;
+        launches::count();
+        attention::attention_backward_keys_tiles_kernel::launch::<R>(
+            &client,
+            CubeCount::Static(s.div_ceil(TILE as usize) as u32, (b * h) as u32, 1),
+            CubeDim::new_1d(attention::TILES_UNITS),
+            q.into_tensor_arg(),
+            k.into_tensor_arg(),
+            v.into_tensor_arg(),
+            d_o.into_tensor_arg(),
+            lse.into_tensor_arg(),
+            delta.into_tensor_arg(),
+            pad.into_tensor_arg(),
+            dkv.clone().into_tensor_arg(),
+            layout::<R>(h, dkv_strides, dv_offset, dropout),
+            kd,
+            causal,
+            has_pad,
+            dropout.is_some(),
+            dtype.into(),
+        );
+        return;
+    }
     let split = row_split(&client, kd);
     attention::attention_backward_queries_kernel::launch::<R>(
         &client,
