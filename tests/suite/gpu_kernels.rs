@@ -295,16 +295,38 @@ fn gpu_global_sum_of_squares_equals_the_sum_in_f64() {
     assert!(error < 1e-5, "40 gradients: Σx² = {sum}, in f64 {exact}");
 }
 
+/// Runs `check` with the row kernels (LayerNorm, the cross-entropy) in each form: a plane a row,
+/// as lavapipe's planes allow, then a cube a row, as where planes cannot add up. The caller
+/// holds the GPU turn, which keeps the other GPU tests from seeing the forced form.
+fn in_both_row_forms(check: impl Fn(&str)) {
+    struct Unforce;
+    impl Drop for Unforce {
+        fn drop(&mut self) {
+            cube::force_cube_rows(false);
+        }
+    }
+    let _unforce = Unforce;
+    let device = Default::default();
+    assert!(cube::rows_in_planes::<cubecl::wgpu::WgpuRuntime>(&device));
+    check("a plane a row");
+    cube::force_cube_rows(true);
+    assert!(!cube::rows_in_planes::<cubecl::wgpu::WgpuRuntime>(&device));
+    check("a cube a row");
+}
+
 #[test]
 fn gpu_layer_norm_equals_burns() {
     let Some(_turn) = wgpu_turn() else {
         return;
     };
     let device = Default::default();
-    // 300 rows of 200: several units per row, and more rows than one gradient chunk.
-    for bias in [true, false] {
-        launching(4, || layer_norm_case::<Gpu>([3, 100, 200], bias, &device));
-    }
+    // 300 rows of 200: several units per row (200 is no multiple of a plane's width), rows not a
+    // multiple of a cube's, and more rows than one gradient chunk.
+    in_both_row_forms(|_| {
+        for bias in [true, false] {
+            launching(4, || layer_norm_case::<Gpu>([3, 100, 200], bias, &device));
+        }
+    });
 }
 
 #[test]
@@ -324,8 +346,10 @@ fn gpu_residual_addition_and_layer_norm_in_one_kernel_equal_them_apart() {
     };
     let device = Default::default();
     // Rows of 200 (several units per row); the fused form alone launches one kernel forward.
-    launching(1, || {
-        add_layer_norm_case::<Gpu>([3, 100, 200], 1e-6, &device)
+    in_both_row_forms(|_| {
+        launching(1, || {
+            add_layer_norm_case::<Gpu>([3, 100, 200], 1e-6, &device)
+        });
     });
     let x = random::<Inner, 2>([300, 200], 1, &device);
     let norm = burn::nn::LayerNormConfig::new(200).init::<Inner>(&device);
@@ -346,21 +370,24 @@ fn gpu_cross_entropy_equals_the_composed_form() {
         return;
     };
     let device = Default::default();
-    for (n, v, smoothing, ignore) in [
-        (7, 3, 0.0, None),
-        (12, 65, 0.0, None),
-        (10, 1000, 0.1, Some(0)),
-        (6, 17, 0.3, Some(16)),
-    ] {
-        let x = random::<Gpu, 2>([n, v], 8, &device).mul_scalar(3.0);
-        let y = targets::<Gpu>(n, v, ignore, &device);
-        let case = launching(2, || {
-            compare([x], |[x]| {
-                kernels::cross_entropy(x, y.clone(), smoothing, ignore).unsqueeze_dim(1)
-            })
-        });
-        assert_close(&format!("cross-entropy {n}×{v}, ε {smoothing}"), case, 1e-5);
-    }
+    in_both_row_forms(|form| {
+        for (n, v, smoothing, ignore) in [
+            (7, 3, 0.0, None),
+            (12, 65, 0.0, None),
+            (10, 1000, 0.1, Some(0)),
+            (6, 17, 0.3, Some(16)),
+        ] {
+            let x = random::<Gpu, 2>([n, v], 8, &device).mul_scalar(3.0);
+            let y = targets::<Gpu>(n, v, ignore, &device);
+            let case = launching(2, || {
+                compare([x], |[x]| {
+                    kernels::cross_entropy(x, y.clone(), smoothing, ignore).unsqueeze_dim(1)
+                })
+            });
+            let what = format!("cross-entropy {n}×{v}, ε {smoothing}, {form}");
+            assert_close(&what, case, 1e-5);
+        }
+    });
 }
 
 #[test]

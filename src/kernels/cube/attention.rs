@@ -10,6 +10,14 @@
 //! row (dK and dV), so no two units ever add into the same gradient. One query row per head (a
 //! decoding step) has a kernel of its own, which deals the keys out to the cube's units instead.
 //!
+//! For heads 16, 32 or 64 wide three more kernels (`*_tiles_kernel`) compute the same in tiles,
+//! as products of matrices: a cube of [`TILES_UNITS`] units, each unit a 2 × 4 block of a tile's
+//! scores and a 4 × `kd / 16` block of the products with the weights, every side read from
+//! shared memory a few consecutive numbers at a time (see [`attention_forward_tiles_kernel`]).
+//! Where a row kernel's unit reads a number from shared memory for each multiply-add and every
+//! unit of a row pays the softmax's bookkeeping for every key, these read one for every 4 or 5
+//! multiply-adds and take one exponential a score.
+//!
 //! The head dimension is a compile-time constant of each kernel (it sizes the registers that
 //! hold a row), the masks and dropout are compile-time switches. Scores are those of the CPU
 //! kernels: masked ones are [`MASKED_SCORE`], a fully masked row attends uniformly, a masked

@@ -159,14 +159,60 @@ fn units<R: CubeRuntime>(x: &CubeTensor<R>, n: usize) -> (CubeCount, CubeDim) {
     (calculate_cube_count_elemwise(&x.client, n, dim), dim)
 }
 
-/// One cube of [`ROW_UNITS`] per row, `n` rows over a 2-D grid (a grid dimension holds at most
-/// 65,535 cubes).
-fn row_grid(n: usize) -> (CubeCount, CubeDim) {
-    let x = n.clamp(1, 65_535);
+/// The cubes of a row kernel over `n` rows, and whether a plane takes a row: where the device's
+/// planes can add up their units' values, cubes of [`PLANE_ROWS_UNITS`] units, one plane a row
+/// (8 rows a cube on a 32-wide plane: a row's sums with no barrier, and 8 rows in flight where
+/// one cube a row of 384 columns kept 3 of its 128 units busy on each and waited at 9 barriers
+/// a sum); otherwise one cube of [`ROW_UNITS`] a row. Over a 2-D grid (a grid dimension holds
+/// at most 65,535 cubes).
+fn row_grid<R: CubeRuntime>(client: &ComputeClient<R>, n: usize) -> (CubeCount, CubeDim, bool) {
+    let (per_cube, units, planes) = match row_planes(client) {
+        // The kernel takes CUBE_DIM / PLANE_DIM rows a cube: at least this many, however wide
+        // the device's planes turn out.
+        Some(widest) => (PLANE_ROWS_UNITS as usize / widest, PLANE_ROWS_UNITS, true),
+        None => (1, ROW_UNITS, false),
+    };
+    let cubes = n.div_ceil(per_cube);
+    let x = cubes.clamp(1, 65_535);
     (
-        CubeCount::Static(x as u32, n.div_ceil(x) as u32, 1),
-        CubeDim::new_1d(ROW_UNITS),
+        CubeCount::Static(x as u32, cubes.div_ceil(x) as u32, 1),
+        CubeDim::new_1d(units),
+        planes,
     )
+}
+
+/// Units of a row kernel's cube where a plane takes a row.
+const PLANE_ROWS_UNITS: u32 = 256;
+
+/// The widest plane of the device where the row kernels give a plane a row (its planes can add
+/// up their units' values and hold at most [`PLANE_ROWS_UNITS`]), unless a test forbids it.
+/// As for the attention kernels' shuffles (see [`row_split`]), cubecl's plane operations or its
+/// Vulkan path's plane synchronisation, which lavapipe has, say the planes can.
+fn row_planes<R: CubeRuntime>(client: &ComputeClient<R>) -> Option<usize> {
+    use cubecl::features::Plane;
+    let properties = client.properties();
+    let plane = properties.features.plane;
+    let widest = properties.hardware.plane_size_max as usize;
+    ((plane.contains(Plane::Ops) || plane.contains(Plane::Sync))
+        && (1..=PLANE_ROWS_UNITS as usize).contains(&widest)
+        && !CUBE_ROWS.load(Ordering::Relaxed))
+    .then_some(widest)
+}
+
+/// Set by tests: the row kernels take a cube a row even where a plane could.
+static CUBE_ROWS: AtomicBool = AtomicBool::new(false);
+
+/// Makes the row kernels (LayerNorm, the cross-entropy) take one cube a row even where a plane
+/// could (`true`), or choose as they do: for tests, which check both forms.
+#[doc(hidden)]
+pub fn force_cube_rows(on: bool) {
+    CUBE_ROWS.store(on, Ordering::Relaxed);
+}
+
+/// Whether the row kernels give a plane a row on `device` (for tests).
+#[doc(hidden)]
+pub fn rows_in_planes<R: CubeRuntime>(device: &R::Device) -> bool {
+    row_planes(&R::client(device)).is_some()
 }
 
 /// One launch of AdamW over the parameters of `items` (within one launch's binding limit,
@@ -523,7 +569,7 @@ where
         let has_beta = beta.is_some();
         let beta = beta.map(into_contiguous).unwrap_or_else(|| gamma.clone());
         let (y, mean, rstd) = (empty(&x, x.shape()), empty(&x, [n]), empty(&x, [n]));
-        let (count, dim) = row_grid(n);
+        let (count, dim, planes) = row_grid(&x.client, n);
         let dtype = x.dtype;
         launches::count();
 
@@ -539,6 +585,7 @@ where
             rstd.clone().into_tensor_arg(),
             epsilon as f32,
             has_beta,
+            planes,
             dtype.into(),
         );
         (y, mean, rstd)
@@ -561,7 +608,7 @@ where
         let beta = beta.map(into_contiguous).unwrap_or_else(|| gamma.clone());
         let (sum, y) = (empty(&x, x.shape()), empty(&x, x.shape()));
         let (mean, rstd) = (empty(&x, [n]), empty(&x, [n]));
-        let (count, dim) = row_grid(n);
+        let (count, dim, planes) = row_grid(&x.client, n);
         let dtype = x.dtype;
         let keys = mask.unwrap_or(DropoutMask::new(0.0, 0));
         launches::count();
@@ -585,6 +632,7 @@ where
             epsilon as f32,
             has_beta,
             mask.is_some(),
+            planes,
             dtype.into(),
         );
         (sum, y, mean, rstd)
@@ -605,7 +653,7 @@ where
         let dx = empty(&x, [n, d]);
         let has_residual = residual.is_some();
         let residual = residual.map(into_contiguous).unwrap_or_else(|| dy.clone());
-        let (count, dim) = row_grid(n);
+        let (count, dim, planes) = row_grid(&x.client, n);
         launches::count();
 
         rows::layer_norm_backward_kernel::launch::<R>(
@@ -620,6 +668,7 @@ where
             residual.into_tensor_arg(),
             dx.clone().into_tensor_arg(),
             has_residual,
+            planes,
             dtype.into(),
         );
         // dγ, dβ: partial sums over chunks of rows, then the chunks added in order.
@@ -718,7 +767,7 @@ where
         let (logits, targets) = (into_contiguous(logits), into_contiguous(targets));
         let [n, _] = logits.shape().dims();
         let (loss, lse) = (empty(&logits, [n]), empty(&logits, [n]));
-        let (count, dim) = row_grid(n);
+        let (count, dim, planes) = row_grid(&logits.client, n);
         let dtypes = [logits.dtype.into(), targets.dtype.into()];
         launches::count();
 
@@ -732,6 +781,7 @@ where
             lse.clone().into_tensor_arg(),
             smoothing,
             ignore_index(ignore),
+            planes,
             dtypes,
         );
         (loss, lse)

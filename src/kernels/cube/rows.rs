@@ -1,6 +1,8 @@
-//! Row kernels: LayerNorm forward and backward, the cross-entropy and its gradient. One cube of
-//! [`ROW_UNITS`] units per row, each unit striding over the row and the cube reducing through
-//! shared memory (a fixed tree, so the sums are the same run to run). Also the gradient of an
+//! Row kernels: LayerNorm forward and backward, the cross-entropy and its gradient. Where the
+//! device's planes can add up their units' values, one plane a row (several rows a cube), each
+//! unit striding over the row and the plane's own sum or maximum reducing it, with no barrier;
+//! elsewhere one cube of [`ROW_UNITS`] units a row, reducing through shared memory (a fixed
+//! tree). Either way the sums are the same run to run. Also the gradient of an
 //! embedding table, which sums rows of the output gradient into the rows their ids name.
 
 use super::pointwise::dropout_multiplier;
@@ -16,6 +18,57 @@ pub const GRAD_CHUNK: u32 = 64;
 #[cube]
 fn cube_row() -> usize {
     (CUBE_POS_Y * CUBE_COUNT_X + CUBE_POS_X) as usize
+}
+
+/// Where a unit of a LayerNorm kernel stands: its row, and its place among the units that
+/// share the row (it takes columns `lane, lane + width, …`).
+#[derive(CubeType, Clone, Copy)]
+pub struct RowPlace {
+    /// The row.
+    pub row: usize,
+    /// This unit's place among the row's units.
+    pub lane: usize,
+    /// How many units share the row.
+    pub width: usize,
+}
+
+/// This unit's [`RowPlace`]: with `planes`, one plane a row (the cube's planes take
+/// consecutive rows), otherwise the whole cube a row.
+#[cube]
+pub fn row_place(#[comptime] planes: bool) -> RowPlace {
+    let mut place = RowPlace {
+        row: cube_row(),
+        lane: UNIT_POS_X as usize,
+        width: CUBE_DIM_X as usize,
+    };
+    if planes {
+        place.row =
+            cube_row() * (CUBE_DIM_X / PLANE_DIM) as usize + (UNIT_POS_X / PLANE_DIM) as usize;
+        place.lane = UNIT_POS_PLANE as usize;
+        place.width = PLANE_DIM as usize;
+    }
+    place
+}
+
+/// The sum of `value` over the units of a row: with `planes` by the plane's own sum (no
+/// barrier), otherwise by [`cube_sum`] (every unit of the cube must call it).
+#[cube]
+fn row_total(shared: &mut SharedMemory<f32>, value: f32, #[comptime] planes: bool) -> f32 {
+    if planes {
+        plane_sum(value)
+    } else {
+        cube_sum(shared, value)
+    }
+}
+
+/// The maximum of `value` over the units of a row (as [`row_total`]).
+#[cube]
+fn row_maximum(shared: &mut SharedMemory<f32>, value: f32, #[comptime] planes: bool) -> f32 {
+    if planes {
+        plane_max(value)
+    } else {
+        cube_max(shared, value)
+    }
 }
 
 /// The sum of `value` over the cube's units, through `shared` (every unit must call it).
@@ -70,22 +123,23 @@ pub fn layer_norm_forward_kernel<F: Float>(
     rstd: &mut Tensor<F>,
     epsilon: f32,
     #[comptime] has_beta: bool,
+    #[comptime] planes: bool,
     #[define(F)] _dtype: StorageType,
 ) {
-    let row = cube_row();
-    if row >= mean.len() {
+    let place = row_place(planes);
+    if place.row >= mean.len() {
         terminate!();
     }
     let mut shared = SharedMemory::<f32>::new(ROW_UNITS as usize);
     let d = x.shape(1);
-    let base = row * d;
+    let base = place.row * d;
     let mut s = 0.0f32;
-    let mut j = UNIT_POS_X as usize;
+    let mut j = place.lane;
     while j < d {
         s += f32::cast_from(x[base + j]);
-        j += CUBE_DIM_X as usize;
+        j += place.width;
     }
-    let mu = cube_sum(&mut shared, s) / f32::cast_from(d as u32);
+    let mu = row_total(&mut shared, s, planes) / f32::cast_from(d as u32);
     normalise_row(
         x,
         gamma,
@@ -94,10 +148,11 @@ pub fn layer_norm_forward_kernel<F: Float>(
         mean,
         rstd,
         &mut shared,
-        row,
+        place,
         mu,
         epsilon,
         has_beta,
+        planes,
     );
 }
 
@@ -123,17 +178,18 @@ pub fn add_layer_norm_forward_kernel<F: Float>(
     epsilon: f32,
     #[comptime] has_beta: bool,
     #[comptime] dropped: bool,
+    #[comptime] planes: bool,
     #[define(F)] _dtype: StorageType,
 ) {
-    let row = cube_row();
-    if row >= mean.len() {
+    let place = row_place(planes);
+    if place.row >= mean.len() {
         terminate!();
     }
     let mut shared = SharedMemory::<f32>::new(ROW_UNITS as usize);
     let d = x.shape(1);
-    let base = row * d;
+    let base = place.row * d;
     let mut s = 0.0f32;
-    let mut j = UNIT_POS_X as usize;
+    let mut j = place.lane;
     while j < d {
         let i = base + j;
         let mut branch = h[i];
@@ -144,9 +200,9 @@ pub fn add_layer_norm_forward_kernel<F: Float>(
         let v = F::cast_from(f32::cast_from(x[i]) + f32::cast_from(branch));
         sum[i] = v;
         s += f32::cast_from(v);
-        j += CUBE_DIM_X as usize;
+        j += place.width;
     }
-    let mu = cube_sum(&mut shared, s) / f32::cast_from(d as u32);
+    let mu = row_total(&mut shared, s, planes) / f32::cast_from(d as u32);
     normalise_row(
         sum,
         gamma,
@@ -155,10 +211,11 @@ pub fn add_layer_norm_forward_kernel<F: Float>(
         mean,
         rstd,
         &mut shared,
-        row,
+        place,
         mu,
         epsilon,
         has_beta,
+        planes,
     );
 }
 
@@ -174,24 +231,26 @@ fn normalise_row<F: Float>(
     mean: &mut Tensor<F>,
     rstd: &mut Tensor<F>,
     shared: &mut SharedMemory<f32>,
-    row: usize,
+    place: RowPlace,
     mu: f32,
     epsilon: f32,
     #[comptime] has_beta: bool,
+    #[comptime] planes: bool,
 ) {
     let d = x.shape(1);
+    let row = place.row;
     let base = row * d;
-    let units = CUBE_DIM_X as usize;
+    let units = place.width;
     let mut s2 = 0.0f32;
-    let mut j = UNIT_POS_X as usize;
+    let mut j = place.lane;
     while j < d {
         let c = f32::cast_from(x[base + j]) - mu;
         s2 += c * c;
         j += units;
     }
-    let var = cube_sum(shared, s2) / f32::cast_from(d as u32);
+    let var = row_total(shared, s2, planes) / f32::cast_from(d as u32);
     let r = 1.0f32 / f32::sqrt(var + epsilon);
-    let mut j = UNIT_POS_X as usize;
+    let mut j = place.lane;
     while j < d {
         let mut out = (f32::cast_from(x[base + j]) - mu) * r * f32::cast_from(gamma[j]);
         if has_beta {
@@ -200,7 +259,7 @@ fn normalise_row<F: Float>(
         y[base + j] = F::cast_from(out);
         j += units;
     }
-    if UNIT_POS_X == 0 {
+    if place.lane == 0 {
         mean[row] = F::cast_from(mu);
         rstd[row] = F::cast_from(r);
     }
@@ -221,21 +280,23 @@ pub fn layer_norm_backward_kernel<F: Float>(
     residual: &Tensor<F>,
     dx: &mut Tensor<F>,
     #[comptime] has_residual: bool,
+    #[comptime] planes: bool,
     #[define(F)] _dtype: StorageType,
 ) {
-    let row = cube_row();
+    let place = row_place(planes);
+    let row = place.row;
     if row >= mean.len() {
         terminate!();
     }
     let mut shared = SharedMemory::<f32>::new(ROW_UNITS as usize);
     let d = x.shape(1);
     let base = row * d;
-    let units = CUBE_DIM_X as usize;
+    let units = place.width;
     let mu = f32::cast_from(mean[row]);
     let r = f32::cast_from(rstd[row]);
     let mut sg = 0.0f32;
     let mut sgx = 0.0f32;
-    let mut j = UNIT_POS_X as usize;
+    let mut j = place.lane;
     while j < d {
         let g = f32::cast_from(dy[base + j]) * f32::cast_from(gamma[j]);
         let xh = (f32::cast_from(x[base + j]) - mu) * r;
@@ -244,9 +305,9 @@ pub fn layer_norm_backward_kernel<F: Float>(
         j += units;
     }
     let inv_d = 1.0f32 / f32::cast_from(d as u32);
-    let mean_g = cube_sum(&mut shared, sg) * inv_d;
-    let mean_gx = cube_sum(&mut shared, sgx) * inv_d;
-    let mut j = UNIT_POS_X as usize;
+    let mean_g = row_total(&mut shared, sg, planes) * inv_d;
+    let mean_gx = row_total(&mut shared, sgx, planes) * inv_d;
+    let mut j = place.lane;
     while j < d {
         let g = f32::cast_from(dy[base + j]) * f32::cast_from(gamma[j]);
         let xh = (f32::cast_from(x[base + j]) - mu) * r;
@@ -410,35 +471,37 @@ pub fn cross_entropy_forward_kernel<F: Float, I: Int>(
     lse: &mut Tensor<F>,
     smoothing: f32,
     ignore: i32,
+    #[comptime] planes: bool,
     #[define(F, I)] _dtypes: [StorageType; 2],
 ) {
-    let row = cube_row();
+    let place = row_place(planes);
+    let row = place.row;
     if row >= loss.len() {
         terminate!();
     }
     let mut shared = SharedMemory::<f32>::new(ROW_UNITS as usize);
     let v = logits.shape(1);
     let base = row * v;
-    let units = CUBE_DIM_X as usize;
+    let units = place.width;
     let mut m = f32::new(-3.0e38);
-    let mut j = UNIT_POS_X as usize;
+    let mut j = place.lane;
     while j < v {
         m = f32::max(m, f32::cast_from(logits[base + j]));
         j += units;
     }
-    let m = cube_max(&mut shared, m);
+    let m = row_maximum(&mut shared, m, planes);
     let mut se = 0.0f32;
     let mut sx = 0.0f32;
-    let mut j = UNIT_POS_X as usize;
+    let mut j = place.lane;
     while j < v {
         let x = f32::cast_from(logits[base + j]);
         se += f32::exp(x - m);
         sx += x;
         j += units;
     }
-    let se = cube_sum(&mut shared, se);
-    let sx = cube_sum(&mut shared, sx);
-    if UNIT_POS_X == 0 {
+    let se = row_total(&mut shared, se, planes);
+    let sx = row_total(&mut shared, sx, planes);
+    if place.lane == 0 {
         let l = m + f32::ln(se);
         let y = i32::cast_from(targets[row]);
         let mut out = 0.0f32;
