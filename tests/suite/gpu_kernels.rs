@@ -307,10 +307,14 @@ fn in_both_row_forms(check: impl Fn(&str)) {
     }
     let _unforce = Unforce;
     let device = Default::default();
-    assert!(cube::rows_in_planes::<cubecl::wgpu::WgpuRuntime>(&device));
+    let in_planes = |d| cube::rows_in_planes::<cubecl::wgpu::WgpuRuntime>(&device, d);
+    assert!(
+        in_planes(1000) && !in_planes(4000),
+        "a plane a row up to 2,048 columns"
+    );
     check("a plane a row");
     cube::force_cube_rows(true);
-    assert!(!cube::rows_in_planes::<cubecl::wgpu::WgpuRuntime>(&device));
+    assert!(!in_planes(1000));
     check("a cube a row");
 }
 

@@ -159,14 +159,20 @@ fn units<R: CubeRuntime>(x: &CubeTensor<R>, n: usize) -> (CubeCount, CubeDim) {
     (calculate_cube_count_elemwise(&x.client, n, dim), dim)
 }
 
-/// The cubes of a row kernel over `n` rows, and whether a plane takes a row: where the device's
-/// planes can add up their units' values, cubes of [`PLANE_ROWS_UNITS`] units, one plane a row
-/// (8 rows a cube on a 32-wide plane: a row's sums with no barrier, and 8 rows in flight where
-/// one cube a row of 384 columns kept 3 of its 128 units busy on each and waited at 9 barriers
-/// a sum); otherwise one cube of [`ROW_UNITS`] a row. Over a 2-D grid (a grid dimension holds
-/// at most 65,535 cubes).
-fn row_grid<R: CubeRuntime>(client: &ComputeClient<R>, n: usize) -> (CubeCount, CubeDim, bool) {
-    let (per_cube, units, planes) = match row_planes(client) {
+/// The cubes of a row kernel over `n` rows of `d`, and whether a plane takes a row: where the
+/// device's planes can add up their units' values and a row has at most [`PLANE_ROW_MAX`]
+/// columns, cubes of [`PLANE_ROWS_UNITS`] units, one plane a row (8 rows a cube on a 32-wide
+/// plane: a row's sums with no barrier, and 8 rows in flight where one cube a row of 384
+/// columns kept 3 of its 128 units busy on each and waited at 9 barriers a sum); otherwise one
+/// cube of [`ROW_UNITS`] a row (a vocabulary's logits: 50,257 columns are better spread over a
+/// cube). Over a 2-D grid (a grid dimension holds at most 65,535 cubes).
+fn row_grid<R: CubeRuntime>(
+    client: &ComputeClient<R>,
+    n: usize,
+    d: usize,
+) -> (CubeCount, CubeDim, bool) {
+    let planes = row_planes(client).filter(|_| d <= PLANE_ROW_MAX);
+    let (per_cube, units, planes) = match planes {
         // The kernel takes CUBE_DIM / PLANE_DIM rows a cube: at least this many, however wide
         // the device's planes turn out.
         Some(widest) => (PLANE_ROWS_UNITS as usize / widest, PLANE_ROWS_UNITS, true),
@@ -183,6 +189,9 @@ fn row_grid<R: CubeRuntime>(client: &ComputeClient<R>, n: usize) -> (CubeCount, 
 
 /// Units of a row kernel's cube where a plane takes a row.
 const PLANE_ROWS_UNITS: u32 = 256;
+
+/// The longest row a plane takes (64 columns a unit on a 32-wide plane).
+const PLANE_ROW_MAX: usize = 2048;
 
 /// The widest plane of the device where the row kernels give a plane a row (its planes can add
 /// up their units' values and hold at most [`PLANE_ROWS_UNITS`]), unless a test forbids it.
@@ -209,10 +218,10 @@ pub fn force_cube_rows(on: bool) {
     CUBE_ROWS.store(on, Ordering::Relaxed);
 }
 
-/// Whether the row kernels give a plane a row on `device` (for tests).
+/// Whether the row kernels give a plane a row of `d` columns on `device` (for tests).
 #[doc(hidden)]
-pub fn rows_in_planes<R: CubeRuntime>(device: &R::Device) -> bool {
-    row_planes(&R::client(device)).is_some()
+pub fn rows_in_planes<R: CubeRuntime>(device: &R::Device, d: usize) -> bool {
+    row_grid(&R::client(device), 1, d).2
 }
 
 /// One launch of AdamW over the parameters of `items` (within one launch's binding limit,
@@ -569,7 +578,7 @@ where
         let has_beta = beta.is_some();
         let beta = beta.map(into_contiguous).unwrap_or_else(|| gamma.clone());
         let (y, mean, rstd) = (empty(&x, x.shape()), empty(&x, [n]), empty(&x, [n]));
-        let (count, dim, planes) = row_grid(&x.client, n);
+        let (count, dim, planes) = row_grid(&x.client, n, x.shape()[1]);
         let dtype = x.dtype;
         launches::count();
 
@@ -608,7 +617,7 @@ where
         let beta = beta.map(into_contiguous).unwrap_or_else(|| gamma.clone());
         let (sum, y) = (empty(&x, x.shape()), empty(&x, x.shape()));
         let (mean, rstd) = (empty(&x, [n]), empty(&x, [n]));
-        let (count, dim, planes) = row_grid(&x.client, n);
+        let (count, dim, planes) = row_grid(&x.client, n, x.shape()[1]);
         let dtype = x.dtype;
         let keys = mask.unwrap_or(DropoutMask::new(0.0, 0));
         launches::count();
@@ -653,7 +662,7 @@ where
         let dx = empty(&x, [n, d]);
         let has_residual = residual.is_some();
         let residual = residual.map(into_contiguous).unwrap_or_else(|| dy.clone());
-        let (count, dim, planes) = row_grid(&x.client, n);
+        let (count, dim, planes) = row_grid(&x.client, n, d);
         launches::count();
 
         rows::layer_norm_backward_kernel::launch::<R>(
@@ -765,9 +774,9 @@ where
         ignore: Option<usize>,
     ) -> (CubeTensor<R>, CubeTensor<R>) {
         let (logits, targets) = (into_contiguous(logits), into_contiguous(targets));
-        let [n, _] = logits.shape().dims();
+        let [n, v] = logits.shape().dims();
         let (loss, lse) = (empty(&logits, [n]), empty(&logits, [n]));
-        let (count, dim, planes) = row_grid(&logits.client, n);
+        let (count, dim, planes) = row_grid(&logits.client, n, v);
         let dtypes = [logits.dtype.into(), targets.dtype.into()];
         launches::count();
 
