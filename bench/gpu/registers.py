@@ -7,7 +7,9 @@ the PTX assembled by `ptxas -v` for that architecture; prints one row per kernel
 
 Where `cuobjdump` is at hand it also reads the machine code (SASS) of each kernel's innermost
 loops, where a kernel spends its time: the multiply-adds (FFMA) in them, the loads from shared
-memory (LDS, of any width), and all their instructions. A unit issues one instruction at a
+memory (LDS, of any width), and all their instructions. (Where a kernel's loops within a tile
+are unrolled in full, its innermost loop is the one over the tiles: the counts are then one
+tile's work, branches not taken included.) A unit issues one instruction at a
 time and a multiprocessor serves one shared-memory load instruction a cycle, so "instructions a
 FFMA" and "FFMA a shared load" say how close a loop can come to the card's arithmetic rate.
 

@@ -809,8 +809,9 @@ pub fn tiles_take(kd: usize) -> bool {
 const PADDED: usize = TILE as usize + 4;
 
 /// Rows `r0..r0 + TILE` of head `(b, h)` of `x`, times `scale`, into `tile` a column at a time
-/// (`tile[c · PADDED + r]`, zeros past the end), by the [`TILES_UNITS`] units of the cube: the
-/// reads walk each row's columns (coalesced), the stores a column's rows.
+/// (`tile[c · PADDED + r]`, zeros past the end), by the [`TILES_UNITS`] units of the cube: unit
+/// `u` takes column `u % kd` of rows `u / kd`, `u / kd + TILES_UNITS / kd`, … (the reads of a
+/// plane walk a row's columns, coalesced; each unit's addresses step by a constant).
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn load_columns<F: Float>(
@@ -823,17 +824,19 @@ fn load_columns<F: Float>(
     #[comptime] kd: usize,
 ) {
     let n = x.shape(2);
-    let base = b * x.stride(0) + h * x.stride(1);
-    let mut e = UNIT_POS_X as usize;
-    while e < TILE as usize * kd {
-        let r = e / kd;
-        let c = e % kd;
+    let u = UNIT_POS_X as usize;
+    let c = u % kd;
+    let first = u / kd;
+    let step = comptime!(TILES_UNITS as usize / kd);
+    let base = b * x.stride(0) + h * x.stride(1) + c * x.stride(3);
+    #[unroll]
+    for m in 0..TILE as usize / step {
+        let r = first + m * step;
         let mut value = 0.0f32;
         if r0 + r < n {
-            value = f32::cast_from(x[base + (r0 + r) * x.stride(2) + c * x.stride(3)]) * scale;
+            value = f32::cast_from(x[base + (r0 + r) * x.stride(2)]) * scale;
         }
         tile[c * PADDED + r] = value;
-        e += TILES_UNITS as usize;
     }
 }
 
@@ -849,6 +852,7 @@ fn add_scores(
     sk: usize,
     #[comptime] kd: usize,
 ) {
+    #[unroll]
     for c4 in 0..kd / 4 {
         #[unroll]
         for cc in 0..4usize {
@@ -878,6 +882,7 @@ fn add_rows_times(
     vc: usize,
     #[comptime] cw: usize,
 ) {
+    #[unroll]
     for j4 in 0..TILE as usize / 4 {
         #[unroll]
         for jj in 0..4usize {
@@ -905,6 +910,7 @@ fn add_columns_times(
     vc: usize,
     #[comptime] cw: usize,
 ) {
+    #[unroll]
     for i4 in 0..TILE as usize / 4 {
         #[unroll]
         for ii in 0..4usize {
