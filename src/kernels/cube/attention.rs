@@ -798,14 +798,15 @@ pub fn attention_decode_kernel<F: Float>(
 pub const TILES_UNITS: u32 = 128;
 
 /// Whether the tiled kernels are made for heads `kd` wide: 16, 32 or 64 (a unit's block of the
-/// output is 4 rows by `kd / 16` columns, and the shared tiles of a 64-wide head take 31 KB).
+/// output is 4 rows by `kd / 16` columns, and the shared tiles of a 64-wide head take 32 to 46
+/// KB, within the 48 KB a kernel may use without asking).
 pub fn tiles_take(kd: usize) -> bool {
     matches!(kd, 16 | 32 | 64)
 }
 
-/// The row stride of the tiled kernels' shared tiles that are read across rows (Q and K stored
-/// a column at a time, and the weights): [`TILE`] + 4, so the coalesced loads' stores spread
-/// over 8 banks and a row's reads of 4 consecutive elements stay 16-byte aligned.
+/// The row stride of the tiled kernels' shared tiles (Q, K, V and dO stored a column at a time,
+/// and the weights): [`TILE`] + 4, so the coalesced loads' stores spread over 8 banks and a
+/// row's reads of 4 consecutive elements stay 16-byte aligned.
 const PADDED: usize = TILE as usize + 4;
 
 /// Rows `r0..r0 + TILE` of head `(b, h)` of `x`, times `scale`, into `tile` a column at a time
