@@ -324,11 +324,12 @@ fn gpu_layer_norm_equals_burns() {
         return;
     };
     let device = Default::default();
-    // 300 rows of 200: several units per row (200 is no multiple of a plane's width), rows not a
-    // multiple of a cube's, and more rows than one gradient chunk.
+    // 900 rows of 200: several units per row (200 is no multiple of a plane's width), rows not a
+    // multiple of a cube's, and 15 gradient chunks of 64 rows, more than the 8 units that add
+    // up a column's chunks.
     in_both_row_forms(|_| {
         for bias in [true, false] {
-            launching(4, || layer_norm_case::<Gpu>([3, 100, 200], bias, &device));
+            launching(4, || layer_norm_case::<Gpu>([3, 300, 200], bias, &device));
         }
     });
 }

@@ -698,13 +698,12 @@ where
             dtype.into(),
         );
         let (dgamma, dbeta) = (empty(&x, [d]), empty(&x, [d]));
-        let (count, dim) = elementwise(&dgamma);
         launches::count();
 
         rows::layer_norm_grad_reduce_kernel::launch::<R>(
             &client,
-            count,
-            dim,
+            CubeCount::Static(d.div_ceil(rows::REDUCE_COLUMNS as usize) as u32, 1, 1),
+            CubeDim::new_1d(rows::REDUCE_COLUMNS * rows::REDUCE_LANES),
             partial.into_tensor_arg(),
             dgamma.clone().into_tensor_arg(),
             dbeta.clone().into_tensor_arg(),

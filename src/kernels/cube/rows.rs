@@ -358,7 +358,17 @@ pub fn layer_norm_grad_partial_kernel<F: Float>(
     partial[(chunks + chunk) * d + col] = sb;
 }
 
-/// Second stage: each column's partial sums added in chunk order → `dgamma`, `dbeta` `[d]`.
+/// Columns a cube of [`layer_norm_grad_reduce_kernel`] takes.
+pub const REDUCE_COLUMNS: u32 = 32;
+
+/// Units a column of [`layer_norm_grad_reduce_kernel`]: its chunks dealt out among them.
+pub const REDUCE_LANES: u32 = 8;
+
+/// Second stage: each column's partial sums added up → `dgamma`, `dbeta` `[d]`. A cube takes
+/// [`REDUCE_COLUMNS`] columns with [`REDUCE_LANES`] units each: lane `l` adds chunks `l, l + 8,
+/// …` in order, and then the lanes' sums are added in lane order (the same bits every run).
+/// One unit adding a column's 256 chunks in turn (16,384 rows) waited on 256 reads one after
+/// another, with a few hundred units busy on the whole device.
 #[cube(launch)]
 pub fn layer_norm_grad_reduce_kernel<F: Float>(
     partial: &Tensor<f32>,
@@ -367,20 +377,39 @@ pub fn layer_norm_grad_reduce_kernel<F: Float>(
     chunks: u32,
     #[define(F)] _dtype: StorageType,
 ) {
-    let col = ABSOLUTE_POS;
+    let u = UNIT_POS_X as usize;
+    let columns = REDUCE_COLUMNS as usize;
+    let lanes = REDUCE_LANES as usize;
+    let col = CUBE_POS_X as usize * columns + u % columns;
+    let lane = u / columns;
     let d = dgamma.len();
-    if col >= d {
-        terminate!();
-    }
     let chunks = chunks as usize;
     let mut sg = 0.0f32;
     let mut sb = 0.0f32;
-    for c in 0..chunks {
-        sg += partial[c * d + col];
-        sb += partial[(chunks + c) * d + col];
+    if col < d {
+        let mut c = lane;
+        while c < chunks {
+            sg += partial[c * d + col];
+            sb += partial[(chunks + c) * d + col];
+            c += lanes;
+        }
     }
-    dgamma[col] = F::cast_from(sg);
-    dbeta[col] = F::cast_from(sb);
+    let mut gammas = SharedMemory::<f32>::new((REDUCE_COLUMNS * REDUCE_LANES) as usize);
+    let mut betas = SharedMemory::<f32>::new((REDUCE_COLUMNS * REDUCE_LANES) as usize);
+    gammas[u] = sg;
+    betas[u] = sb;
+    sync_cube();
+    if lane == 0 && col < d {
+        let mut tg = 0.0f32;
+        let mut tb = 0.0f32;
+        #[unroll]
+        for l in 0..REDUCE_LANES as usize {
+            tg += gammas[l * columns + u];
+            tb += betas[l * columns + u];
+        }
+        dgamma[col] = F::cast_from(tg);
+        dbeta[col] = F::cast_from(tb);
+    }
 }
 
 /// Columns of an embedding gradient one cube of [`embedding_grad_partial_kernel`] sums (one
