@@ -809,6 +809,65 @@ pub fn tiles_take(kd: usize) -> bool {
 /// row's reads of 4 consecutive elements stay 16-byte aligned.
 const PADDED: usize = TILE as usize + 4;
 
+/// Where a unit of the tiled kernels stands: the head of its cube, the cube's first row (a query
+/// row, or in the key kernel a key row), and the unit's blocks of the scores and of the output.
+#[derive(CubeType, Clone, Copy)]
+struct TilePlace {
+    /// The head's index over batch items and heads, `b · heads + h`.
+    bh: usize,
+    /// The batch item.
+    b: usize,
+    /// The head.
+    h: usize,
+    /// Query positions.
+    t: usize,
+    /// Key positions.
+    s: usize,
+    /// The cube's first row: `CUBE_POS_X · TILE`.
+    first: usize,
+    /// The first of this batch item's padding flags.
+    pad_row: usize,
+    /// `1/√k`.
+    scale: f32,
+    /// The scores' unit: query rows `2·sr + {0, 1}` of a tile ...
+    sr: usize,
+    /// ... and its keys `4·sk + {0..3}`.
+    sk: usize,
+    /// The output's unit: rows `4·vr + {0..3}` of the cube's tile ...
+    vr: usize,
+    /// ... and columns `(kd/16)·vc + {0..kd/16}`.
+    vc: usize,
+}
+
+/// The [`TilePlace`] of this unit: cube `(x, y)` takes the tile of rows `x·TILE..` of head `y`.
+#[cube]
+fn tile_place<F: Float>(
+    q: &Tensor<F>,
+    k: &Tensor<F>,
+    layout: &Layout,
+    #[comptime] kd: usize,
+) -> TilePlace {
+    let bh = CUBE_POS_Y as usize;
+    let heads = layout.heads as usize;
+    let b = bh / heads;
+    let s = k.shape(2);
+    let u = UNIT_POS_X as usize;
+    TilePlace {
+        bh,
+        b,
+        h: bh % heads,
+        t: q.shape(2),
+        s,
+        first: CUBE_POS_X as usize * TILE as usize,
+        pad_row: b * s,
+        scale: 1.0f32 / f32::sqrt(f32::cast_from(kd as u32)),
+        sr: u / 8,
+        sk: u % 8,
+        vr: u / 16,
+        vc: u % 16,
+    }
+}
+
 /// Rows `r0..r0 + TILE` of head `(b, h)` of `x`, times `scale`, into `tile` a column at a time
 /// (`tile[c · PADDED + r]`, zeros past the end), by the [`TILES_UNITS`] units of the cube: unit
 /// `u` takes column `u % kd` of rows `u / kd`, `u / kd + TILES_UNITS / kd`, … (the reads of a
@@ -841,11 +900,11 @@ fn load_columns<F: Float>(
     }
 }
 
-/// A unit's 2 × 4 block of a tile's products of rows: `x[4·ro + kk] += Σ_c a[c·PADDED + 2·sr +
-/// ro] · b[c·PADDED + 4·sk + kk]`, `a` and `b` stored a column at a time (see [`load_columns`]):
-/// each step reads 2 and 4 consecutive numbers for 8 multiply-adds.
+/// A unit's 2 × 4 block of a tile's products of rows into `x`: `x[4·ro + kk] = Σ_c a[c·PADDED +
+/// 2·sr + ro] · b[c·PADDED + 4·sk + kk]`, `a` and `b` stored a column at a time (see
+/// [`load_columns`]): each step reads 2 and 4 consecutive numbers for 8 multiply-adds.
 #[cube]
-fn add_scores(
+fn block_products(
     a: &SharedMemory<f32>,
     b: &SharedMemory<f32>,
     x: &mut Array<f32>,
@@ -853,6 +912,10 @@ fn add_scores(
     sk: usize,
     #[comptime] kd: usize,
 ) {
+    #[unroll]
+    for e in 0..8usize {
+        x[e] = 0.0f32;
+    }
     #[unroll]
     for c4 in 0..kd / 4 {
         #[unroll]
@@ -990,21 +1053,11 @@ pub fn attention_forward_tiles_kernel<F: Float>(
     #[comptime] has_dropout: bool,
     #[define(F)] _dtype: StorageType,
 ) {
-    let bh = CUBE_POS_Y as usize;
-    let heads = layout.heads as usize;
-    let (b, h) = (bh / heads, bh % heads);
-    let t = q.shape(2);
-    let s = k.shape(2);
+    let place = tile_place::<F>(q, k, layout, kd);
+    let (bh, b, h, t, s) = (place.bh, place.b, place.h, place.t, place.s);
+    let (i0, pad_row, scale) = (place.first, place.pad_row, place.scale);
+    let (sr, sk, vr, vc) = (place.sr, place.sk, place.vr, place.vc);
     let u = UNIT_POS_X as usize;
-    let i0 = CUBE_POS_X as usize * TILE as usize;
-    let pad_row = b * s;
-    let scale = 1.0f32 / f32::sqrt(f32::cast_from(kd as u32));
-    // The scores' unit: rows i0 + 2·sr + {0, 1}, keys j0 + 4·sk + {0..3}.
-    let sr = u / 8;
-    let sk = u % 8;
-    // The output's unit: rows i0 + 4·vr + {0..3}, columns cw·vc + {0..cw}.
-    let vr = u / 16;
-    let vc = u % 16;
     let cw = comptime!(kd / 16);
 
     let mut qs = SharedMemory::<f32>::new_aligned(kd * PADDED, 16usize);
@@ -1044,11 +1097,7 @@ pub fn attention_forward_tiles_kernel<F: Float>(
         }
         if visit {
             let mut x = Array::<f32>::new(8usize);
-            #[unroll]
-            for e in 0..8usize {
-                x[e] = 0.0f32;
-            }
-            add_scores(&qs, &ks, &mut x, sr, sk, kd);
+            block_products(&qs, &ks, &mut x, sr, sk, kd);
             #[unroll]
             for ro in 0..2usize {
                 let r = 2 * sr + ro;
@@ -1163,17 +1212,11 @@ pub fn attention_backward_queries_tiles_kernel<F: Float>(
     #[comptime] has_dropout: bool,
     #[define(F)] _dtype: StorageType,
 ) {
-    let bh = CUBE_POS_Y as usize;
-    let heads = layout.heads as usize;
-    let (b, h) = (bh / heads, bh % heads);
-    let t = q.shape(2);
-    let s = k.shape(2);
+    let place = tile_place::<F>(q, k, layout, kd);
+    let (bh, b, h, t, s) = (place.bh, place.b, place.h, place.t, place.s);
+    let (i0, pad_row, scale) = (place.first, place.pad_row, place.scale);
+    let (sr, sk, vr, vc) = (place.sr, place.sk, place.vr, place.vc);
     let u = UNIT_POS_X as usize;
-    let i0 = CUBE_POS_X as usize * TILE as usize;
-    let pad_row = b * s;
-    let scale = 1.0f32 / f32::sqrt(f32::cast_from(kd as u32));
-    let (sr, sk) = (u / 8, u % 8);
-    let (vr, vc) = (u / 16, u % 16);
     let cw = comptime!(kd / 16);
 
     let mut qs = SharedMemory::<f32>::new_aligned(kd * PADDED, 16usize);
@@ -1227,13 +1270,8 @@ pub fn attention_backward_queries_tiles_kernel<F: Float>(
         sync_cube();
         let mut x = Array::<f32>::new(8usize);
         let mut dp = Array::<f32>::new(8usize);
-        #[unroll]
-        for e in 0..8usize {
-            x[e] = 0.0f32;
-            dp[e] = 0.0f32;
-        }
-        add_scores(&qs, &ks, &mut x, sr, sk, kd);
-        add_scores(&dos, &vs, &mut dp, sr, sk, kd);
+        block_products(&qs, &ks, &mut x, sr, sk, kd);
+        block_products(&dos, &vs, &mut dp, sr, sk, kd);
         #[unroll]
         for ro in 0..2usize {
             let r = 2 * sr + ro;
@@ -1305,17 +1343,11 @@ pub fn attention_backward_keys_tiles_kernel<F: Float>(
     #[comptime] has_dropout: bool,
     #[define(F)] _dtype: StorageType,
 ) {
-    let bh = CUBE_POS_Y as usize;
-    let heads = layout.heads as usize;
-    let (b, h) = (bh / heads, bh % heads);
-    let t = q.shape(2);
-    let s = k.shape(2);
+    let place = tile_place::<F>(q, k, layout, kd);
+    let (bh, b, h, t, s) = (place.bh, place.b, place.h, place.t, place.s);
+    let (j0, pad_row, scale) = (place.first, place.pad_row, place.scale);
+    let (sr, sk, vr, vc) = (place.sr, place.sk, place.vr, place.vc);
     let u = UNIT_POS_X as usize;
-    let j0 = CUBE_POS_X as usize * TILE as usize;
-    let pad_row = b * s;
-    let scale = 1.0f32 / f32::sqrt(f32::cast_from(kd as u32));
-    let (sr, sk) = (u / 8, u % 8);
-    let (vr, vc) = (u / 16, u % 16);
     let cw = comptime!(kd / 16);
 
     let mut ks = SharedMemory::<f32>::new_aligned(kd * PADDED, 16usize);
@@ -1353,13 +1385,8 @@ pub fn attention_backward_keys_tiles_kernel<F: Float>(
         sync_cube();
         let mut x = Array::<f32>::new(8usize);
         let mut dp = Array::<f32>::new(8usize);
-        #[unroll]
-        for e in 0..8usize {
-            x[e] = 0.0f32;
-            dp[e] = 0.0f32;
-        }
-        add_scores(&qs, &ks, &mut x, sr, sk, kd);
-        add_scores(&dos, &vs, &mut dp, sr, sk, kd);
+        block_products(&qs, &ks, &mut x, sr, sk, kd);
+        block_products(&dos, &vs, &mut dp, sr, sk, kd);
         #[unroll]
         for ro in 0..2usize {
             let r = 2 * sr + ro;

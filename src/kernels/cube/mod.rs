@@ -195,14 +195,10 @@ const PLANE_ROW_MAX: usize = 2048;
 
 /// The widest plane of the device where the row kernels give a plane a row (its planes can add
 /// up their units' values and hold at most [`PLANE_ROWS_UNITS`]), unless a test forbids it.
-/// As for the attention kernels' shuffles (see [`row_split`]), cubecl's plane operations or its
-/// Vulkan path's plane synchronisation, which lavapipe has, say the planes can.
+/// [`planes_shuffle`] says whether the planes can.
 fn row_planes<R: CubeRuntime>(client: &ComputeClient<R>) -> Option<usize> {
-    use cubecl::features::Plane;
-    let properties = client.properties();
-    let plane = properties.features.plane;
-    let widest = properties.hardware.plane_size_max as usize;
-    ((plane.contains(Plane::Ops) || plane.contains(Plane::Sync))
+    let widest = client.properties().hardware.plane_size_max as usize;
+    (planes_shuffle(client)
         && (1..=PLANE_ROWS_UNITS as usize).contains(&widest)
         && !CUBE_ROWS.load(Ordering::Relaxed))
     .then_some(widest)
@@ -1167,12 +1163,16 @@ fn attention_backward<R: CubeRuntime>(
     let client = q.client.clone();
     let dtype = q.dtype;
     let [(dq, dq_strides), (dkv, dkv_strides)] = grads;
+    let dq_layout = layout::<R>(h, dq_strides, 0, dropout);
+    let dkv_layout = layout::<R>(h, dkv_strides, dkv_strides[3] + dv_offset, dropout);
+    let query_cubes = CubeCount::Static(t.div_ceil(TILE as usize) as u32, (b * h) as u32, 1);
+    let key_cubes = CubeCount::Static(s.div_ceil(TILE as usize) as u32, (b * h) as u32, 1);
     launches::count();
 
     if attention_tiles(&client, kd) {
         attention::attention_backward_queries_tiles_kernel::launch::<R>(
             &client,
-            CubeCount::Static(t.div_ceil(TILE as usize) as u32, (b * h) as u32, 1),
+            query_cubes,
             CubeDim::new_1d(attention::TILES_UNITS),
             q.clone().into_tensor_arg(),
             k.clone().into_tensor_arg(),
@@ -1183,18 +1183,17 @@ fn attention_backward<R: CubeRuntime>(
             pad.clone().into_tensor_arg(),
             dq.clone().into_tensor_arg(),
             delta.clone().into_tensor_arg(),
-            layout::<R>(h, dq_strides, 0, dropout),
+            dq_layout,
             kd,
             causal,
             has_pad,
             dropout.is_some(),
             dtype.into(),
         );
-        let dv_offset = dkv_strides[3] + dv_offset;
         launches::count();
         attention::attention_backward_keys_tiles_kernel::launch::<R>(
             &client,
-            CubeCount::Static(s.div_ceil(TILE as usize) as u32, (b * h) as u32, 1),
+            key_cubes,
             CubeDim::new_1d(attention::TILES_UNITS),
             q.into_tensor_arg(),
             k.into_tensor_arg(),
@@ -1204,7 +1203,7 @@ fn attention_backward<R: CubeRuntime>(
             delta.into_tensor_arg(),
             pad.into_tensor_arg(),
             dkv.clone().into_tensor_arg(),
-            layout::<R>(h, dkv_strides, dv_offset, dropout),
+            dkv_layout,
             kd,
             causal,
             has_pad,
@@ -1216,7 +1215,7 @@ fn attention_backward<R: CubeRuntime>(
     let split = row_split(&client, kd);
     attention::attention_backward_queries_kernel::launch::<R>(
         &client,
-        CubeCount::Static(t.div_ceil(TILE as usize) as u32, (b * h) as u32, 1),
+        query_cubes,
         CubeDim::new_1d(TILE * split as u32),
         q.clone().into_tensor_arg(),
         k.clone().into_tensor_arg(),
@@ -1227,7 +1226,7 @@ fn attention_backward<R: CubeRuntime>(
         pad.clone().into_tensor_arg(),
         dq.clone().into_tensor_arg(),
         delta.clone().into_tensor_arg(),
-        layout::<R>(h, dq_strides, 0, dropout),
+        dq_layout,
         kd,
         causal,
         has_pad,
@@ -1235,12 +1234,11 @@ fn attention_backward<R: CubeRuntime>(
         split,
         dtype.into(),
     );
-    let dv_offset = dkv_strides[3] + dv_offset;
     launches::count();
 
     attention::attention_backward_keys_kernel::launch::<R>(
         &client,
-        CubeCount::Static(s.div_ceil(TILE as usize) as u32, (b * h) as u32, 1),
+        key_cubes,
         CubeDim::new_1d(TILE * split as u32),
         q.into_tensor_arg(),
         k.into_tensor_arg(),
@@ -1250,7 +1248,7 @@ fn attention_backward<R: CubeRuntime>(
         delta.into_tensor_arg(),
         pad.into_tensor_arg(),
         dkv.clone().into_tensor_arg(),
-        layout::<R>(h, dkv_strides, dv_offset, dropout),
+        dkv_layout,
         kd,
         causal,
         has_pad,
@@ -1260,53 +1258,56 @@ fn attention_backward<R: CubeRuntime>(
     );
 }
 
-/// Whether attention with heads `kd` wide runs the tiled forward kernel
-/// ([`attention::attention_forward_tiles_kernel`]) on this device: for heads 16, 32 or 64 wide
+/// Whether the device's planes can shuffle and add up their units' values: cubecl marks plane
+/// operations on a GPU with subgroups, and its Vulkan path's subgroup support as plane
+/// synchronisation, which a CPU Vulkan driver such as lavapipe has too (the kernels that need
+/// them run there and are tested); WGSL without subgroups has neither.
+fn planes_shuffle<R: CubeRuntime>(client: &ComputeClient<R>) -> bool {
+    use cubecl::features::Plane;
+    let plane = client.properties().features.plane;
+    plane.contains(Plane::Ops) || plane.contains(Plane::Sync)
+}
+
+/// Whether attention with heads `kd` wide runs the tiled kernels (forward and both backward,
+/// [`attention::attention_forward_tiles_kernel`]) on this device: for heads 16, 32 or 64 wide
 /// where the device's planes shuffle and hold 8 units (a row's 8 units of the scores add up its
 /// weights by shuffles), unless a test forces a row split.
 fn attention_tiles<R: CubeRuntime>(client: &ComputeClient<R>, kd: usize) -> bool {
-    use cubecl::features::Plane;
-    let properties = client.properties();
-    let plane = properties.features.plane;
-    let shuffles = plane.contains(Plane::Ops) || plane.contains(Plane::Sync);
     attention::tiles_take(kd)
-        && shuffles
-        && properties.hardware.plane_size_min >= 8
+        && planes_shuffle(client)
+        && client.properties().hardware.plane_size_min >= 8
         && FORCED_ROW_SPLIT.load(Ordering::Relaxed) == 0
 }
 
-/// Whether attention with heads `kd` wide runs the tiled forward kernel on `device` (for tests,
-/// which must know which kernel they check).
+/// Whether attention with heads `kd` wide runs the tiled kernels on `device` (for tests, which
+/// must know which kernels they check).
 #[doc(hidden)]
 pub fn attention_in_tiles<R: CubeRuntime>(device: &R::Device, kd: usize) -> bool {
     attention_tiles(&R::client(device), kd)
 }
 
-/// A row split the tests force on the attention tile kernels (0: [`row_split`]'s own).
+/// A row split the tests force on the attention row kernels (0: [`row_split`]'s own), which
+/// also keeps the tiled kernels out.
 static FORCED_ROW_SPLIT: AtomicUsize = AtomicUsize::new(0);
 
-/// Makes the attention tile kernels (forward and backward) share each row among `split` units
-/// (1, 2, 4 or 8; it must divide the head width and fit in the device's plane), or with `None`
-/// choose as they do (see [`row_split`]): for tests, which check every split on small heads.
+/// Makes attention run the row kernels (forward and backward) and share each row among `split`
+/// units (1, 2, 4 or 8; it must divide the head width and fit in the device's plane), or with
+/// `None` choose as it does (see [`row_split`], [`attention_tiles`]): for tests, which check
+/// every split on small heads.
 #[doc(hidden)]
 pub fn force_attention_row_split(split: Option<usize>) {
     FORCED_ROW_SPLIT.store(split.unwrap_or(0), Ordering::Relaxed);
 }
 
-/// How many units share a row in the attention tile kernels (forward, and both backward): one
+/// How many units share a row in the attention row kernels (forward, and both backward): one
 /// for every 16 columns of the head, at most 8 (a power of two dividing the head width; 4 for a
 /// 64-wide head), each holding every `split`-th column, their dot products added through plane
-/// shuffles — where the device's planes shuffle and hold that many units; else 1. cubecl marks
-/// shuffles on a GPU with subgroups, and its Vulkan path's subgroup support as plane
-/// synchronisation, which a CPU Vulkan driver such as lavapipe has too (the kernels run there
-/// and are tested); WGSL without subgroups has neither. Found by `bench/gpu/registers.sh`: with
-/// one unit a row both backward kernels reached a GPU's 255 registers a unit and spilled, and
-/// the forward held 168.
+/// shuffles — where the device's planes shuffle ([`planes_shuffle`]) and hold that many units;
+/// else 1. Found by `bench/gpu/registers.sh`: with one unit a row both backward kernels reached
+/// a GPU's 255 registers a unit and spilled, and the forward held 168.
 fn row_split<R: CubeRuntime>(client: &ComputeClient<R>, kd: usize) -> usize {
-    use cubecl::features::Plane;
     let properties = client.properties();
-    let plane = properties.features.plane;
-    let shuffles = plane.contains(Plane::Ops) || plane.contains(Plane::Sync);
+    let shuffles = planes_shuffle(client);
     let forced = FORCED_ROW_SPLIT.load(Ordering::Relaxed);
     if forced > 0 {
         let fits =
