@@ -642,6 +642,12 @@ pub enum BenchCommand {
     /// backward at a language-model experiment's shapes: the per-operation profile of a
     /// training step.
     Kernels(BenchKernelsArgs),
+    /// Time every matrix-product kernel a GPU backend chooses among on the products of a
+    /// language model's training step (forward, input and weight gradients of each linear
+    /// layer): burn's autotuned choice, as the step runs it, then each candidate, with each one's
+    /// error against sums made on the host, and what the fastest correct kernels would make of
+    /// the step's products.
+    Matmul(BenchMatmulArgs),
     /// Load `serve` with concurrent streamed completions on loopback: requests/s, tokens/s,
     /// latency to the first token and between tokens (p50, p99) at each number of clients,
     /// with the server decoding one request at a time and batching them.
@@ -726,6 +732,39 @@ pub struct BenchKernelsArgs {
     pub reps: usize,
     /// Vocabulary size for the loss (the experiment's comes from its data; 65 = Tiny
     /// Shakespeare's characters).
+    #[arg(long, default_value_t = 65)]
+    pub vocab: usize,
+    #[command(flatten)]
+    pub backend: BackendArgs,
+}
+
+/// `bench matmul` options.
+#[derive(Args, Debug)]
+pub struct BenchMatmulArgs {
+    /// Language-model experiment whose step to take the products of. Default: the built-in
+    /// shakespeare-char.
+    #[arg(long, short, value_name = "FILE")]
+    pub experiment: Option<PathBuf>,
+    /// The operands' type: f32, or f16/bf16 read by the products and accumulated in f32, as
+    /// `train --precision` runs them.
+    #[arg(long, value_enum, default_value = "f32")]
+    pub precision: crate::kernels::Precision,
+    /// Only the products whose name contains one of these words, comma-separated: the layers
+    /// qkv, out, ff1, ff2, head; the products forward, dX, dW (e.g. `ff1` or `dW`).
+    #[arg(long, value_delimiter = ',')]
+    pub only: Vec<String>,
+    /// Time only burn's autotuned choice, not every candidate.
+    #[arg(long)]
+    pub autotune_only: bool,
+    /// Only the candidates whose name contains one of these words, comma-separated (e.g.
+    /// `tma` or `cyclic_mma`); burn's autotuned choice is always timed.
+    #[arg(long, value_delimiter = ',')]
+    pub kernels: Vec<String>,
+    /// Timed samples per kernel (after one launch that compiles and checks it); medians are
+    /// reported.
+    #[arg(long, default_value_t = 5)]
+    pub runs: usize,
+    /// Vocabulary size of the output layer (65 = Tiny Shakespeare's characters).
     #[arg(long, default_value_t = 65)]
     pub vocab: usize,
     #[command(flatten)]

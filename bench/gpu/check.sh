@@ -31,7 +31,11 @@
 #   - `bench generate` (cached) at batch 1 and 8 on cuda, and transformers' `generate`
 #     (bench/pytorch/generate_bench.py);
 #   - where a fused cuda step's (f32 and bf16) and a generated token's time goes: launches and
-#     microseconds by kernel (bench/gpu/launches.sh at the experiment's full shape).
+#     microseconds by kernel (bench/gpu/launches.sh at the experiment's full shape);
+#   - the products, more than half the step: every candidate of burn's matmul at the
+#     feed-forward layer's forward product and both gradients, in f32 and bf16, against the
+#     autotuned choice (`bench matmul`), and what autotune chose at every shape the runs met
+#     (bench/gpu/autotune.py).
 #
 # Every log goes to OUT_DIR (GPU_CHECK_PACK=1 packs them into one archive there); CI_EXPECT_CUDA=1
 # is set for anything that reads it. Where the raw fused path does not learn, it runs the learning
@@ -156,6 +160,12 @@ step warm-generate "$WARM" "$BIN" --backend cuda "${NEVER[@]}" bench generate \
   step doctor-wgpu "$WARM" "$BIN" --backend wgpu doctor
   learn_run wgpu wgpu "$((WARM_END - SECONDS))"
 } &
+# Every candidate matmul kernel at the feed-forward layer's three products (compiled here,
+# timed in 7.).
+for precision in f32 bf16; do
+  step "warm-matmul-$precision" "$WARM" "$BIN" --backend cuda bench matmul \
+    -e experiments/shakespeare-char-gpu.json --only ff1 --precision "$precision" --runs 1 &
+done
 step warm-pytorch-compiled "$WARM" python3 bench/pytorch/train_bench.py --data-dir "$DATA" \
   --config gpu --device cuda --adamw fused --dtype bf16 --compile --steps 2 --warmup 1 --runs 1 &
 wait
@@ -163,7 +173,7 @@ for i in "${!WARM_OPS[@]}"; do
   rc=$(rc_of "warm-doctor-$i")
   [ "$rc" = 0 ] || row "warm-up (doctor --only ${WARM_OPS[$i]})" "$(status "$rc")" "$(why "warm-doctor-$i")"
 done
-for warm in composed bench-bf16 generate pytorch-compiled; do
+for warm in composed bench-bf16 generate matmul-f32 matmul-bf16 pytorch-compiled; do
   rc=$(rc_of "warm-$warm")
   [ "$rc" = 0 ] || row "warm-up ($warm)" "$(status "$rc")" "$(why "warm-$warm")"
 done
@@ -267,6 +277,29 @@ kernels cuda-step-bf16 "kernels per step (cuda, bf16)" 60 \
   env PRECISION=bf16 bench/gpu/launches.sh "$BIN" experiments/shakespeare-char-gpu.json cuda 3
 kernels cuda-token "kernels per token (cuda, batch 1)" 60 \
   env GENERATE=1 bench/gpu/launches.sh "$BIN" experiments/shakespeare-char-gpu.json cuda 32
+
+# 7. The products, more than half a cuda step: every candidate kernel of burn's matmul at the
+# feed-forward layer's three products (forward, dX, dW), against what autotune chose (whole
+# tables in matmul-*.log), and what autotune chose at every shape the runs met (autotune.log).
+for precision in f32 bf16; do
+  step "matmul-$precision" 60 "$BIN" --backend cuda bench matmul \
+    -e experiments/shakespeare-char-gpu.json --only ff1 --precision "$precision" --runs 5
+  rc=$?
+  line=$(grep -o '[0-9.]* ms as autotuned.*' "$OUT_DIR/matmul-$precision.log" | head -1)
+  best=$(awk '/^ff1 forward/ { getline; print $1, $2, $3, $4, $5; exit }' "$OUT_DIR/matmul-$precision.log")
+  row "products, ff1 ($precision)" "$(status $rc)" "${line:-$(why "matmul-$precision")}"
+  [ -n "$best" ] && row "" "" "forward's fastest: $best"
+done
+# wgpu's f32 products: whether Vulkan's cooperative matrices (tensor cores) take f32 operands
+# on this card, or only its unit kernels run (the likely cause of wgpu's slower step).
+step matmul-wgpu 60 "$BIN" --backend wgpu bench matmul \
+  -e experiments/shakespeare-char-gpu.json --only "ff1 forward" --runs 3
+rc=$?
+best=$(awk '/^ff1 forward/ { getline; print $1, $2, $3, $4, $5; exit }' "$OUT_DIR/matmul-wgpu.log")
+refused=$(grep -o 'did not run ([0-9]*)' "$OUT_DIR/matmul-wgpu.log" | paste -sd, -)
+row "products, ff1 forward (wgpu f32)" "$(status $rc)" "${best:-$(why matmul-wgpu)}${refused:+; $refused}"
+python3 bench/gpu/autotune.py "$TRANSFORMER_LAB_CACHE_DIR" >"$OUT_DIR/autotune.log" 2>&1
+row "matmul autotune (all runs)" "" "$(($(wc -l <"$OUT_DIR/autotune.log") - 1)) shapes: autotune.log"
 
 # The table.
 echo

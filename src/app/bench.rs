@@ -3,7 +3,8 @@
 
 use crate::artifact::ArtifactDir;
 use crate::cli::{
-    BenchArgs, BenchCommand, BenchGenerateArgs, BenchKernelsArgs, BenchMixersArgs, BenchServeArgs,
+    BenchArgs, BenchCommand, BenchGenerateArgs, BenchKernelsArgs, BenchMatmulArgs, BenchMixersArgs,
+    BenchServeArgs,
 };
 use crate::config::{ExperimentConfig, LmConfig};
 use crate::data::data_dir;
@@ -18,6 +19,7 @@ pub(super) fn run_bench<B: LabBackend>(args: BenchArgs, device: B::Device) -> Re
         BenchCommand::Train(args) => args,
         BenchCommand::Mixers(args) => return run_bench_mixers::<B>(args, device),
         BenchCommand::Kernels(args) => return run_bench_kernels::<B>(args, device),
+        BenchCommand::Matmul(args) => return run_bench_matmul::<B>(args, device),
         BenchCommand::Generate(args) => return run_bench_generate::<B>(args, device),
         BenchCommand::Serve(args) => return run_bench_serve(args),
     };
@@ -89,6 +91,73 @@ fn run_bench_kernels<B: LabBackend>(args: BenchKernelsArgs, device: B::Device) -
         args.reps
     );
     print!("{}", crate::bench::kernels::render(&rows));
+    Ok(())
+}
+
+fn run_bench_matmul<B: LabBackend>(args: BenchMatmulArgs, device: B::Device) -> Result<()> {
+    if args.vocab == 0 {
+        bail!("--vocab must be at least 1");
+    }
+    let config = match &args.experiment {
+        Some(path) => ExperimentConfig::load(path)?,
+        None => ExperimentConfig::parse(crate::config::DEFAULT_EXPERIMENT)?,
+    };
+    let lm = config.model_as::<LmConfig>().map_err(|_| {
+        anyhow!(
+            "bench matmul uses language-model shapes; {} is a {} experiment",
+            config.name,
+            config.model.kind()
+        )
+    })?;
+    if let Some(half) = args.precision.half() {
+        if !B::mixed_precision(&device, half) {
+            bail!(
+                "--precision {}: {} has no products in that type",
+                args.precision.name(),
+                B::name(&device)
+            );
+        }
+    }
+    let plan = crate::bench::matmul::MatmulPlan {
+        products: crate::bench::matmul::step_products(
+            lm,
+            config.train.batch_size,
+            args.vocab,
+            &args.only,
+        ),
+        precision: args.precision,
+        all: !args.autotune_only,
+        kernels: args.kernels,
+        runs: args.runs,
+    };
+    plan.check()?;
+    if !B::autotunes() {
+        // The backend's own refusal, before the header.
+        B::time_products(&device, &plan, &mut |_| {})?;
+    }
+    eprintln!(
+        "bench matmul: {} products of a {} step on {}, {} operands; the first launch of each kernel compiles it",
+        plan.products.len(),
+        config.name,
+        B::name(&device),
+        args.precision.name()
+    );
+    let names: Vec<String> = plan.products.iter().map(|p| p.name.clone()).collect();
+    let timings = B::time_products(&device, &plan, &mut |t| {
+        let what = match &t.seconds {
+            Ok(s) => format!("{:.1} µs", s * 1e6),
+            Err(_) => "did not run".into(),
+        };
+        eprintln!("  {} {}: {what}", names[t.product], t.kernel);
+    })?;
+    println!(
+        "{} on {}: each product's kernels, fastest first ({} operands, f32 output; median of {} samples)",
+        config.name,
+        B::name(&device),
+        args.precision.name(),
+        args.runs
+    );
+    print!("{}", crate::bench::matmul::render(&plan, &timings));
     Ok(())
 }
 

@@ -107,6 +107,9 @@ impl Command {
                 BenchCommand::Kernels(args) => {
                     Needs::Backend(args.backend.backend.or(outer.backend))
                 }
+                BenchCommand::Matmul(args) => {
+                    Needs::Backend(args.backend.backend.or(outer.backend))
+                }
             },
         }
     }

@@ -10,6 +10,7 @@
 
 pub mod generate;
 pub mod kernels;
+pub mod matmul;
 pub mod mixers;
 pub mod serve;
 

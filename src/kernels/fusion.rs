@@ -128,6 +128,14 @@ impl<B: FusionBackend + LabBackend> LabBackend for Fusion<B> {
         B::autotunes()
     }
 
+    fn time_products(
+        device: &B::Device,
+        plan: &crate::bench::matmul::MatmulPlan,
+        progress: &mut dyn FnMut(&crate::bench::matmul::ProductTiming),
+    ) -> anyhow::Result<Vec<crate::bench::matmul::ProductTiming>> {
+        B::time_products(device, plan, progress)
+    }
+
     /// In `f32`, fusion's own matmul; in half precision, one custom operation running the inner
     /// backend's mixed-precision product (fusion's matmul returns its inputs' type).
     fn fused_linear(x: Tensor<B>, w: Tensor<B>, b: Option<Tensor<B>>) -> Tensor<B> {

@@ -349,6 +349,21 @@ pub trait LabBackend: Backend {
         false
     }
 
+    /// Times the products of `plan` on `device` with every matrix-product kernel this backend
+    /// chooses among (`bench matmul`); `progress` sees each timing as it is made. The default:
+    /// a backend without such a choice refuses.
+    fn time_products(
+        device: &Self::Device,
+        plan: &crate::bench::matmul::MatmulPlan,
+        progress: &mut dyn FnMut(&crate::bench::matmul::ProductTiming),
+    ) -> anyhow::Result<Vec<crate::bench::matmul::ProductTiming>> {
+        let _ = (plan, progress);
+        anyhow::bail!(
+            "bench matmul times a GPU backend's matrix-product kernels; {} has no choice among them (use --backend cuda or wgpu)",
+            Self::name(device)
+        )
+    }
+
     /// Whether this backend picks its matrix-product kernels by benchmarking each new shape
     /// (burn's autotune on a GPU: on CUDA the first run of a shape compiles and times about ten
     /// candidate kernels). Decoding then pads its growing key–value columns to a few fixed

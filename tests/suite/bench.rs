@@ -466,3 +466,121 @@ fn profile_row<'a>(text: &'a str, phase: &str, op: &str) -> Vec<&'a str> {
         .unwrap_or_else(|| panic!("no {phase} {op} row in {text}"));
     row[10 + 33..].split_whitespace().collect()
 }
+
+/// `bench matmul`'s products are a step's: each linear layer's forward product and both
+/// gradients, at the layer's sizes, with the operands a step reads transposed marked so.
+#[test]
+fn bench_matmul_takes_the_products_of_a_training_step() {
+    use transformer_lab::bench::matmul::step_products;
+    let mut lm = transformer_lab::config::LmConfig::default();
+    lm.stack.d_model = 8;
+    lm.stack.d_ff = 32;
+    lm.n_layers = 3;
+    lm.context = 4;
+    let all = step_products(&lm, 2, 5, &[]);
+    assert_eq!(all.len(), 15);
+    let dims = |p: &transformer_lab::bench::matmul::ProductShape| {
+        (p.m, p.n, p.k, p.a_transposed, p.b_transposed)
+    };
+    // The feed-forward's second layer, 8 rows of 32 → 8: y = x·w, dx = dy·wᵀ, dw = xᵀ·dy.
+    let ff2: Vec<_> = all.iter().filter(|p| p.name.starts_with("ff2")).collect();
+    assert_eq!(dims(ff2[0]), (8, 8, 32, false, false));
+    assert_eq!(dims(ff2[1]), (8, 32, 8, false, true));
+    assert_eq!(dims(ff2[2]), (32, 8, 8, true, false));
+    assert!(ff2.iter().all(|p| p.per_step == 3));
+    assert_eq!(ff2[0].flops(), 2.0 * 8.0 * 8.0 * 32.0);
+    // Tied weights: the output layer reads the [v, d] table transposed, its input's gradient
+    // reads it as it is; once a step.
+    let head: Vec<_> = all.iter().filter(|p| p.name.starts_with("head")).collect();
+    assert_eq!(dims(head[0]), (8, 5, 8, false, true));
+    assert_eq!(dims(head[1]), (8, 8, 5, false, false));
+    assert!(head.iter().all(|p| p.per_step == 1));
+    let only = step_products(&lm, 2, 5, &["dW".into(), "qkv".into()]);
+    let names: Vec<_> = only.iter().map(|p| p.name.as_str()).collect();
+    assert_eq!(
+        names,
+        [
+            "qkv forward",
+            "qkv dX",
+            "qkv dW",
+            "out dW",
+            "ff1 dW",
+            "ff2 dW",
+            "head dW"
+        ]
+    );
+}
+
+/// The table ranks a product's kernels by time, marks one whose output is wrong, counts the
+/// step's products at the fastest correct kernel (not at a wrong one) and at autotune's choice.
+#[test]
+fn bench_matmul_table_skips_a_wrong_kernel_when_it_counts_the_fastest() {
+    use transformer_lab::bench::matmul::{render, MatmulPlan, ProductShape, ProductTiming};
+    let product = ProductShape {
+        name: "ff1 forward".into(),
+        m: 1000,
+        n: 1000,
+        k: 1000,
+        a_transposed: false,
+        b_transposed: false,
+        per_step: 2,
+    };
+    let plan = MatmulPlan {
+        products: vec![product],
+        precision: transformer_lab::kernels::Precision::F32,
+        all: true,
+        kernels: vec![],
+        runs: 1,
+    };
+    let timing = |kernel: &str, seconds: Result<f64, String>, error| ProductTiming {
+        product: 0,
+        kernel: kernel.into(),
+        seconds,
+        error,
+    };
+    let timings = vec![
+        timing("autotune", Ok(4e-3), 1e-6),
+        timing("fast_but_wrong", Ok(1e-3), 0.3),
+        timing("right", Ok(2e-3), 1e-6),
+        timing("missing_a", Err("no cmma here".into()), 0.0),
+        timing("missing_b", Err("no cmma here".into()), 0.0),
+    ];
+    let table = render(&plan, &timings);
+    let lines: Vec<&str> = table.lines().collect();
+    assert!(
+        lines[1].contains("fast_but_wrong") && lines[1].ends_with("WRONG"),
+        "{table}"
+    );
+    assert!(
+        lines[2].contains("right") && lines[2].contains("1.00 TFLOP/s"),
+        "{table}"
+    );
+    assert!(
+        lines[3].contains("autotune") && !lines[3].contains("WRONG"),
+        "{table}"
+    );
+    assert!(
+        lines[4].contains("did not run (2): no cmma here"),
+        "{table}"
+    );
+    assert!(lines[5].contains("missing_a, missing_b"), "{table}");
+    assert!(
+        table.contains(
+            "8.00 ms as autotuned, 4.00 ms at the fastest correct kernel of each (2.00×)"
+        ),
+        "{table}"
+    );
+}
+
+#[test]
+fn bench_matmul_refuses_a_cpu_backend_and_an_empty_selection() {
+    let dir = tempfile::tempdir().unwrap();
+    // `run` names the ndarray backend.
+    let cpu = run(dir.path(), &["bench", "matmul"]);
+    assert_clean_error(
+        &cpu,
+        "bench matmul times a GPU backend's matrix-product kernels",
+    );
+    let none = run(dir.path(), &["bench", "matmul", "--only", "nothing"]);
+    assert_clean_error(&none, "--only matches none of the step's products");
+}

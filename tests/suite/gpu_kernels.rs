@@ -847,3 +847,81 @@ fn gpu_embedding_gradient_equals_the_sum_by_hand_and_is_the_same_every_run() {
         );
     }
 }
+
+/// `bench matmul`'s products on lavapipe: burn's autotuned choice at every layout a step has
+/// (transposed views as its gradients read them) and in `f16` (against the sums of the rounded
+/// operands), and a candidate launched directly, against sums made on the host; the
+/// tensor-core candidates, which lavapipe cannot run, report why instead of a time. (A unit
+/// kernel takes seconds to compile in a debug build: one is launched directly.)
+#[test]
+fn gpu_bench_matmul_times_each_candidate_and_checks_it_against_the_host() {
+    use transformer_lab::bench::matmul::{MatmulPlan, ProductShape};
+    let Some(_turn) = wgpu_turn() else {
+        return;
+    };
+    let device = Default::default();
+    let shape = |name: &str, (m, n, k), a_transposed, b_transposed| ProductShape {
+        name: name.into(),
+        m,
+        n,
+        k,
+        a_transposed,
+        b_transposed,
+        per_step: 2,
+    };
+    let products = vec![
+        shape("forward", (37, 23, 19), false, false),
+        shape("dX", (37, 19, 23), false, true),
+        shape("dW", (19, 23, 37), true, false),
+    ];
+    let plan = |products: Vec<ProductShape>, precision, kernels: &[&str]| MatmulPlan {
+        products,
+        precision,
+        all: !kernels.is_empty(),
+        kernels: kernels.iter().map(|k| k.to_string()).collect(),
+        runs: 1,
+    };
+    let time = |plan: &MatmulPlan| Inner::time_products(&device, plan, &mut |_| {}).unwrap();
+    let ran = |timings: &[transformer_lab::bench::matmul::ProductTiming], i: usize| {
+        timings
+            .iter()
+            .filter(|t| t.product == i && t.seconds.is_ok())
+            .map(|t| (t.kernel.clone(), t.error))
+            .collect::<Vec<_>>()
+    };
+    // Every layout, in f32, and the transposed one in f16 (lavapipe has no bf16): the host's
+    // sums are of the values the device holds, so only the sums' rounding differs.
+    for (precision, products) in [
+        (Precision::F32, products.clone()),
+        (Precision::F16, vec![products[1].clone()]),
+    ] {
+        let timings = time(&plan(products.clone(), precision, &[]));
+        for (i, product) in products.iter().enumerate() {
+            let ran = ran(&timings, i);
+            assert_eq!(ran.len(), 1, "{precision:?} {}: {ran:?}", product.name);
+            let (kernel, error) = &ran[0];
+            assert!(
+                kernel == "autotune" && *error > 0.0 && *error < 1e-5,
+                "{precision:?} {}: {kernel} error {error:e}",
+                product.name
+            );
+        }
+    }
+    // A candidate by name, and those lavapipe cannot run.
+    let timings = time(&plan(
+        vec![products[2].clone()],
+        Precision::F32,
+        &["double_unit_min", "cyclic_cmma"],
+    ));
+    let ran = ran(&timings, 0);
+    let names: Vec<&str> = ran.iter().map(|(k, _)| k.as_str()).collect();
+    assert_eq!(names, ["autotune", "matmul_double_unit_min_tile_size"]);
+    assert!(ran.iter().all(|(_, e)| *e > 0.0 && *e < 1e-5), "{ran:?}");
+    let refused: Vec<_> = timings.iter().filter(|t| t.seconds.is_err()).collect();
+    assert!(refused.len() >= 2, "{refused:?}");
+    assert!(
+        refused.iter().all(|t| t.kernel.contains("cyclic_cmma")
+            && t.seconds.as_ref().unwrap_err().contains("unavailable")),
+        "{refused:?}"
+    );
+}

@@ -11,6 +11,7 @@ pub(crate) mod attention;
 pub mod cuda_source;
 mod linear;
 mod pointwise;
+mod products;
 mod rows;
 
 use super::{composed, AdamWItem, DropoutMask, LabBackend};
@@ -323,6 +324,14 @@ where
 
     fn autotunes() -> bool {
         true
+    }
+
+    fn time_products(
+        device: &Self::Device,
+        plan: &crate::bench::matmul::MatmulPlan,
+        progress: &mut dyn FnMut(&crate::bench::matmul::ProductTiming),
+    ) -> anyhow::Result<Vec<crate::bench::matmul::ProductTiming>> {
+        Ok(products::time_products::<Self, R>(device, plan, progress))
     }
 
     fn fused_linear(x: CubeTensor<R>, w: CubeTensor<R>, b: Option<CubeTensor<R>>) -> CubeTensor<R> {
