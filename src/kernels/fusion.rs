@@ -140,7 +140,7 @@ impl<B: FusionBackend + LabBackend> LabBackend for Fusion<B> {
     /// backend's mixed-precision product (fusion's matmul returns its inputs' type).
     fn fused_linear(x: Tensor<B>, w: Tensor<B>, b: Option<Tensor<B>>) -> Tensor<B> {
         let precision = super::precision();
-        if precision.is_f32() {
+        if precision.is_f32() && super::pinned_matmul().is_none() {
             return composed::linear::<Self>(x, w, b);
         }
         let shape = Shape::new([x.shape[0], w.shape[1]]);
@@ -165,7 +165,7 @@ impl<B: FusionBackend + LabBackend> LabBackend for Fusion<B> {
     ) -> (Tensor<B>, Tensor<B>, Tensor<B>) {
         let precision = super::precision();
         let Some(half) = precision.half() else {
-            return (composed::linear::<Self>(x.clone(), w.clone(), b), x, w);
+            return (Self::fused_linear(x.clone(), w.clone(), b), x, w);
         };
         let outputs = vec![
             (Shape::new([x.shape[0], w.shape[1]]), x.dtype),
@@ -198,7 +198,8 @@ impl<B: FusionBackend + LabBackend> LabBackend for Fusion<B> {
         bias: bool,
     ) -> (Tensor<B>, Tensor<B>, Option<Tensor<B>>) {
         let precision = super::precision();
-        if precision.is_f32() && x.dtype == dy.dtype && w.dtype == dy.dtype {
+        let same = x.dtype == dy.dtype && w.dtype == dy.dtype;
+        if precision.is_f32() && same && super::pinned_matmul().is_none() {
             return composed::linear_backward::<Self>(x, w, dy, bias);
         }
         let out = dy.dtype;

@@ -722,6 +722,35 @@ thread_local! {
 /// Sets the precision of the linear layers' products for the process, after checking that
 /// backend `B` runs them in that type on `device`: one error line when it does not, or when the
 /// fused kernels are off (`--no-fused`: half precision lives in the fused linear layer).
+/// The environment variable that makes a GPU backend's linear layers multiply with one named
+/// kernel of burn's matmul (a name `bench matmul` lists, e.g. `matmul_simple_tma_mma`) instead of
+/// the one autotune chooses for each shape, in `f32` as in half precision: for measuring a whole
+/// step with a kernel `bench matmul` found faster. Where the kernel cannot take a product it
+/// falls back to autotune's; the on-device check's `linear` row compares it with the composed
+/// product.
+pub const MATMUL_ENV: &str = "TRANSFORMER_LAB_MATMUL";
+
+/// The kernel named for the products: [`MATMUL_ENV`]'s (read at the first call) unless
+/// [`pin_matmul`] said otherwise.
+static PINNED_MATMUL: std::sync::Mutex<Option<Option<String>>> = std::sync::Mutex::new(None);
+
+/// The kernel named for the linear layers' products ([`MATMUL_ENV`]), if any.
+pub fn pinned_matmul() -> Option<String> {
+    let mut pinned = PINNED_MATMUL.lock().unwrap_or_else(|p| p.into_inner());
+    pinned
+        .get_or_insert_with(|| std::env::var(MATMUL_ENV).ok().filter(|n| !n.is_empty()))
+        .clone()
+}
+
+/// Names the kernel for the products as [`MATMUL_ENV`] does (`None`: autotune's choice), for
+/// this process from now on; the name before. For tests, which take turns on the GPU.
+#[doc(hidden)]
+pub fn pin_matmul(name: Option<&str>) -> Option<String> {
+    let before = pinned_matmul();
+    *PINNED_MATMUL.lock().unwrap_or_else(|p| p.into_inner()) = Some(name.map(str::to_string));
+    before
+}
+
 pub fn use_precision<B: LabBackend>(
     precision: Precision,
     device: &B::Device,

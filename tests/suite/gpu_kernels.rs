@@ -925,3 +925,46 @@ fn gpu_bench_matmul_times_each_candidate_and_checks_it_against_the_host() {
         "{refused:?}"
     );
 }
+
+/// A matmul kernel named for the products (`TRANSFORMER_LAB_MATMUL`, here through
+/// `pin_matmul`) makes all three of a linear layer's products in `f32` — forward, the input's
+/// gradient and the weight's — with the values and gradients of autotune's choice.
+#[test]
+fn gpu_a_named_matmul_kernel_makes_every_product_of_a_linear_layer() {
+    let Some(_turn) = wgpu_turn() else {
+        return;
+    };
+    let device = Default::default();
+    let run = |pin: Option<&str>| {
+        let before = kernels::pin_matmul(pin);
+        let launches = cube::pinned_launches();
+        let x = random::<Gpu, 2>([37, 19], 31, &device).require_grad();
+        let w = random::<Gpu, 2>([19, 23], 32, &device).require_grad();
+        let target = random::<Gpu, 2>([37, 23], 33, &device);
+        let y = kernels::product(x.clone(), w.clone(), None);
+        let grads = (y.clone() * target).sum().backward();
+        let (dx, dw) = (x.grad(&grads).unwrap(), w.grad(&grads).unwrap());
+        let out = (y.inner().into_data(), dx.into_data(), dw.into_data());
+        kernels::pin_matmul(before.as_deref());
+        (out, cube::pinned_launches() - launches)
+    };
+    let (tuned, none) = run(None);
+    let (named, three) = run(Some("matmul_double_unit_min_tile_size"));
+    assert_eq!((none, three), (0, 3), "products by the named kernel");
+    for (what, a, b) in [
+        ("y", &tuned.0, &named.0),
+        ("dx", &tuned.1, &named.1),
+        ("dw", &tuned.2, &named.2),
+    ] {
+        let (a, b) = (a.to_vec::<f32>().unwrap(), b.to_vec::<f32>().unwrap());
+        let top = a.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let worst = a
+            .iter()
+            .zip(&b)
+            .fold(0f32, |m, (p, q)| m.max((p - q).abs()));
+        assert!(
+            worst <= 1e-5 * top,
+            "{what} differs by {worst} (largest {top})"
+        );
+    }
+}

@@ -227,3 +227,51 @@ fn the_gpu_backend_is_fused_exactly_when_the_fusion_feature_is_on() {
     let name = std::any::type_name::<transformer_lab::backend::Gpu>();
     assert_eq!(name.contains("Fusion<"), cfg!(feature = "fusion"), "{name}");
 }
+
+/// `TRANSFORMER_LAB_MATMUL` names one of burn's matmul kernels for every product of the linear
+/// layers: the run says so and trains; a name no kernel has is one warning, and autotune
+/// chooses — the same losses, to the products' rounding. (That the named kernel makes every
+/// product is tested in-process: gpu_a_named_matmul_kernel_makes_every_product_of_a_linear_layer.)
+#[test]
+fn a_matmul_kernel_named_for_the_products_is_said_and_an_unknown_one_warned_of_on_wgpu() {
+    if !wgpu_runs() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    tiny_text_experiment(
+        dir.path(),
+        r#"{"batch_size": 8, "steps": 12, "steps_per_epoch": 12, "eval_batches": 1, "warmup_steps": 3, "lr": 0.01}"#,
+    );
+    let train = |kernel: &str, art: &str| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_transformer-lab"))
+            .args(["--backend", "wgpu", "train", "-e", "tiny.json"])
+            .args(["--artifact-dir", art])
+            .env(transformer_lab::kernels::MATMUL_ENV, kernel)
+            .current_dir(dir.path())
+            .output()
+            .unwrap();
+        let (log, err) = (
+            String::from_utf8_lossy(&out.stdout).to_string(),
+            String::from_utf8_lossy(&out.stderr).to_string(),
+        );
+        assert!(out.status.success(), "{log}\n{err}");
+        let valid = common::valid_losses(&log);
+        assert_eq!(valid.len(), 1, "{log}");
+        (valid[0], err)
+    };
+    let (named, err) = train("matmul_double_unit_min_tile_size", "named");
+    assert!(
+        err.contains("products by matmul_double_unit_min_tile_size"),
+        "{err}"
+    );
+    let (unknown, err) = train("no_such_kernel", "unknown");
+    let warnings: Vec<_> = err.lines().filter(|l| l.starts_with("warning:")).collect();
+    assert!(
+        warnings.len() == 1 && warnings[0].contains("no_such_kernel names no matmul kernel"),
+        "{err}"
+    );
+    assert!(
+        ((named - unknown) / unknown).abs() < 1e-3,
+        "validation loss {named} with the named kernel, {unknown} as autotuned"
+    );
+}

@@ -12,6 +12,7 @@ pub mod cuda_source;
 mod linear;
 mod pointwise;
 mod products;
+pub use products::pinned_launches;
 mod rows;
 
 use super::{composed, AdamWItem, DropoutMask, LabBackend};
@@ -346,6 +347,10 @@ where
         match super::precision().half() {
             // The layer's output in the model's float type, whatever its operands' type.
             Some(half) => linear::forward::<Self, R>(x, w, b, half, F::dtype()),
+            // A kernel named for every product (`f32` operands, nothing cast).
+            None if super::pinned_matmul().is_some() => {
+                linear::forward::<Self, R>(x, w, b, FloatDType::F32, F::dtype())
+            }
             None => (composed::linear::<Self>(x.clone(), w.clone(), b), x, w),
         }
     }
@@ -360,6 +365,9 @@ where
         let kept = (x.dtype != dy.dtype).then(|| FloatDType::from(x.dtype));
         match super::precision().half().or(kept) {
             Some(half) => linear::backward::<Self, R>(x, w, dy, bias, half),
+            None if super::pinned_matmul().is_some() => {
+                linear::backward::<Self, R>(x, w, dy, bias, FloatDType::F32)
+            }
             None => composed::linear_backward::<Self>(x, w, dy, bias),
         }
     }

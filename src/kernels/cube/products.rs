@@ -168,6 +168,52 @@ where
     out
 }
 
+/// The candidate [`crate::kernels::pinned_matmul`] names, if any (said on stderr when the name
+/// is first met; a name no candidate has is ignored with a warning).
+pub(super) fn pinned() -> Option<Strategy> {
+    static MET: std::sync::Mutex<Option<(String, Option<Strategy>)>> = std::sync::Mutex::new(None);
+    let name = crate::kernels::pinned_matmul()?;
+    let mut met = MET.lock().unwrap_or_else(|p| p.into_inner());
+    if met.as_ref().is_none_or(|(known, _)| *known != name) {
+        let found = candidates().into_iter().find(|s| s.to_string() == name);
+        match &found {
+            Some(_) => eprintln!(
+                "note: the linear layers' products by {name}, where it takes them ({})",
+                crate::kernels::MATMUL_ENV
+            ),
+            None => eprintln!(
+                "warning: {}={name} names no matmul kernel (`bench matmul` lists them); autotune chooses",
+                crate::kernels::MATMUL_ENV
+            ),
+        }
+        *met = Some((name, found));
+    }
+    met.as_ref().and_then(|(_, strategy)| strategy.clone())
+}
+
+/// Products the named kernel ([`pinned`]) has made in this process (for tests).
+static PINNED_LAUNCHES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// How many products the kernel named by [`crate::kernels::pinned_matmul`] has made in this
+/// process (for tests, which must know that it ran).
+#[doc(hidden)]
+pub fn pinned_launches() -> u64 {
+    PINNED_LAUNCHES.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// `a·b` into `out` by the named kernel ([`pinned`]), if one is named and takes the product.
+pub(super) fn launch_pinned<R: CubeRuntime>(
+    a: &CubeTensor<R>,
+    b: &CubeTensor<R>,
+    out: CubeTensor<R>,
+) -> bool {
+    let ran = pinned().is_some_and(|strategy| launch_strategy(&strategy, a, b, out).is_ok());
+    if ran {
+        PINNED_LAUNCHES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+    ran
+}
+
 /// `a·b` into `out` by one candidate.
 fn launch_strategy<R: CubeRuntime>(
     strategy: &Strategy,
