@@ -130,9 +130,9 @@ impl<B: FusionBackend + LabBackend> LabBackend for Fusion<B> {
 
     fn time_products(
         device: &B::Device,
-        plan: &crate::bench::matmul::MatmulPlan,
-        progress: &mut dyn FnMut(&crate::bench::matmul::ProductTiming),
-    ) -> anyhow::Result<Vec<crate::bench::matmul::ProductTiming>> {
+        plan: &crate::kernels::matmul::MatmulPlan,
+        progress: &mut dyn FnMut(&crate::kernels::matmul::ProductTiming),
+    ) -> anyhow::Result<Vec<crate::kernels::matmul::ProductTiming>> {
         B::time_products(device, plan, progress)
     }
 

@@ -33,6 +33,7 @@ pub mod dropout;
 mod flex;
 #[cfg(feature = "fusion")]
 mod fusion;
+pub mod matmul;
 pub mod profile;
 pub mod reference;
 pub mod step_check;
@@ -354,9 +355,9 @@ pub trait LabBackend: Backend {
     /// a backend without such a choice refuses.
     fn time_products(
         device: &Self::Device,
-        plan: &crate::bench::matmul::MatmulPlan,
-        progress: &mut dyn FnMut(&crate::bench::matmul::ProductTiming),
-    ) -> anyhow::Result<Vec<crate::bench::matmul::ProductTiming>> {
+        plan: &matmul::MatmulPlan,
+        progress: &mut dyn FnMut(&matmul::ProductTiming),
+    ) -> anyhow::Result<Vec<matmul::ProductTiming>> {
         let _ = (plan, progress);
         anyhow::bail!(
             "bench matmul times a GPU backend's matrix-product kernels; {} has no choice among them (use --backend cuda or wgpu)",

@@ -329,9 +329,9 @@ where
 
     fn time_products(
         device: &Self::Device,
-        plan: &crate::bench::matmul::MatmulPlan,
-        progress: &mut dyn FnMut(&crate::bench::matmul::ProductTiming),
-    ) -> anyhow::Result<Vec<crate::bench::matmul::ProductTiming>> {
+        plan: &crate::kernels::matmul::MatmulPlan,
+        progress: &mut dyn FnMut(&crate::kernels::matmul::ProductTiming),
+    ) -> anyhow::Result<Vec<crate::kernels::matmul::ProductTiming>> {
         Ok(products::time_products::<Self, R>(device, plan, progress))
     }
 

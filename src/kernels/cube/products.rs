@@ -1,9 +1,9 @@
 //! `bench matmul` on burn's CubeCL backends: each product of a training step through burn's
 //! autotuned matmul (what the step runs), then through every candidate kernel that autotune
-//! chooses among, each launched directly (see [`crate::bench::matmul`]).
+//! chooses among, each launched directly (`bench matmul`, [`crate::kernels::matmul`]).
 
 use super::composed::{prim, tensor};
-use crate::bench::matmul::{MatmulPlan, ProductShape, ProductTiming};
+use crate::kernels::matmul::{MatmulPlan, ProductShape, ProductTiming};
 use burn::prelude::*;
 use burn::tensor::{DType, Distribution};
 use burn_cubecl::kernel::matmul::{init_matmul_output, matmul, MatmulStrategy};
@@ -102,7 +102,7 @@ fn candidates() -> Vec<Strategy> {
     all
 }
 
-/// Times `plan` on `device` (see [`crate::bench::matmul`]); `progress` sees each timing as it
+/// Times `plan` on `device` (`bench matmul`); `progress` sees each timing as it
 /// is made.
 pub(super) fn time_products<B, R>(
     device: &B::Device,
@@ -360,7 +360,8 @@ where
         operands.sync()?;
         times.push(start.elapsed().as_secs_f64() / LAUNCHES as f64);
     }
-    Ok((crate::bench::median(&times), error))
+    times.sort_by(f64::total_cmp);
+    Ok((times[times.len() / 2], error))
 }
 
 /// What a caught panic said.
