@@ -289,8 +289,10 @@ for precision in f32 bf16; do
   best=$(awk '/^ff1 forward/ { getline; print $1, $2, $3, $4, $5; exit }' "$OUT_DIR/matmul-$precision.log")
   row "products, ff1 ($precision)" "$(status $rc)" "${line:-$(why "matmul-$precision")}"
   [ -n "$best" ] && row "" "" "forward's fastest: $best"
-  # Where a candidate beat autotune at the forward product, the whole step with it named for
-  # every product (TRANSFORMER_LAB_MATMUL), against the bench train rows above.
+done
+# Where a candidate beat autotune at the forward product, the whole step with it named for
+# every product (TRANSFORMER_LAB_MATMUL), against the bench train rows above.
+for precision in f32 bf16; do
   kernel=$(awk '/^ff1 forward/ { f = 1; next } f && /TFLOP/ && !/WRONG/ { print $1; exit }' "$OUT_DIR/matmul-$precision.log")
   if [ -n "$kernel" ] && [ "$kernel" != autotune ]; then
     TRANSFORMER_LAB_MATMUL=$kernel bench_train "cuda-$precision-$kernel" cuda --precision "$precision"
