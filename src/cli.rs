@@ -767,6 +767,10 @@ pub struct BenchMatmulArgs {
     /// Vocabulary size of the output layer (65 = Tiny Shakespeare's characters).
     #[arg(long, default_value_t = 65)]
     pub vocab: usize,
+    /// Rows of the products: the experiment's batch × context by default; a decoding step's
+    /// are its sequences (e.g. `--rows 1 --only forward`).
+    #[arg(long)]
+    pub rows: Option<usize>,
     #[command(flatten)]
     pub backend: BackendArgs,
 }

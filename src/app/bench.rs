@@ -95,8 +95,8 @@ fn run_bench_kernels<B: LabBackend>(args: BenchKernelsArgs, device: B::Device) -
 }
 
 fn run_bench_matmul<B: LabBackend>(args: BenchMatmulArgs, device: B::Device) -> Result<()> {
-    if args.vocab == 0 {
-        bail!("--vocab must be at least 1");
+    if args.vocab == 0 || args.rows == Some(0) {
+        bail!("--vocab and --rows must be at least 1");
     }
     let config = match &args.experiment {
         Some(path) => ExperimentConfig::load(path)?,
@@ -121,7 +121,7 @@ fn run_bench_matmul<B: LabBackend>(args: BenchMatmulArgs, device: B::Device) -> 
     let plan = crate::bench::matmul::MatmulPlan {
         products: crate::bench::matmul::step_products(
             lm,
-            config.train.batch_size,
+            args.rows.unwrap_or(config.train.batch_size * lm.context),
             args.vocab,
             &args.only,
         ),

@@ -10,16 +10,16 @@ pub use crate::kernels::matmul::{MatmulPlan, ProductShape, ProductTiming, WRONG}
 use crate::models::LmConfig;
 
 /// The products of one training step of a language model: for each linear layer its forward
-/// product `x·w`, the input's gradient `dy·wᵀ` and the weight's `xᵀ·dy`, at `batch × context`
-/// rows; the output layer's from the tied embedding table (`[v, d]` read transposed) where the
-/// weights are tied. `only` keeps the products whose name contains one of its words.
+/// product `x·w`, the input's gradient `dy·wᵀ` and the weight's `xᵀ·dy`, at `rows` rows (a
+/// step's `batch × context`; a decoding step's forward products have a row a sequence); the
+/// output layer's from the tied embedding table (`[v, d]` read transposed) where the weights
+/// are tied. `only` keeps the products whose name contains one of its words.
 pub fn step_products(
     lm: &LmConfig,
-    batch: usize,
+    rows: usize,
     vocab: usize,
     only: &[String],
 ) -> Vec<ProductShape> {
-    let rows = batch * lm.context;
     let (d, ff, layers) = (lm.stack.d_model, lm.stack.d_ff, lm.n_layers);
     // (layer, inputs, outputs, per step, weight stored transposed)
     let linears = [

@@ -477,7 +477,7 @@ fn bench_matmul_takes_the_products_of_a_training_step() {
     lm.stack.d_ff = 32;
     lm.n_layers = 3;
     lm.context = 4;
-    let all = step_products(&lm, 2, 5, &[]);
+    let all = step_products(&lm, 2 * 4, 5, &[]);
     assert_eq!(all.len(), 15);
     let dims = |p: &transformer_lab::bench::matmul::ProductShape| {
         (p.m, p.n, p.k, p.a_transposed, p.b_transposed)
@@ -495,7 +495,7 @@ fn bench_matmul_takes_the_products_of_a_training_step() {
     assert_eq!(dims(head[0]), (8, 5, 8, false, true));
     assert_eq!(dims(head[1]), (8, 8, 5, false, false));
     assert!(head.iter().all(|p| p.per_step == 1));
-    let only = step_products(&lm, 2, 5, &["dW".into(), "qkv".into()]);
+    let only = step_products(&lm, 8, 5, &["dW".into(), "qkv".into()]);
     let names: Vec<_> = only.iter().map(|p| p.name.as_str()).collect();
     assert_eq!(
         names,
@@ -583,4 +583,6 @@ fn bench_matmul_refuses_a_cpu_backend_and_an_empty_selection() {
     );
     let none = run(dir.path(), &["bench", "matmul", "--only", "nothing"]);
     assert_clean_error(&none, "--only matches none of the step's products");
+    let no_rows = run(dir.path(), &["bench", "matmul", "--rows", "0"]);
+    assert_clean_error(&no_rows, "--vocab and --rows must be at least 1");
 }

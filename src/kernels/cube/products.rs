@@ -29,12 +29,18 @@ const SAMPLES: usize = 256;
 /// Launches per timed sample (the sample's time divided by them).
 const LAUNCHES: usize = 4;
 
-/// The candidates of burn's matmul autotune for a general product (burn-cubecl 0.21's
-/// `matmul_autotune`, in its order): the unit kernels, then the tensor-core kernels — `cmma`
-/// and `mma` tiles, simple and double-buffered stages, and the TMA loaders of Hopper and later.
+/// The candidates of burn's matmul autotune (burn-cubecl 0.21's `matmul_autotune`, in its
+/// order): the matrix–vector kernels (for a decoding step's one row a sequence), the unit
+/// kernels, then the tensor-core kernels — `cmma` and `mma` tiles, simple and double-buffered
+/// stages, and the TMA loaders of Hopper and later.
 fn candidates() -> Vec<Strategy> {
     use BlueprintStrategy::Inferred;
-    let mut all = Vec::new();
+    let mut all = vec![
+        Strategy::DoubleVecMat(Inferred(().into())),
+        Strategy::SimpleVecMat(Inferred(().into())),
+        Strategy::GemvPlaneParallel(Inferred(Default::default())),
+        Strategy::GemvUnitPerpendicular(Inferred(Default::default())),
+    ];
     for tile_size in [
         TileSizeSelection::MaxTileSize,
         TileSizeSelection::MinTileSize,
