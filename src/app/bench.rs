@@ -26,10 +26,7 @@ pub(super) fn run_bench<B: LabBackend>(args: BenchArgs, device: B::Device) -> Re
     if args.steps == 0 || args.runs == 0 {
         bail!("--steps and --runs must be at least 1");
     }
-    let mut config = match &args.experiment {
-        Some(path) => ExperimentConfig::load(path)?,
-        None => ExperimentConfig::parse(crate::config::DEFAULT_EXPERIMENT)?,
-    };
+    let mut config = experiment(args.experiment.as_deref())?;
     if let Some(on) = args.by_length {
         config.train.batch_by_length = on;
     }
@@ -62,21 +59,31 @@ pub(super) fn run_bench<B: LabBackend>(args: BenchArgs, device: B::Device) -> Re
     Ok(())
 }
 
+/// The experiment at `path`, or the built-in default (shakespeare-char).
+fn experiment(path: Option<&std::path::Path>) -> Result<ExperimentConfig> {
+    match path {
+        Some(path) => ExperimentConfig::load(path),
+        None => ExperimentConfig::parse(crate::config::DEFAULT_EXPERIMENT),
+    }
+}
+
+/// `config`'s language model, or one error line: "`needs`; NAME is a KIND experiment".
+fn language_model<'a>(config: &'a ExperimentConfig, needs: &str) -> Result<&'a LmConfig> {
+    config.model_as::<LmConfig>().map_err(|_| {
+        anyhow!(
+            "{needs}; {} is a {} experiment",
+            config.name,
+            config.model.kind()
+        )
+    })
+}
+
 fn run_bench_kernels<B: LabBackend>(args: BenchKernelsArgs, device: B::Device) -> Result<()> {
     if args.reps == 0 || args.vocab == 0 {
         bail!("--reps and --vocab must be at least 1");
     }
-    let config = match &args.experiment {
-        Some(path) => ExperimentConfig::load(path)?,
-        None => ExperimentConfig::parse(crate::config::DEFAULT_EXPERIMENT)?,
-    };
-    let lm = config.model_as::<LmConfig>().map_err(|_| {
-        anyhow!(
-            "bench kernels uses language-model shapes; {} is a {} experiment",
-            config.name,
-            config.model.kind()
-        )
-    })?;
+    let config = experiment(args.experiment.as_deref())?;
+    let lm = language_model(&config, "bench kernels uses language-model shapes")?;
     let rows = crate::bench::kernels::bench_kernels::<Autodiff<B>>(
         lm,
         config.train.batch_size,
@@ -98,17 +105,8 @@ fn run_bench_matmul<B: LabBackend>(args: BenchMatmulArgs, device: B::Device) -> 
     if args.vocab == 0 || args.rows == Some(0) {
         bail!("--vocab and --rows must be at least 1");
     }
-    let config = match &args.experiment {
-        Some(path) => ExperimentConfig::load(path)?,
-        None => ExperimentConfig::parse(crate::config::DEFAULT_EXPERIMENT)?,
-    };
-    let lm = config.model_as::<LmConfig>().map_err(|_| {
-        anyhow!(
-            "bench matmul uses language-model shapes; {} is a {} experiment",
-            config.name,
-            config.model.kind()
-        )
-    })?;
+    let config = experiment(args.experiment.as_deref())?;
+    let lm = language_model(&config, "bench matmul uses language-model shapes")?;
     if let Some(half) = args.precision.half() {
         if !B::mixed_precision(&device, half) {
             bail!(
@@ -257,20 +255,8 @@ fn run_bench_generate<B: LabBackend>(args: BenchGenerateArgs, device: B::Device)
             (dir.display().to_string(), trained.model, section)
         }
         None => {
-            let config = match &args.experiment {
-                Some(path) => ExperimentConfig::load(path)?,
-                None => ExperimentConfig::parse(crate::config::DEFAULT_EXPERIMENT)?,
-            };
-            let mut lm = config
-                .model_as::<LmConfig>()
-                .map_err(|_| {
-                    anyhow!(
-                        "bench generate times language models; {} is a {} experiment",
-                        config.name,
-                        config.model.kind()
-                    )
-                })?
-                .clone();
+            let config = experiment(args.experiment.as_deref())?;
+            let mut lm = language_model(&config, "bench generate times language models")?.clone();
             if args.vocab == 0 {
                 bail!("--vocab must be at least 1");
             }

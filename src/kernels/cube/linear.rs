@@ -1,12 +1,10 @@
 //! The linear layer in half precision ([`Precision`](crate::kernels::Precision)): the inputs
 //! of each product cast to `f16`/`bf16`, burn's matmul kernels reading them and accumulating
 //! and writing `f32` (the tensor cores' mixed mode), so nothing but the product's operands is
-//! ever rounded to half precision. With [`pinned_matmul`] set the products run here in `f32`
+//! ever rounded to half precision. With [`pinned_matmul`](crate::kernels::pinned_matmul) set the products run here in `f32`
 //! too, by the kernel it names.
 
 use crate::kernels::composed::{prim, tensor};
-#[allow(unused_imports)] // the docs' link
-use crate::kernels::pinned_matmul;
 use burn::prelude::*;
 use burn::tensor::{DType, FloatDType};
 use burn_cubecl::kernel::matmul::{init_matmul_output, matmul, MatmulStrategy};
@@ -19,7 +17,7 @@ use burn_cubecl::CubeRuntime;
 const F16_GRADIENT_TOP: f32 = 32_768.0;
 
 /// `a·b` for `a` `[n, i]` and `b` `[i, o]` in `half`, accumulated and returned in `out`: by
-/// the kernel [`pinned_matmul`] names where it takes the product, else by the one burn's
+/// the kernel [`pinned_matmul`](crate::kernels::pinned_matmul) names where it takes the product, else by the one burn's
 /// autotune chooses.
 fn product<R: CubeRuntime>(a: CubeTensor<R>, b: CubeTensor<R>, out: DType) -> CubeTensor<R> {
     let y = init_matmul_output(&a, &b, out);

@@ -17,7 +17,7 @@ use cubek::matmul::routines::double_unit::DoubleUnitSelectionArgs;
 use cubek::matmul::routines::ordered_double_buffering::OrderedSelectionArgs;
 use cubek::matmul::routines::simple::SimpleArgs;
 use cubek::matmul::routines::simple_unit::SimpleUnitSelectionArgs;
-use cubek::matmul::routines::{BlueprintStrategy, TileSizeSelection};
+use cubek::matmul::routines::{BlueprintStrategy, Routine, TileSizeSelection};
 use cubek::std::InputBinding;
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
@@ -53,60 +53,65 @@ fn candidates() -> Vec<Strategy> {
         })));
     }
     for tile_matmul in [TileMatmulKind::Cmma, TileMatmulKind::Mma] {
+        // Each family's variant for this kind of tile.
         let cmma = matches!(tile_matmul, TileMatmulKind::Cmma);
+        let simple_cyclic = pick(cmma, Strategy::SimpleCyclicCmma, Strategy::SimpleCyclicMma);
+        let simple_tma = pick(cmma, Strategy::SimpleTmaCmma, Strategy::SimpleTmaMma);
+        let ordered = pick(
+            cmma,
+            Strategy::OrderedDoubleCmma,
+            Strategy::OrderedDoubleMma,
+        );
+        let double_cyclic = pick(cmma, Strategy::DoubleCyclicCmma, Strategy::DoubleCyclicMma);
+        let specialized_cyclic = pick(
+            cmma,
+            Strategy::SpecializedCyclicCmma,
+            Strategy::SpecializedCyclicMma,
+        );
+        let specialized_tma = pick(
+            cmma,
+            Strategy::SpecializedTmaCmma,
+            Strategy::SpecializedTmaMma,
+        );
         for multi_rows in [false, true] {
             let args = SimpleArgs {
                 multi_rows,
                 tile_matmul,
             };
-            all.push(if cmma {
-                Strategy::SimpleCyclicCmma(Inferred(args.clone()))
-            } else {
-                Strategy::SimpleCyclicMma(Inferred(args.clone()))
-            });
-            all.push(if cmma {
-                Strategy::SimpleTmaCmma(Inferred(args))
-            } else {
-                Strategy::SimpleTmaMma(Inferred(args))
-            });
+            all.push(simple_cyclic(Inferred(args.clone())));
+            all.push(simple_tma(Inferred(args)));
         }
         for row_count in [4, 8] {
-            let args = OrderedSelectionArgs {
+            all.push(ordered(Inferred(OrderedSelectionArgs {
                 partition_k: Some(2),
                 row_count: Some(row_count),
                 rows_per_plane: Some(2),
                 tile_matmul,
-            };
-            all.push(if cmma {
-                Strategy::OrderedDoubleCmma(Inferred(args))
-            } else {
-                Strategy::OrderedDoubleMma(Inferred(args))
-            });
+            })));
         }
         for specialized in [false, true] {
-            let args = DoubleBufferingArgs {
+            all.push(double_cyclic(Inferred(DoubleBufferingArgs {
                 specialized,
                 tile_matmul,
-            };
-            all.push(if cmma {
-                Strategy::DoubleCyclicCmma(Inferred(args))
-            } else {
-                Strategy::DoubleCyclicMma(Inferred(args))
-            });
+            })));
         }
-        all.push(if cmma {
-            Strategy::SpecializedCyclicCmma(Inferred(().into()))
-        } else {
-            Strategy::SpecializedCyclicMma(Inferred(().into()))
-        });
-        all.push(if cmma {
-            Strategy::SpecializedTmaCmma(Inferred(().into()))
-        } else {
-            Strategy::SpecializedTmaMma(Inferred(().into()))
-        });
+        all.push(specialized_cyclic(Inferred(().into())));
+        all.push(specialized_tma(Inferred(().into())));
     }
     all
 }
+
+/// A strategy family's variant with `cmma` tiles or with `mma` tiles.
+fn pick<A: Routine<()>>(cmma: bool, c: Make<A>, m: Make<A>) -> Make<A> {
+    if cmma {
+        c
+    } else {
+        m
+    }
+}
+
+/// A strategy of one family, from its selection.
+type Make<A> = fn(BlueprintStrategy<(), A>) -> Strategy;
 
 /// Times `plan` on `device` (`bench matmul`); `progress` sees each timing as it
 /// is made.
@@ -128,23 +133,16 @@ where
             .collect();
         let reference = operands.sums(&samples);
         let mut run = |kernel: String, launch: &dyn Fn(CubeTensor<R>) -> Result<(), String>| {
+            let (seconds, error) =
+                match time_one::<B, R>(&operands, &samples, &reference, plan.runs, launch) {
+                    Ok((seconds, error)) => (Ok(seconds), error),
+                    Err(why) => (Err(why), 0.0),
+                };
             let timing = ProductTiming {
                 product: index,
-                seconds: Err(String::new()),
-                error: 0.0,
                 kernel,
-            };
-            let timing = match time_one::<B, R>(&operands, &samples, &reference, plan.runs, launch)
-            {
-                Ok((seconds, error)) => ProductTiming {
-                    seconds: Ok(seconds),
-                    error,
-                    ..timing
-                },
-                Err(why) => ProductTiming {
-                    seconds: Err(why),
-                    ..timing
-                },
+                seconds,
+                error,
             };
             progress(&timing);
             out.push(timing);
