@@ -15,8 +15,9 @@ use super::sum_squares_all;
 use super::{
     adamw, attention, cross_entropy, dropout::DropoutMask, embedding, gelu, layer_norm, prim,
 };
-use super::{packed_self_attention, product, softmax, with_fused, AdamWStep, LabAutodiff};
+use super::{decode_linear, packed_self_attention, product, reference, softmax, with_fused};
 use super::{with_precision, LabBackend, Op, Precision, LAYER_NORM_EPSILON};
+use super::{AdamWStep, After, LabAutodiff};
 use crate::files::write_atomic;
 use crate::user_cache::cache_dir;
 use burn::module::Param;
@@ -90,6 +91,7 @@ pub fn check<B: LabAutodiff>(op: Op, device: &B::Device, head_dim: usize) -> OpC
         Op::AdamW => adamw_error::<B::InnerBackend>(device),
         Op::Linear => return linear_check::<B>(device),
         Op::Embedding => embedding_error::<B>(device),
+        Op::DecodeLinear => decode_linear_error::<B::InnerBackend>(device),
     };
     OpCheck {
         op,
@@ -584,6 +586,56 @@ fn embedding_error<B: LabAutodiff>(device: &B::Device) -> f32 {
 /// Two AdamW steps (the first, without moments, and a later one): parameter and moments, the
 /// gradient a transposed view (read at its strides) scaled by clipping's factor; and the
 /// squared global norm of that gradient and another.
+/// A decoding step's products ([`decode_linear`]) against LayerNorm, the product, GELU and the
+/// addition composed: 5 rows (two cubes of rows), 70 outputs (a partial block of columns), a
+/// weight laid out as a linear layer's and one read transposed (a tied output layer's), with
+/// and without each part.
+fn decode_linear_error<B: LabBackend>(device: &B::Device) -> f32 {
+    let (n, d, o) = (5, 96, 70);
+    let mut norm = LayerNormConfig::new(d).init::<B>(device);
+    norm.gamma = Param::from_tensor(random::<B, 1>([d], 80, 1.0, device).add_scalar(1.0));
+    norm.beta = Some(Param::from_tensor(random::<B, 1>([d], 81, 1.0, device)));
+    let mut plain = LayerNormConfig::new(d).with_bias(false).init::<B>(device);
+    plain.gamma = norm.gamma.clone();
+    let x = random::<B, 2>([n, d], 82, 2.0, device).add_scalar(1.0);
+    let w = random::<B, 2>([d, o], 83, 0.2, device);
+    let table = random::<B, 2>([o, d], 84, 0.2, device).transpose();
+    let b = random::<B, 1>([o], 85, 1.0, device);
+    let residual = random::<B, 2>([n, o], 86, 1.0, device);
+    let cases = [
+        (Some(&norm), w.clone(), Some(b.clone()), After::Nothing),
+        (Some(&plain), table.clone(), None, After::Gelu),
+        (None, w, Some(b), After::Gelu),
+        (None, table, None, After::Residual(residual)),
+    ];
+    cases
+        .into_iter()
+        .map(|(norm, w, b, after)| {
+            let input = match norm {
+                Some(norm) => {
+                    let beta = norm.beta.as_ref().map(|beta| beta.val());
+                    let y = reference::layer_norm_forward(
+                        x.clone(),
+                        norm.gamma.val(),
+                        beta,
+                        LAYER_NORM_EPSILON,
+                    );
+                    y.0
+                }
+                None => x.clone(),
+            };
+            let y = reference::linear_forward(input, w.clone(), b.clone());
+            let expected = match &after {
+                After::Nothing => y,
+                After::Gelu => reference::gelu(y),
+                After::Residual(residual) => residual.clone() + y,
+            };
+            let norm = norm.map(|norm| (norm, LAYER_NORM_EPSILON));
+            rel_error(decode_linear(x.clone(), norm, w, b, after), expected)
+        })
+        .fold(0.0, f32::max)
+}
+
 fn adamw_error<B: LabBackend>(device: &B::Device) -> f32 {
     let shape = [67, 48];
     let param = random::<B, 2>(shape, 70, 1.0, device);

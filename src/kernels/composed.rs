@@ -2,7 +2,7 @@
 //! methods, and what a kernel-backed backend falls back to for inputs its kernels do not take
 //! (flex, for dtypes other than `f32`).
 
-use super::{reference, AdamWStep, DropoutMask, LabBackend};
+use super::{reference, AdamWStep, DropoutMask, LabBackend, NormPrimitive};
 use burn::prelude::*;
 use burn::tensor::ops::{FloatTensor, IntTensor};
 use burn::tensor::{Slice, TensorMetadata, TensorPrimitive};
@@ -51,6 +51,30 @@ pub fn gelu_forward<B: LabBackend>(
 /// See [`super::LabBackend::fused_gelu_backward`].
 pub fn gelu_backward<B: Backend>(x: FloatTensor<B>, grad: FloatTensor<B>) -> FloatTensor<B> {
     prim(reference::gelu_backward(tensor::<B, 1>(x), tensor(grad)))
+}
+
+/// See [`super::LabBackend::fused_decode_linear`]: the backend's LayerNorm, linear layer,
+/// GELU and addition, one after the other.
+pub fn decode_linear<B: LabBackend>(
+    x: FloatTensor<B>,
+    norm: Option<NormPrimitive<B>>,
+    w: FloatTensor<B>,
+    b: Option<FloatTensor<B>>,
+    gelu: bool,
+    residual: Option<FloatTensor<B>>,
+) -> FloatTensor<B> {
+    let x = match norm {
+        Some(norm) => B::fused_layer_norm_forward(x, norm.gamma, norm.beta, norm.epsilon).0,
+        None => x,
+    };
+    let mut y = B::fused_linear(x, w, b);
+    if gelu {
+        y = B::fused_gelu(y);
+    }
+    match residual {
+        Some(residual) => B::float_add(residual, y),
+        None => y,
+    }
 }
 
 /// See [`super::LabBackend::fused_layer_norm_forward`].

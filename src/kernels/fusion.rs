@@ -3,7 +3,7 @@
 //! inner backend's kernel ([`super::cube`] on wgpu and CUDA) on the inner tensors. burn's own
 //! fusion goes on fusing the element-wise operations around them.
 
-use super::{composed, AdamWItem, DropoutMask, LabBackend};
+use super::{composed, AdamWItem, DropoutMask, LabBackend, NormPrimitive};
 use burn::tensor::ops::{FloatTensor, IntTensor};
 use burn::tensor::{DType, FloatDType, Shape};
 use burn_fusion::stream::{Operation, OperationStreams};
@@ -332,6 +332,42 @@ impl<B: FusionBackend + LabBackend> LabBackend for Fusion<B> {
             vec![B::fused_sum_squares_all(f)]
         });
         total
+    }
+
+    fn fused_decode_linear(
+        x: Tensor<B>,
+        norm: Option<NormPrimitive<Self>>,
+        w: Tensor<B>,
+        b: Option<Tensor<B>>,
+        gelu: bool,
+        residual: Option<Tensor<B>>,
+    ) -> Tensor<B> {
+        let shape = Shape::new([x.shape[0], w.shape[1]]);
+        let (has_norm, has_beta, epsilon) = match &norm {
+            Some(norm) => (true, norm.beta.is_some(), norm.epsilon),
+            None => (false, false, 0.0),
+        };
+        let (has_bias, has_residual) = (b.is_some(), residual.is_some());
+        let mut inputs = vec![x, w];
+        if let Some(norm) = norm {
+            inputs.push(norm.gamma);
+            inputs.extend(norm.beta);
+        }
+        inputs.extend(b);
+        inputs.extend(residual);
+        let [y] = custom::<B, 1>("decode_linear", inputs, vec![], [shape], move |f, _| {
+            let mut f = f.into_iter();
+            let (x, w) = (f.next().unwrap(), f.next().unwrap());
+            let norm = has_norm.then(|| NormPrimitive {
+                gamma: f.next().unwrap(),
+                beta: has_beta.then(|| f.next().unwrap()),
+                epsilon,
+            });
+            let b = has_bias.then(|| f.next().unwrap());
+            let residual = has_residual.then(|| f.next().unwrap());
+            vec![B::fused_decode_linear(x, norm, w, b, gelu, residual)]
+        });
+        y
     }
 
     fn fused_layer_norm_forward(

@@ -413,6 +413,22 @@ pub trait LabBackend: Backend {
         composed::linear_backward::<Self>(x, w, dy, bias)
     }
 
+    /// One product of a decoding step with what surrounds it: `LN(x)·w + b` (`x` `[n, i]`
+    /// normalised first where `norm` is given), then GELU where `gelu`, then `+ residual`
+    /// (`[n, o]`) where given → `[n, o]`. What [`decode_linear`] runs where
+    /// [`folds_decode`] says so (a GPU, a few rows). The default: the backend's LayerNorm,
+    /// product, GELU and addition one after the other; on a GPU one launch.
+    fn fused_decode_linear(
+        x: FloatTensor<Self>,
+        norm: Option<NormPrimitive<Self>>,
+        w: FloatTensor<Self>,
+        b: Option<FloatTensor<Self>>,
+        gelu: bool,
+        residual: Option<FloatTensor<Self>>,
+    ) -> FloatTensor<Self> {
+        composed::decode_linear::<Self>(x, norm, w, b, gelu, residual)
+    }
+
     /// `GELU(x·w + b)` and GELU's derivative there (`[n, o]` each), both times the dropout
     /// mask's multipliers where given — [`Self::fused_linear`] then [`Self::fused_gelu_forward`],
     /// the values of the two apart — and the operands the product's backward pass reads, as
@@ -514,6 +530,17 @@ pub trait LabBackend: Backend {
     }
 }
 
+/// A LayerNorm's parameters as a backend's primitives: `γ`, `β` where it has one, and `ε`
+/// ([`LabBackend::fused_decode_linear`]'s prologue).
+pub struct NormPrimitive<B: Backend> {
+    /// `γ` `[d]`.
+    pub gamma: FloatTensor<B>,
+    /// `β` `[d]`.
+    pub beta: Option<FloatTensor<B>>,
+    /// `ε`.
+    pub epsilon: f64,
+}
+
 /// A training backend: autodiff over a [`LabBackend`], itself one.
 pub trait LabAutodiff: AutodiffBackend<InnerBackend: LabBackend> + LabBackend {}
 
@@ -593,11 +620,14 @@ pub enum Op {
     Linear,
     /// [`embedding`], the token lookup's gradient.
     Embedding,
+    /// [`decode_linear`]: a decoding step's product with the LayerNorm before it and the GELU
+    /// or residual addition after it (forward only).
+    DecodeLinear,
 }
 
 impl Op {
     /// Every operation, in the order the check runs them.
-    pub const ALL: [Op; 10] = [
+    pub const ALL: [Op; 11] = [
         Op::Gelu,
         Op::LayerNorm,
         Op::Softmax,
@@ -608,6 +638,7 @@ impl Op {
         Op::AdamW,
         Op::Linear,
         Op::Embedding,
+        Op::DecodeLinear,
     ];
 
     /// Its name in tables, warnings and the check's cache.
@@ -623,6 +654,7 @@ impl Op {
             Op::AdamW => "adamw",
             Op::Linear => "linear",
             Op::Embedding => "embedding",
+            Op::DecodeLinear => "decode_linear",
         }
     }
 
@@ -1084,6 +1116,23 @@ impl<B: LabBackend> PackedLinear<B> {
         shape[D - 1] = y.dims()[1];
         y.reshape(shape)
     }
+
+    /// [`Self::forward`] of a decoding step through [`decode_linear`]: `x` `[.., d_in]`
+    /// normalised by `norm` first where given, `after` applied (a residual as rows, `[n, Σ
+    /// d_out]`).
+    pub fn forward_step<const D: usize>(
+        &self,
+        x: Tensor<B, D>,
+        norm: Option<(&LayerNorm<B>, f64)>,
+        after: After<B>,
+    ) -> Tensor<B, D> {
+        let mut shape = x.dims();
+        let d_in = shape[D - 1];
+        let x = x.reshape([-1, d_in as i32]);
+        let y = decode_linear(x, norm, self.weight.clone(), self.bias.clone(), after);
+        shape[D - 1] = y.dims()[1];
+        y.reshape(shape)
+    }
 }
 
 /// `x·w + b` for a weight `w` `[i, o]` (any view of a parameter, e.g. a tied embedding's
@@ -1102,6 +1151,57 @@ pub fn product<B: LabBackend>(
     } else {
         reference::linear_forward(x, w, b)
     }
+}
+
+/// The most rows (sequences of a batch, one new token each) a decoding step's products take
+/// through [`decode_linear`]; more go through the LayerNorm, product and GELU apart.
+pub const DECODE_ROWS: usize = 16;
+
+/// Whether a decoding step of `rows` rows runs its products through [`decode_linear`], the
+/// LayerNorm before each and the GELU or residual addition after it in the same launch: on a
+/// backend that autotunes (a GPU, where each of those launches costs more than its arithmetic)
+/// with the fused kernel on, for at most [`DECODE_ROWS`] rows, outside autodiff (a decode
+/// trains nothing, and its dropout is off).
+pub fn folds_decode<B: LabBackend>(rows: usize, device: &B::Device) -> bool {
+    B::autotunes()
+        && uses(Op::DecodeLinear)
+        && (1..=DECODE_ROWS).contains(&rows)
+        && !B::ad_enabled(device)
+}
+
+/// What follows a product of a decoding step in the same launch ([`decode_linear`]).
+pub enum After<B: Backend> {
+    /// Nothing.
+    Nothing,
+    /// GELU (a feed-forward network's inner layer).
+    Gelu,
+    /// The residual stream `[n, o]` added (a sublayer's last product).
+    Residual(Tensor<B, 2>),
+}
+
+/// A decoding step's product `LN(x)·w + b` (`x` `[n, i]`, normalised by `norm` at `ε` where
+/// given; `w` `[i, o]`, any view) followed by `after` → `[n, o]`, in one launch on a GPU
+/// ([`LabBackend::fused_decode_linear`]). In `f32` whatever the training precision: a decode
+/// reads one row a sequence. Called where [`folds_decode`] says so.
+pub fn decode_linear<B: LabBackend>(
+    x: Tensor<B, 2>,
+    norm: Option<(&LayerNorm<B>, f64)>,
+    w: Tensor<B, 2>,
+    b: Option<Tensor<B, 1>>,
+    after: After<B>,
+) -> Tensor<B, 2> {
+    let norm = norm.map(|(norm, epsilon)| NormPrimitive {
+        gamma: prim(norm.gamma.val()),
+        beta: norm.beta.as_ref().map(|beta| prim(beta.val())),
+        epsilon,
+    });
+    let (gelu, residual) = match after {
+        After::Nothing => (false, None),
+        After::Gelu => (true, None),
+        After::Residual(x) => (false, Some(prim(x))),
+    };
+    let y = B::fused_decode_linear(prim(x), norm, prim(w), b.map(prim), gelu, residual);
+    check::sabotage(Op::DecodeLinear, tensor(y))
 }
 
 /// Causal or padded self-attention on packed projections `qkv` `[b, t, 3·d]` (Q, K and V side

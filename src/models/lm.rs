@@ -5,7 +5,8 @@ pub use crate::data::LmBatch;
 use crate::kernels::{self, LabBackend};
 use crate::nn::{
     AttentionLayers, AttentionMask, KvCache, Mixer, MultiHeadAttention, PositionEncoding,
-    PositionEncodingConfig, PositionKind, RowsCache, StackConfig, StackOutput, TransformerStack,
+    PositionEncodingConfig, PositionKind, Residual, RowsCache, StackConfig, StackOutput,
+    TransformerStack,
 };
 use anyhow::{bail, Result};
 use burn::module::Module;
@@ -176,9 +177,8 @@ impl<B: LabBackend> LanguageModel<B> {
     ) -> Tensor<B, 3> {
         let [b, n] = tokens.dims();
         let x = self.embed_from(tokens, cache.len()); // [b, n, d]
-        let x = self.decoder.forward_cached(x, cache); // [b, n, d]
-        self.project(x.reshape([b * n, self.d_model()]))
-            .reshape([b, n, self.vocab_size()])
+        let x = self.decoder.stream_cached(x, cache); // [b, n, d]
+        self.project_stream(x).reshape([b, n, self.vocab_size()])
     }
 
     /// Logits of one new token of each sequence of a batch whose sequences are at different
@@ -198,8 +198,8 @@ impl<B: LabBackend> LanguageModel<B> {
         let x = crate::kernels::embedding(table, tokens.reshape([b, 1])); // [b, 1, d]
         let x = self.position.forward_at(x, &cache.rows.next);
         let x = crate::kernels::dropout(&self.dropout, x);
-        let x = self.decoder.forward_rows(x, cache); // [b, 1, d]
-        self.project(x.reshape([b, self.d_model()]))
+        let x = self.decoder.stream_rows(x, cache); // [b, 1, d]
+        self.project_stream(x)
     }
 
     /// An empty batch for [`Self::forward_rows`], rolling as [`Self::new_cache`].
@@ -252,10 +252,24 @@ impl<B: LabBackend> LanguageModel<B> {
 
     /// Projection to the vocabulary, `[n, d]` → `[n, v]`.
     fn project(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
+        let (w, b) = self.head_weights();
+        kernels::product(x, w, b)
+    }
+
+    /// The logits `[b·n, v]` of the decoder's last residual stream `[b, n, d]`: its final
+    /// LayerNorm, then the output layer (in one launch where a decoding step folds them,
+    /// [`TransformerStack::finish_product`]).
+    fn project_stream(&self, x: Residual<B>) -> Tensor<B, 2> {
+        let (w, b) = self.head_weights();
+        self.decoder.finish_product(x, w, b)
+    }
+
+    /// The output layer's weight `[d, v]` and bias: the head's, or the embedding table read
+    /// transposed where they are tied (no bias).
+    fn head_weights(&self) -> (Tensor<B, 2>, Option<Tensor<B, 1>>) {
         match &self.head {
-            Some(head) => kernels::linear(head, x),
-            // [n, d]·[d, v]
-            None => kernels::product(x, self.token_embedding.weight.val().transpose(), None),
+            Some(head) => (head.weight.val(), head.bias.as_ref().map(|b| b.val())),
+            None => (self.token_embedding.weight.val().transpose(), None),
         }
     }
 

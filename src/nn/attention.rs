@@ -10,9 +10,9 @@ use super::mixer::Mixer;
 use super::relative::{alibi_bias, alibi_slopes, rope, rope_packed, rope_rows, RelativePosition};
 use super::sparse::{local_attention, strided_attention};
 use crate::kernels::reference::{merge_heads, split_packed};
-use crate::kernels::{self, softmax, LabAutodiff, LabBackend, PackedLinear};
+use crate::kernels::{self, softmax, After, LabAutodiff, LabBackend, PackedLinear};
 use burn::module::{Module, Param};
-use burn::nn::{Dropout, DropoutConfig, Initializer, Linear, LinearConfig};
+use burn::nn::{Dropout, DropoutConfig, Initializer, LayerNorm, Linear, LinearConfig};
 use burn::prelude::*;
 use burn::tensor::Bool;
 use std::cell::Cell;
@@ -170,6 +170,23 @@ fn decoded<B: LabBackend>(
     let context = kernels::attention_padded(q, k, v, false, pad, None);
     let [b, h, _, width] = context.dims();
     context.reshape([b, 1, h * width])
+}
+
+/// The input of a decoding step's sublayer: normalised already, or the residual stream with
+/// the LayerNorm its first product applies in the same launch (a pre-norm block's, where
+/// [`kernels::folds_decode`] says so).
+pub enum StepInput<'a, B: LabBackend> {
+    /// `[b, n, d]`, what the sublayer reads.
+    Normalised(Tensor<B, 3>),
+    /// The stream `x` `[b, n, d]`, read through `norm` at `epsilon`.
+    Stream {
+        /// The residual stream.
+        x: Tensor<B, 3>,
+        /// The LayerNorm before the sublayer.
+        norm: &'a LayerNorm<B>,
+        /// Its `ε`.
+        epsilon: f64,
+    },
 }
 
 /// Configuration of [`MultiHeadAttention`].
@@ -358,6 +375,13 @@ impl<B: LabBackend> MultiHeadAttention<B> {
     /// # Shapes
     /// `x`: `[b, n, d]` → `[b, n, d]`.
     pub fn forward_cached(&self, x: Tensor<B, 3>, cache: &mut LayerCache<B>) -> Tensor<B, 3> {
+        let context = self.context_cached(StepInput::Normalised(x), cache);
+        self.project_out(context)
+    }
+
+    /// [`Self::forward_cached`] up to the output projection: the context `[b, n, h·k]` with
+    /// its heads merged, from `x` as [`StepInput`] gives it.
+    pub fn context_cached(&self, x: StepInput<'_, B>, cache: &mut LayerCache<B>) -> Tensor<B, 3> {
         let past = cache.len();
         let qkv = self.project_step(x, cache.projection()); // [b, n, 3d]
         let qkv = match self.relative {
@@ -395,7 +419,7 @@ impl<B: LabBackend> MultiHeadAttention<B> {
                     j < first + s && pattern && rolling.is_none_or(|w| local_allows(i, j, w, true))
                 };
                 if self.decodes_with_kernel(n) {
-                    return self.project_out(decode_attention(q, k, v, |_, j| !allows(0, j)));
+                    return decode_attention(q, k, v, |_, j| !allows(0, j));
                 }
                 // Columns s.. (where the backend autotunes) are zero and masked (they lie in
                 // every query's future, and `allows` says so whatever the pattern).
@@ -408,7 +432,7 @@ impl<B: LabBackend> MultiHeadAttention<B> {
                 biased_attention_weights(q, k, mask, bias).matmul(v) // [b, h, n, k]
             }
         };
-        self.project_out(merge_heads(context)) // [b, n, d]
+        merge_heads(context) // [b, n, d]
     }
 
     /// One new token of each sequence of a batch whose sequences are at different positions
@@ -422,6 +446,19 @@ impl<B: LabBackend> MultiHeadAttention<B> {
     pub fn forward_rows(
         &self,
         x: Tensor<B, 3>,
+        kv: &mut Option<Columns<B>>,
+        projection: &mut Option<PackedLinear<B>>,
+        rows: &Rows,
+    ) -> Tensor<B, 3> {
+        let context = self.context_rows(StepInput::Normalised(x), kv, projection, rows);
+        self.project_out(context)
+    }
+
+    /// [`Self::forward_rows`] up to the output projection: the context `[b, 1, h·k]` with its
+    /// heads merged, from `x` as [`StepInput`] gives it.
+    pub fn context_rows(
+        &self,
+        x: StepInput<'_, B>,
         kv: &mut Option<Columns<B>>,
         projection: &mut Option<PackedLinear<B>>,
         rows: &Rows,
@@ -442,7 +479,7 @@ impl<B: LabBackend> MultiHeadAttention<B> {
         };
         let masked = |r: usize, j: usize| j >= s || !rows.sees(r, j, s, allows);
         if self.decodes_with_kernel(1) {
-            return self.project_out(decode_attention(q, k, v, masked));
+            return decode_attention(q, k, v, masked);
         }
         // Columns s.. (where the backend autotunes) are zero and masked.
         let columns = decode_columns::<B>(s);
@@ -456,7 +493,7 @@ impl<B: LabBackend> MultiHeadAttention<B> {
         let mask =
             Tensor::<B, 4, Bool>::from_data(TensorData::new(masked, [b, 1, 1, columns]), &device);
         let context = biased_attention_weights(q, k, Some(mask), bias).matmul(v); // [b, h, 1, k]
-        self.project_out(merge_heads(context))
+        merge_heads(context)
     }
 
     /// The keys and values of `memory` (`[b, s, d]`, with its key-padding mask) as this
@@ -593,12 +630,38 @@ impl<B: LabBackend> MultiHeadAttention<B> {
     /// copy of the weights per step as [`kernels::linear_parts`] makes).
     fn project_step(
         &self,
-        x: Tensor<B, 3>,
+        x: StepInput<'_, B>,
         projection: &mut Option<PackedLinear<B>>,
     ) -> Tensor<B, 3> {
-        projection
-            .get_or_insert_with(|| PackedLinear::new(&[&self.query, &self.key, &self.value]))
-            .forward(x)
+        let projection = projection
+            .get_or_insert_with(|| PackedLinear::new(&[&self.query, &self.key, &self.value]));
+        match x {
+            StepInput::Normalised(x) => projection.forward(x),
+            StepInput::Stream { x, norm, epsilon } => {
+                projection.forward_step(x, Some((norm, epsilon)), After::Nothing)
+            }
+        }
+    }
+
+    /// The output projection of a decoding step with the residual stream `x` `[b, n, d]` added
+    /// in the same launch ([`kernels::decode_linear`]): `x + W^O·context`, what a pre-norm
+    /// block's residual addition makes of [`Self::project_out`].
+    pub fn project_out_onto(&self, context: Tensor<B, 3>, x: Tensor<B, 3>) -> Tensor<B, 3> {
+        let context = self.gated(context);
+        let [b, n, d] = x.dims();
+        let rows = |t: Tensor<B, 3>| {
+            let width = t.dims()[2];
+            t.reshape([b * n, width])
+        };
+        let bias = self.output.bias.as_ref().map(|bias| bias.val());
+        let y = kernels::decode_linear(
+            rows(context),
+            None,
+            self.output.weight.val(),
+            bias,
+            After::Residual(rows(x)),
+        );
+        y.reshape([b, n, d])
     }
 
     /// The mixer's attention, with dropout on the weights (between the softmax and the product
@@ -720,8 +783,14 @@ impl<B: LabBackend> MultiHeadAttention<B> {
     /// The heads' merged context `[b, n, d]` (head `i` in columns `i·k..(i+1)·k`) projected by
     /// `W^O`, each head scaled by its gate.
     fn project_out(&self, context: Tensor<B, 3>) -> Tensor<B, 3> {
+        linear(&self.output, self.gated(context))
+    }
+
+    /// `context` `[b, n, h·k]` with each head's columns scaled by its gate, where the layer
+    /// has gates.
+    fn gated(&self, context: Tensor<B, 3>) -> Tensor<B, 3> {
         let Some(gates) = &self.head_gates else {
-            return linear(&self.output, context);
+            return context;
         };
         let d = context.dims()[2];
         let width = d / self.n_heads;
@@ -730,7 +799,7 @@ impl<B: LabBackend> MultiHeadAttention<B> {
             .flat_map(|&g| std::iter::repeat_n(g, width))
             .collect();
         let scale = Tensor::<B, 1>::from_floats(scale.as_slice(), &context.device());
-        linear(&self.output, context * scale.reshape([1, 1, d]))
+        context * scale.reshape([1, 1, d])
     }
 }
 

@@ -4,14 +4,14 @@
 //! Post-norm (the original paper): `x = LN(x + Sublayer(x))`.
 //! Pre-norm (GPT-2 and most modern models): `x = x + Sublayer(LN(x))`.
 
-use super::attention::{MultiHeadAttention, MultiHeadAttentionConfig};
+use super::attention::{MultiHeadAttention, MultiHeadAttentionConfig, StepInput};
 use super::cache::{Columns, CrossMemory, LayerCache, Rows};
 use super::feedforward::{Activation, FeedForward, FeedForwardConfig};
 use super::hyena::Hyena;
 use super::mask::AttentionMask;
 use super::mixer::Mixer;
 use super::relative::RelativePosition;
-use crate::kernels::{add_layer_norm, layer_norm, LabBackend, PackedLinear};
+use crate::kernels::{self, add_layer_norm, layer_norm, LabBackend, PackedLinear};
 use burn::module::Module;
 use burn::nn::{Dropout, DropoutConfig, Initializer, LayerNorm, LayerNormConfig};
 use burn::prelude::*;
@@ -95,6 +95,16 @@ impl<B: LabBackend> Residual<B> {
     /// The stream holding `x` `[b, t, d]`.
     pub fn new(x: Tensor<B, 3>) -> Self {
         Self { x, pending: None }
+    }
+
+    /// Its shape, `[b, t, d]`.
+    pub fn dims(&self) -> [usize; 3] {
+        self.x.dims()
+    }
+
+    /// Its device.
+    pub fn device(&self) -> B::Device {
+        self.x.device()
     }
 
     /// Its value, `x + Dropout(h)`.
@@ -251,6 +261,9 @@ impl<B: LabBackend> TransformerBlock<B> {
         cache: &mut LayerCache<B>,
         cross: Option<&CrossMemory<B>>,
     ) -> Residual<B> {
+        if cross.is_none() && self.folds(&x) {
+            return self.step_folded(x, |input| self.attention().context_cached(input, cache));
+        }
         let x = self.residual(x, &self.norm_self, |h| {
             self.attention().forward_cached(h, cache)
         });
@@ -276,10 +289,51 @@ impl<B: LabBackend> TransformerBlock<B> {
         projection: &mut Option<PackedLinear<B>>,
         rows: &Rows,
     ) -> Residual<B> {
+        if self.folds(&x) {
+            return self.step_folded(x, |input| {
+                self.attention().context_rows(input, kv, projection, rows)
+            });
+        }
         let x = self.residual(x, &self.norm_self, |h| {
             self.attention().forward_rows(h, kv, projection, rows)
         });
         self.residual(x, &self.norm_ff, |h| self.feedforward.forward(h))
+    }
+
+    /// Whether a decoding step of the stream `x` runs through [`Self::step_folded`]: a
+    /// pre-norm block with self-attention, no cross-attention and a GELU feed-forward network,
+    /// where [`kernels::folds_decode`] says so for its rows.
+    fn folds(&self, x: &Residual<B>) -> bool {
+        let [b, n, _] = x.dims();
+        self.norm_first
+            && self.self_attention.is_some()
+            && self.cross_attention.is_none()
+            && self.feedforward.folds()
+            && kernels::folds_decode::<B>(b * n, &x.device())
+    }
+
+    /// A decoding step of a pre-norm block in four launches of products on a GPU and the
+    /// attention's own ([`kernels::decode_linear`]): the self-attention's LayerNorm in the
+    /// query, key and value product (`context` makes the attention's context from that
+    /// input), the residual addition in the output projection, and the feed-forward network
+    /// as [`FeedForward::forward_step`]. Where it ran apart: two LayerNorms (each with the
+    /// addition before it), four products and a GELU.
+    fn step_folded(
+        &self,
+        x: Residual<B>,
+        context: impl FnOnce(StepInput<'_, B>) -> Tensor<B, 3>,
+    ) -> Residual<B> {
+        let x = x.resolve();
+        let input = StepInput::Stream {
+            x: x.clone(),
+            norm: &self.norm_self,
+            epsilon: self.norm_epsilon,
+        };
+        let x = self.attention().project_out_onto(context(input), x);
+        let x = self
+            .feedforward
+            .forward_step(x, &self.norm_ff, self.norm_epsilon);
+        Residual::new(x)
     }
 
     /// Whether the block decodes in a batch of sequences at different positions: no

@@ -1,9 +1,9 @@
 //! The position-wise feed-forward network `FFN(x) = act(x·W₁ + b₁)·W₂ + b₂` (§3.3).
 
 use super::linear;
-use crate::kernels::{feed_forward, gelu, LabBackend};
+use crate::kernels::{decode_linear, feed_forward, gelu, After, LabBackend};
 use burn::module::Module;
-use burn::nn::{Dropout, DropoutConfig, Initializer, Linear, LinearConfig};
+use burn::nn::{Dropout, DropoutConfig, Initializer, LayerNorm, Linear, LinearConfig};
 use burn::prelude::*;
 use burn::tensor::activation::relu;
 use serde::{Deserialize, Serialize};
@@ -103,5 +103,33 @@ impl<B: LabBackend> FeedForward<B> {
         let h = linear(&self.linear_inner, x); // [b, t, d_ff]
         let h = crate::kernels::dropout(&self.dropout, self.activation.apply(h));
         linear(&self.linear_outer, h)
+    }
+
+    /// Whether [`Self::forward_step`] takes this network: GELU's.
+    pub fn folds(&self) -> bool {
+        matches!(self.activation, Activation::Gelu)
+    }
+
+    /// A pre-norm block's feed-forward sublayer in a decoding step, residual addition
+    /// included: `x + FFN(LN(x))`, two launches on a GPU ([`decode_linear`]: the LayerNorm and
+    /// GELU in the first product's, the addition in the second's). Needs [`Self::folds`].
+    ///
+    /// # Shapes
+    /// `x`: `[b, n, d]` → `[b, n, d]`.
+    pub fn forward_step(&self, x: Tensor<B, 3>, norm: &LayerNorm<B>, epsilon: f64) -> Tensor<B, 3> {
+        let [b, n, d] = x.dims();
+        let x = x.reshape([b * n, d]);
+        let step = |layer: &Linear<B>, x, norm, after| {
+            let bias = layer.bias.as_ref().map(|bias| bias.val());
+            decode_linear(x, norm, layer.weight.val(), bias, after)
+        };
+        let h = step(
+            &self.linear_inner,
+            x.clone(),
+            Some((norm, epsilon)),
+            After::Gelu,
+        );
+        let y = step(&self.linear_outer, h, None, After::Residual(x));
+        y.reshape([b, n, d])
     }
 }

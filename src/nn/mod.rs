@@ -25,7 +25,7 @@ pub mod stack;
 
 pub use attention::{
     attention_weights, masked_attention_weights, scaled_dot_product_attention, without_weights,
-    AttentionOutput, MultiHeadAttention, MultiHeadAttentionConfig,
+    AttentionOutput, MultiHeadAttention, MultiHeadAttentionConfig, StepInput,
 };
 pub use block::{BlockOutput, Residual, TransformerBlock, TransformerBlockConfig};
 pub use cache::{Columns, CrossMemory, KvCache, LayerCache, Rows, RowsCache};

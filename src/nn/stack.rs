@@ -5,7 +5,7 @@ use super::block::{Residual, TransformerBlock, TransformerBlockConfig};
 use super::cache::{KvCache, RowsCache};
 use super::mask::AttentionMask;
 use super::relative::RelativePosition;
-use crate::kernels::LabBackend;
+use crate::kernels::{self, After, LabBackend};
 use burn::module::Module;
 use burn::nn::{LayerNorm, LayerNormConfig};
 use burn::prelude::*;
@@ -113,6 +113,12 @@ impl<B: LabBackend> TransformerStack<B> {
     /// # Shapes
     /// `x`: `[b, n, d]` → `[b, n, d]`.
     pub fn forward_cached(&self, x: Tensor<B, 3>, cache: &mut KvCache<B>) -> Tensor<B, 3> {
+        self.finish(self.stream_cached(x, cache))
+    }
+
+    /// [`Self::forward_cached`] without the final LayerNorm: the last block's residual stream,
+    /// for [`Self::finish_product`].
+    pub fn stream_cached(&self, x: Tensor<B, 3>, cache: &mut KvCache<B>) -> Residual<B> {
         let mut x = Residual::new(x);
         let mut cross = cache.cross.iter();
         for (block, layer) in self.blocks.iter().zip(&mut cache.layers) {
@@ -123,7 +129,7 @@ impl<B: LabBackend> TransformerStack<B> {
             };
             x = block.forward_cached(x, layer, memory);
         }
-        self.finish(x)
+        x
     }
 
     /// [`Self::forward_cached`] of one new token of each sequence of a batch whose sequences
@@ -132,6 +138,11 @@ impl<B: LabBackend> TransformerStack<B> {
     /// # Shapes
     /// `x`: `[b, 1, d]` → `[b, 1, d]`.
     pub fn forward_rows(&self, x: Tensor<B, 3>, cache: &mut RowsCache<B>) -> Tensor<B, 3> {
+        self.finish(self.stream_rows(x, cache))
+    }
+
+    /// [`Self::forward_rows`] without the final LayerNorm (see [`Self::stream_cached`]).
+    pub fn stream_rows(&self, x: Tensor<B, 3>, cache: &mut RowsCache<B>) -> Residual<B> {
         cache.trim();
         let mut x = Residual::new(x);
         let layers = cache.layers.iter_mut().zip(&mut cache.projections);
@@ -139,7 +150,28 @@ impl<B: LabBackend> TransformerStack<B> {
             x = block.forward_rows(x, kv, projection, &cache.rows);
         }
         cache.rows.next.iter_mut().for_each(|next| *next += 1);
-        self.finish(x)
+        x
+    }
+
+    /// The stack's output from the last block's stream `x` `[b, n, d]` through a product, as
+    /// rows: `finish(x)·w + b` `[b·n, o]`. A pre-norm stack's final LayerNorm runs in the
+    /// product's launch where [`kernels::folds_decode`] says so for the rows (a decoding step
+    /// on a GPU: its output layer).
+    pub fn finish_product(
+        &self,
+        x: Residual<B>,
+        w: Tensor<B, 2>,
+        b: Option<Tensor<B, 1>>,
+    ) -> Tensor<B, 2> {
+        let [batch, n, d] = x.dims();
+        match &self.final_norm {
+            Some(norm) if kernels::folds_decode::<B>(batch * n, &x.device()) => {
+                let x = x.resolve().reshape([batch * n, d]);
+                let norm = Some((norm, self.norm_epsilon));
+                kernels::decode_linear(x, norm, w, b, After::Nothing)
+            }
+            _ => kernels::product(self.finish(x).reshape([batch * n, d]), w, b),
+        }
     }
 
     /// The stack's output from the last block's residual stream: its final LayerNorm (with the

@@ -968,3 +968,143 @@ fn gpu_a_named_matmul_kernel_makes_every_product_of_a_linear_layer() {
         );
     }
 }
+
+/// `epilogue(LN(x)·w + b)` on the host in `f64`, rows of `x` `[n, i]`, `w` `[i, o]`
+/// row-major: LayerNorm with `γ` (and `β`) where given, then GELU (erf form) or the residual
+/// `[n, o]` added.
+fn decode_linear_by_hand(
+    x: &[f32],
+    norm: Option<(&[f32], Option<&[f32]>)>,
+    w: &[f32],
+    b: Option<&[f32]>,
+    gelu: bool,
+    residual: Option<&[f32]>,
+    [n, i, o]: [usize; 3],
+) -> Vec<f32> {
+    let mut y = vec![0.0f32; n * o];
+    for r in 0..n {
+        let row: Vec<f64> = x[r * i..(r + 1) * i].iter().map(|&v| v as f64).collect();
+        let input: Vec<f64> = match norm {
+            Some((gamma, beta)) => {
+                let mean = row.iter().sum::<f64>() / i as f64;
+                let var = row.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / i as f64;
+                let rstd = 1.0 / (var + 1e-5).sqrt();
+                (0..i)
+                    .map(|k| {
+                        let shift = beta.map_or(0.0, |beta| beta[k] as f64);
+                        (row[k] - mean) * rstd * gamma[k] as f64 + shift
+                    })
+                    .collect()
+            }
+            None => row,
+        };
+        for j in 0..o {
+            let mut v: f64 = (0..i).map(|k| input[k] * w[k * o + j] as f64).sum();
+            v += b.map_or(0.0, |b| b[j] as f64);
+            if gelu {
+                v *= 0.5 * (1.0 + crate::kernels::erf64(v / 2f64.sqrt()));
+            }
+            v += residual.map_or(0.0, |res| res[r * o + j] as f64);
+            y[r * o + j] = v as f32;
+        }
+    }
+    y
+}
+
+/// A decoding step's product with the LayerNorm before it and the GELU or the residual
+/// addition after it, in one launch, against the same computed on the host in `f64`: rows
+/// across cubes of 4 (1, 5, 9), an inner width no multiple of a cube's units, outputs no
+/// multiple of a cube's columns, the weight row-major and read transposed (a tied output
+/// layer's), with and without a bias and `β`.
+#[test]
+fn gpu_a_decoding_step_s_product_with_its_layer_norm_and_gelu_or_residual_equals_them_by_hand() {
+    let Some(_turn) = wgpu_turn() else {
+        return;
+    };
+    use transformer_lab::kernels::After;
+    let device = Default::default();
+    let (i, o) = (200, 70);
+    let read = |t: Tensor<Inner, 2>| -> Vec<f32> { t.into_data().to_vec().unwrap() };
+    let read1 = |t: &Tensor<Inner, 1>| -> Vec<f32> { t.clone().into_data().to_vec().unwrap() };
+    let mut norm = burn::nn::LayerNormConfig::new(i).init::<Inner>(&device);
+    norm.gamma = burn::module::Param::from_tensor(random::<Inner, 1>([i], 1, &device) + 1.0);
+    norm.beta = Some(burn::module::Param::from_tensor(random::<Inner, 1>(
+        [i],
+        2,
+        &device,
+    )));
+    let mut plain = burn::nn::LayerNormConfig::new(i)
+        .with_bias(false)
+        .init::<Inner>(&device);
+    plain.gamma = norm.gamma.clone();
+    let gamma = read1(&norm.gamma.val());
+    let beta = read1(&norm.beta.as_ref().unwrap().val());
+    let w = random::<Inner, 2>([i, o], 3, &device) * 0.1;
+    let bias = random::<Inner, 1>([o], 4, &device);
+    let (w_host, bias_host) = (read(w.clone()), read1(&bias));
+    let mut cases = 0;
+    for n in [1, 5, 9] {
+        let x = random::<Inner, 2>([n, i], 5 + n as u64, &device) * 2.0 + 1.0;
+        let residual = random::<Inner, 2>([n, o], 6, &device);
+        let (x_host, res_host) = (read(x.clone()), read(residual.clone()));
+        for transposed in [false, true] {
+            // The same numbers as `w`, held as `[o, i]` and read transposed.
+            let weight = match transposed {
+                true => w.clone().transpose().into_data(),
+                false => w.clone().into_data(),
+            };
+            let weight = Tensor::<Inner, 2>::from_data(weight, &device);
+            let weight = if transposed {
+                weight.transpose()
+            } else {
+                weight
+            };
+            for (normed, with_beta, with_bias, after) in [
+                (true, true, true, 0),
+                (true, false, false, 1),
+                (false, false, true, 1),
+                (false, false, false, 2),
+                (true, true, false, 2),
+            ] {
+                let layer = match with_beta {
+                    true => &norm,
+                    false => &plain,
+                };
+                let (gelu, res) = (after == 1, after == 2);
+                let expected = decode_linear_by_hand(
+                    &x_host,
+                    normed.then(|| (gamma.as_slice(), with_beta.then_some(beta.as_slice()))),
+                    &w_host,
+                    with_bias.then_some(bias_host.as_slice()),
+                    gelu,
+                    res.then_some(res_host.as_slice()),
+                    [n, i, o],
+                );
+                let after = match after {
+                    0 => After::Nothing,
+                    1 => After::Gelu,
+                    _ => After::Residual(residual.clone()),
+                };
+                let (y, ran) = counted(|| {
+                    read(kernels::decode_linear(
+                        x.clone(),
+                        normed.then_some((layer, 1e-5)),
+                        weight.clone(),
+                        with_bias.then(|| bias.clone()),
+                        after,
+                    ))
+                });
+                let case = format!("{n} rows, transposed {transposed}, LayerNorm {normed}, β {with_beta}, bias {with_bias}, gelu {gelu}, residual {res}");
+                assert_eq!(ran, 1, "{case}: one launch");
+                let scale = expected.iter().fold(1.0f32, |m, v| m.max(v.abs()));
+                let worst = y
+                    .iter()
+                    .zip(&expected)
+                    .fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
+                assert!(worst / scale < 1e-5, "{case}: differs by {worst}");
+                cases += 1;
+            }
+        }
+    }
+    assert_eq!(cases, 30);
+}

@@ -69,7 +69,7 @@ pub(crate) fn assert_close(what: &str, (y, grads): (f32, impl AsRef<[f32]>), tol
 }
 
 /// erf in f64 by its Maclaurin series (|x| ≤ 3) or continued fraction of erfc (beyond).
-fn erf64(x: f64) -> f64 {
+pub(crate) fn erf64(x: f64) -> f64 {
     if x.abs() > 3.0 {
         let z = x.abs();
         let mut f = 0.0;

@@ -9,13 +9,14 @@
 pub(crate) mod attention;
 #[cfg(all(feature = "cuda-backend", feature = "wgpu-backend"))]
 pub mod cuda_source;
+mod decode;
 mod linear;
 mod pointwise;
 mod products;
 pub use products::pinned_launches;
 mod rows;
 
-use super::{composed, AdamWItem, DropoutMask, LabBackend};
+use super::{composed, AdamWItem, DropoutMask, LabBackend, NormPrimitive};
 use attention::{LayoutLaunch, TILE};
 use burn::prelude::*;
 use burn::tensor::{DType, FloatDType, TensorMetadata};
@@ -337,6 +338,86 @@ where
 
     fn fused_linear(x: CubeTensor<R>, w: CubeTensor<R>, b: Option<CubeTensor<R>>) -> CubeTensor<R> {
         Self::fused_linear_keeping(x, w, b).0
+    }
+
+    fn fused_decode_linear(
+        x: CubeTensor<R>,
+        norm: Option<NormPrimitive<Self>>,
+        w: CubeTensor<R>,
+        b: Option<CubeTensor<R>>,
+        gelu: bool,
+        residual: Option<CubeTensor<R>>,
+    ) -> CubeTensor<R> {
+        let [n, i] = x.shape().dims();
+        let o = w.shape()[1];
+        let same = |t: &CubeTensor<R>| t.dtype == x.dtype;
+        let types = same(&w)
+            && b.as_ref().is_none_or(same)
+            && residual.as_ref().is_none_or(same)
+            && norm
+                .as_ref()
+                .is_none_or(|norm| same(&norm.gamma) && norm.beta.as_ref().is_none_or(same));
+        if n == 0 || i == 0 || !types || !fits(n * i.max(o)) || !fits(i * o) {
+            return composed::decode_linear::<Self>(x, norm, w, b, gelu, residual);
+        }
+        let x = into_contiguous(x);
+        // Read where it lies when either dimension is contiguous (a tied output layer's
+        // transposed table among them); otherwise copied.
+        let strides = w.meta.strides();
+        let (w, along_k) = match (strides[1] == 1, strides[0] == 1) {
+            (true, _) => (w, false),
+            (false, true) => (w, true),
+            (false, false) => (into_contiguous(w), false),
+        };
+        let y = empty(&x, [n, o]);
+        let (has_norm, has_beta, epsilon) = match &norm {
+            Some(norm) => (true, norm.beta.is_some(), norm.epsilon as f32),
+            None => (false, false, 0.0),
+        };
+        let (gamma, beta) = match norm {
+            Some(NormPrimitive { gamma, beta, .. }) => {
+                let gamma = into_contiguous(gamma);
+                let beta = beta.map(into_contiguous).unwrap_or_else(|| gamma.clone());
+                (gamma, beta)
+            }
+            None => (x.clone(), x.clone()),
+        };
+        let has_bias = b.is_some();
+        let bias = b.map(into_contiguous).unwrap_or_else(|| x.clone());
+        let add = residual.is_some();
+        let residual = residual.map(into_contiguous).unwrap_or_else(|| x.clone());
+        // As many units as the device takes in a cube, up to 1,024 (a power of two).
+        let most = x.client.properties().hardware.max_units_per_cube;
+        let units = 1 << most.min(decode::MAX_UNITS).max(decode::GROUP).ilog2();
+        let columns = decode::columns_per_cube(units, along_k) as usize;
+        let count = CubeCount::Static(
+            o.div_ceil(columns) as u32,
+            n.div_ceil(decode::ROWS as usize) as u32,
+            1,
+        );
+        let dtype = x.dtype;
+        launches::count();
+        decode::decode_linear_kernel::launch::<R>(
+            &x.client,
+            count,
+            CubeDim::new_1d(units),
+            x.clone().into_tensor_arg(),
+            gamma.into_tensor_arg(),
+            beta.into_tensor_arg(),
+            w.into_tensor_arg(),
+            bias.into_tensor_arg(),
+            residual.into_tensor_arg(),
+            y.clone().into_tensor_arg(),
+            epsilon,
+            has_norm,
+            has_beta,
+            has_bias,
+            gelu,
+            add,
+            along_k,
+            dtype.into(),
+        );
+        y
     }
 
     fn fused_linear_keeping(

@@ -20,6 +20,12 @@ fn normal_pdf(x: f32) -> f32 {
     f32::exp(-0.5f32 * x * x) * FRAC_1_SQRT_2PI
 }
 
+/// `x·Φ(x)`, GELU of one number.
+#[cube]
+pub(super) fn gelu_value(x: f32) -> f32 {
+    x * normal_cdf(x)
+}
+
 /// `y = x·Φ(x)`.
 #[cube(launch)]
 pub fn gelu_kernel<F: Float>(x: &Tensor<F>, y: &mut Tensor<F>, #[define(F)] _dtype: StorageType) {

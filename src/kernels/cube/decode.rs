@@ -1,0 +1,313 @@
+//! The linear layers of a decoding step, one launch each with what surrounds them: a
+//! generated token has one row a sequence, so a LayerNorm before a product, and a GELU or the
+//! residual addition after it, each cost a launch of their own for a few hundred numbers. Here
+//! a cube normalises its rows as it reads them (every cube takes the statistics of the rows it
+//! needs; they are a few hundred numbers), and the bias, GELU and residual addition are applied
+//! as each output is written.
+//!
+//! A cube of up to [`MAX_UNITS`] units takes [`ROWS`] rows and a block of output columns. The
+//! units are groups of [`GROUP`]; the shares of each column are added in a fixed order (a tree
+//! through shared memory), so the sums are the same run to run. Where the weight's rows are
+//! contiguous (`w` `[i, o]` row-major, a linear layer's), a group takes 32 adjacent columns
+//! and the cube's groups split the inner dimension: each load of the weight reads 32
+//! consecutive numbers. Where the inner dimension is contiguous (a tied output layer reads the
+//! embedding table transposed), each group takes one column and its units read along it. Each
+//! unit keeps four loads of the weight in flight (a row of a few hundred numbers is otherwise
+//! a chain of memory latencies).
+
+use super::pointwise::gelu_value;
+use cubecl::prelude::*;
+
+/// The most units of a cube (fewer where the device allows fewer).
+pub const MAX_UNITS: u32 = 1024;
+
+/// Rows of a cube (more rows take more cubes, each reading the weight again from cache).
+pub const ROWS: u32 = 4;
+
+/// The shared memory of a cube: a number for each unit and row.
+const SHARED: usize = (MAX_UNITS * ROWS) as usize;
+
+/// Units of a group: the columns a group takes when the weight's rows are contiguous, or the
+/// units that share one column when its columns are.
+pub const GROUP: u32 = 32;
+
+/// The output columns a cube of `units` takes: [`GROUP`] where the weight's rows are
+/// contiguous, one per group where its inner dimension is.
+pub fn columns_per_cube(units: u32, along_k: bool) -> u32 {
+    match along_k {
+        true => units / GROUP,
+        false => GROUP,
+    }
+}
+
+/// The sum over the cube's units of each row's `shared[r·UNITS + u]`, left in
+/// `shared[r·UNITS]` (every unit must call it).
+#[cube]
+fn cube_sums(shared: &mut SharedMemory<f32>) {
+    let u = UNIT_POS_X as usize;
+    let units = CUBE_DIM_X as usize;
+    let mut stride = units / 2;
+    while stride > 0 {
+        if u < stride {
+            #[unroll]
+            for r in 0..ROWS as usize {
+                let other = shared[r * units + u + stride];
+                shared[r * units + u] += other;
+            }
+        }
+        sync_cube();
+        stride /= 2;
+    }
+}
+
+/// Where row `row` of `x` `[n, d_in]` starts; past the end, the last row's start (what a
+/// cube's rows past the end read is never written).
+#[cube]
+fn row_base(row: usize, n: usize, d_in: usize) -> usize {
+    let mut r = row;
+    if r >= n {
+        r = n - 1;
+    }
+    r * d_in
+}
+
+/// `y = epilogue(LN(x)·w + bias)` for the rows of `x` `[r, i]` (contiguous) and `w` `[i, o]`
+/// at any strides: with `normed`, `x`'s rows normalised first (`γ`, and `β` with `has_beta`;
+/// the statistics as the LayerNorm kernel takes them), then `bias` with `has_bias`, GELU with
+/// `gelu`, and `residual` `[r, o]` added with `add`. `along_k`: the weight's inner dimension
+/// is contiguous (see the module docs). Arithmetic in `f32`; the normalised inputs rounded to
+/// `F` as a LayerNorm's output is.
+#[cube(launch)]
+#[allow(clippy::too_many_arguments)]
+pub fn decode_linear_kernel<F: Float>(
+    x: &Tensor<F>,
+    gamma: &Tensor<F>,
+    beta: &Tensor<F>,
+    w: &Tensor<F>,
+    bias: &Tensor<F>,
+    residual: &Tensor<F>,
+    y: &mut Tensor<F>,
+    epsilon: f32,
+    #[comptime] normed: bool,
+    #[comptime] has_beta: bool,
+    #[comptime] has_bias: bool,
+    #[comptime] gelu: bool,
+    #[comptime] add: bool,
+    #[comptime] along_k: bool,
+    #[define(F)] _dtype: StorageType,
+) {
+    let u = UNIT_POS_X as usize;
+    let units = CUBE_DIM_X as usize;
+    let group = GROUP as usize;
+    let rows = ROWS as usize;
+    let n = x.shape(0);
+    let d_in = x.shape(1);
+    let d_out = y.shape(1);
+    let first = CUBE_POS_Y as usize * rows;
+    let mut shared = SharedMemory::<f32>::new(SHARED);
+
+    // The LayerNorm statistics of the cube's rows: the mean, then the variance about it.
+    let mut mean = Array::<f32>::new(rows);
+    let mut rstd = Array::<f32>::new(rows);
+    if normed {
+        let size = f32::cast_from(d_in as u32);
+        #[unroll]
+        for r in 0..rows {
+            let mut s = 0.0f32;
+            let mut k = u;
+            while k < d_in {
+                s += f32::cast_from(x[row_base(first + r, n, d_in) + k]);
+                k += units;
+            }
+            shared[r * units + u] = s;
+        }
+        sync_cube();
+        cube_sums(&mut shared);
+        #[unroll]
+        for r in 0..rows {
+            mean[r] = shared[r * units] / size;
+        }
+        sync_cube();
+        #[unroll]
+        for r in 0..rows {
+            let mut s = 0.0f32;
+            let mut k = u;
+            while k < d_in {
+                let c = f32::cast_from(x[row_base(first + r, n, d_in) + k]) - mean[r];
+                s += c * c;
+                k += units;
+            }
+            shared[r * units + u] = s;
+        }
+        sync_cube();
+        cube_sums(&mut shared);
+        #[unroll]
+        for r in 0..rows {
+            rstd[r] = 1.0f32 / f32::sqrt(shared[r * units] / size + epsilon);
+        }
+        sync_cube();
+    }
+
+    // This unit's column, and its share of the inner dimension: `start, start + step, …`;
+    // its place among the units sharing the column (`peer` of `peers`, `stride` apart).
+    let mut column = CUBE_POS_X as usize * group + u % group;
+    let mut start = u / group;
+    let mut step = units / group;
+    let mut peer = u / group;
+    let mut peers = units / group;
+    let stride = comptime!(if along_k { 1usize } else { GROUP as usize });
+    if along_k {
+        column = CUBE_POS_X as usize * (units / group) + u / group;
+        start = u % group;
+        step = group;
+        peer = u % group;
+        peers = group;
+    }
+    let mut acc = Array::<f32>::new(rows);
+    #[unroll]
+    for r in 0..rows {
+        acc[r] = 0.0f32;
+    }
+    if column < d_out {
+        let at = column * w.stride(1);
+        let w0 = w.stride(0);
+        let mut k = start;
+        // Four of the weight's numbers loaded together, then added in their order.
+        while k + 3 * step < d_in {
+            let mut four = Array::<f32>::new(4usize);
+            #[unroll]
+            for q in 0..4usize {
+                four[q] = f32::cast_from(w[(k + q * step) * w0 + at]);
+            }
+            #[unroll]
+            for q in 0..4usize {
+                accumulate(
+                    x,
+                    gamma,
+                    beta,
+                    &mut acc,
+                    &mean,
+                    &rstd,
+                    four[q],
+                    k + q * step,
+                    first,
+                    normed,
+                    has_beta,
+                );
+            }
+            k += 4 * step;
+        }
+        while k < d_in {
+            let weight = f32::cast_from(w[k * w0 + at]);
+            accumulate(
+                x, gamma, beta, &mut acc, &mean, &rstd, weight, k, first, normed, has_beta,
+            );
+            k += step;
+        }
+    }
+
+    // Each column's shares added up by a tree over its peers (a power of two), left with the
+    // first of them, which writes the outputs.
+    #[unroll]
+    for r in 0..rows {
+        shared[r * units + u] = acc[r];
+    }
+    sync_cube();
+    let mut half = peers / 2;
+    while half > 0 {
+        if peer < half {
+            #[unroll]
+            for r in 0..rows {
+                let other = shared[r * units + u + half * stride];
+                shared[r * units + u] += other;
+            }
+        }
+        sync_cube();
+        half /= 2;
+    }
+    if peer == 0 && column < d_out {
+        write_outputs(
+            &shared, bias, residual, y, column, first, has_bias, gelu, add,
+        );
+    }
+}
+
+/// Adds `weight` times element `k` of each of the cube's rows of `x` (normalised with
+/// `normed`) to `acc`.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn accumulate<F: Float>(
+    x: &Tensor<F>,
+    gamma: &Tensor<F>,
+    beta: &Tensor<F>,
+    acc: &mut Array<f32>,
+    mean: &Array<f32>,
+    rstd: &Array<f32>,
+    weight: f32,
+    k: usize,
+    first: usize,
+    #[comptime] normed: bool,
+    #[comptime] has_beta: bool,
+) {
+    let n = x.shape(0);
+    let d_in = x.shape(1);
+    let mut g = 1.0f32;
+    let mut b = 0.0f32;
+    if normed {
+        g = f32::cast_from(gamma[k]);
+        if has_beta {
+            b = f32::cast_from(beta[k]);
+        }
+    }
+    #[unroll]
+    for r in 0..ROWS as usize {
+        let mut v = f32::cast_from(x[row_base(first + r, n, d_in) + k]);
+        if normed {
+            let mut normalised = (v - mean[r]) * rstd[r] * g;
+            if has_beta {
+                normalised += b;
+            }
+            v = f32::cast_from(F::cast_from(normalised));
+        }
+        acc[r] += v * weight;
+    }
+}
+
+/// Column `column` of the cube's rows of `y` from the sums in shared memory, then the bias,
+/// GELU and the residual addition as [`decode_linear_kernel`] says.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn write_outputs<F: Float>(
+    shared: &SharedMemory<f32>,
+    bias: &Tensor<F>,
+    residual: &Tensor<F>,
+    y: &mut Tensor<F>,
+    column: usize,
+    first: usize,
+    #[comptime] has_bias: bool,
+    #[comptime] gelu: bool,
+    #[comptime] add: bool,
+) {
+    let u = UNIT_POS_X as usize;
+    let units = CUBE_DIM_X as usize;
+    let n = y.shape(0);
+    let d_out = y.shape(1);
+    #[unroll]
+    for r in 0..ROWS as usize {
+        let row = first + r;
+        if row < n {
+            let mut sum = shared[r * units + u];
+            if has_bias {
+                sum += f32::cast_from(bias[column]);
+            }
+            if gelu {
+                sum = gelu_value(f32::cast_from(F::cast_from(sum)));
+            }
+            if add {
+                sum = f32::cast_from(F::cast_from(sum))
+                    + f32::cast_from(residual[row * d_out + column]);
+            }
+            y[row * d_out + column] = F::cast_from(sum);
+        }
+    }
+}
