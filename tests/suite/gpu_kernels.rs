@@ -1107,4 +1107,40 @@ fn gpu_a_decoding_step_s_product_with_its_layer_norm_and_gelu_or_residual_equals
         }
     }
     assert_eq!(cases, 30);
+
+    // Rows too wide for a cube's shared memory once normalised (4 × 3,000 numbers) go through
+    // the LayerNorm kernel and burn's product: the same values, and our one launch is the
+    // LayerNorm's.
+    let (n, i, o) = (5, 3000, 40);
+    let mut norm = burn::nn::LayerNormConfig::new(i).init::<Inner>(&device);
+    norm.gamma = burn::module::Param::from_tensor(random::<Inner, 1>([i], 7, &device) + 1.0);
+    let x = random::<Inner, 2>([n, i], 8, &device);
+    let w = random::<Inner, 2>([i, o], 9, &device) * 0.05;
+    let gamma = read1(&norm.gamma.val());
+    let beta = read1(&norm.beta.as_ref().unwrap().val());
+    let expected = decode_linear_by_hand(
+        &read(x.clone()),
+        Some((gamma.as_slice(), Some(beta.as_slice()))),
+        &read(w.clone()),
+        None,
+        false,
+        None,
+        [n, i, o],
+    );
+    let (y, ran) = counted(|| {
+        read(kernels::decode_linear(
+            x,
+            Some((&norm, 1e-5)),
+            w,
+            None,
+            After::Nothing,
+        ))
+    });
+    assert_eq!(ran, 1, "the LayerNorm kernel alone");
+    let scale = expected.iter().fold(1.0f32, |m, v| m.max(v.abs()));
+    let worst = y
+        .iter()
+        .zip(&expected)
+        .fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
+    assert!(worst / scale < 1e-5, "wide rows: differ by {worst}");
 }

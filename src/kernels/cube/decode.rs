@@ -5,7 +5,8 @@
 //! needs; they are a few hundred numbers), and the bias, GELU and residual addition are applied
 //! as each output is written.
 //!
-//! A cube of up to [`MAX_UNITS`] units takes [`ROWS`] rows and a block of output columns. The
+//! A cube of up to [`MAX_UNITS`] units takes up to [`MAX_ROWS`] rows and a block of output
+//! columns ([`Plan`]). The
 //! units are groups of [`GROUP`]; the shares of each column are added in a fixed order (a tree
 //! through shared memory), so the sums are the same run to run. Where the weight's rows are
 //! contiguous (`w` `[i, o]` row-major, a linear layer's), a group takes 32 adjacent columns
@@ -21,36 +22,83 @@ use cubecl::prelude::*;
 /// The most units of a cube (fewer where the device allows fewer).
 pub const MAX_UNITS: u32 = 1024;
 
-/// Rows of a cube (more rows take more cubes, each reading the weight again from cache).
-pub const ROWS: u32 = 4;
-
-/// The shared memory of a cube: a number for each unit and row.
-const SHARED: usize = (MAX_UNITS * ROWS) as usize;
+/// The most rows a cube takes (more rows take more cubes, each reading the weight again from
+/// cache); fewer where there are fewer.
+pub const MAX_ROWS: usize = 4;
 
 /// Units of a group: the columns a group takes when the weight's rows are contiguous, or the
 /// units that share one column when its columns are.
 pub const GROUP: u32 = 32;
 
-/// The output columns a cube of `units` takes: [`GROUP`] where the weight's rows are
-/// contiguous, one per group where its inner dimension is.
-pub fn columns_per_cube(units: u32, along_k: bool) -> u32 {
-    match along_k {
-        true => units / GROUP,
-        false => GROUP,
+/// How a decoding step's product is cut into cubes: rows and units a cube, and the numbers of
+/// shared memory it holds (each unit's share of every row's sums, or the cube's rows
+/// normalised, whichever is more).
+#[derive(Clone, Copy, Debug)]
+pub struct Plan {
+    /// Rows a cube (1, 2 or 4).
+    pub rows: usize,
+    /// Units a cube (a power of two, at least [`GROUP`]).
+    pub units: u32,
+    /// `f32` numbers of shared memory.
+    pub shared: usize,
+}
+
+impl Plan {
+    /// For `n` rows of `d_in` (normalised in shared memory with `normed`, the weight's inner
+    /// dimension contiguous with `along_k`) on a device whose cubes take at most `max_units`
+    /// units and `max_shared` bytes of shared memory; `None` where the normalised rows do not
+    /// fit. Where a group takes 32 columns, the cube has as many groups as give each unit
+    /// about 16 of the inner dimension (a narrow layer's few columns are then still read by
+    /// many units); where a group takes one column, 8 groups.
+    pub fn new(
+        n: usize,
+        d_in: usize,
+        normed: bool,
+        along_k: bool,
+        max_units: u32,
+        max_shared: usize,
+    ) -> Option<Self> {
+        let rows = n.clamp(1, MAX_ROWS).next_power_of_two();
+        let groups = match along_k {
+            true => 8,
+            false => d_in.div_ceil(16).next_power_of_two() as u32,
+        };
+        let most = 1 << max_units.min(MAX_UNITS).max(GROUP).ilog2();
+        let units = (groups * GROUP).min(most);
+        let sums = rows * units as usize;
+        let shared = match normed {
+            true => sums.max(rows * d_in),
+            false => sums,
+        }
+        .next_power_of_two();
+        (shared * 4 <= max_shared).then_some(Self {
+            rows,
+            units,
+            shared,
+        })
+    }
+
+    /// The output columns a cube takes: [`GROUP`] where the weight's rows are contiguous, one
+    /// per group where its inner dimension is.
+    pub fn columns(&self, along_k: bool) -> u32 {
+        match along_k {
+            true => self.units / GROUP,
+            false => GROUP,
+        }
     }
 }
 
-/// The sum over the cube's units of each row's `shared[r·UNITS + u]`, left in
-/// `shared[r·UNITS]` (every unit must call it).
+/// The sum over the cube's units of each of the `rows` rows' `shared[r·units + u]`, left in
+/// `shared[r·units]` (every unit must call it).
 #[cube]
-fn cube_sums(shared: &mut SharedMemory<f32>) {
+fn cube_sums(shared: &mut SharedMemory<f32>, #[comptime] rows: usize) {
     let u = UNIT_POS_X as usize;
     let units = CUBE_DIM_X as usize;
     let mut stride = units / 2;
     while stride > 0 {
         if u < stride {
             #[unroll]
-            for r in 0..ROWS as usize {
+            for r in 0..rows {
                 let other = shared[r * units + u + stride];
                 shared[r * units + u] += other;
             }
@@ -61,7 +109,7 @@ fn cube_sums(shared: &mut SharedMemory<f32>) {
 }
 
 /// Where row `row` of `x` `[n, d_in]` starts; past the end, the last row's start (what a
-/// cube's rows past the end read is never written).
+/// cube's rows past the end give is never written).
 #[cube]
 fn row_base(row: usize, n: usize, d_in: usize) -> usize {
     let mut r = row;
@@ -71,10 +119,11 @@ fn row_base(row: usize, n: usize, d_in: usize) -> usize {
     r * d_in
 }
 
-/// `y = epilogue(LN(x)·w + bias)` for the rows of `x` `[r, i]` (contiguous) and `w` `[i, o]`
-/// at any strides: with `normed`, `x`'s rows normalised first (`γ`, and `β` with `has_beta`;
-/// the statistics as the LayerNorm kernel takes them), then `bias` with `has_bias`, GELU with
-/// `gelu`, and `residual` `[r, o]` added with `add`. `along_k`: the weight's inner dimension
+/// `y = epilogue(LN(x)·w + bias)` for the rows of `x` `[n, i]` (contiguous) and `w` `[i, o]`
+/// at any strides, `rows` rows a cube and `shared` numbers of shared memory ([`Plan`]): with
+/// `normed`, `x`'s rows normalised first (`γ`, and `β` with `has_beta`; the statistics as the
+/// LayerNorm kernel takes them) into shared memory, then `bias` with `has_bias`, GELU with
+/// `gelu`, and `residual` `[n, o]` added with `add`. `along_k`: the weight's inner dimension
 /// is contiguous (see the module docs). Arithmetic in `f32`; the normalised inputs rounded to
 /// `F` as a LayerNorm's output is.
 #[cube(launch)]
@@ -88,6 +137,8 @@ pub fn decode_linear_kernel<F: Float>(
     residual: &Tensor<F>,
     y: &mut Tensor<F>,
     epsilon: f32,
+    #[comptime] rows: usize,
+    #[comptime] shared_size: usize,
     #[comptime] normed: bool,
     #[comptime] has_beta: bool,
     #[comptime] has_bias: bool,
@@ -99,53 +150,13 @@ pub fn decode_linear_kernel<F: Float>(
     let u = UNIT_POS_X as usize;
     let units = CUBE_DIM_X as usize;
     let group = GROUP as usize;
-    let rows = ROWS as usize;
-    let n = x.shape(0);
     let d_in = x.shape(1);
     let d_out = y.shape(1);
     let first = CUBE_POS_Y as usize * rows;
-    let mut shared = SharedMemory::<f32>::new(SHARED);
+    let mut shared = SharedMemory::<f32>::new(shared_size);
 
-    // The LayerNorm statistics of the cube's rows: the mean, then the variance about it.
-    let mut mean = Array::<f32>::new(rows);
-    let mut rstd = Array::<f32>::new(rows);
     if normed {
-        let size = f32::cast_from(d_in as u32);
-        #[unroll]
-        for r in 0..rows {
-            let mut s = 0.0f32;
-            let mut k = u;
-            while k < d_in {
-                s += f32::cast_from(x[row_base(first + r, n, d_in) + k]);
-                k += units;
-            }
-            shared[r * units + u] = s;
-        }
-        sync_cube();
-        cube_sums(&mut shared);
-        #[unroll]
-        for r in 0..rows {
-            mean[r] = shared[r * units] / size;
-        }
-        sync_cube();
-        #[unroll]
-        for r in 0..rows {
-            let mut s = 0.0f32;
-            let mut k = u;
-            while k < d_in {
-                let c = f32::cast_from(x[row_base(first + r, n, d_in) + k]) - mean[r];
-                s += c * c;
-                k += units;
-            }
-            shared[r * units + u] = s;
-        }
-        sync_cube();
-        cube_sums(&mut shared);
-        #[unroll]
-        for r in 0..rows {
-            rstd[r] = 1.0f32 / f32::sqrt(shared[r * units] / size + epsilon);
-        }
-        sync_cube();
+        normalise_rows(x, gamma, beta, &mut shared, first, epsilon, rows, has_beta);
     }
 
     // This unit's column, and its share of the inner dimension: `start, start + step, …`;
@@ -183,27 +194,26 @@ pub fn decode_linear_kernel<F: Float>(
             for q in 0..4usize {
                 accumulate(
                     x,
-                    gamma,
-                    beta,
+                    &shared,
                     &mut acc,
-                    &mean,
-                    &rstd,
                     four[q],
                     k + q * step,
                     first,
+                    rows,
                     normed,
-                    has_beta,
                 );
             }
             k += 4 * step;
         }
         while k < d_in {
             let weight = f32::cast_from(w[k * w0 + at]);
-            accumulate(
-                x, gamma, beta, &mut acc, &mean, &rstd, weight, k, first, normed, has_beta,
-            );
+            accumulate(x, &shared, &mut acc, weight, k, first, rows, normed);
             k += step;
         }
+    }
+    if normed {
+        // The normalised rows are read by every unit before their memory takes the sums.
+        sync_cube();
     }
 
     // Each column's shares added up by a tree over its peers (a power of two), left with the
@@ -227,54 +237,116 @@ pub fn decode_linear_kernel<F: Float>(
     }
     if peer == 0 && column < d_out {
         write_outputs(
-            &shared, bias, residual, y, column, first, has_bias, gelu, add,
+            &shared, bias, residual, y, column, first, rows, has_bias, gelu, add,
         );
     }
 }
 
-/// Adds `weight` times element `k` of each of the cube's rows of `x` (normalised with
-/// `normed`) to `acc`.
+/// The LayerNorm of the cube's rows of `x` into `shared[r·d_in + k]`, rounded to `F`: the
+/// mean, then the variance about it, each added up by every unit of the cube (every unit must
+/// call it).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn normalise_rows<F: Float>(
+    x: &Tensor<F>,
+    gamma: &Tensor<F>,
+    beta: &Tensor<F>,
+    shared: &mut SharedMemory<f32>,
+    first: usize,
+    epsilon: f32,
+    #[comptime] rows: usize,
+    #[comptime] has_beta: bool,
+) {
+    let u = UNIT_POS_X as usize;
+    let units = CUBE_DIM_X as usize;
+    let n = x.shape(0);
+    let d_in = x.shape(1);
+    let size = f32::cast_from(d_in as u32);
+    let mut mean = Array::<f32>::new(rows);
+    let mut rstd = Array::<f32>::new(rows);
+    #[unroll]
+    for r in 0..rows {
+        let mut s = 0.0f32;
+        let mut k = u;
+        while k < d_in {
+            s += f32::cast_from(x[row_base(first + r, n, d_in) + k]);
+            k += units;
+        }
+        shared[r * units + u] = s;
+    }
+    sync_cube();
+    cube_sums(shared, rows);
+    #[unroll]
+    for r in 0..rows {
+        mean[r] = shared[r * units] / size;
+    }
+    sync_cube();
+    #[unroll]
+    for r in 0..rows {
+        let mut s = 0.0f32;
+        let mut k = u;
+        while k < d_in {
+            let c = f32::cast_from(x[row_base(first + r, n, d_in) + k]) - mean[r];
+            s += c * c;
+            k += units;
+        }
+        shared[r * units + u] = s;
+    }
+    sync_cube();
+    cube_sums(shared, rows);
+    #[unroll]
+    for r in 0..rows {
+        rstd[r] = 1.0f32 / f32::sqrt(shared[r * units] / size + epsilon);
+    }
+    sync_cube();
+    let mut k = u;
+    while k < d_in {
+        let g = f32::cast_from(gamma[k]);
+        let mut b = 0.0f32;
+        if has_beta {
+            b = f32::cast_from(beta[k]);
+        }
+        #[unroll]
+        for r in 0..rows {
+            let v = f32::cast_from(x[row_base(first + r, n, d_in) + k]);
+            let normalised = (v - mean[r]) * rstd[r] * g + b;
+            shared[r * d_in + k] = f32::cast_from(F::cast_from(normalised));
+        }
+        k += units;
+    }
+    sync_cube();
+}
+
+/// Adds `weight` times element `k` of each of the cube's `rows` rows of `x` (normalised in
+/// `shared` with `normed`) to `acc`.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn accumulate<F: Float>(
     x: &Tensor<F>,
-    gamma: &Tensor<F>,
-    beta: &Tensor<F>,
+    shared: &SharedMemory<f32>,
     acc: &mut Array<f32>,
-    mean: &Array<f32>,
-    rstd: &Array<f32>,
     weight: f32,
     k: usize,
     first: usize,
+    #[comptime] rows: usize,
     #[comptime] normed: bool,
-    #[comptime] has_beta: bool,
 ) {
-    let n = x.shape(0);
     let d_in = x.shape(1);
-    let mut g = 1.0f32;
-    let mut b = 0.0f32;
     if normed {
-        g = f32::cast_from(gamma[k]);
-        if has_beta {
-            b = f32::cast_from(beta[k]);
+        #[unroll]
+        for r in 0..rows {
+            acc[r] += shared[r * d_in + k] * weight;
         }
-    }
-    #[unroll]
-    for r in 0..ROWS as usize {
-        let mut v = f32::cast_from(x[row_base(first + r, n, d_in) + k]);
-        if normed {
-            let mut normalised = (v - mean[r]) * rstd[r] * g;
-            if has_beta {
-                normalised += b;
-            }
-            v = f32::cast_from(F::cast_from(normalised));
+    } else {
+        #[unroll]
+        for r in 0..rows {
+            acc[r] += f32::cast_from(x[row_base(first + r, x.shape(0), d_in) + k]) * weight;
         }
-        acc[r] += v * weight;
     }
 }
 
-/// Column `column` of the cube's rows of `y` from the sums in shared memory, then the bias,
-/// GELU and the residual addition as [`decode_linear_kernel`] says.
+/// Column `column` of the cube's `rows` rows of `y` from the sums in shared memory, then the
+/// bias, GELU and the residual addition as [`decode_linear_kernel`] says.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn write_outputs<F: Float>(
@@ -284,6 +356,7 @@ fn write_outputs<F: Float>(
     y: &mut Tensor<F>,
     column: usize,
     first: usize,
+    #[comptime] rows: usize,
     #[comptime] has_bias: bool,
     #[comptime] gelu: bool,
     #[comptime] add: bool,
@@ -293,7 +366,7 @@ fn write_outputs<F: Float>(
     let n = y.shape(0);
     let d_out = y.shape(1);
     #[unroll]
-    for r in 0..ROWS as usize {
+    for r in 0..rows {
         let row = first + r;
         if row < n {
             let mut sum = shared[r * units + u];

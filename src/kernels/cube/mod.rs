@@ -357,10 +357,6 @@ where
             && norm
                 .as_ref()
                 .is_none_or(|norm| same(&norm.gamma) && norm.beta.as_ref().is_none_or(same));
-        if n == 0 || i == 0 || !types || !fits(n * i.max(o)) || !fits(i * o) {
-            return composed::decode_linear::<Self>(x, norm, w, b, gelu, residual);
-        }
-        let x = into_contiguous(x);
         // Read where it lies when either dimension is contiguous (a tied output layer's
         // transposed table among them); otherwise copied.
         let strides = w.meta.strides();
@@ -369,6 +365,20 @@ where
             (false, true) => (w, true),
             (false, false) => (into_contiguous(w), false),
         };
+        let hardware = &x.client.properties().hardware;
+        let plan = decode::Plan::new(
+            n,
+            i,
+            norm.is_some(),
+            along_k,
+            hardware.max_units_per_cube,
+            hardware.max_shared_memory_size,
+        );
+        let plan = match plan {
+            Some(plan) if n > 0 && i > 0 && types && fits(n * i.max(o)) && fits(i * o) => plan,
+            _ => return composed::decode_linear::<Self>(x, norm, w, b, gelu, residual),
+        };
+        let x = into_contiguous(x);
         let y = empty(&x, [n, o]);
         let (has_norm, has_beta, epsilon) = match &norm {
             Some(norm) => (true, norm.beta.is_some(), norm.epsilon as f32),
@@ -386,21 +396,14 @@ where
         let bias = b.map(into_contiguous).unwrap_or_else(|| x.clone());
         let add = residual.is_some();
         let residual = residual.map(into_contiguous).unwrap_or_else(|| x.clone());
-        // As many units as the device takes in a cube, up to 1,024 (a power of two).
-        let most = x.client.properties().hardware.max_units_per_cube;
-        let units = 1 << most.min(decode::MAX_UNITS).max(decode::GROUP).ilog2();
-        let columns = decode::columns_per_cube(units, along_k) as usize;
-        let count = CubeCount::Static(
-            o.div_ceil(columns) as u32,
-            n.div_ceil(decode::ROWS as usize) as u32,
-            1,
-        );
+        let columns = plan.columns(along_k) as usize;
+        let count = CubeCount::Static(o.div_ceil(columns) as u32, n.div_ceil(plan.rows) as u32, 1);
         let dtype = x.dtype;
         launches::count();
         decode::decode_linear_kernel::launch::<R>(
             &x.client,
             count,
-            CubeDim::new_1d(units),
+            CubeDim::new_1d(plan.units),
             x.clone().into_tensor_arg(),
             gamma.into_tensor_arg(),
             beta.into_tensor_arg(),
@@ -409,6 +412,8 @@ where
             residual.into_tensor_arg(),
             y.clone().into_tensor_arg(),
             epsilon,
+            plan.rows,
+            plan.shared,
             has_norm,
             has_beta,
             has_bias,
