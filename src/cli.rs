@@ -183,7 +183,8 @@ pub struct DoctorArgs {
     #[command(flatten)]
     pub backend: BackendArgs,
     /// Check only these operations (comma-separated: gelu, layer_norm, softmax, attention,
-    /// packed_attention, dropout, cross_entropy, adamw, linear). Their rows are printed but not
+    /// packed_attention, dropout, cross_entropy, adamw, linear, embedding, decode_linear).
+    /// Their rows are printed but not
     /// cached: what runs read is a check of every operation. A GPU backend compiles one kernel
     /// at a time in each process, so several such runs at once share out a new GPU's
     /// compilation (the compiled kernels are cached for the whole check after them).

@@ -142,7 +142,7 @@ WARM_END=$((SECONDS + WARM))
 NEVER=(--kernel-check never)
 # The kernel check split by operation, the parts about as many kernels each (on lavapipe: 36,
 # 64, 52, 51, 63 and 70 of the whole check's 203).
-WARM_OPS=(linear attention packed_attention layer_norm gelu,dropout,adamw softmax,cross_entropy,embedding)
+WARM_OPS=(linear attention packed_attention layer_norm gelu,dropout,adamw softmax,cross_entropy,embedding,decode_linear)
 for i in "${!WARM_OPS[@]}"; do
   step "warm-doctor-$i" "$WARM" "$BIN" --backend cuda doctor --only "${WARM_OPS[$i]}" &
 done

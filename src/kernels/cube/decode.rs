@@ -63,7 +63,7 @@ impl Plan {
             true => 8,
             false => d_in.div_ceil(16).next_power_of_two() as u32,
         };
-        let most = 1 << max_units.min(MAX_UNITS).max(GROUP).ilog2();
+        let most = 1 << max_units.clamp(GROUP, MAX_UNITS).ilog2();
         let units = (groups * GROUP).min(most);
         let sums = rows * units as usize;
         let shared = match normed {
