@@ -152,8 +152,12 @@ fn decode_attention<B: LabBackend>(
         .flat_map(|r| (0..s).map(move |j| (r, j)))
         .map(|(r, j)| if masked(r, j) { 1.0 } else { 0.0 })
         .collect();
-    let pad = Tensor::<B, 2>::from_data(TensorData::new(flags, [b, s]), &q.device());
-    decoded(q, k, v, Some(pad))
+    // Where every column is seen (one sequence, or a batch at one length, under full
+    // attention) there is no mask to upload: a copy to the device a layer and token fewer.
+    let pad = flags
+        .contains(&1.0)
+        .then(|| Tensor::<B, 2>::from_data(TensorData::new(flags, [b, s]), &q.device()));
+    decoded(q, k, v, pad)
 }
 
 /// One query per sequence (`q` `[b, h, 1, k]`) over `k`, `v` `[b, h, s, k]` through the
