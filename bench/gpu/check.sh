@@ -29,7 +29,8 @@
 #     the same GPU (bench/pytorch/train_bench.py at f32, f32 with TF32 products, bf16 and
 #     compiled bf16);
 #   - `bench generate` (cached) at batch 1 and 8 on cuda, and transformers' `generate`
-#     (bench/pytorch/generate_bench.py);
+#     (bench/pytorch/generate_bench.py); ours again with each product of a decoding step, its
+#     LayerNorm, GELU and residual addition apart (what the decode_linear kernel saves);
 #   - where a fused cuda step's (f32 and bf16) and a generated token's time goes: launches and
 #     microseconds by kernel (bench/gpu/launches.sh at the experiment's full shape);
 #   - the products, more than half the step: every candidate of burn's matmul at the
@@ -259,6 +260,15 @@ rc=$?
 for b in 1 8; do
   line=$(awk -v b="$b" '$1 == "cached" && $2 == b' "$OUT_DIR/transformers-generate.log")
   row "transformers generate (batch $b)" "$(status $rc)" "${line:-$(why transformers-generate)}"
+done
+# The same decode with each product, its LayerNorm, GELU and residual addition apart (the
+# decode_linear kernel broken on purpose, so it falls back): what folding them saves on a GPU.
+step bench-generate-apart 90 env TRANSFORMER_LAB_BREAK_KERNEL=decode_linear "$BIN" --backend cuda \
+  bench generate -e experiments/shakespeare-char-gpu.json --cached-only --batch 1,8
+rc=$?
+for b in 1 8; do
+  line=$(awk -v b="$b" '$1 == "cached" && $2 == b' "$OUT_DIR/bench-generate-apart.log")
+  row "bench generate, products apart (batch $b)" "$(status $rc)" "${line:-$(why bench-generate-apart)}"
 done
 
 # 6. Where a fused cuda step's and a generated token's time goes: launches and time by kernel
