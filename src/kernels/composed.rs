@@ -77,6 +77,32 @@ pub fn decode_linear<B: LabBackend>(
     }
 }
 
+/// See [`super::LabBackend::fused_decode_qkv`]: the product, then the backend's append.
+pub fn decode_qkv<B: LabBackend>(
+    x: FloatTensor<B>,
+    norm: Option<NormPrimitive<B>>,
+    w: FloatTensor<B>,
+    b: Option<FloatTensor<B>>,
+    keys: FloatTensor<B>,
+    values: FloatTensor<B>,
+    at: usize,
+) -> (FloatTensor<B>, FloatTensor<B>, FloatTensor<B>) {
+    let n = x.shape()[0];
+    let [items, h, _, width] = keys.shape().dims();
+    let (per_item, d) = (n / items, h * width);
+    let y = tensor::<B, 2>(decode_linear::<B>(x, norm, w, b, false, None));
+    // `[n, d]` columns as `[b, h, n/b, d/h]`, how a cache holds them.
+    let heads = |from: usize| {
+        y.clone()
+            .slice([0..n, from..from + d])
+            .reshape([items, per_item, h, width])
+            .swap_dims(1, 2)
+    };
+    let (k, v) = (prim(heads(d)), prim(heads(2 * d)));
+    let (keys, values) = B::write_columns_pair(keys, values, at, k, v);
+    (prim(y.slice([0..n, 0..d])), keys, values)
+}
+
 /// See [`super::LabBackend::fused_layer_norm_forward`].
 pub fn layer_norm_forward<B: Backend>(
     x: FloatTensor<B>,

@@ -370,6 +370,48 @@ impl<B: FusionBackend + LabBackend> LabBackend for Fusion<B> {
         y
     }
 
+    fn fused_decode_qkv(
+        x: Tensor<B>,
+        norm: Option<NormPrimitive<Self>>,
+        w: Tensor<B>,
+        b: Option<Tensor<B>>,
+        keys: Tensor<B>,
+        values: Tensor<B>,
+        at: usize,
+    ) -> (Tensor<B>, Tensor<B>, Tensor<B>) {
+        let d = keys.shape[1] * keys.shape[3];
+        let shapes = [
+            Shape::new([x.shape[0], d]),
+            keys.shape.clone(),
+            values.shape.clone(),
+        ];
+        let (has_norm, has_beta, epsilon) = match &norm {
+            Some(norm) => (true, norm.beta.is_some(), norm.epsilon),
+            None => (false, false, 0.0),
+        };
+        let has_bias = b.is_some();
+        let mut inputs = vec![x, w, keys, values];
+        if let Some(norm) = norm {
+            inputs.push(norm.gamma);
+            inputs.extend(norm.beta);
+        }
+        inputs.extend(b);
+        let [q, keys, values] =
+            custom::<B, 3>("decode_qkv", inputs, vec![], shapes, move |f, _| {
+                let mut f = f.into_iter();
+                let [x, w, keys, values] = [(); 4].map(|()| f.next().unwrap());
+                let norm = has_norm.then(|| NormPrimitive {
+                    gamma: f.next().unwrap(),
+                    beta: has_beta.then(|| f.next().unwrap()),
+                    epsilon,
+                });
+                let b = has_bias.then(|| f.next().unwrap());
+                let (q, keys, values) = B::fused_decode_qkv(x, norm, w, b, keys, values, at);
+                vec![q, keys, values]
+            });
+        (q, keys, values)
+    }
+
     fn fused_layer_norm_forward(
         x: Tensor<B>,
         gamma: Tensor<B>,

@@ -429,6 +429,25 @@ pub trait LabBackend: Backend {
         composed::decode_linear::<Self>(x, norm, w, b, gelu, residual)
     }
 
+    /// A decoding step's query, key and value product ([`Self::fused_decode_linear`] without
+    /// GELU or residual; `w` `[i, 3·d]`, the three side by side) whose keys and values go
+    /// straight into a cache's buffers `keys`, `values` `[b, h, cap, d/h]`, in place where
+    /// they are held once: row `r` of `x` `[n, i]` is item `r / (n/b)`'s position
+    /// `at + r % (n/b)` → `(q [n, d], keys, values)`. The default: the product, then
+    /// [`Self::write_columns_pair`]; on a GPU one launch.
+    #[allow(clippy::too_many_arguments)]
+    fn fused_decode_qkv(
+        x: FloatTensor<Self>,
+        norm: Option<NormPrimitive<Self>>,
+        w: FloatTensor<Self>,
+        b: Option<FloatTensor<Self>>,
+        keys: FloatTensor<Self>,
+        values: FloatTensor<Self>,
+        at: usize,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        composed::decode_qkv::<Self>(x, norm, w, b, keys, values, at)
+    }
+
     /// `GELU(x·w + b)` and GELU's derivative there (`[n, o]` each), both times the dropout
     /// mask's multipliers where given — [`Self::fused_linear`] then [`Self::fused_gelu_forward`],
     /// the values of the two apart — and the operands the product's backward pass reads, as
@@ -539,6 +558,13 @@ pub struct NormPrimitive<B: Backend> {
     pub beta: Option<FloatTensor<B>>,
     /// `ε`.
     pub epsilon: f64,
+}
+
+impl<B: Backend> NormPrimitive<B> {
+    /// `(γ, β, ε)`.
+    pub fn parts(self) -> (FloatTensor<B>, Option<FloatTensor<B>>, f64) {
+        (self.gamma, self.beta, self.epsilon)
+    }
 }
 
 /// A training backend: autodiff over a [`LabBackend`], itself one.
@@ -1117,6 +1143,25 @@ impl<B: LabBackend> PackedLinear<B> {
         y.reshape(shape)
     }
 
+    /// The query, key and value projections of a decoding step through [`decode_qkv`]: `x`
+    /// `[b, n, d_in]` normalised by `norm` → the queries `[b, n, d]`, the keys and values
+    /// written into `keys`, `values` `[b, h, cap, d/h]` at positions `at..at + n`.
+    pub fn forward_qkv(
+        &self,
+        x: Tensor<B, 3>,
+        norm: (&LayerNorm<B>, f64),
+        keys: Tensor<B, 4>,
+        values: Tensor<B, 4>,
+        at: usize,
+    ) -> (Tensor<B, 3>, Tensor<B, 4>, Tensor<B, 4>) {
+        let [b, n, d_in] = x.dims();
+        let x = x.reshape([b * n, d_in]);
+        let (w, bias) = (self.weight.clone(), self.bias.clone());
+        let (q, keys, values) = decode_qkv(x, Some(norm), w, bias, keys, values, at);
+        let d = q.dims()[1];
+        (q.reshape([b, n, d]), keys, values)
+    }
+
     /// [`Self::forward`] of a decoding step through [`decode_linear`]: `x` `[.., d_in]`
     /// normalised by `norm` first where given, `after` applied (a residual as rows, `[n, Σ
     /// d_out]`).
@@ -1202,6 +1247,35 @@ pub fn decode_linear<B: LabBackend>(
     };
     let y = B::fused_decode_linear(prim(x), norm, prim(w), b.map(prim), gelu, residual);
     check::sabotage(Op::DecodeLinear, tensor(y))
+}
+
+/// A decoding step's query, key and value product `LN(x)·w + b` (`x` `[n, i]`, `w` `[i, 3·d]`)
+/// whose keys and values are written into a cache's buffers `keys`, `values` `[b, h, cap,
+/// d/h]` at positions `at..` of each item ([`LabBackend::fused_decode_qkv`]: one launch on a
+/// GPU, where the product and the append were two) → `(q [n, d], keys, values)`. Called
+/// where [`folds_decode`] says so.
+pub fn decode_qkv<B: LabBackend>(
+    x: Tensor<B, 2>,
+    norm: Option<(&LayerNorm<B>, f64)>,
+    w: Tensor<B, 2>,
+    b: Option<Tensor<B, 1>>,
+    keys: Tensor<B, 4>,
+    values: Tensor<B, 4>,
+    at: usize,
+) -> (Tensor<B, 2>, Tensor<B, 4>, Tensor<B, 4>) {
+    let norm = norm.map(|(norm, epsilon)| NormPrimitive {
+        gamma: prim(norm.gamma.val()),
+        beta: norm.beta.as_ref().map(|beta| prim(beta.val())),
+        epsilon,
+    });
+    let (keys, values) = (prim(keys), prim(values));
+    let (q, keys, values) =
+        B::fused_decode_qkv(prim(x), norm, prim(w), b.map(prim), keys, values, at);
+    (
+        check::sabotage(Op::DecodeLinear, tensor(q)),
+        tensor(keys),
+        tensor(values),
+    )
 }
 
 /// Causal or padded self-attention on packed projections `qkv` `[b, t, 3·d]` (Q, K and V side

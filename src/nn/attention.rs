@@ -193,6 +193,15 @@ pub enum StepInput<'a, B: LabBackend> {
     },
 }
 
+impl<B: LabBackend> StepInput<'_, B> {
+    /// New positions a sequence, `n` of `[b, n, d]`.
+    pub fn positions(&self) -> usize {
+        match self {
+            StepInput::Normalised(x) | StepInput::Stream { x, .. } => x.dims()[1],
+        }
+    }
+}
+
 /// Configuration of [`MultiHeadAttention`].
 #[derive(Config, Debug)]
 pub struct MultiHeadAttentionConfig {
@@ -387,56 +396,67 @@ impl<B: LabBackend> MultiHeadAttention<B> {
     /// its heads merged, from `x` as [`StepInput`] gives it.
     pub fn context_cached(&self, x: StepInput<'_, B>, cache: &mut LayerCache<B>) -> Tensor<B, 3> {
         let past = cache.len();
-        let qkv = self.project_step(x, cache.projection()); // [b, n, 3d]
-        let qkv = match self.relative {
-            RelativePosition::Rope => rope_packed(qkv, self.n_heads, past),
-            _ => qkv,
+        let n = x.positions();
+        // A rolling cache (relative positions) sees the last `window` positions, a local
+        // mixer its window.
+        let rolling = cache.window();
+        let local = match &self.mixer {
+            Mixer::Local { window } => Some(*window),
+            _ => None,
         };
-        let (q, k, v) = split_packed(qkv, self.n_heads); // views, [b, h, n, k]
-        let [b, h, n, d_head] = q.dims();
-        let device = q.device();
-        let context = match &self.mixer {
-            Mixer::Linear { .. } => {
-                let state = cache.linear_state(b, h, d_head, &device);
-                let context = state.extend(q, k, v);
-                cache.advance(n);
-                context
+        let keep = local.into_iter().chain(rolling).min();
+        let (q, k, v, first) = match x {
+            // The product writes the keys and values into the cache itself.
+            StepInput::Stream { x, norm, epsilon }
+                if self.appends_in_product(n) && cache.has_columns() =>
+            {
+                let packed = self.packed(cache.projection()).clone();
+                let (q, k, v, first) = cache.append_with(n, keep, |keys, values, at| {
+                    packed.forward_qkv(x, (norm, epsilon), keys, values, at)
+                });
+                (self.split_heads(q), k, v, first)
             }
-            mixer => {
-                // A rolling cache (relative positions) sees the last `window` positions.
-                let rolling = cache.window();
-                let keep = match mixer {
-                    Mixer::Local { window } => Some(*window),
-                    _ => None,
+            x => {
+                let qkv = self.project_step(x, cache.projection()); // [b, n, 3d]
+                let qkv = match self.relative {
+                    RelativePosition::Rope => rope_packed(qkv, self.n_heads, past),
+                    _ => qkv,
                 };
-                let keep = keep.into_iter().chain(rolling).min();
-                let (k, v, first) = cache.append(k, v, keep); // [b, h, s, k]
-                let s = k.dims()[2];
-                // New query i sits at position past + i; cached key j at first + j.
-                let allows = |i: usize, j: usize| {
-                    let (i, j) = (past + i, first + j);
-                    let pattern = match mixer {
-                        Mixer::Local { window } => local_allows(i, j, *window, true),
-                        Mixer::Strided { stride } => strided_allows(i, j, *stride, true),
-                        _ => j <= i,
-                    };
-                    j < first + s && pattern && rolling.is_none_or(|w| local_allows(i, j, w, true))
-                };
-                if self.decodes_with_kernel(n) {
-                    return decode_attention(q, k, v, |_, j| !allows(0, j));
+                let (q, k, v) = split_packed(qkv, self.n_heads); // views, [b, h, n, k]
+                if let Mixer::Linear { .. } = self.mixer {
+                    let [b, h, n, d_head] = q.dims();
+                    let state = cache.linear_state(b, h, d_head, &q.device());
+                    let context = state.extend(q, k, v);
+                    cache.advance(n);
+                    return merge_heads(context);
                 }
-                // Columns s.. (where the backend autotunes) are zero and masked (they lie in
-                // every query's future, and `allows` says so whatever the pattern).
-                let columns = decode_columns::<B>(s);
-                let (k, v) = (zero_padded(k, columns), zero_padded(v, columns));
-                let bias = self.bias(past..past + n, first..first + columns, &device);
-                // [1, 1, n, columns]
-                let mask = ((0..n).any(|i| (0..columns).any(|j| !allows(i, j))))
-                    .then(|| pattern_rows::<B>(n, columns, allows, &device).unsqueeze::<4>());
-                biased_attention_weights(q, k, mask, bias).matmul(v) // [b, h, n, k]
+                let (k, v, first) = cache.append(k, v, keep); // [b, h, s, k]
+                (q, k, v, first)
             }
         };
-        merge_heads(context) // [b, n, d]
+        let (s, device) = (k.dims()[2], q.device());
+        // New query i sits at position past + i; cached key j at first + j.
+        let allows = |i: usize, j: usize| {
+            let (i, j) = (past + i, first + j);
+            let pattern = match &self.mixer {
+                Mixer::Local { window } => local_allows(i, j, *window, true),
+                Mixer::Strided { stride } => strided_allows(i, j, *stride, true),
+                _ => j <= i,
+            };
+            j < first + s && pattern && rolling.is_none_or(|w| local_allows(i, j, w, true))
+        };
+        if self.decodes_with_kernel(n) {
+            return decode_attention(q, k, v, |_, j| !allows(0, j));
+        }
+        // Columns s.. (where the backend autotunes) are zero and masked (they lie in every
+        // query's future, and `allows` says so whatever the pattern).
+        let columns = decode_columns::<B>(s);
+        let (k, v) = (zero_padded(k, columns), zero_padded(v, columns));
+        let bias = self.bias(past..past + n, first..first + columns, &device);
+        // [1, 1, n, columns]
+        let mask = ((0..n).any(|i| (0..columns).any(|j| !allows(i, j))))
+            .then(|| pattern_rows::<B>(n, columns, allows, &device).unsqueeze::<4>());
+        merge_heads(biased_attention_weights(q, k, mask, bias).matmul(v)) // [b, n, d]
     }
 
     /// One new token of each sequence of a batch whose sequences are at different positions
@@ -467,13 +487,30 @@ impl<B: LabBackend> MultiHeadAttention<B> {
         projection: &mut Option<PackedLinear<B>>,
         rows: &Rows,
     ) -> Tensor<B, 3> {
-        let qkv = self.project_step(x, projection); // [b, 1, 3d]
-        let (q, k, v) = split_packed(qkv, self.n_heads); // views, [b, h, 1, k]
-        let (q, k) = match self.relative {
-            RelativePosition::Rope => (rope_rows(q, &rows.next), rope_rows(k, &rows.next)),
-            _ => (q, k),
+        let (q, k, v) = match x {
+            // The product writes the keys and values into the columns itself.
+            StepInput::Stream { x, norm, epsilon }
+                if self.appends_in_product(1) && kv.is_some() =>
+            {
+                let packed = self.packed(projection);
+                let past = kv.take().expect("columns cached before");
+                let (q, columns) = past.push_with(1, |keys, values, at| {
+                    packed.forward_qkv(x, (norm, epsilon), keys, values, at)
+                });
+                let (k, v) = kv.insert(columns).views();
+                (self.split_heads(q), k, v)
+            }
+            x => {
+                let qkv = self.project_step(x, projection); // [b, 1, 3d]
+                let (q, k, v) = split_packed(qkv, self.n_heads); // views, [b, h, 1, k]
+                let (q, k) = match self.relative {
+                    RelativePosition::Rope => (rope_rows(q, &rows.next), rope_rows(k, &rows.next)),
+                    _ => (q, k),
+                };
+                let (k, v) = Columns::append(kv, k, v).views();
+                (q, k, v)
+            }
         };
-        let (k, v) = Columns::append(kv, k, v).views();
         let ([b, _, s, _], device) = (k.dims(), k.device());
         let allows = |i: usize, j: usize| match &self.mixer {
             Mixer::Local { window } => local_allows(i, j, *window, true),
@@ -637,14 +674,26 @@ impl<B: LabBackend> MultiHeadAttention<B> {
         x: StepInput<'_, B>,
         projection: &mut Option<PackedLinear<B>>,
     ) -> Tensor<B, 3> {
-        let projection = projection
-            .get_or_insert_with(|| PackedLinear::new(&[&self.query, &self.key, &self.value]));
+        let projection = self.packed(projection);
         match x {
             StepInput::Normalised(x) => projection.forward(x),
             StepInput::Stream { x, norm, epsilon } => {
                 projection.forward_step(x, Some((norm, epsilon)), After::Nothing)
             }
         }
+    }
+
+    /// The query, key and value projections packed into `projection` on first use.
+    fn packed<'a>(&self, projection: &'a mut Option<PackedLinear<B>>) -> &'a PackedLinear<B> {
+        projection.get_or_insert_with(|| PackedLinear::new(&[&self.query, &self.key, &self.value]))
+    }
+
+    /// Whether a folded decoding step of `n` new positions has its query–key–value product
+    /// write the keys and values into the cache ([`kernels::decode_qkv`]: the append's launch
+    /// saved): one position through the attention kernel, a mixer that keeps keys and values,
+    /// and no rotary positions (which turn the keys after the product).
+    fn appends_in_product(&self, n: usize) -> bool {
+        self.decodes_with_kernel(n) && self.keeps_keys() && self.relative != RelativePosition::Rope
     }
 
     /// The output projection of a decoding step with the residual stream `x` `[b, n, d]` added

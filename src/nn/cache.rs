@@ -115,6 +115,34 @@ impl<B: LabBackend> Columns<B> {
         }
     }
 
+    /// These columns with `n` more a sequence written by `write(keys, values, at)` into the
+    /// buffers themselves at column `at` (room made first), and what `write` returned beside
+    /// them: how a decoding step's product appends its keys and values where it computes them
+    /// ([`crate::kernels::decode_qkv`]).
+    pub fn push_with<T>(
+        self,
+        n: usize,
+        write: impl FnOnce(Tensor<B, 4>, Tensor<B, 4>, usize) -> (T, Tensor<B, 4>, Tensor<B, 4>),
+    ) -> (T, Self) {
+        let Self {
+            k: keys,
+            v: values,
+            start,
+            end,
+        } = match self.end + n > self.capacity() {
+            true => self.reserve(n),
+            false => self,
+        };
+        let (out, k, v) = write(keys, values, end);
+        let columns = Self {
+            k,
+            v,
+            start,
+            end: end + n,
+        };
+        (out, columns)
+    }
+
     /// The live columns at the front of new buffers with room for them, `n` more, and half
     /// as many again.
     fn reserve(self, n: usize) -> Self {
@@ -187,13 +215,45 @@ impl<B: LabBackend> LayerCache<B> {
         keep: Option<usize>,
     ) -> (Tensor<B, 4>, Tensor<B, 4>, usize) {
         self.seen += k.dims()[2];
-        let columns = Columns::append(&mut self.kv, k, v);
+        Columns::append(&mut self.kv, k, v);
+        self.keep(keep)
+    }
+
+    /// The cached keys and values with the new ones `(K, V, first)`, then only the last `keep`
+    /// of them kept (see [`Self::append`]).
+    fn keep(&mut self, keep: Option<usize>) -> (Tensor<B, 4>, Tensor<B, 4>, usize) {
+        let columns = self.kv.as_mut().expect("keys and values just appended");
         let all = columns.len();
         let (k, v) = columns.views();
         if let Some(keep) = keep {
             columns.drop_front(all.saturating_sub(keep));
         }
         (k, v, self.seen - all)
+    }
+
+    /// [`Self::append`] of `n` new positions whose keys and values `write` puts into the
+    /// buffers itself ([`Columns::push_with`]), with what `write` returned: `(out, K, V,
+    /// first)`. Needs [`Self::has_columns`].
+    ///
+    /// # Panics
+    /// If nothing is cached yet (the first step's keys and values make the buffers).
+    pub fn append_with<T>(
+        &mut self,
+        n: usize,
+        keep: Option<usize>,
+        write: impl FnOnce(Tensor<B, 4>, Tensor<B, 4>, usize) -> (T, Tensor<B, 4>, Tensor<B, 4>),
+    ) -> (T, Tensor<B, 4>, Tensor<B, 4>, usize) {
+        let past = self.kv.take().expect("keys and values cached before");
+        let (out, columns) = past.push_with(n, write);
+        self.seen += n;
+        self.kv = Some(columns);
+        let (k, v, first) = self.keep(keep);
+        (out, k, v, first)
+    }
+
+    /// Whether keys and values are cached (buffers [`Self::append_with`] writes into).
+    pub fn has_columns(&self) -> bool {
+        self.kv.is_some()
     }
 
     /// The layer's query, key and value projections packed for decoding (made by the layer on

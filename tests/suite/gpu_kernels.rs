@@ -1144,3 +1144,106 @@ fn gpu_a_decoding_step_s_product_with_its_layer_norm_and_gelu_or_residual_equals
         .fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
     assert!(worst / scale < 1e-5, "wide rows: differ by {worst}");
 }
+
+/// A decoding step's query, key and value product writing its keys and values straight into
+/// a cache's buffers, in one launch: the queries as computed on the host in `f64`, and each
+/// buffer holding what it held but for the new positions, which hold the keys and values
+/// (one position a sequence, and two; a buffer read in place, another held twice and so
+/// copied first).
+#[test]
+fn gpu_a_decoding_step_s_projections_write_their_keys_and_values_into_the_cache() {
+    let Some(_turn) = wgpu_turn() else {
+        return;
+    };
+    use transformer_lab::kernels::decode_qkv;
+    let device = Default::default();
+    let read = |t: Tensor<Inner, 2>| -> Vec<f32> { t.into_data().to_vec().unwrap() };
+    let (items, heads, capacity, width, i) = (3, 2, 7, 4, 40);
+    let d = heads * width;
+    let mut norm = burn::nn::LayerNormConfig::new(i).init::<Inner>(&device);
+    norm.gamma = burn::module::Param::from_tensor(random::<Inner, 1>([i], 1, &device) + 1.0);
+    let gamma: Vec<f32> = norm.gamma.val().into_data().to_vec().unwrap();
+    let beta: Vec<f32> = norm
+        .beta
+        .as_ref()
+        .unwrap()
+        .val()
+        .into_data()
+        .to_vec()
+        .unwrap();
+    let w = random::<Inner, 2>([i, 3 * d], 2, &device) * 0.2;
+    let b = random::<Inner, 1>([3 * d], 3, &device);
+    let b_host: Vec<f32> = b.clone().into_data().to_vec().unwrap();
+    for (per_item, at) in [(1, 4), (2, 2)] {
+        let n = items * per_item;
+        let x = random::<Inner, 2>([n, i], 4 + per_item as u64, &device);
+        let y = decode_linear_by_hand(
+            &read(x.clone()),
+            Some((gamma.as_slice(), Some(beta.as_slice()))),
+            &read(w.clone()),
+            Some(b_host.as_slice()),
+            false,
+            None,
+            [n, i, 3 * d],
+        );
+        let shape = [items, heads, capacity, width];
+        let keys = random::<Inner, 4>(shape, 6, &device);
+        let values = random::<Inner, 4>(shape, 7, &device);
+        let before: [Vec<f32>; 2] =
+            [&keys, &values].map(|t| t.clone().into_data().to_vec().unwrap());
+        // The keys are held once (written in place); the values also by `held`.
+        let held = values.clone();
+        let ((q, keys, values), ran) = counted(|| {
+            let (q, k, v) = decode_qkv(
+                x,
+                Some((&norm, 1e-5)),
+                w.clone(),
+                Some(b.clone()),
+                keys,
+                values,
+                at,
+            );
+            (
+                read(q),
+                k.into_data().to_vec::<f32>().unwrap(),
+                v.into_data().to_vec::<f32>().unwrap(),
+            )
+        });
+        assert_eq!(ran, 1, "one launch");
+        let held: Vec<f32> = held.into_data().to_vec().unwrap();
+        assert_eq!(
+            held, before[1],
+            "a buffer held elsewhere is copied, not written"
+        );
+        let close = |a: f32, b: f32| (a - b).abs() <= 1e-5 * b.abs().max(1.0);
+        for r in 0..n {
+            for c in 0..d {
+                assert!(close(q[r * d + c], y[r * 3 * d + c]), "q[{r}, {c}]");
+            }
+        }
+        for (part, (buffer, before)) in [(1, (&keys, &before[0])), (2, (&values, &before[1]))] {
+            for item in 0..items {
+                for h in 0..heads {
+                    for p in 0..capacity {
+                        for e in 0..width {
+                            let at_buffer = ((item * heads + h) * capacity + p) * width + e;
+                            let got = buffer[at_buffer];
+                            let new = p >= at && p < at + per_item;
+                            let want = match new {
+                                true => {
+                                    let row = item * per_item + (p - at);
+                                    y[row * 3 * d + part * d + h * width + e]
+                                }
+                                false => before[at_buffer],
+                            };
+                            assert!(
+                                close(got, want),
+                                "buffer {part}, item {item}, head {h}, position {p}, {e}: {got} against {want} ({per_item} a sequence)"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+}

@@ -78,6 +78,12 @@ impl Plan {
         })
     }
 
+    /// The cubes for `n` rows and `o` output columns.
+    pub fn cubes(&self, n: usize, o: usize, along_k: bool) -> CubeCount {
+        let columns = self.columns(along_k) as usize;
+        CubeCount::Static(o.div_ceil(columns) as u32, n.div_ceil(self.rows) as u32, 1)
+    }
+
     /// The output columns a cube takes: [`GROUP`] where the weight's rows are contiguous, one
     /// per group where its inner dimension is.
     pub fn columns(&self, along_k: bool) -> u32 {
@@ -147,18 +153,151 @@ pub fn decode_linear_kernel<F: Float>(
     #[comptime] along_k: bool,
     #[define(F)] _dtype: StorageType,
 ) {
+    let first = CUBE_POS_Y as usize * rows;
+    let mut shared = SharedMemory::<f32>::new(shared_size);
+    let place = column_sums(
+        x,
+        gamma,
+        beta,
+        w,
+        &mut shared,
+        first,
+        epsilon,
+        rows,
+        normed,
+        has_beta,
+        along_k,
+    );
+    if place.peer == 0 && place.column < w.shape(1) {
+        write_outputs(
+            &shared,
+            bias,
+            residual,
+            y,
+            place.column,
+            first,
+            rows,
+            has_bias,
+            gelu,
+            add,
+        );
+    }
+}
+
+/// A decoding step's query, key and value product (`w` `[i, 3·d]`, the three side by side)
+/// as [`decode_linear_kernel`] without GELU or residual: the queries into `q` `[n, d]`, and
+/// the keys and values straight into a cache's buffers `keys`, `values` `[b, h, cap, d/h]`
+/// (any strides) — row `r` is item `r / per_item`'s column `at + r % per_item` — where a
+/// launch of its own appended them.
+#[cube(launch)]
+#[allow(clippy::too_many_arguments)]
+pub fn decode_qkv_kernel<F: Float>(
+    x: &Tensor<F>,
+    gamma: &Tensor<F>,
+    beta: &Tensor<F>,
+    w: &Tensor<F>,
+    bias: &Tensor<F>,
+    q: &mut Tensor<F>,
+    keys: &mut Tensor<F>,
+    values: &mut Tensor<F>,
+    epsilon: f32,
+    at: u32,
+    per_item: u32,
+    #[comptime] rows: usize,
+    #[comptime] shared_size: usize,
+    #[comptime] normed: bool,
+    #[comptime] has_beta: bool,
+    #[comptime] has_bias: bool,
+    #[comptime] along_k: bool,
+    #[define(F)] _dtype: StorageType,
+) {
+    let first = CUBE_POS_Y as usize * rows;
+    let mut shared = SharedMemory::<f32>::new(shared_size);
+    let place = column_sums(
+        x,
+        gamma,
+        beta,
+        w,
+        &mut shared,
+        first,
+        epsilon,
+        rows,
+        normed,
+        has_beta,
+        along_k,
+    );
+    if place.peer == 0 && place.column < w.shape(1) {
+        let u = UNIT_POS_X as usize;
+        let units = CUBE_DIM_X as usize;
+        let n = x.shape(0);
+        let d = q.shape(1);
+        let column = place.column;
+        let width = keys.shape(3);
+        #[unroll]
+        for r in 0..rows {
+            let row = first + r;
+            if row < n {
+                let mut sum = shared[r * units + u];
+                if has_bias {
+                    sum += f32::cast_from(bias[column]);
+                }
+                let value = F::cast_from(sum);
+                if column < d {
+                    q[row * d + column] = value;
+                } else {
+                    let inner = (column - d) % d;
+                    let item = row / per_item as usize;
+                    let position = at as usize + row % per_item as usize;
+                    let i = item * keys.stride(0)
+                        + (inner / width) * keys.stride(1)
+                        + position * keys.stride(2)
+                        + (inner % width) * keys.stride(3);
+                    if column < 2 * d {
+                        keys[i] = value;
+                    } else {
+                        values[i] = value;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Where a unit of a decoding step's product stands once the shares are added: its output
+/// column, and its place among the units sharing it (the first, `peer` 0, holds the sums).
+#[derive(CubeType, Clone, Copy)]
+struct Place {
+    column: usize,
+    peer: usize,
+}
+
+/// Each output column's sums over the inner dimension for the cube's `rows` rows of `x`
+/// (normalised first with `normed`) times `w`, left in `shared[r·units + u]` of the first
+/// unit of the column's peers (every unit must call it).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn column_sums<F: Float>(
+    x: &Tensor<F>,
+    gamma: &Tensor<F>,
+    beta: &Tensor<F>,
+    w: &Tensor<F>,
+    shared: &mut SharedMemory<f32>,
+    first: usize,
+    epsilon: f32,
+    #[comptime] rows: usize,
+    #[comptime] normed: bool,
+    #[comptime] has_beta: bool,
+    #[comptime] along_k: bool,
+) -> Place {
     let u = UNIT_POS_X as usize;
     let units = CUBE_DIM_X as usize;
     let group = GROUP as usize;
     let d_in = x.shape(1);
-    let d_out = y.shape(1);
-    let first = CUBE_POS_Y as usize * rows;
-    let mut shared = SharedMemory::<f32>::new(shared_size);
+    let d_out = w.shape(1);
 
     if normed {
-        normalise_rows(x, gamma, beta, &mut shared, first, epsilon, rows, has_beta);
+        normalise_rows(x, gamma, beta, shared, first, epsilon, rows, has_beta);
     }
-
     // This unit's column, and its share of the inner dimension: `start, start + step, …`;
     // its place among the units sharing the column (`peer` of `peers`, `stride` apart).
     let mut column = CUBE_POS_X as usize * group + u % group;
@@ -194,7 +333,7 @@ pub fn decode_linear_kernel<F: Float>(
             for q in 0..4usize {
                 accumulate(
                     x,
-                    &shared,
+                    shared,
                     &mut acc,
                     four[q],
                     k + q * step,
@@ -207,7 +346,7 @@ pub fn decode_linear_kernel<F: Float>(
         }
         while k < d_in {
             let weight = f32::cast_from(w[k * w0 + at]);
-            accumulate(x, &shared, &mut acc, weight, k, first, rows, normed);
+            accumulate(x, shared, &mut acc, weight, k, first, rows, normed);
             k += step;
         }
     }
@@ -217,7 +356,7 @@ pub fn decode_linear_kernel<F: Float>(
     }
 
     // Each column's shares added up by a tree over its peers (a power of two), left with the
-    // first of them, which writes the outputs.
+    // first of them.
     #[unroll]
     for r in 0..rows {
         shared[r * units + u] = acc[r];
@@ -235,11 +374,7 @@ pub fn decode_linear_kernel<F: Float>(
         sync_cube();
         half /= 2;
     }
-    if peer == 0 && column < d_out {
-        write_outputs(
-            &shared, bias, residual, y, column, first, rows, has_bias, gelu, add,
-        );
-    }
+    Place { column, peer }
 }
 
 /// The LayerNorm of the cube's rows of `x` into `shared[r·d_in + k]`, rounded to `F`: the

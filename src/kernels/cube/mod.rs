@@ -19,6 +19,7 @@ mod rows;
 use super::{composed, AdamWItem, DropoutMask, LabBackend, NormPrimitive};
 use attention::{LayoutLaunch, TILE};
 use burn::prelude::*;
+use burn::tensor::ops::FloatTensor;
 use burn::tensor::{DType, FloatDType, TensorMetadata};
 use burn_cubecl::kernel::{into_contiguous, slice};
 use burn_cubecl::ops::{permute, reshape};
@@ -308,6 +309,108 @@ fn group_size<R: CubeRuntime>(like: &CubeTensor<R>, per: u32, fixed: u32) -> usi
     (bindings.saturating_sub(fixed + 1) / per).clamp(1, 32) as usize
 }
 
+/// `b` to be written in place where it is held once (as burn's `slice_assign`), else a copy.
+fn writable<R: CubeRuntime>(b: CubeTensor<R>) -> CubeTensor<R> {
+    match b.can_mut() && b.is_nonoverlapping() {
+        true => b,
+        false => b.copy(),
+    }
+}
+
+/// `γ` of a LayerNorm where there is one (for [`decode_plan`]'s check of the types).
+fn norm_gamma<B: Backend>(norm: &Option<NormPrimitive<B>>) -> Option<&FloatTensor<B>> {
+    norm.as_ref().map(|norm| &norm.gamma)
+}
+
+/// Whether a decoding step's product of `x` `[n, i]` by `w` `[i, o]` runs as one of
+/// [`decode`]'s kernels, and how: its plan, and whether `w`'s inner dimension is contiguous.
+/// `None` where an operand among `others` has another type, the normalised rows do not fit a
+/// cube's shared memory, or an index would pass 32 bits.
+fn decode_plan<R: CubeRuntime>(
+    x: &CubeTensor<R>,
+    w: &CubeTensor<R>,
+    normed: bool,
+    others: &[Option<&CubeTensor<R>>],
+) -> Option<(decode::Plan, bool)> {
+    let [n, i] = x.shape().dims();
+    let o = w.shape()[1];
+    let types = std::iter::once(w)
+        .chain(others.iter().copied().flatten())
+        .all(|t| t.dtype == x.dtype);
+    // Read where it lies when either dimension is contiguous (a tied output layer's transposed
+    // table among them); otherwise copied to rows ([`DecodeOperands::new`]).
+    let strides = w.meta.strides();
+    let along_k = strides[1] != 1 && strides[0] == 1;
+    let hardware = &x.client.properties().hardware;
+    let plan = decode::Plan::new(
+        n,
+        i,
+        normed,
+        along_k,
+        hardware.max_units_per_cube,
+        hardware.max_shared_memory_size,
+    )?;
+    let sized = n > 0 && i > 0 && fits(n * i.max(o)) && fits(i * o);
+    (types && sized).then_some((plan, along_k))
+}
+
+/// The operands of a decoding step's product as [`decode`]'s kernels read them: `x` and the
+/// LayerNorm's parameters contiguous, `w` as [`decode_plan`] found it, and an operand that is
+/// absent given as `x` (never read: the kernel's switches say so).
+struct DecodeOperands<R: CubeRuntime> {
+    x: CubeTensor<R>,
+    gamma: CubeTensor<R>,
+    beta: CubeTensor<R>,
+    w: CubeTensor<R>,
+    bias: CubeTensor<R>,
+    epsilon: f32,
+    normed: bool,
+    has_beta: bool,
+    has_bias: bool,
+}
+
+impl<R: CubeRuntime> DecodeOperands<R> {
+    /// `norm`: `(γ, β, ε)`.
+    fn new(
+        x: CubeTensor<R>,
+        norm: Option<(CubeTensor<R>, Option<CubeTensor<R>>, f64)>,
+        w: CubeTensor<R>,
+        b: Option<CubeTensor<R>>,
+        along_k: bool,
+    ) -> Self {
+        let x = into_contiguous(x);
+        let w = match along_k || w.meta.strides()[1] == 1 {
+            true => w,
+            false => into_contiguous(w),
+        };
+        let (normed, has_beta, epsilon) = match &norm {
+            Some((_, beta, epsilon)) => (true, beta.is_some(), *epsilon as f32),
+            None => (false, false, 0.0),
+        };
+        let (gamma, beta) = match norm {
+            Some((gamma, beta, _)) => {
+                let gamma = into_contiguous(gamma);
+                let beta = beta.map(into_contiguous).unwrap_or_else(|| gamma.clone());
+                (gamma, beta)
+            }
+            None => (x.clone(), x.clone()),
+        };
+        let has_bias = b.is_some();
+        let bias = b.map(into_contiguous).unwrap_or_else(|| x.clone());
+        Self {
+            x,
+            gamma,
+            beta,
+            w,
+            bias,
+            epsilon,
+            normed,
+            has_beta,
+            has_bias,
+        }
+    }
+}
+
 /// Whether every index of `n` elements fits the kernels' 32-bit arithmetic.
 fn fits(n: usize) -> bool {
     u32::try_from(n).is_ok()
@@ -348,81 +451,96 @@ where
         gelu: bool,
         residual: Option<CubeTensor<R>>,
     ) -> CubeTensor<R> {
-        let [n, i] = x.shape().dims();
+        let others = [b.as_ref(), residual.as_ref(), norm_gamma(&norm)];
+        let Some((plan, along_k)) = decode_plan(&x, &w, norm.is_some(), &others) else {
+            return composed::decode_linear::<Self>(x, norm, w, b, gelu, residual);
+        };
         let o = w.shape()[1];
-        let same = |t: &CubeTensor<R>| t.dtype == x.dtype;
-        let types = same(&w)
-            && b.as_ref().is_none_or(same)
-            && residual.as_ref().is_none_or(same)
-            && norm
-                .as_ref()
-                .is_none_or(|norm| same(&norm.gamma) && norm.beta.as_ref().is_none_or(same));
-        // Read where it lies when either dimension is contiguous (a tied output layer's
-        // transposed table among them); otherwise copied.
-        let strides = w.meta.strides();
-        let (w, along_k) = match (strides[1] == 1, strides[0] == 1) {
-            (true, _) => (w, false),
-            (false, true) => (w, true),
-            (false, false) => (into_contiguous(w), false),
-        };
-        let hardware = &x.client.properties().hardware;
-        let plan = decode::Plan::new(
-            n,
-            i,
-            norm.is_some(),
-            along_k,
-            hardware.max_units_per_cube,
-            hardware.max_shared_memory_size,
-        );
-        let plan = match plan {
-            Some(plan) if n > 0 && i > 0 && types && fits(n * i.max(o)) && fits(i * o) => plan,
-            _ => return composed::decode_linear::<Self>(x, norm, w, b, gelu, residual),
-        };
-        let x = into_contiguous(x);
-        let y = empty(&x, [n, o]);
-        let (has_norm, has_beta, epsilon) = match &norm {
-            Some(norm) => (true, norm.beta.is_some(), norm.epsilon as f32),
-            None => (false, false, 0.0),
-        };
-        let (gamma, beta) = match norm {
-            Some(NormPrimitive { gamma, beta, .. }) => {
-                let gamma = into_contiguous(gamma);
-                let beta = beta.map(into_contiguous).unwrap_or_else(|| gamma.clone());
-                (gamma, beta)
-            }
-            None => (x.clone(), x.clone()),
-        };
-        let has_bias = b.is_some();
-        let bias = b.map(into_contiguous).unwrap_or_else(|| x.clone());
+        let step = DecodeOperands::new(x, norm.map(NormPrimitive::parts), w, b, along_k);
+        let y = empty(&step.x, [step.x.shape()[0], o]);
         let add = residual.is_some();
-        let residual = residual.map(into_contiguous).unwrap_or_else(|| x.clone());
-        let columns = plan.columns(along_k) as usize;
-        let count = CubeCount::Static(o.div_ceil(columns) as u32, n.div_ceil(plan.rows) as u32, 1);
-        let dtype = x.dtype;
+        let residual = residual
+            .map(into_contiguous)
+            .unwrap_or_else(|| step.x.clone());
+        let dtype = step.x.dtype;
         launches::count();
         decode::decode_linear_kernel::launch::<R>(
-            &x.client,
-            count,
+            &step.x.client,
+            plan.cubes(step.x.shape()[0], o, along_k),
             CubeDim::new_1d(plan.units),
-            x.clone().into_tensor_arg(),
-            gamma.into_tensor_arg(),
-            beta.into_tensor_arg(),
-            w.into_tensor_arg(),
-            bias.into_tensor_arg(),
+            step.x.clone().into_tensor_arg(),
+            step.gamma.into_tensor_arg(),
+            step.beta.into_tensor_arg(),
+            step.w.into_tensor_arg(),
+            step.bias.into_tensor_arg(),
             residual.into_tensor_arg(),
             y.clone().into_tensor_arg(),
-            epsilon,
+            step.epsilon,
             plan.rows,
             plan.shared,
-            has_norm,
-            has_beta,
-            has_bias,
+            step.normed,
+            step.has_beta,
+            step.has_bias,
             gelu,
             add,
             along_k,
             dtype.into(),
         );
         y
+    }
+
+    fn fused_decode_qkv(
+        x: CubeTensor<R>,
+        norm: Option<NormPrimitive<Self>>,
+        w: CubeTensor<R>,
+        b: Option<CubeTensor<R>>,
+        keys: CubeTensor<R>,
+        values: CubeTensor<R>,
+        at: usize,
+    ) -> (CubeTensor<R>, CubeTensor<R>, CubeTensor<R>) {
+        let [items, h, capacity, width] = keys.shape().dims();
+        let [n, _] = x.shape().dims();
+        let (d, o) = (h * width, w.shape()[1]);
+        let others = [b.as_ref(), norm_gamma(&norm), Some(&keys), Some(&values)];
+        let plan = decode_plan(&x, &w, norm.is_some(), &others).filter(|_| {
+            o == 3 * d
+                && n.is_multiple_of(items.max(1))
+                && values.shape() == keys.shape()
+                && at + n / items.max(1) <= capacity
+                && fits(keys.meta.num_elements())
+        });
+        let Some((plan, along_k)) = plan else {
+            return composed::decode_qkv::<Self>(x, norm, w, b, keys, values, at);
+        };
+        let (keys, values) = (writable(keys), writable(values));
+        let step = DecodeOperands::new(x, norm.map(NormPrimitive::parts), w, b, along_k);
+        let q = empty(&step.x, [n, d]);
+        let dtype = step.x.dtype;
+        launches::count();
+        decode::decode_qkv_kernel::launch::<R>(
+            &step.x.client,
+            plan.cubes(n, o, along_k),
+            CubeDim::new_1d(plan.units),
+            step.x.clone().into_tensor_arg(),
+            step.gamma.into_tensor_arg(),
+            step.beta.into_tensor_arg(),
+            step.w.into_tensor_arg(),
+            step.bias.into_tensor_arg(),
+            q.clone().into_tensor_arg(),
+            keys.clone().into_tensor_arg(),
+            values.clone().into_tensor_arg(),
+            step.epsilon,
+            at as u32,
+            (n / items) as u32,
+            plan.rows,
+            plan.shared,
+            step.normed,
+            step.has_beta,
+            step.has_bias,
+            along_k,
+            dtype.into(),
+        );
+        (q, keys, values)
     }
 
     fn fused_linear_keeping(
@@ -557,11 +675,6 @@ where
                 composed::write_columns::<Self>(values, at, v),
             );
         }
-        // In place where the buffer is held once, as burn's slice_assign.
-        let writable = |b: CubeTensor<R>| match b.can_mut() && b.is_nonoverlapping() {
-            true => b,
-            false => b.copy(),
-        };
         let (keys, values) = (writable(keys), writable(values));
         let units = 256;
         let cubes = (2 * n).div_ceil(units);
