@@ -15,13 +15,13 @@ use super::sum_squares_all;
 use super::{
     adamw, attention, cross_entropy, dropout::DropoutMask, embedding, gelu, layer_norm, prim,
 };
-use super::{decode_linear, packed_self_attention, product, reference, softmax, with_fused};
+use super::{decode_linear, decode_qkv, packed_self_attention, product, reference, softmax};
+use super::{with_fused, AdamWStep, After, LabAutodiff};
 use super::{with_precision, LabBackend, Op, Precision, LAYER_NORM_EPSILON};
-use super::{AdamWStep, After, LabAutodiff};
 use crate::files::write_atomic;
 use crate::user_cache::cache_dir;
 use burn::module::Param;
-use burn::nn::LayerNormConfig;
+use burn::nn::{LayerNorm, LayerNormConfig};
 use burn::prelude::*;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{Bool, TensorMetadata, TensorPrimitive};
@@ -583,13 +583,10 @@ fn embedding_error<B: LabAutodiff>(device: &B::Device) -> f32 {
     compare::<B, 2, 1>([table], |[w]| embedding(w, ids.clone()).reshape([b * n, d]))
 }
 
-/// Two AdamW steps (the first, without moments, and a later one): parameter and moments, the
-/// gradient a transposed view (read at its strides) scaled by clipping's factor; and the
-/// squared global norm of that gradient and another.
 /// A decoding step's products ([`decode_linear`]) against LayerNorm, the product, GELU and the
 /// addition composed: 5 rows (two cubes of rows), 70 outputs (a partial block of columns), a
 /// weight laid out as a linear layer's and one read transposed (a tied output layer's), with
-/// and without each part.
+/// and without each part; and the query, key and value product that writes into a cache.
 fn decode_linear_error<B: LabBackend>(device: &B::Device) -> f32 {
     let (n, d, o) = (5, 96, 70);
     let mut norm = LayerNormConfig::new(d).init::<B>(device);
@@ -634,8 +631,50 @@ fn decode_linear_error<B: LabBackend>(device: &B::Device) -> f32 {
             rel_error(decode_linear(x.clone(), norm, w, b, after), expected)
         })
         .fold(0.0, f32::max)
+        .max(decode_qkv_error::<B>(&x, &norm, device))
 }
 
+/// The query, key and value product of a decoding step writing its keys and values into a
+/// cache ([`decode_qkv`]) against the product and the cache's columns written apart: 5
+/// sequences, 2 heads 4 wide, position 3 of a buffer of 6.
+fn decode_qkv_error<B: LabBackend>(
+    x: &Tensor<B, 2>,
+    norm: &LayerNorm<B>,
+    device: &B::Device,
+) -> f32 {
+    let [n, d_in] = x.dims();
+    let (heads, width, capacity, at) = (2, 4, 6, 3);
+    let d = heads * width;
+    let w = random::<B, 2>([d_in, 3 * d], 87, 0.2, device);
+    let b = random::<B, 1>([3 * d], 88, 1.0, device);
+    let shape = [n, heads, capacity, width];
+    let keys = random::<B, 4>(shape, 89, 1.0, device);
+    let values = random::<B, 4>(shape, 90, 1.0, device);
+    let beta = norm.beta.as_ref().map(|beta| beta.val());
+    let (normed, _, _) =
+        reference::layer_norm_forward(x.clone(), norm.gamma.val(), beta, LAYER_NORM_EPSILON);
+    let y = reference::linear_forward(normed, w.clone(), Some(b.clone()));
+    let part = |from: usize| {
+        y.clone()
+            .slice([0..n, from..from + d])
+            .reshape([n, 1, heads, width])
+            .swap_dims(1, 2)
+    };
+    let column = |buffer: Tensor<B, 4>, new: Tensor<B, 4>| {
+        buffer.slice_assign([0..n, 0..heads, at..at + 1, 0..width], new)
+    };
+    let expected_keys = column(keys.clone(), part(d));
+    let expected_values = column(values.clone(), part(2 * d));
+    let norm = Some((norm, LAYER_NORM_EPSILON));
+    let (q, keys, values) = decode_qkv(x.clone(), norm, w, Some(b), keys, values, at);
+    rel_error(q, y.slice([0..n, 0..d]))
+        .max(rel_error(keys, expected_keys))
+        .max(rel_error(values, expected_values))
+}
+
+/// Two AdamW steps (the first, without moments, and a later one): parameter and moments, the
+/// gradient a transposed view (read at its strides) scaled by clipping's factor; and the
+/// squared global norm of that gradient and another.
 fn adamw_error<B: LabBackend>(device: &B::Device) -> f32 {
     let shape = [67, 48];
     let param = random::<B, 2>(shape, 70, 1.0, device);

@@ -647,7 +647,8 @@ pub enum Op {
     /// [`embedding`], the token lookup's gradient.
     Embedding,
     /// [`decode_linear`]: a decoding step's product with the LayerNorm before it and the GELU
-    /// or residual addition after it (forward only).
+    /// or residual addition after it, and [`decode_qkv`], the query, key and value product
+    /// writing into a cache (forward only).
     DecodeLinear,
 }
 
