@@ -1,20 +1,20 @@
 //! The linear layers of a decoding step, one launch each with what surrounds them: a
-//! generated token has one row a sequence, so a LayerNorm before a product, and a GELU or the
-//! residual addition after it, each cost a launch of their own for a few hundred numbers. Here
-//! a cube normalises its rows as it reads them (every cube takes the statistics of the rows it
-//! needs; they are a few hundred numbers), and the bias, GELU and residual addition are applied
-//! as each output is written.
+//! generated token has one row a sequence, so a LayerNorm before a product, a GELU or the
+//! residual addition after it, and the cache's append of the keys and values each cost a launch
+//! of their own for a few hundred numbers. Here a cube takes the LayerNorm statistics of the
+//! rows it needs (a few hundred numbers) and normalises them once into shared memory; the bias,
+//! GELU and residual addition are applied as each output is written; and the query, key and
+//! value product writes its keys and values into the cache's buffers ([`decode_qkv_kernel`]).
 //!
 //! A cube of up to [`MAX_UNITS`] units takes up to [`MAX_ROWS`] rows and a block of output
-//! columns ([`Plan`]). The
-//! units are groups of [`GROUP`]; the shares of each column are added in a fixed order (a tree
-//! through shared memory), so the sums are the same run to run. Where the weight's rows are
-//! contiguous (`w` `[i, o]` row-major, a linear layer's), a group takes 32 adjacent columns
-//! and the cube's groups split the inner dimension: each load of the weight reads 32
-//! consecutive numbers. Where the inner dimension is contiguous (a tied output layer reads the
-//! embedding table transposed), each group takes one column and its units read along it. Each
-//! unit keeps four loads of the weight in flight (a row of a few hundred numbers is otherwise
-//! a chain of memory latencies).
+//! columns ([`Plan`]). The units are groups of [`GROUP`]; the shares of each column are added
+//! in a fixed order (a tree through shared memory), so the sums are the same run to run. Where
+//! the weight's rows are contiguous (`w` `[i, o]` row-major, a linear layer's), a group takes
+//! 32 adjacent columns and the cube's groups split the inner dimension: each load of the weight
+//! reads 32 consecutive numbers. Where the inner dimension is contiguous (a tied output layer
+//! reads the embedding table transposed), each group takes one column and its units read along
+//! it. Each unit keeps four loads of the weight in flight (a row of a few hundred numbers is
+//! otherwise a chain of memory latencies).
 
 use super::pointwise::gelu_value;
 use cubecl::prelude::*;

@@ -1,10 +1,11 @@
 //! The fused operations as CubeCL kernels, for burn's CubeCL backends (wgpu, CUDA): flash-style
 //! attention forward and backward ([`attention`]), LayerNorm, the cross-entropy and the embedding
-//! table's gradient ([`rows`]), GELU, dropout and AdamW ([`pointwise`]). Each kernel reads any
-//! float storage type and computes in `f32`; what they do not take (a head dimension over
-//! [`MAX_HEAD_DIM`], more elements than 32-bit indices reach) goes to the composed form. The
-//! softmax stays composed and the linear layer is burn's own (autotuned) matmul, its products in
-//! half precision when asked ([`linear`]).
+//! table's gradient ([`rows`]), GELU, dropout and AdamW ([`pointwise`]), a decoding step's
+//! products with their LayerNorm, GELU, residual addition and cache append ([`decode`]). Each
+//! kernel reads any float storage type and computes in `f32`; what they do not take (a head
+//! dimension over [`MAX_HEAD_DIM`], more elements than 32-bit indices reach) goes to the
+//! composed form. The softmax stays composed and the linear layer is burn's own (autotuned)
+//! matmul, its products in half precision when asked ([`linear`]).
 
 pub(crate) mod attention;
 #[cfg(all(feature = "cuda-backend", feature = "wgpu-backend"))]
