@@ -97,22 +97,11 @@ impl<B: LabBackend> Columns<B> {
     /// These columns with those of `k` and `v` (`[b, h, n, k]`) appended.
     pub fn push(self, k: Tensor<B, 4>, v: Tensor<B, 4>) -> Self {
         let n = k.dims()[2];
-        let Self {
-            k: keys,
-            v: values,
-            start,
-            end,
-        } = match self.end + n > self.capacity() {
-            true => self.reserve(n),
-            false => self,
+        let write = |keys, values, at| {
+            let (keys, values) = kernels::write_columns_pair(keys, values, at, k, v);
+            ((), keys, values)
         };
-        let (k, v) = kernels::write_columns_pair(keys, values, end, k, v);
-        Self {
-            k,
-            v,
-            start,
-            end: end + n,
-        }
+        self.push_with(n, write).1
     }
 
     /// These columns with `n` more a sequence written by `write(keys, values, at)` into the

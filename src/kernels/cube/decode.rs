@@ -227,8 +227,6 @@ pub fn decode_qkv_kernel<F: Float>(
         along_k,
     );
     if place.peer == 0 && place.column < w.shape(1) {
-        let u = UNIT_POS_X as usize;
-        let units = CUBE_DIM_X as usize;
         let n = x.shape(0);
         let d = q.shape(1);
         let column = place.column;
@@ -237,11 +235,7 @@ pub fn decode_qkv_kernel<F: Float>(
         for r in 0..rows {
             let row = first + r;
             if row < n {
-                let mut sum = shared[r * units + u];
-                if has_bias {
-                    sum += f32::cast_from(bias[column]);
-                }
-                let value = F::cast_from(sum);
+                let value = F::cast_from(column_total(&shared, bias, column, r, has_bias));
                 if column < d {
                     q[row * d + column] = value;
                 } else {
@@ -261,6 +255,23 @@ pub fn decode_qkv_kernel<F: Float>(
             }
         }
     }
+}
+
+/// Row `r` of this unit's column as [`column_sums`] left it in `shared`, plus the column's
+/// bias with `has_bias`.
+#[cube]
+fn column_total<F: Float>(
+    shared: &SharedMemory<f32>,
+    bias: &Tensor<F>,
+    column: usize,
+    r: usize,
+    #[comptime] has_bias: bool,
+) -> f32 {
+    let mut sum = shared[r * CUBE_DIM_X as usize + UNIT_POS_X as usize];
+    if has_bias {
+        sum += f32::cast_from(bias[column]);
+    }
+    sum
 }
 
 /// Where a unit of a decoding step's product stands once the shares are added: its output
@@ -401,34 +412,15 @@ fn normalise_rows<F: Float>(
     let mut rstd = Array::<f32>::new(rows);
     #[unroll]
     for r in 0..rows {
-        let mut s = 0.0f32;
-        let mut k = u;
-        while k < d_in {
-            s += f32::cast_from(x[row_base(first + r, n, d_in) + k]);
-            k += units;
-        }
-        shared[r * units + u] = s;
+        mean[r] = 0.0f32;
     }
-    sync_cube();
-    cube_sums(shared, rows);
+    row_sums(x, shared, &mean, first, rows, false);
     #[unroll]
     for r in 0..rows {
         mean[r] = shared[r * units] / size;
     }
     sync_cube();
-    #[unroll]
-    for r in 0..rows {
-        let mut s = 0.0f32;
-        let mut k = u;
-        while k < d_in {
-            let c = f32::cast_from(x[row_base(first + r, n, d_in) + k]) - mean[r];
-            s += c * c;
-            k += units;
-        }
-        shared[r * units + u] = s;
-    }
-    sync_cube();
-    cube_sums(shared, rows);
+    row_sums(x, shared, &mean, first, rows, true);
     #[unroll]
     for r in 0..rows {
         rstd[r] = 1.0f32 / f32::sqrt(shared[r * units] / size + epsilon);
@@ -450,6 +442,42 @@ fn normalise_rows<F: Float>(
         k += units;
     }
     sync_cube();
+}
+
+/// Each of the cube's `rows` rows of `x` added up by all its units into `shared[r·units]`:
+/// the numbers themselves, or with `squared` their squared distances from `mean[r]` (every
+/// unit must call it).
+#[cube]
+fn row_sums<F: Float>(
+    x: &Tensor<F>,
+    shared: &mut SharedMemory<f32>,
+    mean: &Array<f32>,
+    first: usize,
+    #[comptime] rows: usize,
+    #[comptime] squared: bool,
+) {
+    let u = UNIT_POS_X as usize;
+    let units = CUBE_DIM_X as usize;
+    let n = x.shape(0);
+    let d_in = x.shape(1);
+    #[unroll]
+    for r in 0..rows {
+        let mut s = 0.0f32;
+        let mut k = u;
+        while k < d_in {
+            let v = f32::cast_from(x[row_base(first + r, n, d_in) + k]);
+            if squared {
+                let c = v - mean[r];
+                s += c * c;
+            } else {
+                s += v;
+            }
+            k += units;
+        }
+        shared[r * units + u] = s;
+    }
+    sync_cube();
+    cube_sums(shared, rows);
 }
 
 /// Adds `weight` times element `k` of each of the cube's `rows` rows of `x` (normalised in
@@ -496,18 +524,13 @@ fn write_outputs<F: Float>(
     #[comptime] gelu: bool,
     #[comptime] add: bool,
 ) {
-    let u = UNIT_POS_X as usize;
-    let units = CUBE_DIM_X as usize;
     let n = y.shape(0);
     let d_out = y.shape(1);
     #[unroll]
     for r in 0..rows {
         let row = first + r;
         if row < n {
-            let mut sum = shared[r * units + u];
-            if has_bias {
-                sum += f32::cast_from(bias[column]);
-            }
+            let mut sum = column_total(shared, bias, column, r, has_bias);
             if gelu {
                 sum = gelu_value(f32::cast_from(F::cast_from(sum)));
             }
