@@ -27,7 +27,7 @@ pub use loader::{
 pub use optim::{
     clip_global_norm, reference_adamw, AllAtOnce, LabAdamW, ReferenceOptimizer, NAN_ENV,
 };
-pub use perplexity::{EpochPerplexity, NllSums};
+pub use perplexity::{batch_nll, EpochPerplexity, NllSums};
 pub use renderer::{PlainRenderer, Throughput};
 pub use run::{launch, train_loader, LaunchOptions, Session};
 pub use schedule::WarmupSchedule;

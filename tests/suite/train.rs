@@ -10,7 +10,7 @@ use burn::prelude::*;
 use transformer_lab::config::LmConfig;
 use transformer_lab::models::LanguageModel;
 use transformer_lab::nn::StackConfig;
-use transformer_lab::train::{clip_global_norm, WarmupSchedule};
+use transformer_lab::train::{batch_nll, clip_global_norm, WarmupSchedule};
 
 type B = NdArray<f32>;
 type AB = Autodiff<B>;
@@ -364,5 +364,48 @@ fn batches_are_made_on_the_training_thread_in_order() {
     assert!(
         made_on.iter().all(|&id| id == here),
         "a batch made on a loader thread"
+    );
+}
+
+/// The training perplexity's sums (`exp` of the mean negative log-likelihood): each counted
+/// row's `−log softmax(row)[target]` against its value worked out by hand, in `f64`; rows whose
+/// target is the padding or outside the classes count for nothing, and logits far beyond
+/// `exp`'s range give finite terms.
+#[test]
+fn perplexity_sums_the_negative_log_likelihood_of_each_counted_row() {
+    let (e, pad) = (std::f64::consts::E, Some(2));
+    let logits: [[f32; 3]; 7] = [
+        [0.0, 0.0, 0.0],       // target 1: ln 3
+        [3.0, 2.0, 1.0],       // target 0: ln(1 + e⁻¹ + e⁻²)
+        [5.0, -5.0, 0.0],      // target 2, the padding: not counted
+        [1000.0, 0.0, 0.0],    // target 0: ln(1 + 2e⁻¹⁰⁰⁰) = 0
+        [100.0, 101.0, 102.0], // target 0: ln(1 + e + e²)
+        [1.0, 1.0, 1.0],       // target 7: no such class, not counted
+        [1.0, 1.0, 1.0],       // target −1: not counted
+    ];
+    let targets = [1, 0, 2, 0, 0, 7, -1];
+    let expected = [
+        3f64.ln(),
+        (1.0 + e.recip() + e.powi(-2)).ln(),
+        0.0,
+        (1.0 + e + e * e).ln(),
+    ];
+    let flat: Vec<f32> = logits.iter().flatten().copied().collect();
+    let sums = batch_nll(&flat, 3, &targets, pad);
+    assert_eq!(sums.tokens, 4, "the counted rows");
+    let want: f64 = expected.iter().sum();
+    assert!(
+        (sums.nll - want).abs() <= 1e-6 * want,
+        "Σ −log p(target) = {}, by hand {want}",
+        sums.nll
+    );
+    // Without padding the third row counts too: ln(e⁵ + e⁻⁵ + 1) − 0 = 5 + ln(1 + e⁻¹⁰ + e⁻⁵).
+    let sums = batch_nll(&flat, 3, &targets, None);
+    assert_eq!(sums.tokens, 5);
+    let want = want + 5.0 + (1.0 + (-10f64).exp() + (-5f64).exp()).ln();
+    assert!(
+        (sums.nll - want).abs() <= 1e-6 * want,
+        "{} against {want}",
+        sums.nll
     );
 }
