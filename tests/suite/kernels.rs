@@ -1530,9 +1530,17 @@ fn clipping_sums_squares_and_rescales_like_the_composed_ops() {
                     .into_scalar()
             })
         });
+        // Each against the sum in f64: the fused kernel as tightly as above; the composed op
+        // is burn's own f32 sum, whose rounding depends on the processor's vector width (on an
+        // AVX2-only Zen 3 it is 1.4·10⁻⁶ off at n = 200,003), so it gets an f32 running sum's
+        // error bound instead.
         assert!(
-            ((fused - composed) / composed).abs() < 1e-6,
-            "n = {n}: {fused} vs {composed}"
+            ((fused as f64 - exact) / exact).abs() < 1e-6,
+            "n = {n}: fused {fused}, in f64 {exact}"
+        );
+        assert!(
+            ((composed as f64 - exact) / exact).abs() < 1e-5,
+            "n = {n}: composed {composed}, in f64 {exact}"
         );
         // The rescale is one multiplication per element: the composed op's bits exactly.
         for factor in [0.37f32, 1.0, f32::NAN] {
