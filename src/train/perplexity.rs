@@ -126,8 +126,8 @@ impl NllInput {
 /// Each row's term is the fused cross-entropy's (`kernels::cpu::cross_entropy`: the training
 /// loss's own arithmetic, in `f32`, vectorised), summed in `f64`. It runs on burn-train's
 /// metrics thread after every step, beside the training: an `f64` `exp` per logit cost that
-/// thread 0.75 ms a step of the default experiment, time a two-core machine took from
-/// training; this costs a few microseconds.
+/// thread ~0.7 ms a step of the default experiment, time a two-core machine took from
+/// training; this costs ~0.06 ms.
 pub fn batch_nll(logits: &[f32], classes: usize, targets: &[i64], pad: Option<usize>) -> NllSums {
     /// The target of a row that counts for nothing: the kernel's ignored target.
     const SKIP: usize = usize::MAX;
