@@ -8,7 +8,7 @@ use crate::kernels::{
     add_layer_norm_case, assert_close, attention_case, compare, gelu_dropout_case, layer_norm_case,
     padding, rel_diff, targets,
 };
-use crate::wgpu_backend::{in_own_process, wgpu_turn};
+use crate::wgpu_backend::wgpu_turn;
 use burn::backend::{Autodiff, Wgpu};
 use burn::prelude::*;
 use burn::tensor::{DType, FloatDType, TensorPrimitive};
@@ -397,9 +397,6 @@ fn gpu_cross_entropy_equals_the_composed_form() {
 
 #[test]
 fn gpu_attention_equals_the_composed_form() {
-    if in_own_process("gpu_kernels::gpu_attention_equals_the_composed_form") {
-        return;
-    }
     let Some(_turn) = wgpu_turn() else {
         return;
     };
@@ -471,9 +468,6 @@ fn gpu_attention_equals_the_composed_form() {
 
 #[test]
 fn gpu_attention_in_tiles_equals_the_composed_form() {
-    if in_own_process("gpu_kernels::gpu_attention_in_tiles_equals_the_composed_form") {
-        return;
-    }
     let Some(_turn) = wgpu_turn() else {
         return;
     };
@@ -572,9 +566,6 @@ fn gpu_attention_with_rows_shared_among_units_equals_the_composed_form() {
 
 #[test]
 fn gpu_packed_self_attention_equals_the_composed_form() {
-    if in_own_process("gpu_kernels::gpu_packed_self_attention_equals_the_composed_form") {
-        return;
-    }
     let Some(_turn) = wgpu_turn() else {
         return;
     };

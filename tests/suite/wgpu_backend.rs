@@ -47,38 +47,6 @@ pub(crate) fn wgpu_turn() -> Option<std::sync::MutexGuard<'static, ()>> {
     wgpu_runs().then(|| TURN.lock().unwrap_or_else(|poisoned| poisoned.into_inner()))
 }
 
-/// For an in-process GPU test that takes minutes: runs it in a process of its own (this suite's
-/// binary again, filtered to `name`, its path in the suite) and returns `true` once that passed,
-/// so the caller returns; in that process it returns `false` and the caller runs its body there
-/// (taking [`wgpu_turn`] as ever). The tests that take turns at this process's device are one
-/// chain on one core, most of it lavapipe compiling kernels (measured on 2 cores: ~1,000 of the
-/// suite's ~1,100 s); the few longest, run beside the chain, use the other core.
-pub(crate) fn in_own_process(name: &str) -> bool {
-    const CHILD: &str = "TRANSFORMER_LAB_SUITE_CHILD";
-    if std::env::var_os(CHILD).is_some() {
-        return false;
-    }
-    if !wgpu_runs() {
-        return true;
-    }
-    let binary = std::env::current_exe().expect("the suite's own binary");
-    let out = std::process::Command::new(binary)
-        .args(["--exact", name, "--test-threads", "1"])
-        .env(CHILD, "1")
-        .output()
-        .expect("run the suite's binary again");
-    let (stdout, stderr) = (
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr),
-    );
-    assert!(
-        out.status.success() && stdout.contains("test result: ok. 1 passed"),
-        "{name}, run in its own process, did not pass alone ({}):\n{stdout}\n{stderr}",
-        out.status
-    );
-    true
-}
-
 #[test]
 fn wgpu_logits_equal_ndarray_logits() {
     let Some(_turn) = wgpu_turn() else {
