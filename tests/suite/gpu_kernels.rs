@@ -5,8 +5,8 @@
 //! the comparisons without testing anything).
 
 use crate::kernels::{
-    add_layer_norm_case, assert_close, attention_case, compare, gelu_dropout_case, layer_norm_case,
-    padding, rel_diff, targets,
+    add_layer_norm_case, assert_close, attention_case, compare, compare_with_host,
+    gelu_dropout_case, layer_norm_case, padding, rel_diff, targets,
 };
 use crate::wgpu_backend::wgpu_turn;
 use burn::backend::{Autodiff, Wgpu};
@@ -599,10 +599,13 @@ fn gpu_packed_self_attention_equals_the_composed_form() {
     for (([b, t, h, k], causal, padded, what), dropout) in cases {
         let qkv = random::<Gpu, 3>([b, t, 3 * h * k], 31, &device);
         let pad = padding::<Gpu>(b, t, padded, &device);
+        let host_pad = padding(b, t, padded, &Default::default());
         let case = launching(3, || {
-            compare([qkv], |[qkv]| {
-                kernels::packed_self_attention(qkv, h, causal, pad.as_ref(), dropout)
-            })
+            compare_with_host(
+                [qkv],
+                |[qkv]| kernels::packed_self_attention(qkv, h, causal, pad.as_ref(), dropout),
+                |[qkv]| kernels::packed_self_attention(qkv, h, causal, host_pad.as_ref(), dropout),
+            )
         });
         assert_close(&format!("{what}, dropout {dropout:?}"), case, 2e-5);
     }

@@ -19,7 +19,10 @@ use transformer_lab::train::{LabAdamW, ReferenceOptimizer};
 type Ad = Autodiff<Flex>;
 
 /// Largest `|a − b|` relative to the largest `|b|` (at least 1).
-pub(crate) fn rel_diff<B: Backend, const D: usize>(a: Tensor<B, D>, b: Tensor<B, D>) -> f32 {
+pub(crate) fn rel_diff<A: Backend, B: Backend, const D: usize>(
+    a: Tensor<A, D>,
+    b: Tensor<B, D>,
+) -> f32 {
     let a: Vec<f32> = a.into_data().to_vec().unwrap();
     let b: Vec<f32> = b.into_data().to_vec().unwrap();
     assert_eq!(a.len(), b.len());
@@ -38,27 +41,61 @@ pub(crate) fn rel_diff<B: Backend, const D: usize>(a: Tensor<B, D>, b: Tensor<B,
 
 use crate::common::normal as random;
 
+/// The output of `f` on fresh leaves made from `inputs`, and each input's gradient of
+/// `Σ f(x) ⊙ w` (random `w`), with our kernels on or off.
+fn output_and_gradients<B: LabAutodiff, const D: usize, const N: usize>(
+    fused: bool,
+    inputs: &[Tensor<B, D>; N],
+    f: impl Fn([Tensor<B, D>; N]) -> Tensor<B, D>,
+) -> (Tensor<B::InnerBackend, D>, [Tensor<B::InnerBackend, D>; N]) {
+    with_fused(fused, || {
+        let leaves = inputs.clone().map(|x| x.detach().require_grad());
+        let y = f(leaves.clone());
+        let w = random::<B, D>(y.dims(), 99, &y.device());
+        let grads = (y.clone() * w).sum().backward();
+        let dx = leaves.map(|x| x.grad(&grads).expect("every input gets a gradient"));
+        (y.inner(), dx)
+    })
+}
+
+/// The largest relative difference of the outputs and of each input's gradient.
+fn differences<A: Backend, B: Backend, const D: usize, const N: usize>(
+    (y, dx): (Tensor<A, D>, [Tensor<A, D>; N]),
+    (y_ref, dx_ref): (Tensor<B, D>, [Tensor<B, D>; N]),
+) -> (f32, [f32; N]) {
+    let mut dx_ref = dx_ref.into_iter();
+    let grads = dx.map(|a| rel_diff(a, dx_ref.next().unwrap()));
+    (rel_diff(y, y_ref), grads)
+}
+
 /// Runs `f` on fresh leaves made from `inputs`, fused and composed, and returns the largest
 /// relative difference of the outputs and of each input's gradient (of `Σ y ⊙ w`, random `w`).
 pub(crate) fn compare<B: LabAutodiff, const D: usize, const N: usize>(
     inputs: [Tensor<B, D>; N],
     f: impl Fn([Tensor<B, D>; N]) -> Tensor<B, D>,
 ) -> (f32, [f32; N]) {
-    let run = |on: bool| {
-        with_fused(on, || {
-            let leaves = inputs.clone().map(|x| x.detach().require_grad());
-            let y = f(leaves.clone());
-            let w = random::<B, D>(y.dims(), 99, &y.device());
-            let grads = (y.clone() * w).sum().backward();
-            let dx = leaves.map(|x| x.grad(&grads).expect("every input gets a gradient"));
-            (y.inner(), dx)
-        })
-    };
-    let (y_fused, dx_fused) = run(true);
-    let (y_ref, dx_ref) = run(false);
-    let mut dx_ref = dx_ref.into_iter();
-    let grads = dx_fused.map(|a| rel_diff(a, dx_ref.next().unwrap()));
-    (rel_diff(y_fused, y_ref), grads)
+    differences(
+        output_and_gradients(true, &inputs, &f),
+        output_and_gradients(false, &inputs, &f),
+    )
+}
+
+/// [`compare`] with the composed form computed by `host`, the same operation on the CPU
+/// (`Autodiff<Flex>`), from the same values: our kernels on `B` against a reference on another
+/// backend. On lavapipe that also spares the composed form's kernels their compiling, burn's
+/// autotuned matmul candidates first (~25 s for each new attention shape).
+pub(crate) fn compare_with_host<B: LabAutodiff, const D: usize, const N: usize>(
+    inputs: [Tensor<B, D>; N],
+    f: impl Fn([Tensor<B, D>; N]) -> Tensor<B, D>,
+    host: impl Fn([Tensor<Ad, D>; N]) -> Tensor<Ad, D>,
+) -> (f32, [f32; N]) {
+    let on_host = inputs
+        .clone()
+        .map(|x| Tensor::<Ad, D>::from_data(x.into_data(), &Default::default()));
+    differences(
+        output_and_gradients(true, &inputs, f),
+        output_and_gradients(false, &on_host, host),
+    )
 }
 
 pub(crate) fn assert_close(what: &str, (y, grads): (f32, impl AsRef<[f32]>), tol: f32) {
@@ -661,7 +698,8 @@ pub(crate) fn padding<B: Backend>(
     Some(Tensor::from_data(TensorData::new(pad, [b, s]), device))
 }
 
-/// Fused attention (output and q/k/v gradients) against the composed form, on backend `B`.
+/// Fused attention on backend `B` (output and q/k/v gradients) against the composed form on the
+/// CPU ([`compare_with_host`]).
 pub(crate) fn attention_case<B: LabAutodiff>(
     [b, h, t, s, k]: [usize; 5],
     causal: bool,
@@ -673,9 +711,12 @@ pub(crate) fn attention_case<B: LabAutodiff>(
     let kk = random::<B, 4>([b, h, s, k], 12, device);
     let v = random::<B, 4>([b, h, s, k], 13, device);
     let pad = padding::<B>(b, s, padded, device);
-    compare([q, kk, v], |[q, k, v]| {
-        kernels::attention(q, k, v, causal, pad.as_ref(), dropout)
-    })
+    let host_pad = padding::<Ad>(b, s, padded, &Default::default());
+    compare_with_host(
+        [q, kk, v],
+        |[q, k, v]| kernels::attention(q, k, v, causal, pad.as_ref(), dropout),
+        |[q, k, v]| kernels::attention(q, k, v, causal, host_pad.as_ref(), dropout),
+    )
 }
 
 #[test]
