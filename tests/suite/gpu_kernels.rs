@@ -2,7 +2,9 @@
 //! composed forms they replace, values and gradients, on the cases the CPU kernels are held to:
 //! odd sizes, fully masked rows, several key tiles, strided heads, dropout drawn in the kernel.
 //! Each test also checks that our kernels ran (a silent fallback to the composed form would pass
-//! the comparisons without testing anything).
+//! the comparisons without testing anything). The attention tests compute the composed form on
+//! the CPU from the same values ([`compare_with_host`]): on lavapipe its kernels took longer to
+//! compile than ours.
 
 use crate::kernels::{
     add_layer_norm_case, assert_close, attention_case, compare, compare_with_host,
