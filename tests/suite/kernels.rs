@@ -773,6 +773,108 @@ fn fused_attention_equals_the_composed_form() {
 }
 
 #[test]
+fn a_cpu_attention_head_does_not_depend_on_the_heads_before_it() {
+    // Each task of the CPU kernel reuses its buffers from head to head without clearing them:
+    // the first product into a tile of rows writes it whole, and rows that no query reaches
+    // are zeroed. A batch row whose every key is padded weighs every key alike, so its heads
+    // write every tile; the next batch row's causal heads stop at the diagonal. On one thread
+    // the 6 heads of 3 batch rows run as two tasks of 3 (rayon splits once per thread), so the
+    // last row's first head runs right after a fully padded row's head in the same task: the
+    // last row's outputs and gradients must be those it gets alone, bit for bit.
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(1)
+        .build()
+        .unwrap();
+    let values = |n: usize, seed: u64| -> Vec<f32> {
+        let t: Tensor<Flex, 1> = random([n], seed, &Default::default());
+        t.into_data().to_vec().unwrap()
+    };
+    for (t, s, what) in [
+        (70, 70, "two key tiles"),
+        (5, 131, "keys past the last query"),
+    ] {
+        let (h, k) = (2, 8);
+        let run = |b: usize, first: usize, pad: &[f32]| {
+            let shape = cpu::AttentionShape { b, h, t, s, k };
+            let (nq, nk) = (h * t * k, h * s * k);
+            let at = |x: &[f32], n: usize| x[first * n..(first + b) * n].to_vec();
+            let (q, kk, v, d_o) = (
+                at(&values(3 * nq, 21), nq),
+                at(&values(3 * nk, 22), nk),
+                at(&values(3 * nk, 23), nk),
+                at(&values(3 * nq, 24), nq),
+            );
+            fn heads(data: &[f32], strides: [usize; 3]) -> cpu::Heads<'_> {
+                cpu::Heads {
+                    data,
+                    offset: 0,
+                    strides,
+                }
+            }
+            let (ts, ss) = (shape.interleaved(t), shape.interleaved(s));
+            let pad = &pad[first * s..(first + b) * s];
+            pool.install(|| {
+                let (o, lse) = cpu::attention_forward(
+                    shape,
+                    heads(&q, ts),
+                    heads(&kk, ss),
+                    heads(&v, ss),
+                    true,
+                    Some(pad),
+                    None,
+                );
+                let (dq, dk, dv) = cpu::attention_backward(
+                    shape,
+                    heads(&q, ts),
+                    heads(&kk, ss),
+                    heads(&v, ss),
+                    heads(&o, ts),
+                    &lse,
+                    heads(&d_o, ts),
+                    true,
+                    Some(pad),
+                    None,
+                );
+                let per_row = |x: Vec<f32>| {
+                    let n = x.len() / b;
+                    x[(b - 1) * n..].to_vec()
+                };
+                [o, lse, dq, dk, dv].map(per_row)
+            })
+        };
+        // Batch rows 0 and 1: every key padded; batch row 2: none.
+        let pad: Vec<f32> = (0..3 * s)
+            .map(|j| if j < 2 * s { 1.0 } else { 0.0 })
+            .collect();
+        let after = run(3, 0, &pad);
+        let alone = run(1, 2, &pad);
+        for (name, (a, b)) in ["output", "lse", "dq", "dk", "dv"]
+            .iter()
+            .zip(after.iter().zip(&alone))
+        {
+            let differ = a
+                .iter()
+                .zip(b)
+                .filter(|(x, y)| x.to_bits() != y.to_bits())
+                .count();
+            assert_eq!(
+                differ,
+                0,
+                "{what}: {name}: {differ} of {} values differ",
+                a.len()
+            );
+        }
+        // Keys no query sees have no gradient (rows of `[s, h, k]`).
+        let [.., dk, dv] = &alone;
+        for (j, (dk, dv)) in dk.chunks(k).zip(dv.chunks(k)).enumerate() {
+            if j / h >= t {
+                assert!(dk.iter().chain(dv).all(|&x| x == 0.0), "{what}: key {j}");
+            }
+        }
+    }
+}
+
+#[test]
 fn fused_attention_inside_multi_head_attention_matches_on_strided_heads() {
     // Heads split from [b, t, d] are strided views: the kernel reads them in place and writes its
     // output in the layout the heads are merged from.
