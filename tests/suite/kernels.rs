@@ -772,6 +772,14 @@ fn fused_attention_equals_the_composed_form() {
     }
 }
 
+/// How many positions of `a` and `b` (over the shorter) hold different bits.
+fn differing_bits(a: &[f32], b: &[f32]) -> usize {
+    a.iter()
+        .zip(b)
+        .filter(|(x, y)| x.to_bits() != y.to_bits())
+        .count()
+}
+
 #[test]
 fn a_cpu_attention_head_does_not_depend_on_the_heads_before_it() {
     // Each task of the CPU kernel reuses its buffers from head to head without clearing them:
@@ -794,16 +802,20 @@ fn a_cpu_attention_head_does_not_depend_on_the_heads_before_it() {
         (5, 131, "keys past the last query"),
     ] {
         let (h, k) = (2, 8);
+        // Three batch rows of queries, keys, values and output gradients.
+        let (nq, nk) = (h * t * k, h * s * k);
+        let inputs = [
+            (values(3 * nq, 21), nq),
+            (values(3 * nk, 22), nk),
+            (values(3 * nk, 23), nk),
+            (values(3 * nq, 24), nq),
+        ];
+        // Batch rows `first..first + b` of the inputs, on their own.
         let run = |b: usize, first: usize, pad: &[f32]| {
             let shape = cpu::AttentionShape { b, h, t, s, k };
-            let (nq, nk) = (h * t * k, h * s * k);
-            let at = |x: &[f32], n: usize| x[first * n..(first + b) * n].to_vec();
-            let (q, kk, v, d_o) = (
-                at(&values(3 * nq, 21), nq),
-                at(&values(3 * nk, 22), nk),
-                at(&values(3 * nk, 23), nk),
-                at(&values(3 * nq, 24), nq),
-            );
+            let [q, kk, v, d_o] = inputs
+                .each_ref()
+                .map(|(x, n)| x[first * n..(first + b) * n].to_vec());
             fn heads(data: &[f32], strides: [usize; 3]) -> cpu::Heads<'_> {
                 cpu::Heads {
                     data,
@@ -852,11 +864,7 @@ fn a_cpu_attention_head_does_not_depend_on_the_heads_before_it() {
             .iter()
             .zip(after.iter().zip(&alone))
         {
-            let differ = a
-                .iter()
-                .zip(b)
-                .filter(|(x, y)| x.to_bits() != y.to_bits())
-                .count();
+            let differ = differing_bits(a, b);
             assert_eq!(
                 differ,
                 0,
@@ -1864,11 +1872,7 @@ fn each_instruction_set_the_processor_offers_gives_the_same_bits() {
         let out = run(isa);
         assert_eq!(out.len(), baseline.len());
         for (i, (a, b)) in out.iter().zip(&baseline).enumerate() {
-            let differ = a
-                .iter()
-                .zip(b)
-                .filter(|(x, y)| x.to_bits() != y.to_bits())
-                .count();
+            let differ = differing_bits(a, b);
             assert!(
                 a.len() == b.len() && differ == 0,
                 "{isa:?}: output {i}: {differ} of {} values differ from the baseline form's",
