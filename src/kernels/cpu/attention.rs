@@ -121,6 +121,57 @@ impl Heads<'_> {
         let start = self.offset + b * self.strides[0] + h * self.strides[1] + i0 * self.strides[2];
         (self.data[start..].as_ptr(), self.strides[2], 1)
     }
+
+    /// Asks the processor to bring the `n` rows of head `(b, h)`, `k` wide, into its caches
+    /// (a hint: nothing is read, and addresses outside the storage are skipped).
+    #[inline(always)]
+    fn prefetch(&self, b: usize, h: usize, n: usize, k: usize) {
+        const LINE: usize = 64 / std::mem::size_of::<f32>();
+        let first = self.offset + b * self.strides[0] + h * self.strides[1];
+        for i in 0..n {
+            let row = first + i * self.strides[2];
+            let mut c = 0;
+            while c < k && row + c < self.data.len() {
+                prefetch(self.data[row + c..].as_ptr());
+                c += LINE;
+            }
+            // The row's last element may open one more line.
+            if k > 0 && row + k - 1 < self.data.len() {
+                prefetch(self.data[row + k - 1..].as_ptr());
+            }
+        }
+    }
+}
+
+/// A hint to load the cache line holding `p` into every level of the caches.
+#[inline(always)]
+fn prefetch(p: *const f32) {
+    // SAFETY: a prefetch reads nothing and cannot fault; SSE is part of x86-64.
+    #[cfg(target_arch = "x86_64")]
+    unsafe {
+        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(p.cast())
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = p;
+}
+
+/// Prefetches the rows of the head after `head` (numbered `b·h + head index`) in each of
+/// `heads` (`n` rows of `k`), while this head computes. The backward pass reads activations
+/// the forward pass wrote long before, and a small head's work is short next to the wait for
+/// its rows once they have left the caches: a ViT's `[128, 4, 17, 16]` backward pass on 2
+/// cores of a Zen 4 took 1.4 ms with every operand flushed from the caches first, against 0.6
+/// with them in the caches (a 16-wide row is a cache line of its own, 768 bytes from the
+/// next). The forward pass reads the projection it follows, still in the caches: no gain
+/// measured there, so it does not prefetch.
+#[inline(always)]
+fn prefetch_next(heads: &[(Heads, usize)], shape: AttentionShape, head: usize) {
+    let next = head + 1;
+    if next < shape.b * shape.h {
+        let (b, h) = (next / shape.h, next % shape.h);
+        for (x, n) in heads {
+            x.prefetch(b, h, *n, shape.k);
+        }
+    }
 }
 
 /// Masks the score tile `scores` (`m × n`, rows `ld` apart; queries `i0..`, keys `j0..`): every
@@ -700,6 +751,7 @@ fn backward_into(
         .for_each_init(Scratch::default, |scratch, (head, lse)| {
             let (bi, hi) = (head / h, head % h);
             let pad = pad.map(|pad| &pad[bi * s..(bi + 1) * s]);
+            prefetch_next(&[(q, t), (k, s), (v, s), (o, t), (d_o, t)], shape, head);
             attention_head_backward(
                 shape, q, k, v, o, lse, d_o, causal, pad, dropout, bi, hi, grads, scratch,
             );
