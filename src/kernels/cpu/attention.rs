@@ -143,6 +143,10 @@ impl Heads<'_> {
     }
 }
 
+/// The most bytes of rows [`prefetch_next`] asks for (a ViT head's five tensors take 5.3 KiB, the
+/// language model's 40 KiB).
+const PREFETCH_BYTES: usize = 64 << 10;
+
 /// A hint to load the cache line holding `p` into every level of the caches.
 #[inline(always)]
 fn prefetch(p: *const f32) {
@@ -163,10 +167,18 @@ fn prefetch(p: *const f32) {
 /// with them in the caches (a 16-wide row is a cache line of its own, 768 bytes from the
 /// next). The forward pass reads the projection it follows, still in the caches: no gain
 /// measured there, so it does not prefetch.
+///
+/// Only heads whose rows together fit well inside a core's second-level cache are prefetched
+/// whole ([`PREFETCH_BYTES`]): a long sequence's next head (GPT-2's 1,024 rows of 64 are
+/// 1.3 MB in the five tensors) would evict the rows this head is still reading.
 #[inline(always)]
 fn prefetch_next(heads: &[(Heads, usize)], shape: AttentionShape, head: usize) {
     let next = head + 1;
-    if next < shape.b * shape.h {
+    let bytes: usize = heads
+        .iter()
+        .map(|(_, n)| n * shape.k * std::mem::size_of::<f32>())
+        .sum();
+    if next < shape.b * shape.h && bytes <= PREFETCH_BYTES {
         let (b, h) = (next / shape.h, next % shape.h);
         for (x, n) in heads {
             x.prefetch(b, h, *n, shape.k);
