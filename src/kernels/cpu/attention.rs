@@ -122,22 +122,21 @@ impl Heads<'_> {
         (self.data[start..].as_ptr(), self.strides[2], 1)
     }
 
-    /// Asks the processor to bring the `n` rows of head `(b, h)`, `k` wide, into its caches
-    /// (a hint: nothing is read, and addresses outside the storage are skipped).
+    /// Asks the processor to bring the `n` rows of head `(b, h)`, `k` wide, into its caches: a
+    /// hint for each cache line the rows touch (nothing is read; the rows must be in bounds,
+    /// as for [`Heads::row`]).
     #[inline(always)]
     fn prefetch(&self, b: usize, h: usize, n: usize, k: usize) {
-        const LINE: usize = 64 / std::mem::size_of::<f32>();
+        const LINE: usize = 64;
         let first = self.offset + b * self.strides[0] + h * self.strides[1];
         for i in 0..n {
             let row = first + i * self.strides[2];
-            let mut c = 0;
-            while c < k && row + c < self.data.len() {
-                prefetch(self.data[row + c..].as_ptr());
-                c += LINE;
-            }
-            // The row's last element may open one more line.
-            if k > 0 && row + k - 1 < self.data.len() {
-                prefetch(self.data[row + k - 1..].as_ptr());
+            let span = self.data[row..row + k].as_ptr_range();
+            let (start, end) = (span.start.cast::<u8>(), span.end.cast::<u8>());
+            let mut line = start.wrapping_sub(start.addr() % LINE);
+            while line < end {
+                prefetch(line);
+                line = line.wrapping_add(LINE);
             }
         }
     }
@@ -149,7 +148,7 @@ const PREFETCH_BYTES: usize = 64 << 10;
 
 /// A hint to load the cache line holding `p` into every level of the caches.
 #[inline(always)]
-fn prefetch(p: *const f32) {
+fn prefetch(p: *const u8) {
     // SAFETY: a prefetch reads nothing and cannot fault; SSE is part of x86-64.
     #[cfg(target_arch = "x86_64")]
     unsafe {
@@ -159,7 +158,7 @@ fn prefetch(p: *const f32) {
     let _ = p;
 }
 
-/// Prefetches the rows of the head after `head` (numbered `b·h + head index`) in each of
+/// Prefetches the rows of the head after `head` (heads numbered `b · shape.h + h`) in each of
 /// `heads` (`n` rows of `k`), while this head computes. The backward pass reads activations
 /// the forward pass wrote long before, and a small head's work is short next to the wait for
 /// its rows once they have left the caches: a ViT's `[128, 4, 17, 16]` backward pass on 2
