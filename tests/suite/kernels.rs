@@ -772,6 +772,12 @@ fn fused_attention_equals_the_composed_form() {
     }
 }
 
+/// `n` seeded random values, as the kernels' inputs.
+fn random_values(n: usize, seed: u64) -> Vec<f32> {
+    let t: Tensor<Flex, 1> = random([n], seed, &Default::default());
+    t.into_data().to_vec().unwrap()
+}
+
 /// How many positions of `a` and `b` (over the shorter) hold different bits.
 fn differing_bits(a: &[f32], b: &[f32]) -> usize {
     a.iter()
@@ -793,10 +799,6 @@ fn a_cpu_attention_head_does_not_depend_on_the_heads_before_it() {
         .num_threads(1)
         .build()
         .unwrap();
-    let values = |n: usize, seed: u64| -> Vec<f32> {
-        let t: Tensor<Flex, 1> = random([n], seed, &Default::default());
-        t.into_data().to_vec().unwrap()
-    };
     for (t, s, what) in [
         (70, 70, "two key tiles"),
         (5, 131, "keys past the last query"),
@@ -805,10 +807,10 @@ fn a_cpu_attention_head_does_not_depend_on_the_heads_before_it() {
         // Three batch rows of queries, keys, values and output gradients.
         let (nq, nk) = (h * t * k, h * s * k);
         let inputs = [
-            (values(3 * nq, 21), nq),
-            (values(3 * nk, 22), nk),
-            (values(3 * nk, 23), nk),
-            (values(3 * nq, 24), nq),
+            (random_values(3 * nq, 21), nq),
+            (random_values(3 * nk, 22), nk),
+            (random_values(3 * nk, 23), nk),
+            (random_values(3 * nq, 24), nq),
         ];
         // Batch rows `first..first + b` of the inputs, on their own.
         let run = |b: usize, first: usize, pad: &[f32]| {
@@ -1750,11 +1752,7 @@ fn everything_the_cpu_kernels_compute() -> Vec<Vec<f32>> {
     model.visit(&mut weights);
     out.extend(weights.0);
 
-    let values = |n: usize, seed: u64| -> Vec<f32> {
-        let t: Tensor<Flex, 1> = random([n], seed, &device);
-        t.into_data().to_vec().unwrap()
-    };
-    let big = values(768 * 200 + 5, 1); // above the threads' split, a ragged tail
+    let big = random_values(768 * 200 + 5, 1); // above the threads' split, a ragged tail
     let (gelu, derivative) = cpu::gelu_with_derivative(&big, None);
     out.extend([cpu::gelu(&big), gelu, derivative]);
     let mut scaled = big.clone();
@@ -1762,7 +1760,7 @@ fn everything_the_cpu_kernels_compute() -> Vec<Vec<f32>> {
     out.extend([vec![cpu::sum_squares(&big)], scaled]);
     let d = 131; // LayerNorm rows with a tail of 3 after the 16-lane chunks
     let rows = &big[..d * 1100]; // above the split too
-    let gamma = values(d, 2);
+    let gamma = random_values(d, 2);
     let (y, mean, rstd) = cpu::layer_norm(rows, d, &gamma, Some(&gamma), 1e-5);
     let (dx, dg, db) =
         cpu::layer_norm_backward(rows, d, &gamma, &mean, &rstd, &big[5..5 + rows.len()], None);
@@ -1791,7 +1789,12 @@ fn everything_the_cpu_kernels_compute() -> Vec<Vec<f32>> {
         k: 20,
     };
     let n = 2 * 70 * 3 * 20;
-    let (q, k, v, d_o) = (values(n, 3), values(n, 4), values(n, 5), values(n, 6));
+    let (q, k, v, d_o) = (
+        random_values(n, 3),
+        random_values(n, 4),
+        random_values(n, 5),
+        random_values(n, 6),
+    );
     let heads = |data| cpu::Heads {
         data,
         offset: 0,
