@@ -885,6 +885,106 @@ fn a_cpu_attention_head_does_not_depend_on_the_heads_before_it() {
 }
 
 #[test]
+fn small_heads_side_by_side_in_lanes_give_the_bits_of_one_head_at_a_time() {
+    // Short unmasked heads (a ViT's) run sixteen at a time, one a lane of each vector; each lane
+    // computes what the tiled kernel computes for its head, in the same order, so the outputs
+    // and gradients must be the tiled kernel's bit for bit. The cases: a last group of 4 heads
+    // after a whole one, head widths with a tail past the 16-lane units, more keys than
+    // queries, a group in the forward pass only (too long for the backward's lanes), and the
+    // projections packed side by side as training has them.
+    for ([b, h, t, s, k], forward, backward) in [
+        ([5, 4, 17, 19, 12], true, true),
+        ([4, 4, 17, 17, 16], true, true),
+        ([3, 6, 29, 31, 20], true, false),
+    ] {
+        let shape = cpu::AttentionShape { b, h, t, s, k };
+        assert_eq!(cpu::heads_in_lanes(shape, false), forward, "{shape:?}");
+        assert_eq!(cpu::heads_in_lanes(shape, true), backward, "{shape:?}");
+        let (nq, nk) = (b * t * h * k, b * s * h * k);
+        let (q, kk, v, d_o) = (
+            random_values(nq, 41),
+            random_values(nk, 42),
+            random_values(nk, 43),
+            random_values(nq, 44),
+        );
+        let heads = |data, n| cpu::Heads {
+            data,
+            offset: 0,
+            strides: shape.interleaved(n),
+        };
+        let run = || {
+            let (o, lse) = cpu::attention_forward(
+                shape,
+                heads(&q, t),
+                heads(&kk, s),
+                heads(&v, s),
+                false,
+                None,
+                None,
+            );
+            let (dq, dk, dv) = cpu::attention_backward(
+                shape,
+                heads(&q, t),
+                heads(&kk, s),
+                heads(&v, s),
+                cpu::Heads {
+                    data: &o,
+                    offset: 0,
+                    strides: shape.interleaved(t),
+                },
+                &lse,
+                heads(&d_o, t),
+                false,
+                None,
+                None,
+            );
+            // With as many keys as queries, also from Q, K and V packed as `[b, t, 3·h·k]`.
+            let packed = (t == s).then(|| {
+                let d = h * k;
+                let qkv: Vec<f32> = (0..b * t)
+                    .flat_map(|row| [&q, &kk, &v].map(|x| &x[row * d..(row + 1) * d]).concat())
+                    .collect();
+                let part = |i: usize| cpu::Heads {
+                    data: &qkv,
+                    offset: i * d,
+                    strides: [t * 3 * d, k, 3 * d],
+                };
+                let (o, lse) =
+                    cpu::attention_forward(shape, part(0), part(1), part(2), false, None, None);
+                let dqkv =
+                    cpu::packed_attention_backward(shape, &qkv, &o, &lse, &d_o, false, None, None);
+                [o, lse, dqkv]
+            });
+            let mut out = vec![o, lse, dq, dk, dv];
+            out.extend(packed.into_iter().flatten());
+            out
+        };
+        let lanes = run();
+        let tiles = cpu::with_tiles_only(run);
+        assert!(lanes.iter().flatten().all(|x| x.is_finite()));
+        let names = [
+            "output",
+            "lse",
+            "dq",
+            "dk",
+            "dv",
+            "packed output",
+            "packed lse",
+            "dqkv",
+        ];
+        for ((name, a), b) in names.iter().zip(&lanes).zip(&tiles) {
+            let differ = differing_bits(a, b);
+            assert!(
+                a.len() == b.len() && differ == 0,
+                "{shape:?}: {name}: {differ} of {} values differ",
+                a.len()
+            );
+        }
+        assert_eq!(lanes.len(), if t == s { 8 } else { 5 });
+    }
+}
+
+#[test]
 fn fused_attention_inside_multi_head_attention_matches_on_strided_heads() {
     // Heads split from [b, t, d] are strided views: the kernel reads them in place and writes its
     // output in the layout the heads are merged from.
@@ -960,6 +1060,12 @@ fn packed_self_attention_equals_the_composed_form() {
             false,
             &[],
             "bidirectional, short heads 16 wide (rows read in place)",
+        ),
+        (
+            [5, 17, 4, 16],
+            false,
+            &[],
+            "bidirectional, 20 short heads: without dropout, sixteen at a time in lanes",
         ),
         (
             [2, 70, 2, 32],
@@ -1842,6 +1948,69 @@ fn everything_the_cpu_kernels_compute() -> Vec<Vec<f32>> {
     );
     out.extend([o, lse, dq, dk, dv]);
     out.extend([causal_o, causal_lse, causal_dq, causal_dk, causal_dv]);
+    // Short unmasked heads, sixteen at a time in lanes (a last group of 4): 20 wide, more keys
+    // than queries.
+    let shape = cpu::AttentionShape {
+        b: 5,
+        h: 4,
+        t: 17,
+        s: 19,
+        k: 20,
+    };
+    assert!(cpu::heads_in_lanes(shape, false));
+    let (nq, nk) = (5 * 17 * 4 * 20, 5 * 19 * 4 * 20);
+    let heads = |data, n| cpu::Heads {
+        data,
+        offset: 0,
+        strides: shape.interleaved(n),
+    };
+    let (q, k, v, d_o) = (
+        &big[..nq],
+        &big[1..1 + nk],
+        &big[2..2 + nk],
+        &big[3..3 + nq],
+    );
+    let (o, lse) = cpu::attention_forward(
+        shape,
+        heads(q, 17),
+        heads(k, 19),
+        heads(v, 19),
+        false,
+        None,
+        None,
+    );
+    // The same heads 12 wide, in lanes in the backward pass too.
+    let shape = cpu::AttentionShape { k: 12, ..shape };
+    assert!(cpu::heads_in_lanes(shape, true));
+    let heads = |data, n| cpu::Heads {
+        data,
+        offset: 0,
+        strides: shape.interleaved(n),
+    };
+    let (nq, nk) = (5 * 17 * 4 * 12, 5 * 19 * 4 * 12);
+    let (q, k, v, d_o2) = (&q[..nq], &k[..nk], &v[..nk], &d_o[..nq]);
+    let (o12, lse12) = cpu::attention_forward(
+        shape,
+        heads(q, 17),
+        heads(k, 19),
+        heads(v, 19),
+        false,
+        None,
+        None,
+    );
+    let (dq, dk, dv) = cpu::attention_backward(
+        shape,
+        heads(q, 17),
+        heads(k, 19),
+        heads(v, 19),
+        heads(&o12, 17),
+        &lse12,
+        heads(d_o2, 17),
+        false,
+        None,
+        None,
+    );
+    out.extend([o, lse, o12, lse12, dq, dk, dv]);
     out
 }
 

@@ -9,6 +9,9 @@ use crate::kernels::reference::MASKED_SCORE;
 use crate::kernels::DropoutMask;
 use rayon::prelude::*;
 
+mod lanes;
+pub use lanes::{heads_in_lanes, with_tiles_only};
+
 /// Queries and keys per tile of the attention kernels.
 const TILE: usize = 64;
 /// A row whose largest score or log-sum-exp is below this saw no unmasked key.
@@ -493,6 +496,11 @@ pub fn attention_forward(
         ptr: o.as_mut_ptr(),
         strides: shape.interleaved(t),
     };
+    if lanes::fits(shape, false, causal, pad, dropout) {
+        lanes::attention_forward(shape, [q, k, v], out, &mut lse);
+        // SAFETY: as below.
+        return (unsafe { written(o, b * t * h * kw) }, lse);
+    }
     lse.par_chunks_mut(t)
         .enumerate()
         .for_each_init(Scratch::default, |scratch, (head, lse)| {
@@ -756,6 +764,9 @@ fn backward_into(
     (causal, pad, dropout): (bool, Option<&[f32]>, Option<DropoutMask>),
     grads: [Out; 3],
 ) {
+    if lanes::fits(shape, true, causal, pad, dropout) {
+        return lanes::attention_backward(shape, [q, k, v, o, d_o], lse, grads);
+    }
     let AttentionShape { h, t, s, .. } = shape;
     lse.par_chunks(t)
         .enumerate()

@@ -27,7 +27,8 @@ mod rows;
 mod tile;
 
 pub use attention::{
-    attention_backward, attention_forward, packed_attention_backward, AttentionShape, Heads,
+    attention_backward, attention_forward, heads_in_lanes, packed_attention_backward,
+    with_tiles_only, AttentionShape, Heads,
 };
 pub use linear::{linear, linear_backward, linear_backward_in, linear_gelu, Form, Matrix};
 pub use peak::fma_peak;

@@ -127,8 +127,57 @@ pub(super) unsafe fn transpose_into(
     }
 }
 
+/// Writes the matrix whose row `r` is the `cols` elements at `rows[r]` transposed into `dst`:
+/// element `(r, c)` to `dst[c·ld + r]`. [`transpose_into`] for rows anywhere in memory.
+///
+/// # Safety
+/// Each row must be readable for `cols` elements; `dst` writable for `cols` rows of
+/// `ld ≥ rows.len()`.
+#[inline]
+pub(super) unsafe fn gather_transposed(rows: &[*const f32], cols: usize, dst: *mut f32, ld: usize) {
+    let (mut r0, mut c0) = (0, 0);
+    #[cfg(target_arch = "x86_64")]
+    if isa() != Isa::Baseline {
+        x86::gather_blocks(rows, cols, dst, ld);
+        (r0, c0) = (rows.len() / 8 * 8, cols / 8 * 8);
+    }
+    for (r, &row) in rows.iter().enumerate() {
+        let first = if r < r0 { c0 } else { 0 };
+        for c in first..cols {
+            *dst.add(c * ld + r) = *row.add(c);
+        }
+    }
+}
+
+/// The inverse of [`gather_transposed`]: element `(c, r)` of the `cols × rows.len()` matrix at
+/// `src` (rows `ld` apart) to `rows[r][c]`.
+///
+/// # Safety
+/// `src` must be readable for the matrix; each row writable for `cols` elements, no two
+/// overlapping.
+#[inline]
+pub(super) unsafe fn scatter_transposed(
+    src: *const f32,
+    ld: usize,
+    cols: usize,
+    rows: &[*mut f32],
+) {
+    let (mut r0, mut c0) = (0, 0);
+    #[cfg(target_arch = "x86_64")]
+    if isa() != Isa::Baseline {
+        x86::scatter_blocks(src, ld, cols, rows);
+        (r0, c0) = (rows.len() / 8 * 8, cols / 8 * 8);
+    }
+    for (r, &row) in rows.iter().enumerate() {
+        let first = if r < r0 { c0 } else { 0 };
+        for c in first..cols {
+            *row.add(c) = *src.add(c * ld + r);
+        }
+    }
+}
+
 /// Vector operations on one 16-lane column unit.
-trait Simd {
+pub(super) trait Simd {
     /// One unit.
     type V: Copy;
     /// Column units a register block spans, at most (1 to 4).
@@ -147,7 +196,7 @@ trait Simd {
 
 /// The form for any processor: arrays the compiler may vectorise, `f32::mul_add` for the fused
 /// multiply-add (the same rounding as the vector forms').
-struct Portable;
+pub(super) struct Portable;
 
 impl Simd for Portable {
     type V = [f32; UNIT];
@@ -186,13 +235,16 @@ impl Simd for Portable {
 }
 
 #[cfg(target_arch = "x86_64")]
+pub(super) use x86::{Avx2, Avx512};
+
+#[cfg(target_arch = "x86_64")]
 mod x86 {
     use super::{run, Product, Simd};
     use std::arch::x86_64::*;
 
     /// AVX-512: a unit is one register; blocks of up to 6 rows × 4 units (24 of the 32
     /// registers accumulate).
-    pub(super) struct Avx512;
+    pub(in crate::kernels::cpu) struct Avx512;
 
     impl Simd for Avx512 {
         type V = __m512;
@@ -243,7 +295,7 @@ mod x86 {
 
     /// AVX2: a unit is two registers; blocks of 6 rows × 1 unit (12 of the 16 registers
     /// accumulate).
-    pub(super) struct Avx2;
+    pub(in crate::kernels::cpu) struct Avx2;
 
     impl Simd for Avx2 {
         type V = (__m256, __m256);
@@ -342,8 +394,17 @@ mod x86 {
         c: usize,
     ) {
         let at = |i: usize| _mm256_loadu_ps(src.add((r + i) * rs + c));
-        let [a0, a1, a2, a3, a4, a5, a6, a7] =
-            [at(0), at(1), at(2), at(3), at(4), at(5), at(6), at(7)];
+        let columns = transpose8([at(0), at(1), at(2), at(3), at(4), at(5), at(6), at(7)]);
+        for (i, column) in columns.into_iter().enumerate() {
+            _mm256_storeu_ps(dst.add((c + i) * ld + r), column);
+        }
+    }
+
+    /// Eight vectors of eight transposed: element `j` of vector `i` becomes element `i` of
+    /// vector `j`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn transpose8([a0, a1, a2, a3, a4, a5, a6, a7]: [__m256; 8]) -> [__m256; 8] {
         // Pairs of rows interleaved, then pairs of pairs, then the 128-bit halves.
         let (t0, t1) = (_mm256_unpacklo_ps(a0, a1), _mm256_unpackhi_ps(a0, a1));
         let (t2, t3) = (_mm256_unpacklo_ps(a2, a3), _mm256_unpackhi_ps(a2, a3));
@@ -357,7 +418,7 @@ mod x86 {
         let u5 = _mm256_shuffle_ps::<0xEE>(t4, t6);
         let u6 = _mm256_shuffle_ps::<0x44>(t5, t7);
         let u7 = _mm256_shuffle_ps::<0xEE>(t5, t7);
-        let columns = [
+        [
             _mm256_permute2f128_ps::<0x20>(u0, u4),
             _mm256_permute2f128_ps::<0x20>(u1, u5),
             _mm256_permute2f128_ps::<0x20>(u2, u6),
@@ -366,9 +427,49 @@ mod x86 {
             _mm256_permute2f128_ps::<0x31>(u1, u5),
             _mm256_permute2f128_ps::<0x31>(u2, u6),
             _mm256_permute2f128_ps::<0x31>(u3, u7),
-        ];
-        for (i, column) in columns.into_iter().enumerate() {
-            _mm256_storeu_ps(dst.add((c + i) * ld + r), column);
+        ]
+    }
+
+    /// The whole 8 × 8 blocks of [`super::gather_transposed`].
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn gather_blocks(rows: &[*const f32], cols: usize, dst: *mut f32, ld: usize) {
+        let (n, cols) = (rows.len() / 8 * 8, cols / 8 * 8);
+        let mut r = 0;
+        while r < n {
+            let mut c = 0;
+            while c < cols {
+                let at = |i: usize| _mm256_loadu_ps(rows[r + i].add(c));
+                let columns = transpose8([at(0), at(1), at(2), at(3), at(4), at(5), at(6), at(7)]);
+                for (i, column) in columns.into_iter().enumerate() {
+                    _mm256_storeu_ps(dst.add((c + i) * ld + r), column);
+                }
+                c += 8;
+            }
+            r += 8;
+        }
+    }
+
+    /// The whole 8 × 8 blocks of [`super::scatter_transposed`].
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn scatter_blocks(
+        src: *const f32,
+        ld: usize,
+        cols: usize,
+        rows: &[*mut f32],
+    ) {
+        let (n, cols) = (rows.len() / 8 * 8, cols / 8 * 8);
+        let mut r = 0;
+        while r < n {
+            let mut c = 0;
+            while c < cols {
+                let at = |i: usize| _mm256_loadu_ps(src.add((c + i) * ld + r));
+                let out = transpose8([at(0), at(1), at(2), at(3), at(4), at(5), at(6), at(7)]);
+                for (i, row) in out.into_iter().enumerate() {
+                    _mm256_storeu_ps(rows[r + i].add(c), row);
+                }
+                c += 8;
+            }
+            r += 8;
         }
     }
 
