@@ -496,7 +496,7 @@ pub fn attention_forward(
         ptr: o.as_mut_ptr(),
         strides: shape.interleaved(t),
     };
-    if lanes::fits(shape, false, causal, pad, dropout) {
+    if lanes::fits(shape, causal, pad, dropout) {
         lanes::attention_forward(shape, [q, k, v], out, &mut lse);
         // SAFETY: as below.
         return (unsafe { written(o, b * t * h * kw) }, lse);
@@ -764,9 +764,6 @@ fn backward_into(
     (causal, pad, dropout): (bool, Option<&[f32]>, Option<DropoutMask>),
     grads: [Out; 3],
 ) {
-    if lanes::fits(shape, true, causal, pad, dropout) {
-        return lanes::attention_backward(shape, [q, k, v, o, d_o], lse, grads);
-    }
     let AttentionShape { h, t, s, .. } = shape;
     lse.par_chunks(t)
         .enumerate()

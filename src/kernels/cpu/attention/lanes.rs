@@ -1,5 +1,5 @@
-//! Attention for many small heads at once: sixteen heads side by side, one in each lane of a
-//! vector. A ViT's heads are small (`vit-mnist`: 17 positions, 16 wide, 512 heads a layer), and
+//! Attention's forward pass for many small heads at once: sixteen heads side by side, one in
+//! each lane of a vector. A ViT's heads are small (`vit-mnist`: 17 positions, 16 wide, 512 heads a layer), and
 //! one at a time their tiles are mostly overhead: 17 keys fill one 16-lane unit and one lane of
 //! a second, and every row's maximum, sum and scaling, every packing and every call is paid
 //! 512 times a layer. Here a vector holds one element of sixteen heads, so each operation of a
@@ -12,8 +12,13 @@
 //! same bits and either may run. This form covers what the ViT's encoder needs: no causal
 //! mask, no padding and no dropout, and short heads: a group's buffers hold its whole `t × s`
 //! weights, so past a few dozen positions the tiled kernels are the faster.
+//!
+//! The backward pass stays with the tiles: written this way too (five products a group, the
+//! gradients scattered back), it measured 10% faster than the tiles on a ViT's heads alone with
+//! its operands in the caches, and no faster inside the training step, where it waits on
+//! memory either way (its operands were written long before).
 
-use super::{reused, AttentionShape, Heads, Out, REAL_SCORE, TILE};
+use super::{reused, AttentionShape, Heads, Out, TILE};
 use crate::kernels::cpu::tile::{gather_transposed, scatter_transposed, Portable, Simd, UNIT};
 #[cfg(target_arch = "x86_64")]
 use crate::kernels::cpu::tile::{Avx2, Avx512};
@@ -24,16 +29,16 @@ use std::cell::Cell;
 
 /// Heads computed together, one a lane.
 const G: usize = UNIT;
-/// The widest head this form takes (its buffers' rows of zeros and dropped lanes).
-const MAX_WIDTH: usize = 64;
-/// The longest queries or keys and the widest heads each pass runs in this form: where it was
-/// measured faster than one head at a time (one core of a Zen 4, alone and inside a ViT's
-/// training step). Its buffers hold a group's whole `t × s` weights; past these sizes they
-/// outgrow the core's first-level cache and the tiled kernels win — the backward pass, with
-/// twice the buffers, first: at 33 positions of 16 it took 345 µs where the tiles took 273.
-const FORWARD_MAX: [usize; 2] = [32, 32];
-/// As [`FORWARD_MAX`], for the backward pass.
-const BACKWARD_MAX: [usize; 2] = [24, 16];
+/// The widest head this form takes (its rows of zeros and of dropped lanes).
+const MAX_WIDTH: usize = 32;
+/// The most queries or keys this form takes. Its buffers hold a group's whole `t × s` weights:
+/// past a few dozen positions they outgrow the core's first-level cache and one head at a time
+/// is the faster (measured on one core of a Zen 4: at 50 positions of 32 the forward pass took
+/// 2.5–2.7 ms where the tiles took 2.1–2.5).
+const MAX_POSITIONS: usize = 32;
+// One tile of queries and of keys: the tiled kernel's sums, which this form repeats, have no
+// second tile to rescale.
+const _: () = assert!(MAX_POSITIONS <= TILE);
 
 thread_local! {
     /// Whether this thread's calls keep to the tiled kernels ([`with_tiles_only`]).
@@ -49,44 +54,40 @@ pub fn with_tiles_only<R>(f: impl FnOnce() -> R) -> R {
     out
 }
 
-/// Whether this form takes the problem, in the forward pass or the backward: no mask, no
-/// dropout, at least one group of [`G`] heads, and queries, keys and heads small enough
-/// ([`FORWARD_MAX`], [`BACKWARD_MAX`]).
+/// Whether this form takes the problem: no mask, no dropout, at least one group of [`G`] heads,
+/// and queries, keys and heads small enough ([`MAX_POSITIONS`], [`MAX_WIDTH`]).
 pub(super) fn fits(
     shape: AttentionShape,
-    backward: bool,
     causal: bool,
     pad: Option<&[f32]>,
     dropout: Option<DropoutMask>,
 ) -> bool {
     let AttentionShape { b, h, t, s, k } = shape;
-    let [positions, width] = if backward { BACKWARD_MAX } else { FORWARD_MAX };
-    debug_assert!(positions <= TILE && width <= MAX_WIDTH);
     !causal
         && pad.is_none()
         && dropout.is_none()
-        && (1..=positions).contains(&t)
-        && (1..=positions).contains(&s)
-        && (1..=width).contains(&k)
+        && (1..=MAX_POSITIONS).contains(&t)
+        && (1..=MAX_POSITIONS).contains(&s)
+        && (1..=MAX_WIDTH).contains(&k)
         && b * h >= G
         && !TILES_ONLY.with(Cell::get)
 }
 
-/// Whether attention of this shape, without a mask or dropout, runs its heads in lanes (this
-/// form) in the forward pass or the backward (outside [`with_tiles_only`]).
-pub fn heads_in_lanes(shape: AttentionShape, backward: bool) -> bool {
-    fits(shape, backward, false, None, None)
+/// Whether attention's forward pass of this shape, without a mask or dropout, runs its heads
+/// in lanes (this form; outside [`with_tiles_only`]).
+pub fn heads_in_lanes(shape: AttentionShape) -> bool {
+    fits(shape, false, None, None)
 }
 
 /// One task's buffers, reused from group to group.
 #[derive(Default)]
 struct Scratch {
-    /// Q, K, V, O and dO of the group's heads, element `(i, c)` a vector of lanes.
-    packed: [Vec<f32>; 5],
-    /// Scores or weights, and the weights' gradients, `(i, j)` a vector of lanes.
-    tiles: [Vec<f32>; 2],
-    /// The outputs: O in the forward pass, dQ, dK and dV in the backward pass.
-    sums: [Vec<f32>; 3],
+    /// Q, K and V of the group's heads, element `(i, c)` a vector of lanes.
+    packed: [Vec<f32>; 3],
+    /// The scores, then the weights, `(i, j)` a vector of lanes.
+    scores: Vec<f32>,
+    /// The output.
+    acc: Vec<f32>,
 }
 
 /// `C[r][c] = scale · Σ_p A[r][p] ⊙ B[c][p]`, each element a vector of [`G`] lanes, each
@@ -300,34 +301,6 @@ fn row_exp_sum(row: &mut [f32], s: usize, shift: &[f32; G]) -> [f32; G] {
     std::array::from_fn(|g| total[g] + tail[g])
 }
 
-/// Each lane's inner product of the `k` elements of `a` and `b`, with `super::super::dot`'s
-/// accumulators.
-#[inline(always)]
-fn row_dot(a: &[f32], b: &[f32], k: usize) -> [f32; G] {
-    let whole = k / LANES * LANES;
-    let mut acc = [[0.0f32; G]; LANES];
-    for c in 0..whole {
-        let (acc, x, y) = (&mut acc[c % LANES], lanes(a, c), lanes(b, c));
-        for g in 0..G {
-            acc[g] += x[g] * y[g];
-        }
-    }
-    let mut tail = [empty_sum(); G];
-    for c in whole..k {
-        let (x, y) = (lanes(a, c), lanes(b, c));
-        for g in 0..G {
-            tail[g] += x[g] * y[g];
-        }
-    }
-    let mut total = [empty_sum(); G];
-    for acc in &acc {
-        for g in 0..G {
-            total[g] += acc[g];
-        }
-    }
-    std::array::from_fn(|g| total[g] + tail[g])
-}
-
 /// The forward pass of one group of heads.
 #[derive(Clone, Copy)]
 struct Forward<'a> {
@@ -349,9 +322,9 @@ unsafe fn forward<S: Simd, const R: usize, const C: usize>(
     let [first, count] = f.heads;
     let scale = 1.0 / (kw as f32).sqrt();
     let Scratch {
-        packed: [qp, kp, vp, ..],
-        tiles: [scores, _],
-        sums: [acc, ..],
+        packed: [qp, kp, vp],
+        scores,
+        acc,
     } = scratch;
     let [q, k, v] = f.qkv;
     let q = pack(q, f.shape, [first, count, t], qp);
@@ -368,7 +341,7 @@ unsafe fn forward<S: Simd, const R: usize, const C: usize>(
     });
     // The softmax of each row as the tiled kernel's online softmax leaves it after its one key
     // tile: the maximum over −∞, the sum added to zero.
-    let mut stats = [([0.0f32; G], [0.0f32; G]); TILE];
+    let mut stats = [([0.0f32; G], [0.0f32; G]); MAX_POSITIONS];
     for (i, (max, denom)) in stats.iter_mut().enumerate().take(t) {
         let row = &mut scores[i * s * G..(i + 1) * s * G];
         *max = row_max(row, s).map(|m| f32::NEG_INFINITY.max(m));
@@ -427,155 +400,9 @@ pub(super) fn attention_forward(shape: AttentionShape, qkv: [Heads; 3], out: Out
     );
 }
 
-/// The backward pass of one group of heads.
-#[derive(Clone, Copy)]
-struct Backward<'a> {
-    shape: AttentionShape,
-    /// Q, K, V, O and dO.
-    inputs: [Heads<'a>; 5],
-    /// The log-sum-exp of every head, `[b · h, t]`.
-    lse: &'a [f32],
-    /// First head, heads.
-    heads: [usize; 2],
-    /// dQ, dK, dV.
-    grads: [Out; 3],
-}
-
-/// [`Backward`] in the form `S`, blocks of `R × C`.
-#[inline(always)]
-unsafe fn backward<S: Simd, const R: usize, const C: usize>(f: Backward, scratch: &mut Scratch) {
-    let AttentionShape { t, s, k: kw, .. } = f.shape;
-    let [first, count] = f.heads;
-    let scale = 1.0 / (kw as f32).sqrt();
-    let Scratch {
-        packed: [qp, kp, vp, op, dop],
-        tiles: [p, ds],
-        sums: [dq, dk, dv],
-    } = scratch;
-    let [q, k, v, o, d_o] = f.inputs;
-    let q = pack(q, f.shape, [first, count, t], qp);
-    let k = pack(k, f.shape, [first, count, s], kp);
-    let v = pack(v, f.shape, [first, count, s], vp);
-    let o = pack(o, f.shape, [first, count, t], op);
-    let d_o = pack(d_o, f.shape, [first, count, t], dop);
-    let row = kw * G;
-    // D = rowsum(dO ⊙ O) and each row's log-sum-exp, a vector of lanes a row.
-    let mut stats = [([0.0f32; G], [0.0f32; G]); TILE];
-    for (i, (delta, lse)) in stats.iter_mut().enumerate().take(t) {
-        *delta = row_dot(&d_o[i * row..], &o[i * row..], kw);
-        for (l, x) in lse.iter_mut().enumerate().take(count) {
-            *x = f.lse[(first + l) * t + i];
-        }
-    }
-    // P = exp(Q·Kᵀ·scale − lse).
-    let p = reused(p, t * s * G);
-    product::<S, R, C>(Product {
-        size: [t, s, kw],
-        a: (q.as_ptr(), row, G),
-        b: (k.as_ptr(), row, G),
-        c: (p.as_mut_ptr(), s * G, G),
-        scale,
-    });
-    let uniform = 1.0 / s as f32;
-    for (i, (_, lse)) in stats.iter().enumerate().take(t) {
-        for j in 0..s {
-            let x = lanes_mut(p, i * s + j);
-            for g in 0..G {
-                // Every key masked (not possible without a mask, but kept as the tiled
-                // kernel has it): uniform weights.
-                x[g] = if lse[g] > REAL_SCORE {
-                    exp(x[g] - lse[g])
-                } else {
-                    uniform
-                };
-            }
-        }
-    }
-    // dV = Pᵀ·dO.
-    let dv = reused(dv, s * row);
-    product::<S, R, C>(Product {
-        size: [s, kw, t],
-        a: (p.as_ptr(), G, s * G),
-        b: (d_o.as_ptr(), G, row),
-        c: (dv.as_mut_ptr(), row, G),
-        scale: 1.0,
-    });
-    // dP = dO·Vᵀ, then dS = P ⊙ (dP − D)·scale in its place.
-    let ds = reused(ds, t * s * G);
-    product::<S, R, C>(Product {
-        size: [t, s, kw],
-        a: (d_o.as_ptr(), row, G),
-        b: (v.as_ptr(), row, G),
-        c: (ds.as_mut_ptr(), s * G, G),
-        scale: 1.0,
-    });
-    for (i, (delta, _)) in stats.iter().enumerate().take(t) {
-        for j in 0..s {
-            let (x, pj) = (lanes_mut(ds, i * s + j), lanes(p, i * s + j));
-            for g in 0..G {
-                x[g] = pj[g] * (x[g] - delta[g]) * scale;
-            }
-        }
-    }
-    // dQ = dS·K, dK = dSᵀ·Q.
-    let dq = reused(dq, t * row);
-    product::<S, R, C>(Product {
-        size: [t, kw, s],
-        a: (ds.as_ptr(), s * G, G),
-        b: (k.as_ptr(), G, row),
-        c: (dq.as_mut_ptr(), row, G),
-        scale: 1.0,
-    });
-    let dk = reused(dk, s * row);
-    product::<S, R, C>(Product {
-        size: [s, kw, t],
-        a: (ds.as_ptr(), G, s * G),
-        b: (q.as_ptr(), G, row),
-        c: (dk.as_mut_ptr(), row, G),
-        scale: 1.0,
-    });
-    let [dq_out, dk_out, dv_out] = f.grads;
-    unpack(dq, dq_out, f.shape, [first, count, t]);
-    unpack(dk, dk_out, f.shape, [first, count, s]);
-    unpack(dv, dv_out, f.shape, [first, count, s]);
-}
-
-/// Attention's backward pass over every head, a group of [`G`] at a time, in parallel,
-/// writing `[dq, dk, dv]`.
-pub(super) fn attention_backward(
-    shape: AttentionShape,
-    inputs: [Heads; 5],
-    lse: &[f32],
-    grads: [Out; 3],
-) {
-    let heads = shape.b * shape.h;
-    (0..heads.div_ceil(G))
-        .into_par_iter()
-        .for_each_init(Scratch::default, |scratch, group| {
-            let first = group * G;
-            let f = Backward {
-                shape,
-                inputs,
-                lse,
-                heads: [first, (heads - first).min(G)],
-                grads,
-            };
-            // SAFETY: as in the forward pass.
-            unsafe {
-                match isa() {
-                    #[cfg(target_arch = "x86_64")]
-                    Isa::Avx512 => x86::backward_avx512(f, scratch),
-                    #[cfg(target_arch = "x86_64")]
-                    Isa::Avx2 => x86::backward_avx2(f, scratch),
-                    _ => backward::<Portable, 2, 2>(f, scratch),
-                }
-            }
-        });
-}
-
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::{backward, forward, Avx2, Avx512, Backward, Forward, Scratch};
+    use super::{forward, Avx2, Avx512, Forward, Scratch};
 
     // AVX-512: blocks of 4 × 4 (16 of the 32 registers accumulate); AVX2, whose 16-lane unit
     // is two registers: 2 × 2 (8 of 16).
@@ -588,15 +415,5 @@ mod x86 {
     #[target_feature(enable = "avx2,fma")]
     pub(super) unsafe fn forward_avx2(f: Forward, lse: &mut [f32], scratch: &mut Scratch) {
         forward::<Avx2, 2, 2>(f, lse, scratch)
-    }
-
-    #[target_feature(enable = "avx512f,avx512vl,avx2,fma")]
-    pub(super) unsafe fn backward_avx512(f: Backward, scratch: &mut Scratch) {
-        backward::<Avx512, 4, 4>(f, scratch)
-    }
-
-    #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn backward_avx2(f: Backward, scratch: &mut Scratch) {
-        backward::<Avx2, 2, 2>(f, scratch)
     }
 }
