@@ -786,6 +786,44 @@ fn differing_bits(a: &[f32], b: &[f32]) -> usize {
         .count()
 }
 
+/// The CPU kernels' attention output, log-sum-exp and gradients `[o, lse, dq, dk, dv]` for
+/// `q`, `k`, `v` and `d_o` laid out `[b, n, h, k]`.
+fn cpu_attention(
+    shape: cpu::AttentionShape,
+    [q, k, v, d_o]: [&[f32]; 4],
+    causal: bool,
+    pad: Option<&[f32]>,
+) -> [Vec<f32>; 5] {
+    let heads = |data, n| cpu::Heads {
+        data,
+        offset: 0,
+        strides: shape.interleaved(n),
+    };
+    let (t, s) = (shape.t, shape.s);
+    let (o, lse) = cpu::attention_forward(
+        shape,
+        heads(q, t),
+        heads(k, s),
+        heads(v, s),
+        causal,
+        pad,
+        None,
+    );
+    let (dq, dk, dv) = cpu::attention_backward(
+        shape,
+        heads(q, t),
+        heads(k, s),
+        heads(v, s),
+        heads(&o, t),
+        &lse,
+        heads(d_o, t),
+        causal,
+        pad,
+        None,
+    );
+    [o, lse, dq, dk, dv]
+}
+
 #[test]
 fn a_cpu_attention_head_does_not_depend_on_the_heads_before_it() {
     // Each task of the CPU kernel reuses its buffers from head to head without clearing them:
@@ -818,42 +856,13 @@ fn a_cpu_attention_head_does_not_depend_on_the_heads_before_it() {
             let [q, kk, v, d_o] = inputs
                 .each_ref()
                 .map(|(x, n)| x[first * n..(first + b) * n].to_vec());
-            fn heads(data: &[f32], strides: [usize; 3]) -> cpu::Heads<'_> {
-                cpu::Heads {
-                    data,
-                    offset: 0,
-                    strides,
-                }
-            }
-            let (ts, ss) = (shape.interleaved(t), shape.interleaved(s));
             let pad = &pad[first * s..(first + b) * s];
             pool.install(|| {
-                let (o, lse) = cpu::attention_forward(
-                    shape,
-                    heads(&q, ts),
-                    heads(&kk, ss),
-                    heads(&v, ss),
-                    true,
-                    Some(pad),
-                    None,
-                );
-                let (dq, dk, dv) = cpu::attention_backward(
-                    shape,
-                    heads(&q, ts),
-                    heads(&kk, ss),
-                    heads(&v, ss),
-                    heads(&o, ts),
-                    &lse,
-                    heads(&d_o, ts),
-                    true,
-                    Some(pad),
-                    None,
-                );
                 let per_row = |x: Vec<f32>| {
                     let n = x.len() / b;
                     x[(b - 1) * n..].to_vec()
                 };
-                [o, lse, dq, dk, dv].map(per_row)
+                cpu_attention(shape, [&q, &kk, &v, &d_o], true, Some(pad)).map(per_row)
             })
         };
         // Batch rows 0 and 1: every key padded; batch row 2: none.
@@ -902,37 +911,8 @@ fn small_heads_side_by_side_in_lanes_give_the_bits_of_one_head_at_a_time() {
             random_values(nk, 43),
             random_values(nq, 44),
         );
-        let heads = |data, n| cpu::Heads {
-            data,
-            offset: 0,
-            strides: shape.interleaved(n),
-        };
         let run = || {
-            let (o, lse) = cpu::attention_forward(
-                shape,
-                heads(&q, t),
-                heads(&kk, s),
-                heads(&v, s),
-                false,
-                None,
-                None,
-            );
-            let (dq, dk, dv) = cpu::attention_backward(
-                shape,
-                heads(&q, t),
-                heads(&kk, s),
-                heads(&v, s),
-                cpu::Heads {
-                    data: &o,
-                    offset: 0,
-                    strides: shape.interleaved(t),
-                },
-                &lse,
-                heads(&d_o, t),
-                false,
-                None,
-                None,
-            );
+            let [o, lse, dq, dk, dv] = cpu_attention(shape, [&q, &kk, &v, &d_o], false, None);
             // With as many keys as queries, also from Q, K and V packed as `[b, t, 3·h·k]`.
             let packed = (t == s).then(|| {
                 let d = h * k;
@@ -1943,69 +1923,26 @@ fn everything_the_cpu_kernels_compute() -> Vec<Vec<f32>> {
     );
     out.extend([o, lse, dq, dk, dv]);
     out.extend([causal_o, causal_lse, causal_dq, causal_dk, causal_dv]);
-    // Short unmasked heads, sixteen at a time in lanes (a last group of 4): 20 wide, more keys
-    // than queries.
-    let shape = cpu::AttentionShape {
-        b: 5,
-        h: 4,
-        t: 17,
-        s: 19,
-        k: 20,
-    };
-    assert!(cpu::heads_in_lanes(shape));
-    let (nq, nk) = (5 * 17 * 4 * 20, 5 * 19 * 4 * 20);
-    let heads = |data, n| cpu::Heads {
-        data,
-        offset: 0,
-        strides: shape.interleaved(n),
-    };
-    let (q, k, v, d_o) = (
-        &big[..nq],
-        &big[1..1 + nk],
-        &big[2..2 + nk],
-        &big[3..3 + nq],
-    );
-    let (o, lse) = cpu::attention_forward(
-        shape,
-        heads(q, 17),
-        heads(k, 19),
-        heads(v, 19),
-        false,
-        None,
-        None,
-    );
-    // The same heads 12 wide, and the backward pass from the lanes' output and log-sum-exp.
-    let shape = cpu::AttentionShape { k: 12, ..shape };
-    assert!(cpu::heads_in_lanes(shape));
-    let heads = |data, n| cpu::Heads {
-        data,
-        offset: 0,
-        strides: shape.interleaved(n),
-    };
-    let (nq, nk) = (5 * 17 * 4 * 12, 5 * 19 * 4 * 12);
-    let (q, k, v, d_o2) = (&q[..nq], &k[..nk], &v[..nk], &d_o[..nq]);
-    let (o12, lse12) = cpu::attention_forward(
-        shape,
-        heads(q, 17),
-        heads(k, 19),
-        heads(v, 19),
-        false,
-        None,
-        None,
-    );
-    let (dq, dk, dv) = cpu::attention_backward(
-        shape,
-        heads(q, 17),
-        heads(k, 19),
-        heads(v, 19),
-        heads(&o12, 17),
-        &lse12,
-        heads(d_o2, 17),
-        false,
-        None,
-        None,
-    );
-    out.extend([o, lse, o12, lse12, dq, dk, dv]);
+    // Short unmasked heads, their forward pass sixteen at a time in lanes (a last group of 4),
+    // more keys than queries: 20 wide, and 12.
+    for k in [20, 12] {
+        let shape = cpu::AttentionShape {
+            b: 5,
+            h: 4,
+            t: 17,
+            s: 19,
+            k,
+        };
+        assert!(cpu::heads_in_lanes(shape));
+        let (nq, nk) = (5 * 17 * 4 * k, 5 * 19 * 4 * k);
+        let inputs = [
+            &big[..nq],
+            &big[1..1 + nk],
+            &big[2..2 + nk],
+            &big[3..3 + nq],
+        ];
+        out.extend(cpu_attention(shape, inputs, false, None));
+    }
     out
 }
 

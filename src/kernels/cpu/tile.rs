@@ -153,8 +153,8 @@ pub(super) unsafe fn gather_transposed(rows: &[*const f32], cols: usize, dst: *m
 /// `src` (rows `ld` apart) to `rows[r][c]`.
 ///
 /// # Safety
-/// `src` must be readable for the matrix; each row writable for `cols` elements, no two
-/// overlapping.
+/// `src` must be readable for the matrix and each row writable for `cols` elements; rows that
+/// overlap (a sink for values to drop) end up holding one of the values written to them.
 #[inline]
 pub(super) unsafe fn scatter_transposed(
     src: *const f32,
