@@ -1,15 +1,15 @@
 //! Attention's forward pass for many small heads at once: sixteen heads side by side, one in
-//! each lane of a vector. A ViT's heads are small (`vit-mnist`: 17 positions, 16 wide, 512 heads a layer), and
-//! one at a time their tiles are mostly overhead: 17 keys fill one 16-lane unit and one lane of
-//! a second, and every row's maximum, sum and scaling, every packing and every call is paid
-//! 512 times a layer. Here a vector holds one element of sixteen heads, so each operation of a
-//! head is one lane of a vector operation and nothing is padded, whatever the head's length
-//! and width.
+//! each lane of a vector. A ViT's heads are small (`vit-mnist`: 17 positions, 16 wide, 512
+//! heads a layer), and one at a time their tiles are mostly overhead: 17 keys fill one 16-lane
+//! unit and one lane of a second, and every row's maximum, sum and scaling, every packing and
+//! every call is paid 512 times a layer. Here a vector holds one element of sixteen heads, so
+//! each operation of a head is one lane of a vector operation and nothing is padded, whatever
+//! the head's length and width.
 //!
 //! Each lane computes what the tiled kernels compute for its head, in the same order — every
-//! product the same chain of fused multiply-adds from zero, every row's maximum, sum and inner
-//! product with the same accumulators added in the same order — so the two forms give the
-//! same bits and either may run. This form covers what the ViT's encoder needs: no causal
+//! product the same chain of fused multiply-adds from zero, every row's maximum and sum with
+//! the same accumulators added in the same order — so the two forms give the same bits and
+//! either may run. This form covers what the ViT's encoder needs: no causal
 //! mask, no padding and no dropout, and short heads: a group's buffers hold its whole `t × s`
 //! weights, so past a few dozen positions the tiled kernels are the faster.
 //!
