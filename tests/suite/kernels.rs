@@ -787,12 +787,13 @@ fn differing_bits(a: &[f32], b: &[f32]) -> usize {
 }
 
 /// The CPU kernels' attention output, log-sum-exp and gradients `[o, lse, dq, dk, dv]` for
-/// `q`, `k`, `v` and `d_o` laid out `[b, n, h, k]`.
+/// `q`, `k`, `v` and `d_o` laid out `[b, n, h, k]`, with attention dropout `dropout`.
 fn cpu_attention(
     shape: cpu::AttentionShape,
     [q, k, v, d_o]: [&[f32]; 4],
     causal: bool,
     pad: Option<&[f32]>,
+    dropout: Option<DropoutMask>,
 ) -> [Vec<f32>; 5] {
     let heads = |data, n| cpu::Heads {
         data,
@@ -807,7 +808,7 @@ fn cpu_attention(
         heads(v, s),
         causal,
         pad,
-        None,
+        dropout,
     );
     let (dq, dk, dv) = cpu::attention_backward(
         shape,
@@ -819,7 +820,7 @@ fn cpu_attention(
         heads(d_o, t),
         causal,
         pad,
-        None,
+        dropout,
     );
     [o, lse, dq, dk, dv]
 }
@@ -862,7 +863,7 @@ fn a_cpu_attention_head_does_not_depend_on_the_heads_before_it() {
                     let n = x.len() / b;
                     x[(b - 1) * n..].to_vec()
                 };
-                cpu_attention(shape, [&q, &kk, &v, &d_o], true, Some(pad)).map(per_row)
+                cpu_attention(shape, [&q, &kk, &v, &d_o], true, Some(pad), None).map(per_row)
             })
         };
         // Batch rows 0 and 1: every key padded; batch row 2: none.
@@ -912,7 +913,7 @@ fn small_heads_side_by_side_in_lanes_give_the_bits_of_one_head_at_a_time() {
             random_values(nq, 44),
         );
         let run = || {
-            let [o, lse, dq, dk, dv] = cpu_attention(shape, [&q, &kk, &v, &d_o], false, None);
+            let [o, lse, dq, dk, dv] = cpu_attention(shape, [&q, &kk, &v, &d_o], false, None, None);
             // With as many keys as queries, also from Q, K and V packed as `[b, t, 3·h·k]`.
             let packed = (t == s).then(|| {
                 let d = h * k;
@@ -1876,53 +1877,14 @@ fn everything_the_cpu_kernels_compute() -> Vec<Vec<f32>> {
         random_values(n, 5),
         random_values(n, 6),
     );
-    let heads = |data| cpu::Heads {
-        data,
-        offset: 0,
-        strides: shape.interleaved(70),
-    };
     let pad: Vec<f32> = (0..140)
         .map(|j| if j % 70 > 60 { 1.0 } else { 0.0 })
         .collect();
     let mask = Some(DropoutMask::new(0.2, 11));
-    let (o, lse) = cpu::attention_forward(
-        shape,
-        heads(&q),
-        heads(&k),
-        heads(&v),
-        false,
-        Some(&pad),
-        mask,
-    );
-    let (dq, dk, dv) = cpu::attention_backward(
-        shape,
-        heads(&q),
-        heads(&k),
-        heads(&v),
-        heads(&o),
-        &lse,
-        heads(&d_o),
-        false,
-        Some(&pad),
-        mask,
-    );
+    let inputs = [&q[..], &k, &v, &d_o];
+    out.extend(cpu_attention(shape, inputs, false, Some(&pad), mask));
     // Causal without padding, the same shape: the tiles' products skip what the mask hides.
-    let (causal_o, causal_lse) =
-        cpu::attention_forward(shape, heads(&q), heads(&k), heads(&v), true, None, mask);
-    let (causal_dq, causal_dk, causal_dv) = cpu::attention_backward(
-        shape,
-        heads(&q),
-        heads(&k),
-        heads(&v),
-        heads(&causal_o),
-        &causal_lse,
-        heads(&d_o),
-        true,
-        None,
-        mask,
-    );
-    out.extend([o, lse, dq, dk, dv]);
-    out.extend([causal_o, causal_lse, causal_dq, causal_dk, causal_dv]);
+    out.extend(cpu_attention(shape, inputs, true, None, mask));
     // Short unmasked heads, their forward pass sixteen at a time in lanes (a last group of 4),
     // more keys than queries: 20 wide, and 12.
     for k in [20, 12] {
@@ -1941,7 +1903,7 @@ fn everything_the_cpu_kernels_compute() -> Vec<Vec<f32>> {
             &big[2..2 + nk],
             &big[3..3 + nq],
         ];
-        out.extend(cpu_attention(shape, inputs, false, None));
+        out.extend(cpu_attention(shape, inputs, false, None, None));
     }
     out
 }

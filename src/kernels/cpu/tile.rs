@@ -112,17 +112,35 @@ pub(super) unsafe fn transpose_into(
     dst: *mut f32,
     ld: usize,
 ) {
-    let (mut r0, mut c0) = (0, 0);
+    let blocks = vector_blocks();
     #[cfg(target_arch = "x86_64")]
-    if isa() != Isa::Baseline {
+    if blocks {
         x86::transpose_blocks(src, rs, [rows, cols], dst, ld);
-        (r0, c0) = (rows / 8 * 8, cols / 8 * 8);
     }
-    // What the blocks left: the last rows (all columns) and the last columns (the others).
+    outside_blocks([rows, cols], blocks, |r, c| {
+        *dst.add(c * ld + r) = *src.add(r * rs + c)
+    });
+}
+
+/// Whether the transposes move whole 8 × 8 blocks through vector registers (x86-64 with AVX2).
+fn vector_blocks() -> bool {
+    cfg!(target_arch = "x86_64") && isa() != Isa::Baseline
+}
+
+/// Calls `each(r, c)` for the elements of a `rows × cols` matrix that its whole 8 × 8 blocks
+/// leave — the last rows (all columns) and the last columns (the others) — or for every
+/// element where no blocks ran (`blocks` false): the scalar rest of the transposes.
+#[inline(always)]
+fn outside_blocks([rows, cols]: [usize; 2], blocks: bool, mut each: impl FnMut(usize, usize)) {
+    let (r0, c0) = if blocks {
+        (rows / 8 * 8, cols / 8 * 8)
+    } else {
+        (0, 0)
+    };
     for r in 0..rows {
         let first = if r < r0 { c0 } else { 0 };
         for c in first..cols {
-            *dst.add(c * ld + r) = *src.add(r * rs + c);
+            each(r, c);
         }
     }
 }
@@ -135,18 +153,14 @@ pub(super) unsafe fn transpose_into(
 /// `ld ≥ rows.len()`.
 #[inline]
 pub(super) unsafe fn gather_transposed(rows: &[*const f32], cols: usize, dst: *mut f32, ld: usize) {
-    let (mut r0, mut c0) = (0, 0);
+    let blocks = vector_blocks();
     #[cfg(target_arch = "x86_64")]
-    if isa() != Isa::Baseline {
+    if blocks {
         x86::gather_blocks(rows, cols, dst, ld);
-        (r0, c0) = (rows.len() / 8 * 8, cols / 8 * 8);
     }
-    for (r, &row) in rows.iter().enumerate() {
-        let first = if r < r0 { c0 } else { 0 };
-        for c in first..cols {
-            *dst.add(c * ld + r) = *row.add(c);
-        }
-    }
+    outside_blocks([rows.len(), cols], blocks, |r, c| {
+        *dst.add(c * ld + r) = *rows[r].add(c)
+    });
 }
 
 /// The inverse of [`gather_transposed`]: element `(c, r)` of the `cols × rows.len()` matrix at
@@ -162,18 +176,14 @@ pub(super) unsafe fn scatter_transposed(
     cols: usize,
     rows: &[*mut f32],
 ) {
-    let (mut r0, mut c0) = (0, 0);
+    let blocks = vector_blocks();
     #[cfg(target_arch = "x86_64")]
-    if isa() != Isa::Baseline {
+    if blocks {
         x86::scatter_blocks(src, ld, cols, rows);
-        (r0, c0) = (rows.len() / 8 * 8, cols / 8 * 8);
     }
-    for (r, &row) in rows.iter().enumerate() {
-        let first = if r < r0 { c0 } else { 0 };
-        for c in first..cols {
-            *row.add(c) = *src.add(c * ld + r);
-        }
-    }
+    outside_blocks([rows.len(), cols], blocks, |r, c| {
+        *rows[r].add(c) = *src.add(c * ld + r)
+    });
 }
 
 /// Vector operations on one 16-lane column unit.
